@@ -309,18 +309,19 @@ def attend_blocks(
     recomputed in backward. A query row with no visible key returns zeros and `lse = -inf` (gradients stay finite).
 
     Args:
-        q_blocks: Queries `[b, h, nb, c, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        q_blocks: Queries `[b, h, nb, c, d]` (any layout, e.g. `q.view(b, h, nb, c, d)` of a transposed view).
+        k: Keys `[b, h, n_k, d]`; the usual `[b, n, h, d]`-backed views are read without a copy.
+        v: Values `[b, h, n_k, d_v]`, likewise.
         kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
-            entries). None: every block attends to all `n_k` keys (m = n_k) without copying them.
+            entries). None: every block attends to all `n_k` keys (m = n_k) without gathering them.
         mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
 
     Returns:
-        `(out, lse)`: out `[b, h, nb, c, d_v]` in the dtype of q; lse `[b, h, nb, c]` (float32 for half inputs),
-        the log of the softmax normaliser of each row, for `merge_attention`.
+        `(out, lse)`: out `[b, h, nb, c, d_v]` in the dtype of q, stored as `[b, nb, c, h, d_v]` so that merging
+        heads is a view; lse `[b, h, nb, c]` (float32 for half inputs), the log of the softmax normaliser of each
+        row, for `merge_attention`.
 
     Raises:
         ValueError: If shapes do not match.
