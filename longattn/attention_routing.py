@@ -39,7 +39,7 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field
-from .attention_lsh import attend_windows, gather_rows, head_rows
+from .ops_lsh import attend_windows, gather_rows, head_rows
 from .ops import sliding_window_attention
 
 __all__ = [

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention, check_int_field
-from .attention_lsh import attend_windows
+from .ops_lsh import attend_windows
 
 __all__ = [
     "SinkhornAttention",

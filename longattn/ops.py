@@ -24,6 +24,7 @@ from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
 from .ops_linear import efficient_attention
+from .ops_lsh import lsh_attention
 from .patterns import (
     and_masks,
     causal_mask,
@@ -46,6 +47,7 @@ __all__ = [
     "strided_attention",
     "fixed_attention",
     "efficient_attention",
+    "lsh_attention",
 ]
 
 

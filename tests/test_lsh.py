@@ -11,7 +11,7 @@ from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
 import longattn
 from longattn import LongAttnConfig
-from longattn.attention_lsh import (
+from longattn.ops_lsh import (
     SELF_SCORE,
     lsh_attention,
     lsh_attention_dense,
@@ -105,7 +105,9 @@ def _assert_same_with_grads(fast, slow, inputs, rows=None):
 def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes):
     qk, v = _inputs(n=13)
     mask = _padding(2, 13, [13, 9])
-    fast = lsh_attention(qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4, key_padding_mask=mask, seed=0)
+    # Through the public functional API, `longattn.ops`.
+    fast = longattn.ops.lsh_attention(qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4,
+                                      key_padding_mask=mask, seed=0)
     slow = dense_shared_qk(qk, v, key_padding_mask=mask)
     rows = (mask[:, None, :].expand(2, 2, 13),)
     _assert_same_with_grads(fast, slow, (qk, v), rows=rows)
@@ -328,7 +330,7 @@ def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
 # ---------------------------------------------------------------------------------------------- the window kernel
 @pytest.mark.parametrize("stride, width, self_column", [(4, 8, 4), (6, 6, None), (3, 9, 0)])
 def test_window_kernel_equals_dense_windows_with_and_without_kept_probabilities(stride, width, self_column):
-    from longattn.attention_lsh import attend_windows
+    from longattn.ops_lsh import attend_windows
 
     generator = torch.Generator().manual_seed(0)
     chunks, c, d = 7, 4, 5

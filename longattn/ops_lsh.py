@@ -1,0 +1,697 @@
+"""Reformer LSH attention (Kitaev et al. 2020, "Reformer: The Efficient Transformer"), functional level.
+
+The `"lsh"` kind (`attention_lsh.LSHAttention`) wraps `lsh_attention`; routing and Sinkhorn attention reuse its
+window kernel `attend_windows` and the row gathers.
+
+Shape legend: b batch, h heads, n length (m keys when it differs), d head dim, r hash rounds, nb buckets,
+c chunk length (`bucket_size`), nc chunks per round, w keys gathered per chunk.
+
+Queries and keys share one projection (shared-QK). Each hash round rotates the vectors with a random matrix and
+takes the bucket `argmax([xR, -xR])` (angular LSH, Andoni et al. 2015), so that vectors pointing the same way tend to
+share a bucket. Tokens are sorted by (bucket, position), the sorted sequence is cut into chunks of `bucket_size`,
+and every chunk attends to itself and `num_chunks_before` / `num_chunks_after` neighbouring chunks of the same
+round. The rounds are combined by their log-sum-exp weights, which equals one softmax over the keys of all rounds
+(a key found by two rounds counts twice, as in the paper's implementation).
+
+The sorted rounds are laid out in one buffer with zero chunks between them, so a chunk's keys (itself and its
+neighbours) are a contiguous window of rows: `attend_windows` runs the batched matmuls over `[b·h·r·nc, c, w]` on
+strided views of that buffer, in cache-sized groups, with a hand-written backward. Routing and Sinkhorn attention
+reuse that kernel for their clusters and blocks.
+
+Conventions shared with transformers' `ReformerModel` (`LSHSelfAttention`), so that both give the same output at
+the same rotations and settings (see tests/test_lsh.py):
+
+- keys are normalised to unit length, and scores are q·k̂ with no 1/sqrt(d) scaling;
+- a query attends to itself only when no other key is visible: its own score is replaced by -1e5, so the self key
+  gets a weight of exactly 0 in float32 as soon as anything else is visible;
+- padding tokens go to an extra bucket after all others, and are masked as keys.
+
+Where this implementation differs, on purpose:
+
+- Chunk neighbours stay inside their hash round and do not wrap around (trax and transformers concatenate the rounds
+  and look back circularly, so the first chunk of round 2 sees the last chunk of round 1). Without the wrap the
+  output of a real token does not depend on how much padding follows it.
+- **Causal LSH.** Sorting the whole sequence and then chunking leaks: where a chunk boundary falls depends on how
+  many *later* tokens hashed into lower buckets. Here a causal query sees exactly the most recent
+  `bucket_size · num_chunks_before` earlier keys *of its own bucket* (all of them when the bucket holds fewer). In
+  the (bucket, position) order these are the nearest preceding entries of the same bucket, so a band over the
+  sorted sequence computes them, and which keys they are depends only on earlier tokens.
+- The number of buckets is fixed per model (`lsh_num_buckets`, by default derived from
+  `max_position_embeddings`), not from the current length, so that padding and cached decoding do not change the
+  hashing.
+
+Pattern for one round, 12 tokens, chunks of 3, one chunk before (rows: queries in sorted order, ■ visible):
+
+    ■ ■ ■ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚
+    ■ ■ ■ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚      chunk 0 sees itself only (no wrap)
+    ■ ■ ■ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚
+    ■ ■ ■ ■ ■ ■ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚
+    ■ ■ ■ ■ ■ ■ ⬚ ⬚ ⬚ ⬚ ⬚ ⬚      chunk 1 sees chunks 0 and 1
+    ...                           (the diagonal, a query's own key, only when nothing else is visible)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "SELF_SCORE",
+    "attend_windows",
+    "default_num_buckets",
+    "gather_rows",
+    "head_rows",
+    "lsh_attention",
+    "lsh_attention_dense",
+    "lsh_buckets",
+    "lsh_rotations",
+    "normalize_keys",
+]
+
+SELF_SCORE = -1e5
+"""Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
+
+# Rotated vectors are computed in slices of this many positions, so that `[b, h, r, n, nb/2]` never exists at once
+# (at 32K tokens and 512 buckets it would take half a gigabyte).
+_HASH_SLICE = 4096
+
+
+# ---------------------------------------------------------------------------------------------- hashing
+Buckets = int | tuple[int, ...]
+"""Buckets per round: an even int, or even factors whose product is the bucket count (a factorised hash)."""
+
+
+def default_num_buckets(length: int, bucket_size: int) -> Buckets:
+    """The paper's choice, about two buckets per chunk, with transformers' rule for large counts.
+
+    The largest power of two <= 2·length/bucket_size (at least 2). Above 2·max(sqrt(length/bucket_size),
+    bucket_size) the count is factorised into two powers of two (the bucket is the pair of two smaller hashes),
+    which keeps the rotation, a `[d, Σ factors/2]` matmul per round, far cheaper than the attention itself.
+    """
+    exponent = max(1, (max(2, (2 * length) // bucket_size)).bit_length() - 1)
+    limit = 2 * max(int(math.sqrt(length // bucket_size)), bucket_size)
+    if 2**exponent <= limit:
+        return 2**exponent
+    return (2 ** (exponent // 2), 2 ** (exponent - exponent // 2))
+
+
+def hash_factors(num_buckets: Buckets) -> tuple[int, ...]:
+    factors = (num_buckets,) if isinstance(num_buckets, int) else tuple(num_buckets)
+    if not factors or any(not isinstance(f, int) or isinstance(f, bool) or f < 2 or f % 2 for f in factors):
+        raise ValueError(f"num_buckets={num_buckets!r} is invalid: expected an even integer >= 2, or a tuple of them.")
+    return factors
+
+
+def lsh_rotations(
+    *,
+    heads: int,
+    head_dim: int,
+    num_hashes: int,
+    num_buckets: Buckets,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Random rotations for angular LSH, `[h, d, r, Σ factors/2]` (transformers' layout).
+
+    Drawn from a CPU generator seeded with `seed` (so that a seed gives the same rotations on every device, and
+    the same as transformers' `ReformerConfig(hash_seed=seed)` in float32); from torch's global generator when
+    `seed` is None (fresh rotations on every call, as in the paper).
+
+    Raises:
+        ValueError: `num_buckets` is not an even integer >= 2 (or a tuple of them).
+    """
+    shape = (heads, head_dim, num_hashes, sum(f // 2 for f in hash_factors(num_buckets)))
+    if seed is None:
+        return torch.randn(shape, device=device, dtype=dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+
+
+@torch.no_grad()
+def lsh_buckets(
+    qk: Tensor, rotations: Tensor, *, valid: Tensor | None = None, num_buckets: Buckets | None = None
+) -> Tensor:
+    """Bucket of every vector in every hash round: `argmax([x·R, -x·R])`, per factor when factorised.
+
+    Args:
+        qk: `[b, h, n, d]` shared query/key vectors (not normalised: the argmax does not depend on length).
+        rotations: `[h or 1, d, r, Σ factors/2]`.
+        valid: Optional bool `[b, n]`, False for padding: those tokens get the extra bucket `nb` (the product of
+            the factors), after all others.
+        num_buckets: The factors; None = one hash with `2 · rotations.shape[-1]` buckets.
+
+    Returns:
+        Long `[b, h, r, n]` in `[0, nb]`.
+
+    Raises:
+        ValueError: The factors do not match the size of the rotations.
+    """
+    b, h, n, _ = qk.shape
+    factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
+    if sum(f // 2 for f in factors) != rotations.shape[-1]:
+        raise ValueError(f"num_buckets={num_buckets!r} needs rotations with {sum(f // 2 for f in factors)} columns, "
+                         f"got {rotations.shape[-1]}.")
+    rotations = rotations.to(device=qk.device, dtype=torch.float32).expand(h, -1, -1, -1)
+    buckets = torch.zeros(b, h, rotations.shape[2], n, dtype=torch.long, device=qk.device)
+    for start in range(0, n, _HASH_SLICE):
+        stop = min(n, start + _HASH_SLICE)
+        rotated = torch.einsum("bhnd,hdrk->bhrnk", qk[:, :, start:stop].float(), rotations)  # [b, h, r, n', Σf/2]
+        column, stride = 0, 1
+        for factor in factors:
+            half = factor // 2
+            part = rotated[..., column:column + half]
+            top, top_index = part.max(dim=-1)
+            bottom, bottom_index = part.min(dim=-1)
+            # argmax over the concatenation [x, -x] without building it; ties go to the first half, as argmax
+            # would. Factor i is digit i of the bucket number (transformers' order).
+            buckets[..., start:stop] += stride * torch.where(top >= -bottom, top_index, bottom_index + half)
+            column, stride = column + half, stride * factor
+    if valid is not None:
+        buckets.masked_fill_(~valid[:, None, None, :], math.prod(factors))
+    return buckets
+
+
+class _NormalizeKeys(torch.autograd.Function):
+    """`x / sqrt(|x|² + d·eps)` with a two-pass backward (autograd's chain of pow/mean/rsqrt/div took six)."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        d = x.shape[-1]
+        mean_square = x.pow(2).mean(dim=-1, keepdim=True) + eps  # [.., 1]
+        factor = torch.rsqrt(mean_square) / math.sqrt(d)
+        ctx.save_for_backward(x, factor, mean_square)
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, factor, mean_square = ctx.saved_tensors
+        # y = x·s with s = (mean(x²) + eps)^(-1/2) / sqrt(d):  dx = s·(dy − x·(dy·x) / (d·(mean(x²) + eps)))
+        dot = (grad * x).sum(dim=-1, keepdim=True)
+        return (grad - x * (dot / (x.shape[-1] * mean_square))) * factor, None
+
+
+def normalize_keys(qk: Tensor, eps: float = 1e-6) -> Tensor:
+    """Keys of shared-QK attention: unit length, `x / sqrt(|x|² + d·eps)` (transformers' epsilon convention)."""
+    return _NormalizeKeys.apply(qk, eps)
+
+
+def head_rows(x: Tensor) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor], Tensor]]:
+    """`x [b, h, n, d]` as a 2-D `[rows, d]` tensor and the row of (batch, head, position) in it.
+
+    No copy when x is contiguous or has heads split from a `[b, n, h·d]` projection (the usual case: then the rows
+    are ordered (batch, position, head)); otherwise one contiguous copy. Gathers by row index then cost one
+    index_select whatever the layout.
+    """
+    b, h, n, d = x.shape
+    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return x.transpose(1, 2).reshape(b * n * h, d), lambda bi, hi, pos: (bi * n + pos) * h + hi
+    x = x.contiguous()
+    return x.view(b * h * n, d), lambda bi, hi, pos: (bi * h + hi) * n + pos
+
+
+def _select_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows `x[index]` of a 2-D tensor, zeros where `index` is -1."""
+    out = x.index_select(0, index.clamp(min=0))
+    empty = (index < 0).nonzero().squeeze(-1)
+    if empty.numel():
+        out.index_fill_(0, empty, 0.0)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """`out[i] = x[index[i]]` (zeros for -1) whose backward gathers with the inverse map instead of scattering.
+
+    `inverse [g, N]` lists, for each of the g copies of every row of x, the output row holding it (-1: none).
+    On CPU a gather is several times faster than the scatter-add autograd would run for index_select.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return _select_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad_x = _select_rows(grad.contiguous(), inverse.reshape(-1))  # [g·N, d]
+        if inverse.shape[0] > 1:
+            grad_x = grad_x.view(inverse.shape[0], -1, grad_x.shape[-1]).sum(dim=0)
+        return grad_x, None, None
+
+
+def gather_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+    """Rows of `x [N, d]` in the order `index [M]` (-1 = a zero row); `inverse [g, N]` as in `_GatherRows`."""
+    return _GatherRows.apply(x, index, inverse)
+
+
+# ---------------------------------------------------------------------------------------------- window kernel
+# Score elements per group of windows (16 MB of float32). Groups keep the elementwise passes (bias, exp, normalise)
+# over a group's scores near the cache instead of streaming one 64+ MB tensor per pass, and keep the number of ops
+# small: every op is one parallel region, and on a shared 2-core machine a region waits for a descheduled thread.
+# Measured at 16K tokens (LSH, fwd+bwd): with 2 threads under load 9-12 s with groups of 2**19, 2.2-2.9 s with 2**23;
+# with 1 thread the same within noise from 2**19 to 2**23.
+_GROUP_ELEMENTS = 2**22
+# With `keep_probs=False` (the memory-lean mode) the group buffers are what the kernel adds to peak memory: 4 MB.
+_LEAN_GROUP_ELEMENTS = 2**20
+
+
+def _windows(rows: Tensor, start: int, stop: int, stride: int, width: int) -> Tensor:
+    """Windows `start..stop` of `rows [N, d]`: window u is rows `u·stride .. u·stride + width` (they may overlap)."""
+    d = rows.shape[-1]
+    return rows.as_strided((stop - start, width, d), (stride * d, d, 1), rows.storage_offset() + start * stride * d)
+
+
+class _WindowAttention(torch.autograd.Function):
+    """Softmax attention of B query chunks, chunk u over key rows `u·stride .. u·stride + w`; hand-written backward.
+
+    Overlapping windows are strided views of one key tensor (no copy). Works through the chunks in cache-sized
+    groups, so the elementwise passes over a group's scores run in cache. Saves q, k, v, the output and either the
+    probabilities or the bias and log-sum-exp to recompute them (no scores or intermediate copies). With D = rowsum(dO ∘ O) − dlse: dV = Pᵀ dO,
+    dP = dO Vᵀ, dS = P ∘ (dP − D), dQ = dS K·scale, dK = dSᵀ Q·scale, the window gradients added back onto the
+    rows they came from. The dlse term lets outputs combined by their log-sum-exp (LSH hash rounds) train.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, stride, self_column, keep_probs):
+        dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        q_c, k_c, v_c = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
+        n_chunks, c, w = q.shape[0], q.shape[1], bias.shape[-1]
+        out = torch.empty(n_chunks, c, v.shape[-1], dtype=dtype, device=q.device)
+        lse = torch.empty(n_chunks, c, dtype=dtype, device=q.device)
+        step = max(1, (_GROUP_ELEMENTS if keep_probs else _LEAN_GROUP_ELEMENTS) // (c * w))
+        # Kept probabilities (B·c·w floats, tens of MB at 16K tokens) save backward one matmul and five elementwise
+        # passes per group; without them only a group-sized buffer is used.
+        all_probs = torch.empty(n_chunks if keep_probs else min(step, n_chunks), c, w, dtype=dtype, device=q.device)
+        for start in range(0, n_chunks, step):
+            stop = min(n_chunks, start + step)
+            probs = all_probs[start:stop] if keep_probs else all_probs[: stop - start]
+            q_group = q_c[start:stop] if scale == 1.0 else q_c[start:stop] * scale
+            torch.bmm(q_group, _windows(k_c, start, stop, stride, w).transpose(1, 2), out=probs)
+            probs.add_(bias[start:stop])  # -inf where masked: far cheaper than masked_fill_ with a bool mask
+            if self_column is not None:
+                _self_diagonal(probs, self_column).fill_(SELF_SCORE)
+            row_max = probs.amax(dim=-1, keepdim=True)  # [g, c, 1]
+            # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
+            row_max.masked_fill_(torch.isneginf(row_max), 0.0)
+            probs.sub_(row_max).exp_()
+            row_sum = probs.sum(dim=-1, keepdim=True)
+            lse[start:stop] = (row_max + row_sum.log()).squeeze(-1)  # -inf for rows without keys
+            probs.mul_(torch.where(row_sum > 0, row_sum.reciprocal(), torch.zeros_like(row_sum)))
+            torch.bmm(probs, _windows(v_c, start, stop, stride, w), out=out[start:stop])
+        if keep_probs:
+            ctx.save_for_backward(q_c, k_c, v_c, out, all_probs)
+        else:
+            ctx.save_for_backward(q_c, k_c, v_c, out, bias, lse)
+        ctx.scale, ctx.stride, ctx.self_column, ctx.keep_probs = scale, stride, self_column, keep_probs
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, *kept = ctx.saved_tensors
+        scale, stride, self_column = ctx.scale, ctx.stride, ctx.self_column
+        n_chunks, c, w = q.shape[0], q.shape[1], kept[0].shape[-1]
+        if not ctx.keep_probs:
+            bias, lse = kept
+            # Rows without visible keys have lse = -inf; exp(s - (+inf)) keeps their probabilities at 0.
+            lse_shift = lse.masked_fill(torch.isneginf(lse), math.inf).unsqueeze(-1)  # [B, c, 1]
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [B, c, 1]
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(out.dtype).unsqueeze(-1)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        overlapping = stride < w
+        if overlapping:
+            # Window part p of chunk u lands on row block u + p. Groups go in order, and each group assigns its
+            # last part first (blocks no earlier group reached), then adds the others; only the first blocks,
+            # which no last part reaches, and rows after the last window start at zero.
+            grad_k[: w - stride].zero_()
+            grad_v[: w - stride].zero_()
+            grad_k[(n_chunks - 1) * stride + w:].zero_()
+            grad_v[(n_chunks - 1) * stride + w:].zero_()
+        else:
+            grad_k[n_chunks * stride:].zero_()  # rows after the last window (if any) get no gradient
+            grad_v[n_chunks * stride:].zero_()
+        step = max(1, (_GROUP_ELEMENTS if ctx.keep_probs else _LEAN_GROUP_ELEMENTS) // (c * w))
+        grad_buffer = torch.empty(min(step, n_chunks), c, w, dtype=q.dtype, device=q.device)
+        probs_buffer = None if ctx.keep_probs else torch.empty_like(grad_buffer)
+        for start in range(0, n_chunks, step):
+            stop = min(n_chunks, start + step)
+            grad_scores = grad_buffer[: stop - start]
+            keys, values = _windows(k, start, stop, stride, w), _windows(v, start, stop, stride, w)
+            q_group = q[start:stop] if scale == 1.0 else q[start:stop] * scale
+            if ctx.keep_probs:
+                probs = kept[0][start:stop]
+            else:
+                probs = probs_buffer[: stop - start]
+                torch.bmm(q_group, keys.transpose(1, 2), out=probs)
+                probs.add_(bias[start:stop])
+                if self_column is not None:
+                    _self_diagonal(probs, self_column).fill_(SELF_SCORE)
+                probs.sub_(lse_shift[start:stop]).exp_()
+            torch.bmm(grad_out[start:stop], values.transpose(1, 2), out=grad_scores)  # dP
+            if overlapping:
+                grad_values = torch.bmm(probs.transpose(1, 2), grad_out[start:stop])  # [g, w, d_v]
+            else:  # windows side by side: write straight into place
+                grad_values = grad_v[start * stride:stop * stride].view(stop - start, w, -1)
+                torch.bmm(probs.transpose(1, 2), grad_out[start:stop], out=grad_values)
+            grad_scores.sub_(delta[start:stop]).mul_(probs)  # dS
+            if self_column is not None:
+                _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
+            torch.bmm(grad_scores, keys, out=grad_q[start:stop])
+            if not overlapping:
+                grad_keys = grad_k[start * stride:stop * stride].view(stop - start, w, -1)
+                torch.bmm(grad_scores.transpose(1, 2), q_group, out=grad_keys)  # q_group carries the scale
+                continue
+            grad_keys = torch.bmm(grad_scores.transpose(1, 2), q_group)  # [g, w, d]
+            for part in range(w - stride, -1, -stride):  # window rows part.. of chunk u: rows u·stride + part..
+                rows = slice(start * stride + part, (stop - 1) * stride + part + stride)
+                if part == w - stride:
+                    grad_k[rows] = grad_keys[:, part:].reshape(-1, k.shape[-1])
+                    grad_v[rows] = grad_values[:, part:].reshape(-1, v.shape[-1])
+                else:
+                    grad_k[rows] += grad_keys[:, part:part + stride].reshape(-1, k.shape[-1])
+                    grad_v[rows] += grad_values[:, part:part + stride].reshape(-1, v.shape[-1])
+        if scale != 1.0:
+            grad_q.mul_(scale)
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return grad_q.to(q_dtype), grad_k.to(k_dtype), grad_v.to(v_dtype), None, None, None, None, None
+
+
+def _self_diagonal(scores: Tensor, column: int) -> Tensor:
+    """View of the entries (i, column + i) of `[g, c, w]` scores: each query's own key."""
+    c = scores.shape[1]
+    return scores[:, :, column:column + c].diagonal(dim1=1, dim2=2)
+
+
+def attend_windows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    *,
+    stride: int,
+    scale: float,
+    dropout_p: float = 0.0,
+    self_column: int | None = None,
+    keep_probs: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Dense attention of B query chunks, each over its own window of key rows: one batched matmul per group.
+
+    Chunk u attends to key rows `u·stride .. u·stride + w`: windows of a sorted sequence that overlap (w > stride,
+    as for a chunk and its neighbours) are strided views, never copies. Content-based kinds sort or select their
+    tokens, lay the keys out so, and call this. A row with no visible key returns zeros and `lse = -inf`, with
+    finite gradients. Memory: besides q, k, v and the output, the B·c·w probabilities (or, with
+    `keep_probs=False`, the bias) are kept for backward.
+
+    Args:
+        q: `[B, c, d]`.
+        k: `[N, d]` key rows, N >= (B - 1)·stride + w.
+        v: `[N, d_v]`.
+        mask: Bool `[B, c or 1, w]`, True = visible; or a float bias of that shape, 0 = visible and -inf = masked
+            (cheaper to build directly for large masks). w is the window length (a multiple of `stride` when
+            larger than it).
+        stride: Rows between the starts of consecutive windows.
+        scale: Multiplier of q·k.
+        dropout_p: Dropout on the probabilities (this path keeps autograd's own backward).
+        self_column: Reformer's self rule: key `self_column + i` of the window is query i's own key; its score
+            becomes the constant `SELF_SCORE` whatever the mask says, so it is attended only when nothing else is.
+        keep_probs: Keep the B·c·w probabilities for backward (faster) or recompute them there (B·c·w less memory).
+
+    Returns:
+        `(out [B, c, d_v], lse [B, c])`, lse in float32 for half inputs.
+    """
+    w = mask.shape[-1]
+    if w > stride and w % stride:
+        raise ValueError(f"overlapping windows must be a multiple of the stride: w={w}, stride={stride}.")
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                           device=q.device).masked_fill_(~mask, -math.inf)  # added to the scores
+    else:
+        bias, mask = mask, ~torch.isneginf(mask)
+    if dropout_p == 0.0:
+        return _WindowAttention.apply(q, k, v, bias, float(scale), stride, self_column, keep_probs)
+    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
+    values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
+    scores = torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)).masked_fill(~mask, -math.inf)
+    if self_column is not None:
+        own = torch.zeros_like(scores, dtype=torch.bool)
+        _self_diagonal(own, self_column).fill_(True)
+        scores = torch.where(own, torch.full_like(scores, SELF_SCORE), scores)
+    lse = scores.logsumexp(dim=-1)  # [B, c]
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    probs = (scores - safe.unsqueeze(-1)).exp()
+    out = torch.bmm(F.dropout(probs, p=dropout_p), values)
+    return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------- the executor
+def lsh_attention(
+    qk: Tensor,
+    v: Tensor,
+    *,
+    num_hashes: int,
+    bucket_size: int,
+    num_buckets: Buckets | None = None,
+    num_chunks_before: int = 1,
+    num_chunks_after: int = 0,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    rotations: Tensor | None = None,
+    seed: int | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Reformer LSH attention with shared queries and keys, in O(n·log n + n·r·c·w) time.
+
+    See the module docstring for the mechanism. Costs r·n·(1 + before + after)·c scores per head, never n².
+
+    Args:
+        qk: Shared queries/keys `[b, h, n, d]` (before normalisation).
+        v: Values `[b, h, n, d_v]`.
+        num_hashes: Hash rounds r (ignored when `rotations` is given: its size decides).
+        bucket_size: Chunk length c of the sorted sequence.
+        num_buckets: Buckets per round: an even int, or a tuple of even factors (a factorised hash). Default:
+            `default_num_buckets(n, bucket_size)` without `rotations`, one hash of `2 · rotations.shape[-1]`
+            buckets with them.
+        num_chunks_before: Earlier chunks each chunk also attends to (causal: the band of earlier keys of the same
+            bucket is `bucket_size · num_chunks_before` long).
+        num_chunks_after: Later chunks each chunk also attends to (not used when causal).
+        causal: A query sees only earlier keys of its own bucket (see the module docstring).
+        key_padding_mask: Bool `[b, n]`, True = real token.
+        rotations: Explicit rotations `[h or 1, d, r, Σ factors/2]` (e.g. transformers'); override the seed.
+        seed: Seed of the rotations (`lsh_rotations`); None = fresh random rotations.
+        dropout_p: Dropout on the attention probabilities.
+
+    Returns:
+        Output `[b, h, n, d_v]`.
+
+    Raises:
+        ValueError: Mismatched shapes, a bucket size below 1, or a causal call without an earlier chunk.
+    """
+    if qk.dim() != 4 or v.dim() != 4 or v.shape[:3] != qk.shape[:3]:
+        raise ValueError(f"qk and v must be [b, h, n, d] with equal b, h, n; got {tuple(qk.shape)}, {tuple(v.shape)}")
+    if bucket_size < 1 or num_chunks_before < 0 or num_chunks_after < 0:
+        raise ValueError(
+            f"bucket_size={bucket_size}, num_chunks_before={num_chunks_before}, num_chunks_after={num_chunks_after}: "
+            "expected bucket_size >= 1 and chunk counts >= 0."
+        )
+    if causal and num_chunks_before < 1:
+        raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
+    b, h, n, d = qk.shape
+    d_v = v.shape[-1]
+    c = bucket_size
+    device = qk.device
+    if rotations is None:
+        num_buckets = default_num_buckets(n, c) if num_buckets is None else num_buckets
+        rotations = lsh_rotations(heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed,
+                                  device=device)
+    r = rotations.shape[2]
+    before, after = num_chunks_before, 0 if causal else num_chunks_after
+    n_chunks = -(-n // c)
+    n_pad = n_chunks * c
+    valid = torch.ones(b, n, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.bool()
+
+    # Layout of the sorted sequence: one segment per (batch, head, round), each `gap` zero chunks followed by its
+    # nc sorted chunks, plus `before` zero chunks in front and `after` at the end. Chunk u's keys, itself and its
+    # neighbours, are then the rows u·c .. u·c + w of one tensor (a strided window, no copy), and the gaps stand
+    # for the chunks beyond a round's ends. Gap chunks are also queried (harmlessly; 1/(nc+gap) of the work).
+    gap = before + after
+    segment = gap + n_chunks  # chunks per segment
+    n_queries = b * h * r * segment  # query chunks
+    w = (before + after + 1) * c
+
+    qk_rows, qk_row_of = head_rows(qk)  # [b·h·n, d] views, and the row of (batch, head, position)
+    v_rows, v_row_of = head_rows(v)
+    with torch.no_grad():
+        factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
+        buckets = lsh_buckets(qk, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, n]
+        # The alignment padding joins the padding bucket (math.prod(factors)), after every real token.
+        buckets = F.pad(buckets, (0, n_pad - n), value=math.prod(factors))  # [b, h, r, n_pad]
+        positions = torch.arange(n_pad, device=device)
+        order = (buckets * n_pad + positions).argsort(dim=-1)  # [b, h, r, n_pad]: by bucket, then position
+        rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))  # sorted index of each
+        bi = torch.arange(b, device=device).view(b, 1, 1, 1)
+        hi = torch.arange(h, device=device).view(1, h, 1, 1)
+        ri = torch.arange(r, device=device).view(1, 1, r, 1)
+        first_row = ((bi * h + hi) * r + ri) * segment + gap  # [b, h, r, 1], first chunk of each segment
+        buffer_row = first_row * c + rank  # [b, h, r, n_pad]: query-buffer row of (b, h, r, position)
+        real = positions[:n]
+        query_index = _scatter_index(n_queries * c, buffer_row[..., :n], qk_row_of(bi, hi, real))
+        value_index = _scatter_index(n_queries * c, buffer_row[..., :n], v_row_of(bi, hi, real))
+        # Backward maps: copy `round` of source row p sits at buffer row buffer_row[.., round, p].
+        query_inverse = _scatter_index(r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0],
+                                       buffer_row[..., :n]).view(r, -1)
+        value_inverse = _scatter_index(r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0],
+                                       buffer_row[..., :n]).view(r, -1)
+        lead = torch.full((before * c,), -1, dtype=torch.long, device=device)
+        tail = torch.full((after * c,), -1, dtype=torch.long, device=device)
+        key_index = torch.cat([lead, query_index, tail])  # keys: the query buffer with zero chunks around it
+        value_index = torch.cat([lead, value_index, tail])
+        key_inverse = torch.where(query_inverse >= 0, query_inverse + before * c, -1)
+        value_inverse = torch.where(value_inverse >= 0, value_inverse + before * c, -1)
+
+        key_rows = before * c + buffer_row[..., :n].reshape(-1)  # key-buffer rows of the real positions
+        row_valid = torch.zeros(key_index.shape[0], dtype=torch.bool, device=device)
+        row_valid[key_rows] = valid[:, None, None, :].expand(b, h, r, n).reshape(-1)
+        mask = _windows(row_valid[:, None], 0, n_queries, c, w).view(n_queries, 1, w)  # [U, 1, w]
+        if causal:
+            row_bucket = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
+            row_bucket[key_rows] = buckets[..., :n].reshape(-1)
+            key_bucket = _windows(row_bucket[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
+            query_bucket = row_bucket[before * c:before * c + n_queries * c].view(n_queries, c, 1)
+            # Sorted distance from query i to window key j is before·c + i − j: strictly earlier, at most
+            # before·c back. Gap rows are invalid, so the band never leaves the round.
+            distance = before * c + torch.arange(c, device=device)[:, None] - torch.arange(w, device=device)
+            band = (distance > 0) & (distance <= before * c)  # [c, w]
+            mask = mask & band & (key_bucket == query_bucket)  # [U, c, w]
+        unsort = buffer_row[..., :n].reshape(-1)  # [b·h·r·n], where each (b, h, r, position) was answered
+        unsort_inverse = _scatter_index(n_queries * c, unsort, torch.arange(unsort.numel(), device=device))
+
+    qk_sorted = gather_rows(qk_rows, key_index, key_inverse)  # [rows, d]: zero chunks, then the segments
+    q_sorted = qk_sorted[before * c:before * c + n_queries * c].view(n_queries, c, d)
+    k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero
+    v_sorted = gather_rows(v_rows, value_index, value_inverse)  # [rows, d_v]
+    out, lse = attend_windows(q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p,
+                              self_column=before * c)  # [U, c, d_v], [U, c]
+    out = gather_rows(out.view(-1, d_v), unsort, unsort_inverse.view(1, -1)).view(b, h, r, n, d_v)
+    lse = lse.reshape(-1).index_select(0, unsort).view(b, h, r, n)
+    return _combine_rounds(out, lse)
+
+
+def _scatter_index(size: int, where: Tensor, what: Tensor) -> Tensor:
+    """A long `[size]` of -1 with `what` written at `where` (both broadcast to one shape)."""
+    where, what = torch.broadcast_tensors(where, what)
+    index = torch.full((size,), -1, dtype=torch.long, device=where.device)
+    index[where.reshape(-1)] = what.reshape(-1)
+    return index
+
+
+class _CombineRounds(torch.autograd.Function):
+    """Σ_r softmax_r(lse) · out_r with a backward of one pass per round (autograd's einsum/mul chain copied)."""
+
+    @staticmethod
+    def forward(ctx, out, lse):
+        weights = torch.softmax(lse, dim=2).to(out.dtype).unsqueeze(-1)  # [b, h, r, n, 1]
+        combined = out[:, :, 0] * weights[:, :, 0]
+        for rnd in range(1, out.shape[2]):
+            combined.addcmul_(out[:, :, rnd], weights[:, :, rnd])
+        ctx.save_for_backward(out, weights)
+        ctx.lse_dtype = lse.dtype
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, weights = ctx.saved_tensors
+        grad_out = grad.unsqueeze(2) * weights  # [b, h, r, n, d_v]
+        # d/dlse_r of Σ_s w_s·o_s = w_r·(o_r − combined); with g = grad·o: w_r·(g_r − Σ_s w_s g_s).
+        dots = (out * grad.unsqueeze(2)).sum(dim=-1, keepdim=True)  # [b, h, r, n, 1]
+        grad_lse = weights * (dots - (weights * dots).sum(dim=2, keepdim=True))
+        return grad_out, grad_lse.squeeze(-1).to(ctx.lse_dtype)
+
+
+def _combine_rounds(out: Tensor, lse: Tensor) -> Tensor:
+    """Rounds `[b, h, r, n, d_v]` weighted by softmax over their log-normalisers `[b, h, r, n]` -> `[b, h, n, d_v]`.
+
+    Equals one softmax over the union (with multiplicity) of the keys the rounds saw.
+    """
+    if out.shape[2] == 1:
+        return out[:, :, 0]
+    return _CombineRounds.apply(out, lse)
+
+
+# ---------------------------------------------------------------------------------------------- dense form
+def lsh_attention_dense(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    rotations: Tensor,
+    bucket_size: int,
+    num_buckets: Buckets | None = None,
+    num_chunks_before: int = 1,
+    num_chunks_after: int = 0,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """The same attention as `lsh_attention`, written as dense masked attention in O(r·n·m) (with its weights).
+
+    Used for cached decoding (the n queries are the last n of the m key positions) and for `output_attentions`.
+    Causal: a query sees the earlier keys of its bucket that are at most `bucket_size · num_chunks_before` places
+    back in the (bucket, position) order. Bidirectional (n = m only): the keys whose sorted chunk is at most
+    `num_chunks_before` before / `num_chunks_after` after the query's, within the round.
+
+    Args:
+        q: Queries `[b, h, n, d]` (the shared vectors of the last n positions).
+        k: Keys `[b, h, m, d]` (the shared vectors, not normalised).
+        v: Values `[b, h, m, d_v]`.
+        rotations: `[h or 1, d, r, Σ factors/2]`, the rotations the fast path used.
+        bucket_size, num_buckets, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p: As in
+            `lsh_attention`.
+
+    Returns:
+        `(out [b, h, n, d_v], weights [b, h, n, m])`, weights summed over the rounds.
+
+    Raises:
+        ValueError: A bidirectional call with n != m (it needs every query's sorted position).
+    """
+    b, h, n, _ = q.shape
+    m = k.shape[2]
+    if not causal and n != m:
+        raise ValueError(f"bidirectional LSH needs every query (n={n}) to be a key position (m={m}).")
+    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    q_pos = torch.arange(m - n, m, device=q.device)
+    key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]
+    query_buckets = key_buckets[..., m - n:]  # shared QK: a query hashes like its key
+    same_position = q_pos[:, None] == torch.arange(m, device=q.device)  # [n, m]
+    if causal:
+        same = (query_buckets[..., :, None] == key_buckets[..., None, :]) & valid[:, None, None, None, :]
+        same &= (q_pos[:, None] > torch.arange(m, device=q.device))  # [b, h, r, n, m], earlier keys of the bucket
+        # Places back in sorted order = same-bucket keys from this one up to the query.
+        back = same.flip(-1).cumsum(-1).flip(-1)
+        visible = same & (back <= bucket_size * num_chunks_before)
+    else:
+        rank = key_buckets * m + torch.arange(m, device=q.device)
+        rank = rank.argsort(-1).argsort(-1)  # [b, h, r, m], sorted index of each position in its round
+        chunk = torch.div(rank, bucket_size, rounding_mode="floor")
+        distance = chunk[..., None, :] - chunk[..., :, None]  # [b, h, r, n, m]: key chunk - query chunk
+        visible = (distance >= -num_chunks_before) & (distance <= num_chunks_after) & valid[:, None, None, None, :]
+        visible &= ~same_position
+    scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), normalize_keys(k.to(dtype)))[:, :, None]  # [b, h, 1, n, m]
+    scores = scores.masked_fill(~visible, -math.inf)
+    lonely = ~visible.any(dim=-1, keepdim=True)  # [b, h, r, n, 1]: only the query's own key is left
+    scores = torch.where(lonely & same_position, torch.full_like(scores, SELF_SCORE), scores)
+    lse = scores.logsumexp(dim=-1)  # [b, h, r, n]
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    weights = (probs * torch.softmax(lse, dim=2).unsqueeze(-1)).sum(dim=2)  # [b, h, n, m]
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = torch.matmul(dropped, v.to(dtype))
+    return out.to(q.dtype), weights.to(q.dtype)
