@@ -187,6 +187,69 @@ def _build_peer_linformer(args):
     return layer
 
 
+@register("reformer-lsh", "`reformer-pytorch` package: LSHSelfAttention(bucket_size=64, n_hashes=2), shared-QK "
+          "projection + v + output (its design: 3 projections), one bucket before")
+def _build_reformer_lsh(args):
+    from reformer_pytorch import LSHSelfAttention
+
+    attention = LSHSelfAttention(dim=args.hidden, heads=args.heads, bucket_size=64, n_hashes=2, causal=False)
+
+    def layer(hidden_states):
+        return attention(hidden_states)
+
+    layer.module = attention
+    return layer
+
+
+def _with_aux_loss():
+    """An autograd function `(out, loss) -> out` whose backward also sends a gradient of 1 into the scalar `loss`."""
+    import torch
+
+    class WithAuxLoss(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, loss):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+
+    return WithAuxLoss
+
+
+@register("routing-transformer", "`routing-transformer` package: SelfAttention(window_size=128, i.e. length/128 "
+          "clusters, local_attn_heads=0: all heads routed), its k-means commitment loss in the backward")
+def _build_routing_transformer(args):
+    from routing_transformer.routing_transformer import SelfAttention
+
+    attention = SelfAttention(dim=args.hidden, depth=1, max_seq_len=args.length, heads=args.heads,
+                              local_attn_heads=0, window_size=128, causal=False)
+
+    with_aux_loss = _with_aux_loss()
+
+    def layer(hidden_states):
+        out, aux_loss = attention(hidden_states)
+        return with_aux_loss.apply(out, aux_loss)
+
+    layer.module = attention
+    return layer
+
+
+@register("sinkhorn-transformer", "`sinkhorn-transformer` package: SinkhornSelfAttention(bucket_size=64, "
+          "non_permutative=False: Gumbel-Sinkhorn sorting, 5 iterations, temperature 0.75; no local heads)")
+def _build_sinkhorn_transformer(args):
+    from sinkhorn_transformer import SinkhornSelfAttention
+
+    attention = SinkhornSelfAttention(dim=args.hidden, bucket_size=64, max_seq_len=args.length, heads=args.heads,
+                                      causal=False, non_permutative=False, n_local_attn_heads=0)
+
+    def layer(hidden_states):
+        return attention(hidden_states)
+
+    layer.module = attention
+    return layer
+
+
 @register(
     "hf-longformer",
     "transformers `LongformerSelfAttention` (attention_window = 2·`--window`) + an output projection",
