@@ -23,6 +23,7 @@ from .executor_flex import flex_attention as flex_pattern_attention
 from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
+from .ops_checks import check_dropout, check_qkv, check_token_mask
 from .ops_linear import efficient_attention
 from .ops_lsh import lsh_attention
 from .patterns import (
@@ -49,37 +50,6 @@ __all__ = [
     "efficient_attention",
     "lsh_attention",
 ]
-
-
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dim() != 4:
-            raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    if k.shape[:2] != (b, h) or k.shape[3] != d:
-        raise ValueError(f"k must have shape [{b}, {h}, n_k, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v must have shape [{b}, {h}, {n_k}, d_v] to match k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if n_q > n_k:
-        raise ValueError(
-            f"q has more positions ({n_q}) than k ({n_k}); queries are the last n_q key positions, so n_q <= n_k"
-        )
-    return b, h, n_q, n_k
-
-
-def _check_token_mask(name: str, mask: Tensor | None, batch: int, length: int) -> Tensor | None:
-    if mask is None:
-        return None
-    if mask.dim() != 2 or tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{name} must have shape [batch, length] = [{batch}, {length}], got {tuple(mask.shape)}")
-    return mask.bool()
-
-
-def _check_dropout(dropout_p: float) -> float:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
 
 
 def _default_scale(scale: float | None, head_dim: int) -> float:
@@ -138,7 +108,7 @@ def reference_attention(
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n_q, n_k]
@@ -188,10 +158,10 @@ def full_attention(
         ValueError: If shapes of q, k, v or the masks do not match, `dropout_p` is outside [0, 1), or `backend`
             is unknown or cannot run this call (the message says why).
     """
-    b, h, n_q, n_k = _check_qkv(q, k, v)
-    padding = _check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    _check_token_mask("global_mask", global_mask, b, n_k)
-    dropout_p = _check_dropout(dropout_p)
+    b, h, n_q, n_k = check_qkv(q, k, v)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    check_token_mask("global_mask", global_mask, b, n_k)
+    dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     choice = select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="full", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
@@ -260,14 +230,14 @@ def sliding_window_attention(
             shape is not `[b, n_k]`, mismatched q/k/v shapes, `dropout_p` outside [0, 1), or a `backend` that is
             unknown or cannot run this call (the message says why).
     """
-    b, h, n_q, n_k = _check_qkv(q, k, v)
+    b, h, n_q, n_k = check_qkv(q, k, v)
     window = check_window(window)
     dilation = check_dilation(dilation, heads=h)
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
         dilation = dilation[0]  # one group of heads, and a mask without a head dimension
-    padding = _check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    global_tokens = _check_token_mask("global_mask", global_mask, b, n_k)
-    dropout_p = _check_dropout(dropout_p)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    global_tokens = check_token_mask("global_mask", global_mask, b, n_k)
+    dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     mask_fn = sliding_window_pattern(
         window=window, dilation=dilation, causal=causal, global_mask=global_tokens, key_padding_mask=padding
@@ -342,11 +312,11 @@ def strided_attention(
         ValueError: For a stride below 1, a non-bool `causal`, a mask whose shape is not `[b, n_k]`, mismatched
             q/k/v shapes, or `dropout_p` outside [0, 1).
     """
-    b, h, n_q, n_k = _check_qkv(q, k, v)
+    b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = _check_flag("causal", causal)
-    padding = _check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    dropout_p = _check_dropout(dropout_p)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=padding)
     return strided_blocked_attention(
@@ -396,12 +366,12 @@ def fixed_attention(
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, a mask
             whose shape is not `[b, n_k]`, mismatched q/k/v shapes, or `dropout_p` outside [0, 1).
     """
-    b, h, n_q, n_k = _check_qkv(q, k, v)
+    b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = _check_flag("causal", causal)
     summary_per_head = _check_flag("summary_per_head", summary_per_head)
-    padding = _check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    dropout_p = _check_dropout(dropout_p)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     mask_fn = fixed_pattern(
         block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,

@@ -14,13 +14,15 @@ separately and multiplies the other way round, `ρ_q(Q) (ρ_k(K)ᵀ V)`, so the 
 The causal form gives query i the same mechanism over keys 0..i only: softmax over the positions j <= i, or n = the
 number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear.
 
-This module depends on torch only.
+This module depends on torch (and the shared input checks) only.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .ops_checks import check_qkv, check_token_mask
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
@@ -37,28 +39,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, normalization: str, key_padding_mask: Tensor | None) -> Tensor | None:
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dim() != 4:
-            raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    if k.shape[:2] != (b, h) or k.shape[3] != d:
-        raise ValueError(f"k must have shape [{b}, {h}, n_k, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v must have shape [{b}, {h}, {n_k}, d_v] to match k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if n_q > n_k:
-        raise ValueError(
-            f"q has more positions ({n_q}) than k ({n_k}); queries are the last n_q key positions, so n_q <= n_k"
-        )
+    b, _, _, n_k = check_qkv(q, k, v)
     if normalization not in EFFICIENT_NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}")
-    if key_padding_mask is None:
-        return None
-    if key_padding_mask.dim() != 2 or tuple(key_padding_mask.shape) != (b, n_k):
-        raise ValueError(
-            f"key_padding_mask must have shape [batch, length] = [{b}, {n_k}], got {tuple(key_padding_mask.shape)}"
-        )
-    return key_padding_mask.bool()
+    return check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
 
 
 def efficient_attention(
