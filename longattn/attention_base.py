@@ -101,6 +101,16 @@ class LongAttnAttention(nn.Module):
     def validate_config(cls, config: Any, *, layer_idx: int, is_causal: bool) -> None:
         """Check this kind's fields for layer `layer_idx`; raise `ValueError` naming field, value and allowed."""
 
+    @classmethod
+    def length_multiple(cls, config: Any, *, layer_idx: int) -> int:
+        """The length batches are best padded to a multiple of, for layer `layer_idx` (collators use it).
+
+        Every executor accepts any length, so this is never required. A kind whose executor rounds the sequence up
+        to whole blocks internally returns its block length: padding the batch there costs no extra work and keeps
+        every batch on the whole-block path. Default 1 (padding would only add work).
+        """
+        return 1
+
     def attend(
         self,
         q: torch.Tensor,

@@ -69,6 +69,11 @@ class FixedAttention(LongAttnAttention):
         self.summary_per_head = config.fixed_summary_per_head
 
     @classmethod
+    def length_multiple(cls, config, *, layer_idx):
+        # The executor cuts the sequence into whole pattern blocks (a short last block is padded inside).
+        return config.per_layer("fixed_block_size", layer_idx)
+
+    @classmethod
     def validate_config(cls, config, *, layer_idx, is_causal):
         block_size = check_int_field(config, "fixed_block_size", layer_idx, minimum=1, per="layer")
         num_summary = check_int_field(config, "fixed_num_summary", layer_idx, minimum=1, per="layer")

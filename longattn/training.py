@@ -323,23 +323,11 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
 
 def length_multiple(config, *, decoder: bool = False) -> int:
     """The length every batch is padded to a multiple of: the least common multiple of what each layer's attention
-    needs. A kind states it with a `length_multiple` class attribute (an int, or a function of (config, layer_idx));
-    otherwise its block-like fields (`*block_size`, `*chunk_length`, `*chunk_size`, `*bucket_size`) are used."""
+    kind asks for (`LongAttnAttention.length_multiple`) in the encoder stack, or the decoder stack with `decoder`."""
     names = config.decoder_layer_attention_types if decoder else config.layer_attention_types
     multiple = 1
     for layer_idx, name in enumerate(names):
-        kind = attention_class(name)
-        hook = getattr(kind, "length_multiple", None)
-        if callable(hook):
-            values = [hook(config, layer_idx)]
-        elif isinstance(hook, int):
-            values = [hook]
-        else:
-            values = [config.per_layer(field, layer_idx) for field in kind.config_fields
-                      if field.endswith(("block_size", "chunk_length", "chunk_size", "bucket_size"))]
-        for value in values:
-            if isinstance(value, int) and value > 0:
-                multiple = math.lcm(multiple, value)
+        multiple = math.lcm(multiple, attention_class(name).length_multiple(config, layer_idx=layer_idx))
     return multiple
 
 

@@ -312,6 +312,10 @@ def test_collator_pads_to_the_block_multiple():
     assert seq["decoder_attention_mask"].tolist() == [[1, 1], [1, 0]]
     config = longattn.LongAttnConfig(attention_type="sliding")
     assert training.length_multiple(config) == 1
+    # Each layer's kind states its multiple; the stack pads to their least common multiple.
+    mixed = longattn.LongAttnConfig(attention_type=["fixed", "sliding", "fixed"], num_hidden_layers=3,
+                                    fixed_block_size=[8, 16, 12], fixed_num_summary=2)
+    assert training.length_multiple(mixed) == 24
 
 
 def test_mask_tokens_never_masks_padding_or_special_tokens():
