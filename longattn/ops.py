@@ -256,6 +256,11 @@ def sliding_window_attention(
             choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p,
             per_batch=padding is not None or global_tokens is not None, per_head=not isinstance(dilation, int),
         )
+    if dilation == 1 and window >= n_k - 1:
+        # The window reaches every key, so the pattern is exactly (causal) full attention: global tokens add no
+        # key. SDPA computes it without the blocked executor's per-block overhead, which dominates short inputs.
+        return full_attention(q, k, v, causal=causal, key_padding_mask=padding, scale=scale, dropout_p=dropout_p,
+                              backend="torch")
     return banded_attention(
         q,
         k,

@@ -68,6 +68,10 @@ CASES = [
     pytest.param(2, 2, 7, 2, 1, False, True, False, id="n7-pad"),
     pytest.param(2, 2, 7, 9, 1, True, False, True, id="n7-window>length-causal-global"),
     pytest.param(3, 2, 100, 5, 1, False, True, True, id="n100-pad-global"),
+    # Windows that reach every key (SDPA path) and one just short of it (blocked executor).
+    pytest.param(3, 2, 100, 99, 1, False, True, True, id="n100-window=length-1-pad-global"),
+    pytest.param(3, 2, 100, 99, 1, True, True, True, id="n100-window=length-1-causal-pad-global"),
+    pytest.param(3, 2, 100, 98, 1, False, True, True, id="n100-window=length-2-pad-global"),
     pytest.param(3, 2, 100, 5, 1, True, True, True, id="n100-causal-pad-global"),
     pytest.param(2, 4, 257, 7, [1, 2, 3, 4], False, False, False, id="n257-dilation-per-head"),
     pytest.param(3, 4, 257, 7, [1, 2, 3, 4], True, True, True, id="n257-dilation-per-head-causal-pad-global"),
