@@ -88,14 +88,13 @@ def efficient_attention(
 
 def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:
     """Softmax of each key feature over the (real) positions: `[b, h, n, d]`, columns sum to 1 (or are all 0)."""
-    if padding is not None:
-        k = k.masked_fill(~padding[:, None, :, None], float("-inf"))
-    # A feature without any real position has max -inf: shift by 0 instead, so exp() stays 0 and nothing is NaN.
-    shift = k.amax(dim=2, keepdim=True).detach()
-    shift = shift.masked_fill(shift == float("-inf"), 0.0)
-    weights = torch.exp(k - shift)  # [b, h, n, d]
-    total = weights.sum(dim=2, keepdim=True)
-    return weights / torch.where(total > 0, total, torch.ones_like(total))
+    if padding is None:
+        return torch.softmax(k, dim=2)
+    keep = padding[:, None, :, None]
+    # A finite floor rather than -inf: a feature of a row without any real token then gets a uniform softmax over
+    # its padding, which the product zeroes, instead of NaN; elsewhere exp(floor - max) is exactly 0.
+    floor = torch.finfo(k.dtype).min
+    return torch.softmax(k.masked_fill(~keep, floor), dim=2) * keep
 
 
 def _softmax_global(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> Tensor:
