@@ -500,7 +500,7 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         "and inputs loaded): every allocation the step makes, allocator slack included. **tensor MB** is the peak "
         "of allocated-minus-freed torch tensor bytes during one extra untimed run, from the allocation events of "
         "`torch.profiler(profile_memory=True)`. Ratios are against "
-        f"`{BASELINE}` at the same length and mode (time: how many times faster; memory: fraction of its peak).",
+        f"`{args.baseline}` at the same length and mode (time: how many times faster; memory: fraction of its peak).",
         "",
         "Implementations:",
         "",
@@ -511,7 +511,7 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
             "",
             f"## {mode}",
             "",
-            "| impl | length | time (s) | peak MB (RSS) | tensor MB | speed-up vs " + BASELINE + " | memory vs " + BASELINE + " |",
+            "| impl | length | time (s) | peak MB (RSS) | tensor MB | speed-up vs " + args.baseline + " | memory vs " + args.baseline + " |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for length in args.lengths:
@@ -522,7 +522,7 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
                 if "error" in r:
                     lines.append(f"| {impl} | {length} | {r['error']} | | | | |")
                     continue
-                base = by_key.get((BASELINE, length, mode))
+                base = by_key.get((args.baseline, length, mode))
                 speedup = memory = None
                 if base and "error" not in base:
                     speedup = base["time_s"] / r["time_s"]
@@ -549,6 +549,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--impls", nargs="+", default=["full", "sliding", BASELINE, "local-attention"], choices=sorted(IMPLS))
+    parser.add_argument("--baseline", default=BASELINE, choices=sorted(IMPLS),
+                        help="the implementation the ratio columns compare against (default %(default)s)")
     parser.add_argument("--mode", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=256)
