@@ -55,13 +55,35 @@ def _unit(x: Tensor) -> Tensor:
     return F.normalize(x.detach().float(), dim=-1)
 
 
-def _by_cluster(unit: Tensor, centroids: Tensor) -> Tensor:
-    """Cosine similarities `[b, h, C, n]` of unit vectors `[b, h, n, d]` with centroids `[h, C, d]`.
+# Similarities are computed a block of centroids at a time, into one buffer of at most 16 MB of float32 (two blocks per
+# head at 32K tokens and C = 256). All of `[b, h, C, n]` at once (134 MB there) was a fresh mapping, page-faulted in
+# on every call; allocations under 32 MB are reused from the heap. Blocks of 1 to 64 MB measured alike on one thread;
+# on two, fewer and larger blocks were faster (fewer parallel regions).
+_BLOCK_ELEMENTS = 2**22
 
-    Laid out by cluster, so that each centroid's top-k runs over a contiguous row (2.5x faster than on the
-    transposed `[n, C]` layout at 32K tokens).
+
+def _top_members(scores: Tensor, size: int) -> Tensor:
+    """The indices `[R, size]` of the `size` largest scores of each row of `scores [R, n]`, largest first: the same
+    members as `scores.topk(size)` (ties aside), read with two small top-ks instead of one over the whole row.
+
+    The row is cut into G groups of g scores (group j: scores j, j + G, j + 2G, ...). The `size` largest group maxima
+    are `size` scores, so the size-th largest score is at least the smallest of them, and each of the `size` largest
+    scores lies in one of those `size` groups (or among the last n - G·g scores, kept as they are). One top-k runs over
+    the G maxima, one over the size·g scores of those groups: about 2·sqrt(n·size) scores instead of n.
     """
-    return torch.matmul(centroids.float(), unit.transpose(-1, -2))
+    rows, n = scores.shape
+    group = int(math.sqrt(n / size))  # minimises G + size·g
+    groups = n // group
+    if group < 4:  # too little to gain
+        return scores.topk(size, dim=-1).indices
+    maxima = scores[:, : groups * group].view(rows, group, groups).amax(dim=1)  # [R, G], a vectorised pass
+    best = maxima.topk(size, dim=-1, sorted=False).indices  # [R, size], in any order
+    offsets = torch.arange(0, groups * group, groups, device=scores.device)
+    columns = (best.unsqueeze(-1) + offsets).view(rows, size * group)
+    if groups * group < n:
+        rest = torch.arange(groups * group, n, device=scores.device).expand(rows, -1)
+        columns = torch.cat([columns, rest], dim=-1)
+    return columns.gather(-1, scores.gather(-1, columns).topk(size, dim=-1).indices)
 
 
 def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
@@ -70,19 +92,38 @@ def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
 
 
 def _balanced_members(
-    unit: Tensor, centroids: Tensor, valid: Tensor | None, size: int
+    x: Tensor, centroids: Tensor, valid: Tensor | None, size: int
 ) -> tuple[Tensor, Tensor]:
-    """Each centroid's `size` most similar real positions `[b, h, C, size]`, and which slots count `[b, 1, 1, size]`
-    (the first ceil(real_b / C) of them, real_b the number of real tokens of row b)."""
-    b, _, n, _ = unit.shape
+    """Each centroid's `size` most similar real positions `[b, h, C, size]` (by cosine, most similar first), and which
+    slots count `[b, 1, 1, size]` (the first ceil(real_b / C) of them, real_b the number of real tokens of row b).
+
+    Args:
+        x: Queries or keys `[b, h, n, d]` (any length: compared as unit vectors).
+        centroids: Unit centroids `[h, C, d]`.
+        valid: Bool `[b, n]`, True = real token, or None.
+        size: Members per centroid, at most n.
+    """
+    b, h, n, _ = x.shape
     clusters = centroids.shape[1]
-    similarities = _by_cluster(unit, centroids)  # [b, h, C, n]
-    real = torch.full((b,), n, device=unit.device) if valid is None else valid.sum(-1)
-    if valid is not None:
-        similarities.masked_fill_(~valid[:, None, None, :], -math.inf)
-    top = similarities.topk(size, dim=-1).indices  # [b, h, C, size]
+    device = x.device
+    top = torch.empty(b, h, clusters, size, dtype=torch.long, device=device)
+    step = min(clusters, max(1, _BLOCK_ELEMENTS // n))
+    similarities = torch.empty(step, n, dtype=torch.float32, device=device)  # one block, reused
+    rows, row_of = head_rows(x.detach().float())  # [b·h·n, d]: norms of contiguous rows, 8x faster than per head
+    inverse_norm = rows.norm(dim=-1).clamp_min(1e-12).reciprocal()  # F.normalize's eps
+    positions = torch.arange(n, device=device)
+    for bi in range(b):
+        for hi in range(h):
+            unit = x[bi, hi].detach().float() * inverse_norm[row_of(bi, hi, positions)].unsqueeze(-1)  # [n, d]
+            for start in range(0, clusters, step):
+                stop = min(clusters, start + step)
+                block = torch.matmul(centroids[hi, start:stop].float(), unit.T, out=similarities[: stop - start])
+                if valid is not None:
+                    block.masked_fill_(~valid[bi], -math.inf)
+                top[bi, hi, start:stop] = _top_members(block, size)
+    real = torch.full((b,), n, device=device) if valid is None else valid.sum(-1)
     per_row = torch.div(real + clusters - 1, clusters, rounding_mode="floor")  # ceil(real / C)
-    used = torch.arange(size, device=unit.device) < per_row.view(-1, 1, 1, 1)
+    used = torch.arange(size, device=device) < per_row.view(-1, 1, 1, 1)
     return top, used
 
 
@@ -100,14 +141,22 @@ def _statistics(*members: tuple[Tensor, Tensor], clusters: int) -> tuple[Tensor,
     return sums[:-1].view(h, clusters, d), counts[:-1].view(h, clusters)
 
 
-def _member_statistics(unit: Tensor, top: Tensor, used: Tensor) -> tuple[Tensor, Tensor]:
-    """Sums `[h, C, d]` and counts `[h, C]` of the members each centroid took (balanced clusters)."""
+def _member_statistics(x: Tensor, top: Tensor, used: Tensor) -> tuple[Tensor, Tensor]:
+    """Sums `[h, C, d]` and counts `[h, C]` of the unit vectors of the members each centroid took (balanced clusters:
+    `top [b, h, C, k]`, `used [b, 1, 1, k]`), for x `[b, h, n, d]`.
+
+    One `embedding_bag` adds each cluster's member rows up where they lie, weighted by 1/|x| (making them unit
+    vectors) times `used`: no gathered `[b, h, C, k, d]` copy of the members.
+    """
     b, h, clusters, size = top.shape
-    n, d = unit.shape[2], unit.shape[-1]
-    rows = top + (torch.arange(b * h, device=top.device) * n).view(b, h, 1, 1)  # flat index_select: faster
-    members = unit.reshape(-1, d).index_select(0, rows.reshape(-1)).view(b, h, clusters, size, d)
-    weight = used.to(members.dtype).unsqueeze(-1)  # [b, 1, 1, size, 1]
-    return (members * weight).sum(dim=(0, 3)), weight.sum(dim=(0, 3)).squeeze(-1).expand(h, clusters)
+    rows, row_of = head_rows(x.detach().float())  # [b·h·n, d] in some order, and the row of (batch, head, position)
+    index = row_of(torch.arange(b, device=x.device).view(b, 1, 1, 1), torch.arange(h, device=x.device).view(1, h, 1, 1),
+                   top)  # [b, h, C, k]
+    inverse_norm = rows.norm(dim=-1).clamp_min(1e-12).reciprocal()  # F.normalize's eps
+    weight = inverse_norm[index] * used
+    sums = F.embedding_bag(index.view(-1, size), rows, mode="sum", per_sample_weights=weight.view(-1, size))
+    counts = used.sum(-1, dtype=torch.float32).sum(0).expand(h, clusters)  # [h, C]: the same for every cluster
+    return sums.view(b, h, clusters, -1).sum(0), counts
 
 
 @torch.no_grad()
@@ -128,18 +177,17 @@ def cluster_statistics(
     Returns:
         `(sums [h, C, d], counts [h, C])` in float32.
     """
-    unit_q, unit_k = _unit(q), _unit(k)
     clusters = centroids.shape[1]
     if causal:
-        parts = [(unit, _nearest(x, centroids)) for unit, x in ((unit_q, q), (unit_k, k))]
+        parts = [(_unit(x), _nearest(x, centroids)) for x in (q, k)]
         if key_padding_mask is not None:
             parts = [(unit, cluster.masked_fill(~key_padding_mask.bool()[:, None, :], -1)) for unit, cluster in parts]
         return _statistics(*parts, clusters=clusters)
     size = -(-q.shape[2] // clusters)
     valid = None if key_padding_mask is None else key_padding_mask.bool()
     sums, counts = 0, 0
-    for unit in (unit_q, unit_k):
-        part_sums, part_counts = _member_statistics(unit, *_balanced_members(unit, centroids, valid, size))
+    for x in (q, k):
+        part_sums, part_counts = _member_statistics(x, *_balanced_members(x, centroids, valid, size))
         sums, counts = sums + part_sums, counts + part_counts
     return sums, counts
 
@@ -190,13 +238,12 @@ def routing_attention(
             )
         else:
             size = -(-q.shape[2] // clusters)  # k for the full length; shorter rows use fewer slots
-            unit_q, unit_k = _unit(q), _unit(k)
-            query_top, used = _balanced_members(unit_q, centroids, valid, size)
-            key_top, _ = _balanced_members(unit_k, centroids, valid, size)
+            query_top, used = _balanced_members(q, centroids, valid, size)
+            key_top, _ = _balanced_members(k, centroids, valid, size)
             statistics = None
             if return_statistics:
                 (q_sums, q_counts), (k_sums, k_counts) = (
-                    _member_statistics(unit_q, query_top, used), _member_statistics(unit_k, key_top, used)
+                    _member_statistics(q, query_top, used), _member_statistics(k, key_top, used)
                 )
                 statistics = (q_sums + k_sums, q_counts + k_counts)
     if causal:
@@ -207,43 +254,60 @@ def routing_attention(
     return (out, statistics) if return_statistics else out
 
 
+def _heads(x: Tensor) -> list[Tensor]:
+    """The heads of x `[b, h, n, d]` as `[b·n, d]` row tensors: views when the heads were split from a `[b, n, h·d]`
+    projection (the usual case) or b = 1. Through one `unbind`, whose backward stacks the heads' gradients into one
+    tensor; slicing a head out instead would add each head's gradient into a zero tensor of the full size."""
+    b, h, n, d = x.shape
+    if x.transpose(1, 2).is_contiguous():
+        return [head.reshape(b * n, d) for head in x.transpose(1, 2).unbind(2)]
+    return [head.reshape(b * n, d) for head in x.unbind(1)]
+
+
 def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p):
     """Attention inside the balanced clusters `[b, h, C, k]` of queries and keys; a query in several clusters
-    gets one softmax over the union of their keys."""
-    b, h, n, d = q.shape
-    d_v = v.shape[-1]
-    clusters, size = query_top.shape[2], query_top.shape[3]
-    (q_rows, q_row_of), (k_rows, k_row_of), (v_rows, v_row_of) = head_rows(q), head_rows(k), head_rows(v)
+    gets one softmax over the union of their keys.
+
+    One head at a time: every tensor of a head's attention (gathered rows, probabilities, gradients) is then 1/h of
+    the size, small enough to be reused from the allocator's heap; at 32K tokens and 4 heads, tensors of all heads
+    at once are 32 MB or more, each mapped and page-faulted in afresh, which made up a third of the time.
+    """
+    b, _, n, _ = q.shape
+    outs = [
+        _balanced_head(q_h, k_h, v_h, query_top[:, head], key_top[:, head], used, n=n, scale=scale,
+                       dropout_p=dropout_p)
+        for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
+    ]
+    return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
+
+
+def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p):
+    """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`; output `[b·n, d_v]`
+    in float32 for half inputs."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    b, clusters, size = query_top.shape
     with torch.no_grad():
-        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
-        hi = torch.arange(h, device=q.device).view(1, h, 1, 1)
-        query_index = q_row_of(bi, hi, query_top).reshape(-1)  # [b·h·C·k]
-        key_index, value_index = k_row_of(bi, hi, key_top).reshape(-1), v_row_of(bi, hi, key_top).reshape(-1)
-        mask = used.expand(b, h, clusters, size).reshape(-1, 1, size)  # key slots of each cluster
+        first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
+        query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
+        slot_used = used.view(b, 1, size).expand(b, clusters, size)
     out, lse = attend_windows(
-        q_rows.index_select(0, query_index).view(-1, size, d),
-        k_rows.index_select(0, key_index),
-        v_rows.index_select(0, value_index),
-        mask, stride=size, scale=scale, dropout_p=dropout_p,
-    )  # [b·h·C, k, d_v], [b·h·C, k]
-    # A query in several clusters: one softmax over the union of their keys, i.e. outputs weighted by exp(lse).
-    rows = b * h * n
-    with torch.no_grad():
-        # Where each cluster slot's output goes: the query's position in (b, h, n) order (unused slots: a dump row).
-        position = ((bi * h + hi) * n + query_top).reshape(-1)
-        target = torch.where(used.expand(b, h, clusters, size).reshape(-1), position, rows)
-        shift = torch.full((rows + 1,), -math.inf, dtype=lse.dtype, device=q.device)
-        shift = shift.scatter_reduce(0, target, lse.detach().reshape(-1), reduce="amax")
-        shift = shift.masked_fill(torch.isneginf(shift), 0.0)[target]
-    weight = (lse.reshape(-1) - shift).exp()  # [b·h·C·k]; exactly 0 where lse = -inf
-    weight = weight * (target < rows)
+        q.index_select(0, query_index).view(-1, size, d), k.index_select(0, key_index), v.index_select(0, key_index),
+        slot_used.reshape(-1, 1, size), stride=size, scale=scale, dropout_p=dropout_p,
+    )  # [b·C, k, d_v], [b·C, k]
+    # A query in several clusters: one softmax over the union of their keys, i.e. each cluster's output weighted by
+    # exp(lse) / (the sum of exp(lse) over the query's clusters). The weights are one scalar per slot, so only the
+    # weighted outputs are added up per query.
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    total = torch.zeros(rows + 1, dtype=compute, device=q.device).index_add(0, target, weight.to(compute))
-    summed = torch.zeros(rows + 1, d_v, dtype=compute, device=q.device).index_add(
-        0, target, out.reshape(-1, d_v).to(compute) * weight.unsqueeze(-1).to(compute)
-    )
-    result = summed[:rows] / torch.where(total[:rows] > 0, total[:rows], 1.0).unsqueeze(-1)
-    return result.view(b, h, n, d_v).to(q.dtype)
+    slot_used = slot_used.reshape(-1)
+    with torch.no_grad():
+        shift = torch.full((b * n,), -math.inf, dtype=lse.dtype, device=q.device).scatter_reduce(
+            0, query_index, lse.detach().reshape(-1).masked_fill(~slot_used, -math.inf), reduce="amax")
+        shift = shift.masked_fill(torch.isneginf(shift), 0.0)[query_index]  # the largest lse of each slot's query
+    weight = ((lse.reshape(-1) - shift).exp() * slot_used).to(compute)  # exactly 0 where lse = -inf or unused
+    total = torch.zeros(b * n, dtype=compute, device=q.device).index_add(0, query_index, weight)[query_index]
+    weight = weight / torch.where(total > 0, total, 1.0)
+    return torch.zeros(b * n, d_v, dtype=compute, device=q.device).index_add(
+        0, query_index, out.reshape(-1, d_v).to(compute) * weight.unsqueeze(-1))
 
 
 def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p):
@@ -356,8 +420,8 @@ def routing_attention_dense(
             raise ValueError(f"bidirectional routing needs every query (n={n}) to be a key position (m={m}).")
         clusters = centroids.shape[1]
         size = -(-m // clusters)
-        query_top, used = _balanced_members(_unit(q), centroids, valid, size)
-        key_top, _ = _balanced_members(_unit(k), centroids, valid, size)
+        query_top, used = _balanced_members(q, centroids, valid, size)
+        key_top, _ = _balanced_members(k, centroids, valid, size)
         used = used.expand(b, h, clusters, size).float()
         query_member = torch.zeros(b, h, clusters, m, device=q.device).scatter_(-1, query_top, used)
         key_member = torch.zeros(b, h, clusters, m, device=q.device).scatter_(-1, key_top, used)

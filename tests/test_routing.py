@@ -12,7 +12,7 @@ from transformers import AutoModelForMaskedLM
 import longattn
 from longattn import LongAttnConfig
 from longattn.attention_base import apply_rotary
-from longattn.attention_routing import cluster_statistics, routing_attention, routing_attention_dense
+from longattn.attention_routing import _top_members, cluster_statistics, routing_attention, routing_attention_dense
 from longattn.ops import sliding_window_attention
 
 DOUBLE = dict(dtype=torch.float64)
@@ -107,6 +107,31 @@ def test_balanced_routing_equals_the_explicit_cluster_reference(n, lengths):
                                              key_padding_mask=valid, scale=scale)
     torch.testing.assert_close(dense * valid[:, None, :, None], fast * valid[:, None, :, None])
     assert (weights.sum(-1)[valid[:, None, :].expand(2, 2, n)] > 0).any()
+
+
+@pytest.mark.parametrize("n, size", [(4096, 64), (1000, 10), (333, 20), (64, 64)])
+def test_top_members_are_topk(n, size):
+    generator = torch.Generator().manual_seed(n)
+    scores = torch.randn(6, n, generator=generator)
+    scores[1, n // 2:] = -math.inf  # padding at the end
+    scores[2, ::3] = -math.inf  # and spread out
+    scores[3] = scores[3].sort().values  # positions in the order of the scores
+    scores[4, 5:] = -math.inf  # fewer real scores than members
+    expected = scores.topk(size, dim=-1)
+    found = _top_members(scores, size)
+    torch.testing.assert_close(scores.gather(-1, found), expected.values, rtol=0, atol=0)
+    finite = torch.isfinite(expected.values)
+    assert torch.equal(found[finite], expected.indices[finite])
+
+
+def test_balanced_routing_with_many_clusters_equals_the_reference():
+    """Enough clusters that each centroid's members are found by the grouped selection, padding included."""
+    q, k, v = _inputs(n=256, d=4)
+    centroids = _centroids(clusters=16, d=4)
+    valid = _padding(2, 256, [256, 200])
+    fast = routing_attention(q, k, v, centroids, causal=False, causal_window=4, key_padding_mask=valid, scale=0.35)
+    slow = balanced_reference(q, k, v, centroids, valid, 0.35)
+    _assert_same_with_grads(fast, slow, (q, k, v), valid)
 
 
 @pytest.mark.parametrize("window", [3, 5, 40])
