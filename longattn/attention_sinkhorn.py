@@ -90,14 +90,25 @@ def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, cau
     return x.exp() if blocked is None else x.exp() * allowed
 
 
-def _block_summaries(k: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """Mean key of each block's real tokens `[b, h, B, d]`, and whether a block has any `[b, B]`."""
+def _block_summaries(k: Tensor, valid: Tensor, block: int, *, padded: bool = True) -> tuple[Tensor, Tensor]:
+    """Mean key of each block's real tokens `[b, h, B, d]`, and whether a block has any `[b, B]`.
+
+    Keys split from a `[b, n, h·d]` projection are summed in that memory (`[b, B, s, h·d]`), without a copy.
+    Without padding (`padded=False`) a plain sum, whose backward is a broadcast (nothing sequence-sized).
+    """
     b, h, n, d = k.shape
-    weights = valid.to(k.dtype).view(b, 1, n // block, 1, block)  # [b, 1, B, 1, s]
-    counts = weights.sum(dim=-1)  # [b, 1, B, 1]
-    # A [1, s] x [s, d] matmul per block: cheaper than multiplying and summing the [B, s, d] keys.
-    sums = torch.matmul(weights, k.view(b, h, n // block, block, d)).squeeze(-2)  # [b, h, B, d]
-    return sums / counts.clamp(min=1), counts[:, 0, :, 0] > 0
+    blocks = n // block
+    weights = valid.to(k.dtype).view(b, blocks, 1, block)  # [b, B, 1, s]
+    counts = weights.sum(dim=-1)  # [b, B, 1]
+    if k.transpose(1, 2).is_contiguous():
+        rows = k.transpose(1, 2).reshape(b, blocks, block, h * d)  # a view
+        # Padded: a [1, s] x [s, h·d] matmul per block, cheaper than multiplying and summing the keys.
+        sums = torch.matmul(weights, rows).squeeze(2) if padded else rows.sum(dim=2)  # [b, B, h·d]
+        sums = sums.view(b, blocks, h, d).transpose(1, 2)
+    else:
+        rows = k.reshape(b, h, blocks, block, d)
+        sums = torch.matmul(weights.unsqueeze(1), rows).squeeze(-2) if padded else rows.sum(dim=3)  # [b, h, B, d]
+    return sums / counts.view(b, 1, blocks, 1).clamp(min=1), counts.view(b, blocks) > 0
 
 
 def sinkhorn_sort_matrix(
@@ -128,7 +139,7 @@ def sinkhorn_sort_matrix(
     Returns:
         S `[b, h, B, B]`, float32 (float64 for float64 keys); rows sum to 1 where anything is allowed.
     """
-    summaries, has_tokens = _block_summaries(k, valid, block_size)  # [b, h, B, d], [b, B]
+    summaries, has_tokens = _block_summaries(k, valid, block_size, padded=padded)  # [b, h, B, d], [b, B]
     blocks = summaries.shape[2]
     rows, row_ok = summaries, has_tokens
     if causal:
@@ -186,35 +197,190 @@ def _restore(out: Tensor, n: int, rotation: Tensor | None) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- executor
-class _OwnAndSorted(torch.autograd.Function):
-    """Blocks `[B, s, d]` -> `[B, 2s, d]`: block i, then w_i · block source_i (its sorted block).
+# Score elements per group of blocks (8 MB of float32): a group's scores, gathered keys and values stay near the
+# cache, and the groups are few enough to keep the number of ops (parallel regions) small.
+_GROUP_SCORES = 2**21
+# Added to the scores of hidden keys: finite, so that a row whose keys are all hidden stays finite through the
+# fused softmax (its output is zeroed afterwards); s - 1e30 cannot overflow float32.
+_HIDDEN = -1e30
 
-    Written out for memory: backward needs the blocks, and finds them in the first half of its own output, which
-    the attention kernel keeps anyway; autograd would also have kept the gathered and the scaled copies.
+
+class _OwnAndSortedAttention(torch.autograd.Function):
+    """Each block of queries attends to its own block and to `weight ·` its sorted block; hand-written backward.
+
+    Head by head, groups of blocks gather their keys into small reused buffers (`[G, 2s, d]`: the own block, then
+    the sorted one scaled by w = S_ij*, both times the softmax scale), so nothing sequence-sized is copied: q, k, v
+    are read in place (`bmm` takes the strided per-head blocks of `[b, n, h, d]` memory as they are), the output
+    is written as `[b, n, h, d_v]` memory (merging the heads afterwards is a view) and the gradients come back in
+    that layout too. Saves q, k, v, the sorting indices and weights and the bias; backward recomputes the
+    probabilities. With the sorted keys K_s = w·K_j: dK_j = w·dK_s, dw = Σ dK_s ∘ K_j + Σ dV_s ∘ V_j.
     """
 
     @staticmethod
-    def forward(ctx, blocks, source, weight):
-        size = blocks.shape[1]
-        out = blocks.new_empty(blocks.shape[0], 2 * size, blocks.shape[2])
-        out[:, :size] = blocks
-        torch.mul(blocks.index_select(0, source), weight.view(-1, 1, 1), out=out[:, size:])
-        ctx.save_for_backward(out, source, weight)
+    def forward(ctx, q, k, v, source, weight, bias, scale, block, dropout_p, seed):
+        b, h, n, _ = q.shape
+        d_v = v.shape[-1]
+        s = block
+        dtype = _compute_dtype(q.dtype)
+        out = torch.empty(b, n, h, d_v, dtype=q.dtype, device=q.device).transpose(1, 2)  # [b, h, n, d_v]
+        has_key = None if bias is None else (bias > _HIDDEN / 2).any(dim=-1, keepdim=True)  # [b, h, B, r, 1]
+        workspace: dict[str, Tensor] = {}
+        generator = _dropout_generator(seed, q.device) if dropout_p > 0 else None
+        for head, rows, group in _groups(b, h, n // s, s):
+            q_g = _per_head(q, head, s, dtype)[rows]
+            keys, values, _, _ = _gather_group(k, v, source, weight, scale, s, head, rows, group, workspace)
+            probs = _group_probs(q_g, keys, bias, head, rows, workspace)
+            if generator is not None:
+                probs.mul_(_dropout_keep(probs, dropout_p, generator, workspace))
+            out_g = torch.bmm(probs, values, out=_buffer(workspace, "out", (group, s, d_v), dtype, q.device))
+            if has_key is not None:
+                out_g.mul_(_head_rows(has_key, head, rows))
+            _per_head(out, head, s)[rows] = out_g  # bmm into a strided `out=` would go matrix by matrix
+        ctx.save_for_backward(q, k, v, source, weight, bias, has_key)
+        ctx.scale, ctx.block, ctx.dropout_p, ctx.seed = scale, block, dropout_p, seed
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        out, source, weight = ctx.saved_tensors
-        size = out.shape[1] // 2
-        n_blocks = out.shape[0]
-        grad_own, grad_sorted = grad[:, :size], grad[:, size:]
-        # One block-sized temporary at a time (this backward runs at the peak of the layer's memory).
-        gathered = out[:, :size].index_select(0, source)
-        grad_weight = torch.bmm(grad_sorted.reshape(n_blocks, 1, -1), gathered.view(n_blocks, -1, 1)).view(-1)
-        del gathered
-        grad_blocks = grad_own.contiguous()
-        grad_blocks.index_add_(0, source, grad_sorted * weight.view(-1, 1, 1))
-        return grad_blocks, None, grad_weight
+    def backward(ctx, grad_out):
+        q, k, v, source, weight, bias, has_key = ctx.saved_tensors
+        scale, s, dropout_p = ctx.scale, ctx.block, ctx.dropout_p
+        b, h, n, d = q.shape
+        d_v = v.shape[-1]
+        blocks = n // s
+        dtype, device = _compute_dtype(q.dtype), q.device
+        grads = [torch.empty(b, n, h, x.shape[-1], dtype=x.dtype, device=device).transpose(1, 2) for x in (q, k, v)]
+        grad_weight = torch.empty(h, b * blocks, dtype=dtype, device=device)
+        workspace: dict[str, Tensor] = {}
+        generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
+        for head, rows, group in _groups(b, h, blocks, s):
+            if rows.start == 0:  # per head, the key and value gradients gather in contiguous [b·B, s, d] buffers
+                grad_k_h = _buffer(workspace, "grad_k", (b * blocks, s, d), dtype, device).zero_()
+                grad_v_h = _buffer(workspace, "grad_v", (b * blocks, s, d_v), dtype, device).zero_()
+            q_g = _per_head(q, head, s, dtype)[rows]
+            keys, values, gathered_k, gathered_v = _gather_group(k, v, source, weight, scale, s, head, rows, group,
+                                                                 workspace)
+            probs = _group_probs(q_g, keys, bias, head, rows, workspace)
+            grad_o = _per_head(grad_out, head, s, dtype)[rows]
+            if has_key is not None:  # rows without a visible key had their output zeroed
+                grad_o = torch.mul(grad_o, _head_rows(has_key, head, rows),
+                                   out=_buffer(workspace, "grad_out", (group, s, d_v), dtype, device))
+            grad_scores = torch.bmm(grad_o, values.transpose(1, 2),
+                                    out=_buffer(workspace, "grad_scores", probs.shape, dtype, device))  # dP
+            if generator is not None:
+                keep = _dropout_keep(probs, dropout_p, generator, workspace)
+                grad_scores.mul_(keep)
+            # dS = P ∘ (dP − rowsum(P ∘ dP)); with dropout, rowsum(P ∘ dP) is still rowsum(dO ∘ O).
+            torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, dtype, grad_input=grad_scores)
+            if generator is not None:
+                probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
+            grad_values = torch.bmm(probs.transpose(1, 2), grad_o,
+                                    out=_buffer(workspace, "grad_values", values.shape, dtype, device))
+            # The key buffer holds scale·K: dQ = dS (scale·K), and dS^T Q is the gradient of scale·K.
+            grad_keys = torch.bmm(grad_scores.transpose(1, 2), q_g,
+                                  out=_buffer(workspace, "grad_keys", keys.shape, dtype, device))
+            grad_q_g = torch.bmm(grad_scores, keys, out=_buffer(workspace, "grad_q", q_g.shape, dtype, device))
+            _per_head(grads[0], head, s)[rows] = grad_q_g
+            # dw of each block: [1, s·d] x [s·d, 1] products of the sorted half's gradients and the unscaled rows.
+            sorted_keys, sorted_values = grad_keys[:, s:], grad_values[:, s:]
+            dw = torch.bmm(sorted_keys.reshape(group, 1, s * d), gathered_k.view(group, s * d, 1)).mul_(scale)
+            dw += torch.bmm(sorted_values.reshape(group, 1, s * d_v), gathered_v.view(group, s * d_v, 1))
+            grad_weight[head, rows] = dw.view(group)
+            w = weight[:, head].reshape(-1)[rows].view(group, 1, 1)
+            flat_source = _flat_source(source, head, blocks)[rows]
+            grad_k_h[rows].add_(grad_keys[:, :s], alpha=scale)
+            grad_v_h[rows] += grad_values[:, :s]
+            grad_k_h.index_add_(0, flat_source, sorted_keys.mul_(w * scale))
+            grad_v_h.index_add_(0, flat_source, sorted_values.mul_(w))
+            if rows.stop == b * blocks:
+                _per_head(grads[1], head, s).copy_(grad_k_h)
+                _per_head(grads[2], head, s).copy_(grad_v_h)
+        grad_weight = grad_weight.view(h, b, blocks).permute(1, 0, 2).to(weight.dtype)
+        return *grads, None, grad_weight, None, None, None, None, None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _groups(b: int, h: int, blocks: int, s: int):
+    """(head, slice of its b·B blocks, the slice's length) for every group of blocks, head by head."""
+    step = max(1, _GROUP_SCORES // (2 * s * s))
+    for head in range(h):
+        for start in range(0, b * blocks, step):
+            stop = min(b * blocks, start + step)
+            yield head, slice(start, stop), stop - start
+
+
+def _buffer(workspace: dict[str, Tensor], name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of `workspace` reused by every group, viewed as `shape` (the last group may be smaller)."""
+    size = math.prod(shape)
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < size:
+        buffer = workspace[name] = torch.empty(size, dtype=dtype, device=device)
+    return buffer[:size].view(*shape)
+
+
+def _per_head(x: Tensor, head: int, block: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Head `head` of `x [b, h, n, d]` as blocks `[b·B, s, d]`: a view for the usual layouts (`[b, n, h, d]` memory
+    behind a `split_heads` transpose, or contiguous), a copy of that head otherwise (or in another `dtype`)."""
+    b, _, n, d = x.shape
+    return x[:, head].reshape(b * (n // block), block, d).to(dtype or x.dtype)
+
+
+def _flat_source(source: Tensor, head: int, blocks: int) -> Tensor:
+    """The sorted block of every (batch, block) of `head`, as an index into that head's b·B blocks."""
+    b = source.shape[0]
+    return (source[:, head] + torch.arange(b, device=source.device).view(b, 1) * blocks).reshape(-1)
+
+
+def _head_rows(x: Tensor, head: int, rows: slice) -> Tensor:
+    """`x [b, h|1, B, r, c]` (bias, has_key) of one head, as `[b·B, r, c]`, restricted to a group's rows."""
+    b, heads, blocks, r, c = x.shape
+    return x[:, head if heads > 1 else 0].reshape(b * blocks, r, c)[rows]
+
+
+def _gather_group(k, v, source, weight, scale, s, head, rows, group, workspace):
+    """A group's keys `[G, 2s, d]` (scale · (own block, then w · sorted block)) and values `[G, 2s, d_v]` (own
+    block, then w · sorted block), and the unscaled sorted keys and values `[G, s, d]`, in reused buffers."""
+    dtype, device = _compute_dtype(k.dtype), k.device
+    flat_source = _flat_source(source, head, k.shape[2] // s)[rows]
+    w = weight[:, head].reshape(-1)[rows].view(group, 1, 1).to(dtype)
+    parts = []
+    for name, x, factor in (("keys", k, scale), ("values", v, 1.0)):
+        x_h = _per_head(x, head, s)
+        both = _buffer(workspace, name, (group, 2 * s, x.shape[-1]), dtype, device)
+        torch.mul(x_h[rows], factor, out=both[:, :s])
+        other = _buffer(workspace, "sorted_" + name, (group, s, x.shape[-1]), dtype, device)
+        if x.dtype == dtype:
+            torch.index_select(x_h, 0, flat_source, out=other)
+        else:
+            other.copy_(x_h.index_select(0, flat_source))
+        torch.mul(other, w * factor if factor != 1.0 else w, out=both[:, s:])
+        parts += [both, other]
+    keys, gathered_k, values, gathered_v = parts
+    return keys, values, gathered_k, gathered_v
+
+
+def _group_probs(q_g, keys, bias, head, rows, workspace):
+    """Softmax probabilities `[G, s, 2s]` of a group's queries over its keys, in a reused buffer."""
+    group, s = q_g.shape[:2]
+    probs = torch.bmm(q_g, keys.transpose(1, 2),
+                      out=_buffer(workspace, "probs", (group, s, keys.shape[1]), q_g.dtype, q_g.device))
+    if bias is not None:
+        probs.add_(_head_rows(bias, head, rows))
+    return torch.ops.aten._softmax.out(probs, -1, False, out=probs)
+
+
+def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _dropout_keep(probs, dropout_p, generator, workspace):
+    """A group's dropout multipliers (0 or 1/(1-p)): the same draws in forward and backward (one seed, one order)."""
+    keep = _buffer(workspace, "keep", probs.shape, probs.dtype, probs.device)
+    return keep.bernoulli_(1.0 - dropout_p, generator=generator).mul_(1.0 / (1.0 - dropout_p))
 
 
 def sinkhorn_attention(
@@ -265,11 +431,11 @@ def sinkhorn_attention(
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(k, valid, sort_weight, block_size=s, iterations=iterations,
                                 temperature=temperature, causal=causal, noise=noise, padded=padded)  # [b, h, B, B]
-    k_blocks, v_blocks = k.view(b, h, blocks, s, d), v.view(b, h, blocks, s, d_v)
     bias_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     if sortcut:
         kept = min(sortcut, blocks)
+        k_blocks, v_blocks = k.view(b, h, blocks, s, d), v.view(b, h, blocks, s, d_v)
         mix = sort[:, :, :kept].to(k.dtype)  # [b, h, p, B]
         keys = torch.einsum("bhpj,bhjsd->bhpsd", mix, k_blocks)  # the first p sorted blocks, exact soft mixtures
         values = torch.einsum("bhpj,bhjsd->bhpsd", mix, v_blocks)
@@ -284,23 +450,20 @@ def sinkhorn_attention(
         source = sort.argmax(dim=-1)  # [b, h, B], the block sorted into place i
         has_source = sort.amax(dim=-1) > 0
     weight = sort.gather(-1, source.unsqueeze(-1)).squeeze(-1).to(k.dtype)  # [b, h, B]: S_ij*, carries the gradient
-    flat = ((torch.arange(b * h, device=q.device).view(b, h, 1) * blocks) + source).reshape(-1)
-    keys = _OwnAndSorted.apply(k_blocks.reshape(b * h * blocks, s, d), flat, weight.reshape(-1))  # [.., 2s, d]
-    values = _OwnAndSorted.apply(v_blocks.reshape(b * h * blocks, s, d_v), flat, weight.reshape(-1))
-    with torch.no_grad():
-        own = valid.view(b, 1, blocks, 1, s).expand(b, h, blocks, 1, s)
-        other = valid.view(b, 1, blocks, s).expand(b, h, blocks, s).gather(
-            2, source.unsqueeze(-1).expand(b, h, blocks, s)) & has_source.unsqueeze(-1)
-        visible = torch.cat([own, other.unsqueeze(3)], dim=-1)  # [b, h, B, 1, 2s]
-        if causal:
-            earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
-        bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, -math.inf)
-    # Probabilities are recomputed in backward: this kind's memory is otherwise the tightest against its peers.
-    out, _ = attend_windows(q.reshape(-1, s, d), keys.view(-1, d), values.view(-1, d_v),
-                            bias.view(b * h * blocks, -1, 2 * s), stride=2 * s, scale=scale, dropout_p=dropout_p,
-                            keep_probs=False)
-    return _restore(out.view(b, h, -1, d_v), n, rotation)
+    bias = None
+    if padded or causal:  # otherwise every key is visible and every row of S has a block (rows sum to 1)
+        with torch.no_grad():
+            own = valid.view(b, 1, blocks, 1, s).expand(b, h, blocks, 1, s)
+            other = valid.view(b, 1, blocks, s).expand(b, h, blocks, s).gather(
+                2, source.unsqueeze(-1).expand(b, h, blocks, s)) & has_source.unsqueeze(-1)
+            visible = torch.cat([own, other.unsqueeze(3)], dim=-1)  # [b, h, B, 1, 2s]
+            if causal:
+                earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+                visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
+            bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, _HIDDEN)
+    seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
+    out = _OwnAndSortedAttention.apply(q, k, v, source, weight, bias, float(scale), s, float(dropout_p), seed)
+    return _restore(out, n, rotation)
 
 
 # ---------------------------------------------------------------------------------------------- dense form
