@@ -80,11 +80,11 @@ def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, cau
     blocked = None if allowed is None else ~allowed
     x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, _MASKED)
     for _ in range(iterations):
-        column = torch.logcumsumexp(x, dim=-2) if causal else x.logsumexp(dim=-2, keepdim=True)
-        x = x - column
+        # x - logsumexp(x) is log_softmax(x): one fused pass (and one in backward) instead of six.
+        x = x - torch.logcumsumexp(x, dim=-2) if causal else torch.log_softmax(x, dim=-2)
         if blocked is not None:  # re-mask: a row or column with nothing allowed normalised to finite junk
             x = x.masked_fill(blocked, _MASKED)
-        x = x - x.logsumexp(dim=-1, keepdim=True)
+        x = torch.log_softmax(x, dim=-1)
         if blocked is not None:
             x = x.masked_fill(blocked, _MASKED)
     return x.exp() if blocked is None else x.exp() * allowed
