@@ -62,28 +62,57 @@ def _unit(x: Tensor) -> Tensor:
 _BLOCK_ELEMENTS = 2**22
 
 
-def _top_members(scores: Tensor, size: int) -> Tensor:
-    """The indices `[R, size]` of the `size` largest scores of each row of `scores [R, n]`, largest first: the same
-    members as `scores.topk(size)` (ties aside), read with two small top-ks instead of one over the whole row.
+def _top_members(
+    centroids: Tensor, x: Tensor, inverse_norm: Tensor, valid: Tensor | None, size: int, scores: Tensor
+) -> Tensor:
+    """The `size` positions most similar to each centroid, most similar first: indices `[R, size]`, the same members
+    as a top-k over each row of all similarities (ties aside), found with two top-ks over about 2·sqrt(n·size)
+    scores per row instead of one over n.
 
-    The row is cut into G groups of g scores (group j: scores j, j + G, j + 2G, ...). The `size` largest group maxima
-    are `size` scores, so the size-th largest score is at least the smallest of them, and each of the `size` largest
-    scores lies in one of those `size` groups (or among the last n - G·g scores, kept as they are). One top-k runs over
-    the G maxima, one over the size·g scores of those groups: about 2·sqrt(n·size) scores instead of n.
+    Args:
+        centroids: `[R, d]`.
+        x: Vectors `[n, d]` (any strides), compared by cosine: their dot products times `inverse_norm [n]`.
+        valid: Bool `[n]`, True = real token (padding scores -inf), or None.
+        size: Members per centroid, at most n.
+        scores: A buffer `[R, n]` for the similarities.
+
+    The positions are cut into g strips of G (and a rest of n - g·G < g); group j holds position j of every strip.
+    The `size` largest group maxima are `size` scores, so the size-th largest score is at least the smallest of them,
+    and each of the `size` largest scores lies in one of those `size` groups or in the rest. One top-k runs over the
+    G maxima, one over the size·g scores of the chosen groups and the rest. The similarities are computed a strip at
+    a time: a `[R, G]` matmul output stays in cache for the running maximum (and the matmul ran 20% faster than one
+    `[R, n]` output at 32K tokens).
     """
-    rows, n = scores.shape
-    group = int(math.sqrt(n / size))  # minimises G + size·g
-    groups = n // group
-    if group < 4:  # too little to gain
+    rows, n = centroids.shape[0], x.shape[0]
+    group = int(math.sqrt(n / size))  # g, minimises G + size·g
+    width = n // group if group >= 4 else n  # G; with g < 4 there is little to gain: one strip, one top-k
+    maxima = None
+    for start in range(0, n, width):
+        stop = min(n, start + width)
+        strip = torch.matmul(centroids, x[start:stop].T, out=scores[:, start:stop])
+        strip.mul_(inverse_norm[start:stop])  # in cache, cheaper than a normalised copy of x
+        if valid is not None:
+            strip.masked_fill_(~valid[start:stop], -math.inf)
+        if stop - start == width:  # a whole strip (the rest is not grouped)
+            maxima = strip.clone() if maxima is None else torch.maximum(maxima, strip, out=maxima)
+    if width == n:
         return scores.topk(size, dim=-1).indices
-    maxima = scores[:, : groups * group].view(rows, group, groups).amax(dim=1)  # [R, G], a vectorised pass
-    best = maxima.topk(size, dim=-1, sorted=False).indices  # [R, size], in any order
-    offsets = torch.arange(0, groups * group, groups, device=scores.device)
-    columns = (best.unsqueeze(-1) + offsets).view(rows, size * group)
-    if groups * group < n:
-        rest = torch.arange(groups * group, n, device=scores.device).expand(rows, -1)
+    best = maxima.topk(size, dim=-1, sorted=False)  # the `size` best groups [R, size], in any order
+    columns = (best.indices.unsqueeze(-1) + torch.arange(0, group * width, width, device=x.device)).view(rows, -1)
+    if group * width < n:
+        rest = torch.arange(group * width, n, device=x.device).expand(rows, -1)
         columns = torch.cat([columns, rest], dim=-1)
-    return columns.gather(-1, scores.gather(-1, columns).topk(size, dim=-1).indices)
+    values = scores.gather(-1, columns)  # [R, size·g + rest]
+    # Only scores at least the smallest chosen maximum can be among the `size` largest: typically few more than
+    # `size` of them. Packed to the left of each row (as wide as the row keeping most), the last top-k reads only
+    # those: 7x less than all size·g.
+    keep = values >= best.values.amin(dim=-1, keepdim=True)
+    slot = keep.cumsum(dim=-1)
+    kept = int(slot[:, -1].max())
+    slot = torch.where(keep, slot - 1, kept)  # the others go to a last column, cut off
+    packed = values.new_full((rows, kept + 1), -math.inf).scatter_(-1, slot, values)[:, :kept]
+    packed_columns = columns.new_zeros((rows, kept + 1)).scatter_(-1, slot, columns)[:, :kept]
+    return packed_columns.gather(-1, packed.topk(size, dim=-1).indices)
 
 
 def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
@@ -114,13 +143,12 @@ def _balanced_members(
     positions = torch.arange(n, device=device)
     for bi in range(b):
         for hi in range(h):
-            unit = x[bi, hi].detach().float() * inverse_norm[row_of(bi, hi, positions)].unsqueeze(-1)  # [n, d]
+            x_head, inverse_head = x[bi, hi].detach().float(), inverse_norm[row_of(bi, hi, positions)]  # [n, d], [n]
             for start in range(0, clusters, step):
                 stop = min(clusters, start + step)
-                block = torch.matmul(centroids[hi, start:stop].float(), unit.T, out=similarities[: stop - start])
-                if valid is not None:
-                    block.masked_fill_(~valid[bi], -math.inf)
-                top[bi, hi, start:stop] = _top_members(block, size)
+                top[bi, hi, start:stop] = _top_members(
+                    centroids[hi, start:stop].float(), x_head, inverse_head, None if valid is None else valid[bi], size,
+                    similarities[: stop - start])
     real = torch.full((b,), n, device=device) if valid is None else valid.sum(-1)
     per_row = torch.div(real + clusters - 1, clusters, rounding_mode="floor")  # ceil(real / C)
     used = torch.arange(size, device=device) < per_row.view(-1, 1, 1, 1)
