@@ -587,6 +587,11 @@ class SinkhornAttention(LongAttnAttention):
         self.sort_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
 
     @classmethod
+    def length_multiple(cls, config, *, layer_idx):
+        # The sequence is padded to whole blocks inside (`_prepare`): a batch padded there costs no extra work.
+        return config.per_layer("sinkhorn_block_size", layer_idx)
+
+    @classmethod
     def validate_config(cls, config, *, layer_idx, is_causal):
         check_int_field(config, "sinkhorn_block_size", layer_idx, minimum=1)
         check_int_field(config, "sinkhorn_iterations", layer_idx, minimum=1)

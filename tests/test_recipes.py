@@ -316,6 +316,7 @@ def test_collator_pads_to_the_block_multiple():
     mixed = longattn.LongAttnConfig(attention_type=["fixed", "sliding", "fixed"], num_hidden_layers=3,
                                     fixed_block_size=[8, 16, 12], fixed_num_summary=2)
     assert training.length_multiple(mixed) == 24
+    assert training.length_multiple(longattn.LongAttnConfig(attention_type="sinkhorn", sinkhorn_block_size=20)) == 20
 
 
 def test_mask_tokens_never_masks_padding_or_special_tokens():
