@@ -444,6 +444,17 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
+# glibc malloc serves blocks above its mmap threshold (raised dynamically, but never above 32 MB) with fresh mmap
+# pages and unmaps them on free, so every step page-faults all its large buffers anew: at 32K tokens and hidden 256 an
+# activation is exactly 32 MB, at 8K it is 8 MB and reused. That step in the cost curve belongs to the allocator, not
+# to any attention, so `--allocator reuse` keeps freed memory in the heap for every implementation alike (the effect
+# a caching allocator such as jemalloc or tcmalloc has).
+ALLOCATORS = {
+    "glibc": {},
+    "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(2**26)},
+}
+
+
 def run_one(args: argparse.Namespace, impl: str, length: int, mode: str) -> dict:
     command = [
         sys.executable, __file__, "--worker", "--impl", impl, "--length", str(length), "--mode", mode,
@@ -452,10 +463,11 @@ def run_one(args: argparse.Namespace, impl: str, length: int, mode: str) -> dict
         "--wait-idle", str(args.wait_idle), "--timeout", str(args.timeout),
     ] + (["--no-tensor-memory"] if not args.tensor_memory else [])
     result = {"impl": impl, "length": length, "mode": mode}
+    env = {**os.environ, **ALLOCATORS[args.allocator]}
     try:
         # The worker gives up by itself when one run exceeds --timeout; this bound only catches a hung worker.
         limit = 2 * args.wait_idle + (args.repeats + 2) * args.timeout
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:
         return {**result, "error": f"timeout > {args.timeout:g} s"}
     if completed.returncode != 0:
@@ -492,6 +504,8 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__} ({torch.get_num_threads()} threads)",
         f"- command: `{command}`",
+        f"- allocator: {args.allocator}"
+        + (" (glibc defaults)" if args.allocator == "glibc" else " (freed memory kept for reuse, see `ALLOCATORS`)"),
         "",
         "Method: each (implementation, length, mode) runs in a fresh subprocess. **time** is the best of "
         f"{args.repeats} runs after a warm-up run (wall clock); `fwdbwd` is forward plus backward of a random output "
@@ -570,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
         "--wait-idle", type=float, default=0.0, metavar="SECONDS",
         help="patience per configuration on a shared machine: wait for idle CPUs before each timed run and repeat "
         "disturbed runs, for up to this many seconds (0: time whatever happens)",
+    )
+    parser.add_argument(
+        "--allocator", choices=sorted(ALLOCATORS), default="glibc",
+        help="glibc: its defaults; reuse: keep freed memory instead of unmapping it (see ALLOCATORS)",
     )
     parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
