@@ -57,50 +57,31 @@ def _unit(x: Tensor) -> Tensor:
 
 # Similarities are computed a block of centroids at a time, into one buffer of at most 16 MB of float32 (two blocks per
 # head at 32K tokens and C = 256). All of `[b, h, C, n]` at once (134 MB there) was a fresh mapping, page-faulted in
-# on every call; allocations under 32 MB are reused from the heap. At 32K tokens 16 MB measured fastest: 8 MB blocks
-# 20% slower (smaller matmuls), 32 MB 15% slower (mapped afresh).
+# on every call; allocations under 32 MB are reused from the heap. At 32K tokens 16 MB measured fastest.
 _BLOCK_ELEMENTS = 2**22
 
 
-def _top_members(
-    centroids: Tensor, x: Tensor, inverse_norm: Tensor, valid: Tensor | None, size: int, scores: Tensor
-) -> Tensor:
-    """The `size` positions most similar to each centroid, most similar first: indices `[R, size]`, the same members
-    as a top-k over each row of all similarities (ties aside), found with two top-ks over about 2·sqrt(n·size)
-    scores per row instead of one over n.
+def _top_members(scores: Tensor, size: int) -> Tensor:
+    """The indices `[R, size]` of the `size` largest scores of each row of `scores [R, n]`, largest first: the same
+    members as `scores.topk(size)` (ties aside), found with two top-ks over about 2·sqrt(n·size) scores per row
+    instead of one over n.
 
-    Args:
-        centroids: `[R, d]`.
-        x: Vectors `[n, d]` (any strides), compared by cosine: their dot products times `inverse_norm [n]`.
-        valid: Bool `[n]`, True = real token (padding scores -inf), or None.
-        size: Members per centroid, at most n.
-        scores: A buffer `[R, n]` for the similarities.
-
-    The positions are cut into g strips of G (and a rest of n - g·G < g); group j holds position j of every strip.
-    The `size` largest group maxima are `size` scores, so the size-th largest score is at least the smallest of them,
-    and each of the `size` largest scores lies in one of those `size` groups or in the rest. One top-k runs over the
-    G maxima, one over the size·g scores of the chosen groups and the rest. The similarities are computed a strip at
-    a time: a `[R, G]` matmul output stays in cache for the running maximum (and the matmuls ran about 20% faster
-    than one with a `[R, n]` output at 32K tokens).
+    The row is cut into g strips of G scores (and a rest of n - g·G < g); group j holds score j of every strip. The
+    `size` largest group maxima are `size` scores, so the size-th largest score is at least the smallest of them, and
+    each of the `size` largest scores lies in one of those `size` groups or in the rest. One top-k runs over the G
+    maxima (taken in one vectorised pass), one over the scores of the chosen groups and the rest that are at least the
+    smallest chosen maximum.
     """
-    rows, n = centroids.shape[0], x.shape[0]
+    rows, n = scores.shape
     group = int(math.sqrt(n / size))  # g, minimises G + size·g
-    width = n // group if group >= 4 else n  # G; with g < 4 there is little to gain: one strip, one top-k
-    maxima = None
-    for start in range(0, n, width):
-        stop = min(n, start + width)
-        strip = torch.matmul(centroids, x[start:stop].T, out=scores[:, start:stop])
-        strip.mul_(inverse_norm[start:stop])  # in cache, cheaper than a normalised copy of x
-        if valid is not None:
-            strip.masked_fill_(~valid[start:stop], -math.inf)
-        if stop - start == width:  # a whole strip (the rest is not grouped)
-            maxima = strip.clone() if maxima is None else torch.maximum(maxima, strip, out=maxima)
-    if width == n:
+    width = n // group  # G
+    if group < 4:  # too little to gain
         return scores.topk(size, dim=-1).indices
+    maxima = scores[:, : group * width].view(rows, group, width).amax(dim=1)  # [R, G]
     best = maxima.topk(size, dim=-1, sorted=False)  # the `size` best groups [R, size], in any order
-    columns = (best.indices.unsqueeze(-1) + torch.arange(0, group * width, width, device=x.device)).view(rows, -1)
+    columns = (best.indices.unsqueeze(-1) + torch.arange(0, group * width, width, device=scores.device)).view(rows, -1)
     if group * width < n:
-        rest = torch.arange(group * width, n, device=x.device).expand(rows, -1)
+        rest = torch.arange(group * width, n, device=scores.device).expand(rows, -1)
         columns = torch.cat([columns, rest], dim=-1)
     values = scores.gather(-1, columns)  # [R, size·g + rest]
     # Only scores at least the smallest chosen maximum can be among the `size` largest: typically few more than
@@ -143,12 +124,13 @@ def _balanced_members(
     positions = torch.arange(n, device=device)
     for bi in range(b):
         for hi in range(h):
-            x_head, inverse_head = x[bi, hi].detach().float(), inverse_norm[row_of(bi, hi, positions)]  # [n, d], [n]
+            unit = x[bi, hi].detach().float() * inverse_norm[row_of(bi, hi, positions)].unsqueeze(-1)  # [n, d]
             for start in range(0, clusters, step):
                 stop = min(clusters, start + step)
-                top[bi, hi, start:stop] = _top_members(
-                    centroids[hi, start:stop].float(), x_head, inverse_head, None if valid is None else valid[bi], size,
-                    similarities[: stop - start])
+                block = torch.matmul(centroids[hi, start:stop].float(), unit.T, out=similarities[: stop - start])
+                if valid is not None:
+                    block.masked_fill_(~valid[bi], -math.inf)
+                top[bi, hi, start:stop] = _top_members(block, size)
     real = torch.full((b,), n, device=device) if valid is None else valid.sum(-1)
     per_row = torch.div(real + clusters - 1, clusters, rounding_mode="floor")  # ceil(real / C)
     used = torch.arange(size, device=device) < per_row.view(-1, 1, 1, 1)

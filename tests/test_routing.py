@@ -112,21 +112,16 @@ def test_balanced_routing_equals_the_explicit_cluster_reference(n, lengths):
 @pytest.mark.parametrize("n, size", [(4096, 64), (1000, 10), (333, 20), (64, 64)])
 def test_top_members_are_topk(n, size):
     generator = torch.Generator().manual_seed(n)
-    centroids = torch.randn(5, 8, generator=generator)
-    x = torch.randn(n, 8, generator=generator) * torch.rand(n, 1, generator=generator)  # lengths do not count
-    x = x[(centroids[0] @ F.normalize(x, dim=-1).T).argsort()]  # centroid 0: positions in the order of the scores
-    inverse_norm = x.norm(dim=-1).reciprocal()
-    positions = torch.arange(n)
-    for valid in (None, positions < n // 2, positions % 3 > 0, positions < 5):  # padding: at the end, spread, most
-        scores = (centroids @ x.T) * inverse_norm
-        if valid is not None:
-            scores = scores.masked_fill(~valid, -math.inf)
-        expected = scores.topk(size, dim=-1)
-        found = _top_members(centroids, x, inverse_norm, valid, size, torch.empty(5, n))
-        torch.testing.assert_close(scores.gather(-1, found), expected.values)  # most similar first
-        real = torch.isfinite(expected.values)
-        assert torch.equal(found.masked_fill(~real, -1).sort(-1).values,
-                           expected.indices.masked_fill(~real, -1).sort(-1).values)
+    scores = torch.randn(6, n, generator=generator)
+    scores[1, n // 2:] = -math.inf  # padding at the end
+    scores[2, ::3] = -math.inf  # and spread out
+    scores[3] = scores[3].sort().values  # positions in the order of the scores
+    scores[4, 5:] = -math.inf  # fewer real scores than members
+    expected = scores.topk(size, dim=-1)
+    found = _top_members(scores, size)
+    torch.testing.assert_close(scores.gather(-1, found), expected.values, rtol=0, atol=0)  # most similar first
+    real = torch.isfinite(expected.values)
+    assert torch.equal(found[real], expected.indices[real])
 
 
 def test_balanced_routing_with_many_clusters_equals_the_reference():
