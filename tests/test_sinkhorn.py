@@ -282,3 +282,23 @@ def test_sinkhorn_mixes_with_sliding_layers_in_every_stack(model_class):
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert not [name for name, p in model.named_parameters() if p.grad is None]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_dropout_backward_uses_the_forward_draws(padded):
+    """With attention dropout, the hand-written backward must apply the same dropout draws as its forward: gradcheck
+    (float64) on a function that fixes torch's seed, from which each call draws its dropout seed."""
+    q, k, v, weight = _inputs(b=1, h=2, n=11, d=4, seed=5)
+    mask = _padding(1, 11, [8]) if padded else None
+
+    def attention(q, k, v, weight, dropout_p=0.4):
+        torch.manual_seed(0)
+        return sinkhorn_attention(q, k, v, weight, key_padding_mask=mask, dropout_p=dropout_p, **SETTINGS)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, weight))
+    # The dropout is real: it changes the output, and with p = 0 the same call is the plain attention.
+    assert not torch.allclose(attention(q, k, v, weight), attention(q, k, v, weight, dropout_p=0.0))
+    torch.testing.assert_close(
+        attention(q, k, v, weight, dropout_p=0.0),
+        sinkhorn_attention(q, k, v, weight, key_padding_mask=mask, **SETTINGS),
+    )
