@@ -23,7 +23,7 @@ from .executor_flex import flex_attention as flex_pattern_attention
 from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
-from .ops_checks import check_dropout, check_qkv, check_token_mask
+from .ops_checks import check_dropout, check_flag, check_qkv, check_token_mask
 from .ops_linear import efficient_attention
 from .ops_lsh import lsh_attention
 from .patterns import (
@@ -275,12 +275,6 @@ def sliding_window_attention(
     )
 
 
-def _check_flag(name: str, value: bool) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
-    return value
-
-
 def strided_attention(
     q: Tensor,
     k: Tensor,
@@ -319,7 +313,7 @@ def strided_attention(
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
-    causal = _check_flag("causal", causal)
+    causal = check_flag("causal", causal)
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
     dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
@@ -373,8 +367,8 @@ def fixed_attention(
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
-    causal = _check_flag("causal", causal)
-    summary_per_head = _check_flag("summary_per_head", summary_per_head)
+    causal = check_flag("causal", causal)
+    summary_per_head = check_flag("summary_per_head", summary_per_head)
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
     dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])

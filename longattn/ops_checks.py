@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["check_dropout", "check_qkv", "check_token_mask"]
+__all__ = ["check_dropout", "check_flag", "check_qkv", "check_token_mask"]
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
@@ -55,3 +55,14 @@ def check_dropout(dropout_p: float) -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
+
+
+def check_flag(name: str, value: bool) -> bool:
+    """A bool option, unchanged.
+
+    Raises:
+        ValueError: It is not a bool (the message names it by `name`).
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return value

@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 
+from attention_checks import assert_all_close, outputs_and_grads
 from longattn import LongAttnConfig, backends, ops, patterns
 from longattn import executor_flex, executor_xformers
 from longattn.backends import AttentionRequest, select_backend
@@ -46,17 +47,6 @@ def _qkv(n_q=N, n_k=N, dtype=torch.float64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(B, H, n, D, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
             for n in (n_q, n_k, n_k)]
-
-
-def _outputs_and_grads(fn, q, k, v):
-    out = fn(q, k, v)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-
-
-def _assert_all_close(actual, expected, **tolerance):
-    for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
-        torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
@@ -324,11 +314,11 @@ def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causa
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
-    expected = _outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q), q, k, v)
-    actual = _outputs_and_grads(
+    expected = outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q), q, k, v)
+    actual = outputs_and_grads(
         lambda q, k, v: ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern), q, k, v
     )
-    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("stride", [1, 3, 5])
@@ -338,10 +328,10 @@ def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, ca
     q, k, v = _qkv()
     key_padding_mask, _ = _masks()
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
-    expected = _outputs_and_grads(_reference_fn(mask_fn), q, k, v)
-    actual = _outputs_and_grads(lambda q, k, v: executor_xformers.strided_attention(
+    expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: executor_xformers.strided_attention(
         q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE), q, k, v)
-    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize(("block_size", "num_summary", "summary_per_head"), [(4, 1, False), (5, 2, True), (30, 3, False)])
@@ -354,10 +344,10 @@ def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, 
     right_padding[2, 9:] = False
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
-    expected = _outputs_and_grads(_reference_fn(fixed_pattern(**kwargs)), q, k, v)
-    actual = _outputs_and_grads(lambda q, k, v: executor_xformers.fixed_attention(q, k, v, scale=SCALE, **kwargs),
+    expected = outputs_and_grads(_reference_fn(fixed_pattern(**kwargs)), q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: executor_xformers.fixed_attention(q, k, v, scale=SCALE, **kwargs),
                                 q, k, v)
-    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (N, True), (4, True)])
@@ -365,10 +355,10 @@ def test_xformers_full_path_equals_the_reference(reference_kernel, n_q, causal):
     q, k, v = _qkv(n_q=n_q)
     key_padding_mask, _ = _masks()
     parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
-    expected = _outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
-    actual = _outputs_and_grads(lambda q, k, v: ops.full_attention(
+    expected = outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: ops.full_attention(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers"), q, k, v)
-    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -378,10 +368,10 @@ def test_xformers_bucketed_attention_equals_same_bucket_attention(reference_kern
     mask = buckets[..., :, None] == buckets[..., None, :]  # [b, h, n, n]
     if causal:
         mask &= torch.ones(17, 17, dtype=torch.bool).tril()
-    expected = _outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=SCALE), q, k, v)
-    actual = _outputs_and_grads(lambda q, k, v: executor_xformers.bucketed_attention(
+    expected = outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=SCALE), q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: executor_xformers.bucketed_attention(
         q, k, v, buckets=buckets, causal=causal, scale=SCALE), q, k, v)
-    _assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
 def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
@@ -426,7 +416,7 @@ def test_gpu_backends_equal_the_reference(backend):
     pattern = dict(window=64, dilation=[1, 1, 2, 4], key_padding_mask=key_padding_mask, global_mask=global_mask)
     mask = patterns.materialize_mask(patterns.sliding_window_pattern(**pattern), batch=2, heads=4, q_len=1000,
                                      kv_len=1000, device="cuda")
-    expected = _outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v)
-    actual = _outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend=backend, **pattern),
+    expected = outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend=backend, **pattern),
                                 q, k, v)
-    _assert_all_close(actual, expected, rtol=2e-2, atol=2e-2)
+    assert_all_close(actual, expected, rtol=2e-2, atol=2e-2)

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads
 from longattn import ops, patterns
 from longattn.executor_blocked import attend_blocks, banded_attention, merge_attention
 
@@ -23,23 +24,7 @@ def _qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0
 
 
 def _reference(q, k, v, **pattern):
-    b, h, n_q = q.shape[:3]
-    n_k = k.shape[2]
-    mask = patterns.materialize_mask(
-        patterns.sliding_window_pattern(**pattern), batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q
-    )
-    return ops.reference_attention(q, k, v, mask)
-
-
-def _outputs_and_grads(fn, q, k, v, seed=1):
-    out = fn(q, k, v)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-
-
-def _assert_all_close(actual, expected, **tolerance):
-    for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
-        torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+    return dense_reference(patterns.sliding_window_pattern(**pattern), q, k, v)
 
 
 def _token_masks(batch, length, *, padding, global_tokens):
@@ -87,9 +72,9 @@ def test_sliding_window_equals_reference(batch, heads, length, window, dilation,
     q, k, v = _qkv(batch, heads, length, seed=length + window)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
     pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
-    actual = _outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
-    expected = _outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
-    _assert_all_close(actual, expected)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
+    assert_all_close(actual, expected)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
@@ -107,8 +92,8 @@ def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
             scale=q.shape[-1] ** -0.5, block_size=block_size,
         )
 
-    _assert_all_close(
-        _outputs_and_grads(blocked, q, k, v), _outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
+    assert_all_close(
+        outputs_and_grads(blocked, q, k, v), outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
     )
 
 
@@ -118,9 +103,9 @@ def test_queries_are_the_last_positions_when_shorter_than_keys(n_q, dilation):
     q, k, v = _qkv(3, 2, n_q, n_k=61, seed=n_q)
     key_padding_mask, global_mask = _token_masks(3, 61, padding=True, global_tokens=True)
     pattern = dict(window=9, dilation=dilation, causal=True, global_mask=global_mask, key_padding_mask=key_padding_mask)
-    _assert_all_close(
-        _outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v),
-        _outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v),
+    assert_all_close(
+        outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v),
+        outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v),
     )
 
 
@@ -141,9 +126,9 @@ def test_window_at_least_length_equals_full_attention(causal, length):
     q, k, v = _qkv(3, 2, length)
     key_padding_mask, global_mask = _token_masks(3, length, padding=True, global_tokens=True)
     kwargs = dict(causal=causal, key_padding_mask=key_padding_mask, global_mask=global_mask)
-    _assert_all_close(
-        _outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, window=length, **kwargs), q, k, v),
-        _outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, **kwargs), q, k, v),
+    assert_all_close(
+        outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, window=length, **kwargs), q, k, v),
+        outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, **kwargs), q, k, v),
     )
 
 
@@ -154,9 +139,9 @@ def test_full_attention_equals_reference(causal, n_q):
     key_padding_mask, _ = _token_masks(3, 30, padding=True, global_tokens=False)
     parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     mask = patterns.materialize_mask(patterns.and_masks(*parts), batch=3, heads=2, q_len=n_q, kv_len=30, q_offset=30 - n_q)
-    _assert_all_close(
-        _outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), q, k, v),
-        _outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v),
+    assert_all_close(
+        outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), q, k, v),
+        outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v),
     )
 
 
@@ -234,12 +219,12 @@ def test_attend_blocks_returns_logsumexp_and_merges_disjoint_key_sets():
     expected = ops.reference_attention(q, k, v, mask, scale=0.3)
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, -math.inf)
     torch.testing.assert_close(lse.reshape(2, 3, 24), torch.logsumexp(scores, dim=-1))
-    _assert_all_close(
-        _outputs_and_grads(lambda q, k, v: merge_attention([
+    assert_all_close(
+        outputs_and_grads(lambda q, k, v: merge_attention([
             attend_blocks(q.view(2, 3, 4, 6, 8), k, v, kv_index=index, mask=mask[..., index[0]].view(2, 1, 4, 6, 12), scale=0.3)
             for index in (first, second)
         ])[0].reshape(2, 3, 24, 8), q, k, v),
-        _outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=0.3), q, k, v),
+        outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=0.3), q, k, v),
     )
     torch.testing.assert_close(out.reshape(2, 3, 24, 8), expected)
 

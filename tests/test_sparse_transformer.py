@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import longattn
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads
 from longattn import LongAttnConfig, ops, patterns
 from longattn.visualize import attention_pattern
 
@@ -17,24 +18,6 @@ def _qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0
     n_k = n_q if n_k is None else n_k
     shapes = ((batch, heads, n_q, head_dim), (batch, heads, n_k, head_dim), (batch, heads, n_k, head_dim))
     return [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_() for shape in shapes]
-
-
-def _dense(mask_fn, q, k, v):
-    b, h, n_q = q.shape[:3]
-    n_k = k.shape[2]
-    mask = patterns.materialize_mask(mask_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q)
-    return ops.reference_attention(q, k, v, mask)
-
-
-def _outputs_and_grads(fn, q, k, v, seed=1):
-    out = fn(q, k, v)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-
-
-def _assert_all_close(actual, expected, **tolerance):
-    for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
-        torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
 def _padding(batch, length, kind):
@@ -209,12 +192,12 @@ def test_strided_equals_dense_reference(batch, heads, n_q, n_k, size, causal, pa
     q, k, v = _qkv(batch, heads, n_q, n_k=n_k)
     key_padding_mask = _padding(batch, n_k, padding)
     pattern = patterns.strided_pattern(stride=size, causal=causal, key_padding_mask=key_padding_mask)
-    actual = _outputs_and_grads(
+    actual = outputs_and_grads(
         lambda q, k, v: ops.strided_attention(q, k, v, stride=size, causal=causal, key_padding_mask=key_padding_mask),
         q, k, v,
     )
-    expected = _outputs_and_grads(lambda q, k, v: _dense(pattern, q, k, v), q, k, v)
-    _assert_all_close(actual, expected)
+    expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v), q, k, v)
+    assert_all_close(actual, expected)
 
 
 @pytest.mark.parametrize("batch, heads, n_q, n_k, size, causal, padding", CASES)
@@ -223,12 +206,12 @@ def test_fixed_equals_dense_reference(batch, heads, n_q, n_k, size, causal, padd
     key_padding_mask = _padding(batch, n_k, padding)
     for sizes in _fixed_sizes(size, n_k):
         pattern = patterns.fixed_pattern(causal=causal, key_padding_mask=key_padding_mask, **sizes)
-        actual = _outputs_and_grads(
+        actual = outputs_and_grads(
             lambda q, k, v: ops.fixed_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **sizes),
             q, k, v,
         )
-        expected = _outputs_and_grads(lambda q, k, v: _dense(pattern, q, k, v), q, k, v)
-        _assert_all_close(actual, expected)
+        expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v), q, k, v)
+        assert_all_close(actual, expected)
 
 
 def test_fully_padded_row_gives_zeros_and_finite_gradients():
@@ -239,7 +222,7 @@ def test_fully_padded_row_gives_zeros_and_finite_gradients():
         lambda q, k, v: ops.strided_attention(q, k, v, stride=4, causal=False, key_padding_mask=key_padding_mask),
         lambda q, k, v: ops.fixed_attention(q, k, v, block_size=6, num_summary=2, key_padding_mask=key_padding_mask),
     ):
-        out, *grads = _outputs_and_grads(fn, q, k, v)
+        out, *grads = outputs_and_grads(fn, q, k, v)
         torch.testing.assert_close(out[1], torch.zeros_like(out[1]))
         assert all(torch.isfinite(grad).all() for grad in grads)
 
@@ -266,7 +249,7 @@ def test_half_precision_with_padding_has_no_nan(dtype):
             q, k, v, block_size=20, num_summary=3, causal=False, summary_per_head=True, key_padding_mask=key_padding_mask
         ),
     ):
-        out, *grads = _outputs_and_grads(fn, q, k, v)
+        out, *grads = outputs_and_grads(fn, q, k, v)
         assert out.dtype == dtype
         assert torch.isfinite(out.float()).all()
         assert all(torch.isfinite(grad.float()).all() for grad in grads)

@@ -1,0 +1,28 @@
+"""Helpers the executor tests share: the dense reference of a pattern, and outputs + gradients compared as one."""
+
+from __future__ import annotations
+
+import torch
+
+from longattn import ops, patterns
+
+
+def dense_reference(mask_fn, q, k, v, **kwargs):
+    """`reference_attention` under `mask_fn` materialised for these shapes (queries are the last n_q positions)."""
+    b, h, n_q = q.shape[:3]
+    n_k = k.shape[2]
+    mask = patterns.materialize_mask(mask_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q)
+    return ops.reference_attention(q, k, v, mask, **kwargs)
+
+
+def outputs_and_grads(fn, q, k, v, seed=1):
+    """`(out, grad_q, grad_k, grad_v)` of `fn(q, k, v)` under a seeded random output gradient."""
+    out = fn(q, k, v)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+def assert_all_close(actual, expected, **tolerance):
+    """Compare two `outputs_and_grads` results, naming the tensor that differs."""
+    for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
+        torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
