@@ -91,7 +91,32 @@ def _xformers_ops():
         import xformers.ops  # noqa: PLC0415
     except ImportError as error:
         raise ImportError("the xformers back end needs xformers: pip install 'longattn[xformers]'") from error
+    _admit_pytorch_kernels()
     return xformers.ops
+
+
+@functools.lru_cache(maxsize=None)
+def _admit_pytorch_kernels() -> bool:
+    """Let xformers dispatch to its operators that run on PyTorch's own kernels when its extension did not load.
+
+    An xformers wheel is built against one torch release. Under another, its C++ extension fails to load, and
+    xformers then refuses every CUDA operator ("xFormers wasn't build with CUDA support"), although its
+    FlashAttention-2 and cutlass operators call PyTorch's kernels (`fa2F@...-pt`, `cutlassF-pt` in
+    `python -m xformers.info`, which lists them as available) and need no extension. Only that one refusal is
+    lifted: operators that do need the extension still report "operator wasn't built" and are never chosen, and
+    `probe_reasons` runs what a layout needs before the dispatcher admits the back end.
+
+    Returns:
+        True when the refusal was lifted (the extension had failed to load), else False.
+    """
+    cpp_lib = importlib.import_module("xformers._cpp_lib")
+    if getattr(cpp_lib, "_cpp_library_load_exception", None) is None or not torch.cuda.is_available():
+        return False
+    common = importlib.import_module("xformers.ops.fmha.common")
+    if getattr(common, "_built_with_cuda", True):
+        return False
+    common._built_with_cuda = True
+    return True
 
 
 def _attn_bias():

@@ -160,10 +160,13 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
 
         return _named(dilated_sliding_window, f"sliding_window_{window}_dilated_{dilation}")
 
-    per_head = torch.tensor(dilation, dtype=torch.long)
-
     def per_head_dilated_sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        head_dilation = per_head.to(h.device)[h]
+        # A chain of scalar `where`s, not an index into a captured tensor: the predicate stays pointwise, which
+        # compiled FlexAttention needs (a captured tensor is a host buffer it cannot read inside the kernel).
+        head_dilation = h * 0 + dilation[0]
+        for head, value in enumerate(dilation[1:], start=1):
+            if value != dilation[0]:
+                head_dilation = torch.where(h == head, value, head_dilation)
         distance = (q_idx - kv_idx).abs()
         return (distance <= window * head_dilation) & (distance % head_dilation == 0)
 

@@ -18,7 +18,7 @@ def dense_reference(mask_fn, q, k, v, **kwargs):
 def outputs_and_grads(fn, q, k, v, seed=1):
     """`(out, grad_q, grad_k, grad_v)` of `fn(q, k, v)` under a seeded random output gradient."""
     out = fn(q, k, v)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device, out.dtype)
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
 
 

@@ -396,6 +396,33 @@ def test_xformers_half_precision_matches_float64(reference_kernel):
     torch.testing.assert_close(actual.double(), expected.detach(), rtol=2e-2, atol=2e-2)
 
 
+def test_xformers_admits_its_pytorch_kernel_operators_only_when_its_extension_failed(monkeypatch):
+    pytest.importorskip("xformers")
+    import importlib
+
+    cpp_lib = importlib.import_module("xformers._cpp_lib")
+    common = importlib.import_module("xformers.ops.fmha.common")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for failed, expected in ((None, False), (ImportError("built for another torch"), True)):
+        executor_xformers._admit_pytorch_kernels.cache_clear()
+        monkeypatch.setattr(cpp_lib, "_cpp_library_load_exception", failed)
+        monkeypatch.setattr(common, "_built_with_cuda", False)
+        assert executor_xformers._admit_pytorch_kernels() is expected
+        assert common._built_with_cuda is expected
+    executor_xformers._admit_pytorch_kernels.cache_clear()
+
+
+def test_per_head_dilation_predicate_reads_no_captured_tensor():
+    # Compiled FlexAttention cannot read a host tensor inside its mask; the predicate is built from scalars only.
+    mask_fn = patterns.sliding_window_mask(2, dilation=(1, 3, 1, 2))
+    assert not any(isinstance(cell.cell_contents, torch.Tensor) for cell in mask_fn.__closure__ or ())
+    q_idx, kv_idx = torch.arange(12).view(-1, 1), torch.arange(12).view(1, -1)
+    for head, dilation in enumerate((1, 3, 1, 2)):
+        distance = (q_idx - kv_idx).abs()
+        expected = (distance <= 2 * dilation) & (distance % dilation == 0)
+        assert torch.equal(mask_fn(torch.tensor(0), torch.tensor(head), q_idx, kv_idx), expected)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
