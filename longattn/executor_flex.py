@@ -12,6 +12,9 @@ evaluated at `q_idx + n_k - n_q`.
   tensors are built per call.
 - On CUDA the kernel (and the block-mask construction) is compiled once with `torch.compile`; a new length
   triggers one more compilation with symbolic lengths (torch.compile's default dynamic-shape policy).
+- A banded predicate (a sliding window, `patterns.mask_reach`) gets its block mask from the tiles near the
+  diagonal only, O(n · reach) work; `create_block_mask` would evaluate every (query, key) pair, which at 1M tokens
+  takes longer than the attention itself. Other predicates go through `create_block_mask`.
 - On CPU FlexAttention runs eagerly, forward only: it has no backward there (the dispatcher says so when inputs
   require grad), and its eager form computes the dense score matrix, so it is a check, not a fast path.
 
@@ -29,11 +32,13 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from .patterns import MaskFn
+from .patterns import MaskFn, mask_reach
 
-__all__ = ["flex_attention", "block_mask", "clear_block_mask_cache", "unavailable_reasons"]
+__all__ = ["flex_attention", "block_mask", "banded_block_mask", "clear_block_mask_cache", "unavailable_reasons"]
 
 _CACHE_SIZE = 32
+BLOCK_SIZE = 128
+"""FlexAttention's tile size (its default `_DEFAULT_SPARSE_BLOCK_SIZE`)."""
 _BLOCK_MASKS: OrderedDict[Hashable, object] = OrderedDict()
 
 
@@ -100,14 +105,100 @@ def block_mask(
         return mask_fn(b, h, q_idx + q_offset, kv_idx)
 
     mask_mod.__name__ = getattr(mask_fn, "__name__", "mask_mod")
-    result = _flex().create_block_mask(
-        mask_mod, batch, heads, q_len, kv_len, device=device, _compile=device.type == "cuda"
-    )
+    reach = mask_reach(mask_fn)
+    if reach is not None:
+        result = banded_block_mask(mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, reach=reach,
+                                   device=device)
+    else:
+        result = _flex().create_block_mask(
+            mask_mod, batch, heads, q_len, kv_len, device=device, _compile=device.type == "cuda"
+        )
     if key is not None:
         _BLOCK_MASKS[key] = result
         while len(_BLOCK_MASKS) > _CACHE_SIZE:
             _BLOCK_MASKS.popitem(last=False)
     return result
+
+
+def banded_block_mask(
+    mask_mod: MaskFn,
+    *,
+    batch: int | None,
+    heads: int | None,
+    q_len: int,
+    kv_len: int,
+    reach: int,
+    device: torch.device,
+    block_size: int = BLOCK_SIZE,
+    max_elements: int = 2**26,
+):
+    """The `BlockMask` of a predicate whose visible pairs satisfy `|q_idx + n_k - n_q - kv_idx| <= reach`.
+
+    Query tile i can only see the key tiles that overlap positions `[i·B + offset - reach, (i+1)·B - 1 + offset +
+    reach]`, about `2·reach / B + 2` of them, so only those tiles are evaluated (in chunks of at most
+    `max_elements` predicate calls): O(n · reach) work instead of `create_block_mask`'s O(n_q · n_k). A tile is
+    full when every pair in it is visible (tiles cut by the sequence end are never full), partial when some are.
+    The result equals `create_block_mask`'s (the tests compare them).
+
+    Args:
+        mask_mod: Predicate over (b, h, q_idx, kv_idx) with queries counted from 0 (offset applied inside).
+        batch: b when the predicate reads the batch index, else None (one mask broadcast over the batch).
+        heads: h when it reads the head index, else None.
+        q_len: n_q.
+        kv_len: n_k.
+        reach: The band, in positions.
+        device: Device of the mask.
+        block_size: Tile size B (FlexAttention's default 128).
+        max_elements: Predicate evaluations per chunk (bounds the temporary memory).
+
+    Returns:
+        The `BlockMask`.
+    """
+    q_offset = kv_len - q_len
+    n_batch, n_heads = batch or 1, heads or 1
+    q_tiles, kv_tiles = -(-q_len // block_size), -(-kv_len // block_size)
+    tile = torch.arange(q_tiles, device=device)
+    first = ((tile * block_size + q_offset - reach).clamp(min=0) // block_size).clamp(max=kv_tiles - 1)
+    last_query = torch.clamp((tile + 1) * block_size - 1, max=q_len - 1) + q_offset
+    last = ((last_query + reach) // block_size).clamp(max=kv_tiles - 1)
+    width = int((last - first).max()) + 1  # candidate key tiles per query tile
+    candidates = first[:, None] + torch.arange(width, device=device)  # [Q, C]
+    real_candidate = candidates <= last[:, None]
+    candidates = candidates.clamp(max=kv_tiles - 1)
+
+    offsets = torch.arange(block_size, device=device)
+    b = torch.arange(n_batch, device=device).view(-1, 1, 1, 1, 1, 1)
+    h = torch.arange(n_heads, device=device).view(1, -1, 1, 1, 1, 1)
+    partial = torch.zeros(n_batch, n_heads, q_tiles, kv_tiles, dtype=torch.int32, device=device)
+    full = torch.zeros_like(partial)
+    chunk = max(1, max_elements // (n_batch * n_heads * width * block_size * block_size))
+    for start in range(0, q_tiles, chunk):
+        rows = slice(start, min(start + chunk, q_tiles))
+        q_idx = (tile[rows, None] * block_size + offsets).view(1, 1, -1, 1, block_size, 1)  # [1, 1, Qc, 1, B, 1]
+        kv_idx = (candidates[rows, :, None] * block_size + offsets).view(1, 1, *candidates[rows].shape, 1, block_size)
+        in_range = (q_idx < q_len) & (kv_idx < kv_len)
+        # Out-of-range positions are clamped before the predicate sees them (it may index tensors with them).
+        visible = mask_mod(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1)) & in_range
+        visible = visible.expand(n_batch, n_heads, *visible.shape[2:])  # [b, h, Qc, C, B, B]
+        any_visible = visible.any(dim=(-1, -2)) & real_candidate[rows]
+        all_visible = visible.all(dim=(-1, -2)) & real_candidate[rows]
+        index = candidates[rows].expand(n_batch, n_heads, -1, -1)
+        # Clamped duplicates of a real candidate only add zeros.
+        full[:, :, rows].scatter_add_(-1, index, all_visible.int())
+        partial[:, :, rows].scatter_add_(-1, index, (any_visible & ~all_visible).int())
+    kv_num_blocks, kv_indices = _ordered(partial)
+    full_kv_num_blocks, full_kv_indices = _ordered(full)
+    return _flex().BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )
+
+
+def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """Tile flags `[b, h, Q, K]` -> (count per row, the flagged tile indices first): BlockMask's ordered form."""
+    flags = (dense > 0).to(torch.int32)
+    indices = torch.argsort(flags, dim=-1, descending=True, stable=True)
+    return flags.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
 def flex_attention(

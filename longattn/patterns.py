@@ -39,16 +39,28 @@ __all__ = [
     "fixed_pattern",
     "first_real_token",
     "from_first_real_token",
+    "mask_reach",
 ]
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """`(b, h, q_idx, kv_idx)` broadcastable int64 index tensors -> bool tensor, True = the query may see the key."""
 
 
-def _named(fn: MaskFn, name: str) -> MaskFn:
+def _named(fn: MaskFn, name: str, *, reach: int | None = None) -> MaskFn:
     fn.__name__ = name
     fn.__qualname__ = name
+    fn.reach = reach
     return fn
+
+
+def mask_reach(mask_fn: MaskFn) -> int | None:
+    """The band a predicate stays inside: every visible pair has `|q_pos - kv_pos| <= reach`; None = unbounded.
+
+    Sliding windows declare it (window x dilation); `and_masks` keeps the narrowest band of its parts and
+    `or_masks` the widest, unbounded as soon as one part is (global tokens). Executors use it to look for visible
+    keys only near the diagonal (e.g. FlexAttention's block mask in O(n · reach) instead of O(n²)).
+    """
+    return getattr(mask_fn, "reach", None)
 
 
 def check_window(window: int, *, name: str = "window") -> int:
@@ -149,7 +161,7 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
         def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return (q_idx - kv_idx).abs() <= window
 
-        return _named(sliding_window, f"sliding_window_{window}")
+        return _named(sliding_window, f"sliding_window_{window}", reach=window)
 
     if isinstance(dilation, int):
         reach = window * dilation
@@ -158,7 +170,7 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
             distance = (q_idx - kv_idx).abs()
             return (distance <= reach) & (distance % dilation == 0)
 
-        return _named(dilated_sliding_window, f"sliding_window_{window}_dilated_{dilation}")
+        return _named(dilated_sliding_window, f"sliding_window_{window}_dilated_{dilation}", reach=reach)
 
     def per_head_dilated_sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # A chain of scalar `where`s, not an index into a captured tensor: the predicate stays pointwise, which
@@ -171,7 +183,8 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
         return (distance <= window * head_dilation) & (distance % head_dilation == 0)
 
     name = "_".join(str(value) for value in dilation)
-    return _named(per_head_dilated_sliding_window, f"sliding_window_{window}_dilated_{name}")
+    return _named(per_head_dilated_sliding_window, f"sliding_window_{window}_dilated_{name}",
+                  reach=window * max(dilation))
 
 
 def key_padding_mask(key_padding_mask: Tensor) -> MaskFn:
@@ -240,7 +253,9 @@ def and_masks(*mask_fns: MaskFn) -> MaskFn:
             result = result & fn(b, h, q_idx, kv_idx)
         return result
 
-    return _named(and_mask, "and(" + ", ".join(fn.__name__ for fn in mask_fns) + ")")
+    bounded = [reach for reach in map(mask_reach, mask_fns) if reach is not None]
+    return _named(and_mask, "and(" + ", ".join(fn.__name__ for fn in mask_fns) + ")",
+                  reach=min(bounded) if bounded else None)
 
 
 def or_masks(*mask_fns: MaskFn) -> MaskFn:
@@ -259,7 +274,9 @@ def or_masks(*mask_fns: MaskFn) -> MaskFn:
             result = result | fn(b, h, q_idx, kv_idx)
         return result
 
-    return _named(or_mask, "or(" + ", ".join(fn.__name__ for fn in mask_fns) + ")")
+    reaches = [mask_reach(fn) for fn in mask_fns]
+    return _named(or_mask, "or(" + ", ".join(fn.__name__ for fn in mask_fns) + ")",
+                  reach=None if not reaches or None in reaches else max(reaches))
 
 
 def sliding_window_pattern(

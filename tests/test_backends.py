@@ -412,6 +412,69 @@ def test_xformers_admits_its_pytorch_kernel_operators_only_when_its_extension_fa
     executor_xformers._admit_pytorch_kernels.cache_clear()
 
 
+def _tile_flags(num_blocks, indices, kv_tiles):
+    """A BlockMask's ordered (count, indices) form as dense tile flags `[b, h, Q, K]`."""
+    taken = torch.arange(indices.shape[-1]) < num_blocks[..., None].long()
+    dense = torch.zeros(*indices.shape[:-1], kv_tiles + 1, dtype=torch.long)
+    dense.scatter_add_(-1, torch.where(taken, indices.long(), kv_tiles), taken.long())
+    return dense[..., :kv_tiles]
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, window, dilation, causal, padded, block_size",
+    [
+        (300, 300, 40, 1, False, False, 16),
+        (300, 300, 17, 1, False, False, 16),  # reach = B + 1: the last visible key opens a new tile
+        (301, 301, 17, 3, True, True, 16),
+        (7, 250, 30, (1, 2, 1, 4), False, True, 16),  # decoding: the queries are the last 7 positions
+        (1000, 1000, 64, 1, True, False, 128),
+        (129, 129, 200, 1, False, False, 128),  # the band covers every tile
+    ],
+)
+def test_banded_block_mask_equals_create_block_mask(q_len, kv_len, window, dilation, causal, padded, block_size):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    key_padding_mask = None
+    if padded:
+        key_padding_mask = torch.ones(2, kv_len, dtype=torch.bool)
+        key_padding_mask[1, kv_len - kv_len // 3:] = False
+    mask_fn = patterns.sliding_window_pattern(window=window, dilation=dilation, causal=causal,
+                                              key_padding_mask=key_padding_mask)
+    assert patterns.mask_reach(mask_fn) == window * (max(dilation) if isinstance(dilation, tuple) else dilation)
+    q_offset = kv_len - q_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask_fn(b, h, q_idx + q_offset, kv_idx)
+
+    batch = 2 if padded else None
+    heads = 4 if isinstance(dilation, tuple) else None
+    # A small chunk bound makes the evaluation run in several chunks.
+    actual = executor_flex.banded_block_mask(mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len,
+                                             reach=patterns.mask_reach(mask_fn), device=torch.device("cpu"),
+                                             block_size=block_size, max_elements=50_000)
+    expected = flex.create_block_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size)
+    kv_tiles = -(-kv_len // block_size)
+    for fields in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        got = _tile_flags(*(getattr(actual, f) for f in fields), kv_tiles)
+        want = _tile_flags(*(getattr(expected, f) for f in fields), kv_tiles)
+        assert torch.equal(got, want), fields
+    assert torch.equal(actual.to_dense(), expected.to_dense())
+
+
+def test_sliding_flex_block_mask_is_banded_and_global_tokens_are_not(monkeypatch):
+    calls = []
+    monkeypatch.setattr(executor_flex, "banded_block_mask",
+                        lambda *args, **kwargs: calls.append(kwargs["reach"]) or "banded")
+    executor_flex.clear_block_mask_cache()
+    executor_flex.block_mask(patterns.sliding_window_pattern(window=5, causal=True), batch=None, heads=None,
+                             q_len=50, kv_len=50, device=torch.device("cpu"))
+    assert calls == [5]
+    global_mask = torch.zeros(1, 50, dtype=torch.bool)
+    global_mask[0, 3] = True
+    executor_flex.block_mask(patterns.sliding_window_pattern(window=5, global_mask=global_mask), batch=1,
+                             heads=None, q_len=50, kv_len=50, device=torch.device("cpu"))
+    assert calls == [5]  # global tokens see everything: no band, create_block_mask
+
+
 def test_per_head_dilation_predicate_reads_no_captured_tensor():
     # Compiled FlexAttention cannot read a host tensor inside its mask; the predicate is built from scalars only.
     mask_fn = patterns.sliding_window_mask(2, dilation=(1, 3, 1, 2))
