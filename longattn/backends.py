@@ -18,7 +18,9 @@ Each back end declares what it supports and, for a given `AttentionRequest`, ret
 (`reasons_not_supported`), in the manner of xformers' operator dispatch. `select_backend` raises `ValueError`
 with those reasons when an explicitly requested back end cannot run, and for `"auto"` takes the first of
 `AUTO_ORDER` that can (xformers, then FlexAttention, then the PyTorch executor), logging its choice once per kind
-of request. On CPU `"auto"` is always the PyTorch executor.
+of request. One measured exception: an undilated sliding window without global tokens or padding goes to
+FlexAttention, which ran it faster than xformers' FlashAttention-2 band on an H100 (`docs/benchmarks_gpu.md`).
+On CPU `"auto"` is always the PyTorch executor.
 """
 
 from __future__ import annotations
@@ -268,6 +270,13 @@ class XformersBackend(Backend):
     def auto_reasons(self, request):
         if request.pattern == "full" and not request.key_padding:
             return ["dense attention without padding: SDPA runs the same flash kernel without a layout copy"]
+        dilations = {request.dilation} if isinstance(request.dilation, int) else set(request.dilation)
+        undilated = dilations == {1}
+        if (request.pattern == "sliding" and undilated and not request.global_tokens and not request.key_padding
+                and not BACKENDS["flex"].reasons_not_supported(request)):
+            # Measured on an H100 with xformers 0.0.35 on PyTorch's FlashAttention-2 (docs/benchmarks_gpu.md): a plain
+            # band is FlexAttention's best case, and the permutations that make xformers win need a dilation.
+            return ["an undilated window runs faster on FlexAttention's block-sparse kernel (1.2-2.5x on an H100)"]
         return []
 
 

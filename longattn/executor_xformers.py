@@ -10,6 +10,8 @@ causal triangles, block-diagonal packs (`BlockDiagonalMask`). A pattern is mappe
 - sliding window: one part, the band; bottom-right alignment puts the queries at the last positions (decoding).
 - dilated window: positions are split into residue classes mod the dilation; inside a class the dilated window is a
   plain band, so each group of equally long classes is one batched band call (the classes ride in the batch dim).
+  When the length is a multiple of the dilation and nothing is hidden, the classes are read in place through a
+  strided view (`residue_view`), with no gather.
 - strided (Sparse Transformer): a band of stride − 1 keys, plus the earlier (and, bidirectional, later) members of
   the query's residue class mod the stride: causal triangles over the permuted classes (the later members by
   reversing the class order).
@@ -58,6 +60,7 @@ __all__ = [
     "current_kernel",
     "use_kernel",
     "residue_classes",
+    "residue_view",
     "sliding_window_layout",
     "strided_layout",
     "fixed_layout",
@@ -817,11 +820,46 @@ def sliding_window_attention(
 ) -> Tensor:
     """`ops.sliding_window_attention` on xformers kernels (arguments validated there): `[b, h, n_q, d_v]`."""
     b, h, n_q, _ = q.shape
+    if _residue_views_apply(q, k, dilation, key_padding_mask, global_mask):
+        return _dilated_band_on_views(q, k, v, window=window, dilation=dilation, causal=causal, scale=scale,
+                                      dropout_p=dropout_p)
     layout = sliding_window_layout(
         batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], window=window, dilation=dilation, causal=causal,
         key_padding_mask=key_padding_mask, global_mask=global_mask, device=q.device,
     )
     return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
+
+
+def _residue_views_apply(q: Tensor, k: Tensor, dilation, key_padding_mask, global_mask) -> bool:
+    """Whether a dilated window can run on strided views of q, k, v instead of gathered copies."""
+    n = k.shape[2]
+    return (isinstance(dilation, int) and dilation > 1 and n % dilation == 0 and q.shape[2] == n
+            and key_padding_mask is None and global_mask is None)
+
+
+def residue_view(x: Tensor, modulus: int) -> Tensor:
+    """`[b, h, n, d]` -> `[b, modulus, n / modulus, h, d]`, a view: `[i, r, t]` is position `t · modulus + r`.
+
+    Residue class r of batch row i, in position order, in xformers' `[B, M, H, K]` layout (B = the classes)
+    without a copy; the kernels read it through its strides. n must be a multiple of `modulus`.
+    """
+    b, h, n, d = x.shape
+    return x.view(b, h, n // modulus, modulus, d).permute(0, 3, 2, 1, 4)
+
+
+def _dilated_band_on_views(q, k, v, *, window, dilation, causal, scale, dropout_p):
+    """A dilated window (one dilation, n a multiple of it, no padding or global tokens) as one band call per
+    batch row over the residue classes, read in place: inside a class the dilated window is a plain band of
+    `window` class steps. Only the output is copied back to position order."""
+    b, h, n, _ = q.shape
+    band = _attn_bias().LocalAttentionFromBottomRightMask(
+        window_left=min(window, n // dilation), window_right=0 if causal else min(window, n // dilation)
+    )
+    views = [residue_view(x, dilation) for x in (q, k, v)]
+    kernel = current_kernel()
+    outs = [kernel.attention(views[0][i], views[1][i], views[2][i], band, p=dropout_p, scale=scale) for i in range(b)]
+    out = outs[0].unsqueeze(0) if b == 1 else torch.stack(outs)  # [b, dilation, n / dilation, h, d_v]
+    return out.permute(0, 3, 2, 1, 4).reshape(b, h, n, v.shape[-1])
 
 
 def strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: bool = True,

@@ -223,6 +223,11 @@ BENCH_CASES = [
 ]
 
 
+def _selected(cases: list[Case], names: list[str] | None) -> list[Case]:
+    """The cases whose name contains one of `names` (all when None)."""
+    return [case for case in cases if names is None or any(name in case.name for name in names)]
+
+
 # ------------------------------------------------------------------------------------------------ correctness
 def _reference(case: Case, q, k, v):
     b, h, n, d = q.shape
@@ -268,7 +273,7 @@ def run_checks(args) -> tuple[list[str], int]:
     torch.backends.cudnn.allow_tf32 = False
     lines = ["| pattern | dtype | " + " | ".join(BACKENDS) + " |", "|---|---|" + "---|" * len(BACKENDS)]
     failures = 0
-    for case in CHECK_CASES:
+    for case in _selected(CHECK_CASES, args.cases):
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
             cells = []
@@ -352,7 +357,7 @@ def run_benchmarks(args) -> list[str]:
             except Exception as error:  # noqa: BLE001
                 dense[mode] = math.nan
                 print(f"dense flash {n} {mode}: {type(error).__name__}: {error}", flush=True)
-        for case in BENCH_CASES:
+        for case in _selected(BENCH_CASES, args.cases):
             for mode in args.modes:
                 ideal = dense[mode] * case.density(n)
                 cells, times = [], {}
@@ -389,40 +394,49 @@ def run_benchmarks(args) -> list[str]:
 
 
 def run_million(args) -> list[str]:
+    """One forward pass of a 4-layer sliding-window encoder on `--million-length` tokens, per back end."""
     from longattn import LongAttnConfig  # noqa: PLC0415
     from longattn.modeling_longattn import LongAttnModel  # noqa: PLC0415
 
     n = args.million_length
-    config = LongAttnConfig(
-        vocab_size=260, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048,
-        max_position_embeddings=n, attention_type="sliding", sliding_window=256, attention_backend="auto",
-        hidden_dropout_prob=0.0,
-    )
-    model = LongAttnModel(config).to(DEVICE, torch.bfloat16).eval()
-    input_ids = torch.randint(3, 260, (1, n), device=DEVICE)
-    lines = ["| model | tokens | back end (auto) | forward s | peak GB |", "|---|---|---|---|---|"]
-    request = backends.AttentionRequest(pattern="sliding", device=torch.device(DEVICE).type, dtype=torch.bfloat16,
-                                        head_dim=64, value_head_dim=64, q_len=n, kv_len=n, heads=8)
-    chosen = backends.select_backend("auto", request)
     label = "4 layers, hidden 512, 8 heads, sliding 256"
-    try:
-        with torch.inference_mode():
-            model(input_ids[:, :4096])  # compile / warm-up
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            out = model(input_ids).last_hidden_state
-            finite = bool(torch.isfinite(out).all())  # also waits for the GPU
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else math.nan
-        line = f"| {label} | {n} | {chosen} | {seconds:.2f} | {peak:.1f} |"
-        if not finite:
-            line += " (non-finite output!)"
-    except Exception as error:  # noqa: BLE001 - out of memory is a result too
-        line = f"| {label} | {n} | {chosen} | {type(error).__name__}: {str(error)[:120]} | |"
-    print(line, flush=True)
-    lines.append(line)
+    input_ids = torch.randint(3, 260, (1, n), device=DEVICE)
+    lines = ["| model | tokens | back end | forward s | peak GB |", "|---|---|---|---|---|"]
+    for backend in args.million_backends:
+        config = LongAttnConfig(
+            vocab_size=260, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048,
+            max_position_embeddings=n, attention_type="sliding", sliding_window=256, attention_backend=backend,
+            hidden_dropout_prob=0.0,
+        )
+        torch.manual_seed(0)
+        model = LongAttnModel(config).to(DEVICE, torch.bfloat16).eval()
+        name = backend
+        if backend == "auto":
+            request = backends.AttentionRequest(pattern="sliding", device=torch.device(DEVICE).type,
+                                                dtype=torch.bfloat16, head_dim=64, value_head_dim=64, q_len=n,
+                                                kv_len=n, heads=8)
+            name = f"auto -> {backends.select_backend('auto', request)}"
+        try:
+            with torch.inference_mode():
+                model(input_ids[:, :4096])  # compile / warm-up
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                out = model(input_ids).last_hidden_state
+                finite = bool(torch.isfinite(out).all())  # also waits for the GPU
+            seconds = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else math.nan
+            line = f"| {label} | {n} | {name} | {seconds:.2f} | {peak:.1f} |"
+            if not finite:
+                line += " (non-finite output!)"
+        except Exception as error:  # noqa: BLE001 - out of memory is a result too
+            line = f"| {label} | {n} | {name} | {type(error).__name__}: {str(error)[:120]} | |"
+        print(line, flush=True)
+        lines.append(line)
+        del model
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return lines
 
 
@@ -460,6 +474,10 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-max-length", type=int, default=65536,
                         help="longest length timed on the torch executor (it is the slow fallback)")
     parser.add_argument("--million-length", type=int, default=2**20)
+    parser.add_argument("--million-backends", nargs="+", default=["auto", "flex", "xformers"],
+                        choices=list(backends.BACKEND_NAMES))
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="only the check and benchmark cases whose name contains one of these")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-checks", action="store_true")

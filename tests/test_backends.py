@@ -114,8 +114,13 @@ def test_auto_on_cuda_prefers_xformers_then_flex_then_torch(monkeypatch):
     monkeypatch.setattr(backends, "xformers_probe_reasons", lambda *args, **kwargs: [])
     monkeypatch.setattr(backends, "flex_unavailable_reasons", lambda: [])
     cuda = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    assert select_backend("auto", _request(**cuda)) == "xformers"
+    assert select_backend("auto", _request(**cuda, dilation=4)) == "xformers"
     assert select_backend("auto", _request(**cuda, dilation=(1, 2, 4, 8), global_tokens=True)) == "xformers"
+    assert select_backend("auto", _request(**cuda, key_padding=True)) == "xformers"
+    # A plain band is FlexAttention's (measured faster); with dropout, which Flex lacks, it goes back to xformers.
+    assert select_backend("auto", _request(**cuda)) == "flex"
+    assert select_backend("auto", _request(**cuda, dilation=(1, 1, 1, 1))) == "flex"
+    assert select_backend("auto", _request(**cuda, dropout=True)) == "xformers"
     # Dense attention without padding stays on SDPA; with padding xformers skips the padded keys.
     assert select_backend("auto", _request(**cuda, pattern="full")) == "torch"
     assert select_backend("auto", _request(**cuda, pattern="full", key_padding=True)) == "xformers"
@@ -124,7 +129,7 @@ def test_auto_on_cuda_prefers_xformers_then_flex_then_torch(monkeypatch):
     assert select_backend("auto", _request(**cuda, dropout=True, key_padding=True)) == "torch"
     # A GPU whose xformers kernels fail their smoke test is passed over, and says why when asked explicitly.
     monkeypatch.setattr(backends, "xformers_probe_reasons", lambda *args, **kwargs: ["xformers local band failed"])
-    assert select_backend("auto", _request(**cuda)) == "flex"
+    assert select_backend("auto", _request(**cuda, dilation=4)) == "flex"
     with pytest.raises(ValueError, match="local band failed"):
         select_backend("xformers", _request(**cuda))
 
@@ -319,6 +324,31 @@ def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causa
         lambda q, k, v: ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern), q, k, v
     )
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, dilation", [(42, 3), (40, 4), (41, 4)])  # 41: not a multiple, the gathered layout
+def test_xformers_dilated_window_on_residue_views_equals_the_reference(reference_kernel, monkeypatch, n, dilation,
+                                                                       causal):
+    calls = []
+    monkeypatch.setattr(executor_xformers, "residue_view",
+                        lambda x, m, view=executor_xformers.residue_view: calls.append(m) or view(x, m))
+    q, k, v = _qkv(n_q=n, n_k=n)
+    pattern = dict(window=2, dilation=dilation, causal=causal)
+    expected = outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n, n_k=n), q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern), q, k, v
+    )
+    assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
+    assert calls == ([] if n % dilation else [dilation] * 3)
+
+
+def test_residue_view_is_a_view_in_class_order():
+    x = torch.arange(2 * 3 * 12 * 2).view(2, 3, 12, 2)
+    view = executor_xformers.residue_view(x, 4)  # [b, 4, 3, h, d]
+    assert view.data_ptr() == x.data_ptr() and view.shape == (2, 4, 3, 3, 2)
+    for r in range(4):
+        assert torch.equal(view[:, r], x[:, :, r::4].transpose(1, 2))
 
 
 @pytest.mark.parametrize("stride", [1, 3, 5])
