@@ -14,8 +14,9 @@ head:
   the formula in the paper's definition. Cost O(n · (l + c · n / l)).
 
 The patterns are `longattn.patterns.strided_pattern` / `fixed_pattern`; they feed the executors
-(`longattn.ops.strided_attention` / `fixed_attention`), the dense path (cached decoding, `output_attentions`) and
-the pictures. Global tokens (`global_attention_mask`) are not part of either pattern and are ignored.
+(`longattn.ops.strided_attention` / `fixed_attention`, on the back end that `attention_backend` picks), the dense
+path (cached decoding, `output_attentions`) and the pictures. Global tokens (`global_attention_mask`) are not part
+of either pattern and are ignored.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class StridedAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
         )
 
 
@@ -106,4 +108,5 @@ class FixedAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
         )

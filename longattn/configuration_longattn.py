@@ -41,10 +41,11 @@ class LongAttnConfig(PreTrainedConfig):
         decoder_attention_type: Self-attention of the seq2seq decoder (causal), one name or one per decoder layer.
         classifier_dropout: Dropout before classification heads (defaults to `hidden_dropout_prob`).
         is_decoder: A causal decoder (set by `LongAttnForCausalLM`).
-        attention_backend: Which kernels compute the attention of the kinds that dispatch (`"sliding"`, `"full"`):
-            `"auto"` (default; the fastest that can run: xformers, then FlexAttention on CUDA, else the PyTorch
-            executors), `"torch"`, `"flex"`, `"xformers"` or `"reference"` (see `longattn.backends`). An explicit
-            back end that cannot run a layer's call raises with the reasons. Kinds with their own executor ignore it.
+        attention_backend: Which kernels compute the attention of the kinds that dispatch (`"sliding"`, `"full"`,
+            `"strided"`, `"fixed"`): `"auto"` (default; the fastest that can run: xformers, then FlexAttention on
+            CUDA, else the PyTorch executors), `"torch"`, `"flex"`, `"xformers"` or `"reference"` (see
+            `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons. Kinds
+            with their own executor ignore it.
         **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields.
 
     Raises:

@@ -20,8 +20,10 @@ from torch import Tensor
 from .backends import AttentionRequest, select_backend
 from .executor_blocked import banded_attention
 from .executor_flex import flex_attention as flex_pattern_attention
+from .executor_xformers import fixed_attention as xformers_fixed_attention
 from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
+from .executor_xformers import strided_attention as xformers_strided_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
 from .ops_checks import check_dropout, check_flag, check_qkv, check_token_mask
 from .ops_linear import efficient_attention
@@ -285,6 +287,7 @@ def strided_attention(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> Tensor:
     """Sparse Transformer strided attention (Child et al. 2019): the previous l keys and every l-th key.
 
@@ -303,13 +306,16 @@ def strided_attention(
         key_padding_mask: Bool `[b, n_k]`, True = real token.
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention probabilities.
+        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
+            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
 
     Returns:
         Output `[b, h, n_q, d_v]`.
 
     Raises:
         ValueError: For a stride below 1, a non-bool `causal`, a mask whose shape is not `[b, n_k]`, mismatched
-            q/k/v shapes, or `dropout_p` outside [0, 1).
+            q/k/v shapes, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run this call (the
+            message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
@@ -318,6 +324,19 @@ def strided_attention(
     dropout_p = check_dropout(dropout_p)
     scale = _default_scale(scale, q.shape[-1])
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=padding)
+    choice = select_backend(backend, AttentionRequest.for_inputs(
+        q, k, v, pattern="strided", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
+    ))
+    if choice == "xformers":
+        # The dispatcher admits xformers without dropout and with n_q == n_k only (its layout's requirements).
+        return xformers_strided_attention(
+            q, k, v, stride=stride, causal=causal, key_padding_mask=padding, scale=scale
+        )
+    if choice != "torch":
+        return _run_pattern(
+            choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p, per_batch=padding is not None,
+            per_head=False,
+        )
     return strided_blocked_attention(
         q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, scale=scale, dropout_p=dropout_p
     )
@@ -335,6 +354,7 @@ def fixed_attention(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> Tensor:
     """Sparse Transformer fixed attention (Child et al. 2019): the query's own block and every block's summary cells.
 
@@ -357,13 +377,16 @@ def fixed_attention(
         key_padding_mask: Bool `[b, n_k]`, True = real token.
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention probabilities.
+        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
+            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
 
     Returns:
         Output `[b, h, n_q, d_v]`.
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, a mask
-            whose shape is not `[b, n_k]`, mismatched q/k/v shapes, or `dropout_p` outside [0, 1).
+            whose shape is not `[b, n_k]`, mismatched q/k/v shapes, `dropout_p` outside [0, 1), or a `backend`
+            that is unknown or cannot run this call (the message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
@@ -376,16 +399,69 @@ def fixed_attention(
         block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
         key_padding_mask=padding,
     )
-    kwargs = dict(
-        block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
-        scale=scale, dropout_p=dropout_p,
-    )
+    choice = select_backend(backend, AttentionRequest.for_inputs(
+        q, k, v, pattern="fixed", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
+    ))
+    if choice in ("flex", "reference"):
+        return _run_pattern(
+            choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p, per_batch=padding is not None,
+            per_head=summary_per_head,
+        )
     first = None if padding is None else first_real_token(padding)  # [b]
+    if choice == "xformers":
+        # The dispatcher admits xformers without dropout, with n_q == n_k, and without causality under padding: in
+        # rolled rows (below) a wrapped padding query would see later keys. Bidirectional, every rolled slot s is
+        # tested as position s, real or wrapped padding, which is what the layout's blocks from 0 compute.
+        def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
+            return xformers_fixed_attention(
+                q, k, v, block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head,
+                causal=causal, key_padding_mask=padding if rolled_index is None else padding.gather(1, rolled_index),
+                scale=scale,
+            )
+    else:
+        def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
+            # In rolled rows, the SAME predicate evaluated on the original positions of the slots.
+            rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
+            return fixed_blocked_attention(
+                q, k, v, mask_fn=rolled_mask_fn, block_size=block_size, num_summary=num_summary,
+                summary_per_head=summary_per_head, causal=causal, scale=scale, dropout_p=dropout_p,
+            )
+
     if first is None or not bool(first.any()):
-        return fixed_blocked_attention(q, k, v, mask_fn=mask_fn, **kwargs)
-    # The pattern's blocks start at each row's first real token; the executor's blocks start at 0. Roll every
-    # row left by its first real token (left padding wraps to the end) and evaluate the SAME predicate on the
-    # original positions of the rolled slots.
+        return execute(q, k, v, None)
+    # The pattern's blocks start at each row's first real token; the executors' blocks start at 0.
+    return _run_rolled(execute, q, k, v, first)
+
+
+def _on_rolled_positions(mask_fn, first: Tensor, length: int):
+    """`mask_fn` for rows rolled left by `first` `[b]`: slot s of row b is original position (s + first[b]) mod n."""
+
+    def rolled_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        row_first = first[bi]
+        return mask_fn(bi, hi, (q_idx + row_first) % length, (kv_idx + row_first) % length)
+
+    return rolled_mask_fn
+
+
+def _run_rolled(execute, q: Tensor, k: Tensor, v: Tensor, first: Tensor) -> Tensor:
+    """`execute(q, k, v, rolled_index)` on every row rolled left by its first real token, rolled back.
+
+    Left padding wraps to the end of the row, so blocks counted from 0 in the rolled rows are blocks counted from
+    the first real token in the original ones.
+
+    Args:
+        execute: Runs attention on rolled q `[b, h, n_k, d]`, k, v; `rolled_index` `[b, n_k]` is the original
+            position of each rolled slot (to roll masks alike).
+        q: Queries `[b, h, n_q, d]`, the last n_q positions.
+        k: Keys `[b, h, n_k, d]`.
+        v: Values `[b, h, n_k, d_v]`.
+        first: Long `[b]`, the first real token of each row.
+
+    Returns:
+        Output `[b, h, n_q, d_v]` in the original order.
+    """
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
     if n_q < n_k:  # rolled queries are no longer a suffix: run every position and keep the last n_q
         q = F.pad(q, (0, 0, n_k - n_q, 0))
     rolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) + first.view(b, 1)) % n_k  # [b, n_k]
@@ -393,11 +469,7 @@ def fixed_attention(
     def rolled(x: Tensor) -> Tensor:
         return x.gather(2, rolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, x.shape[3]))
 
-    def rolled_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        row_first = first[bi]
-        return mask_fn(bi, hi, (q_idx + row_first) % n_k, (kv_idx + row_first) % n_k)
-
-    out = fixed_blocked_attention(rolled(q), rolled(k), rolled(v), mask_fn=rolled_mask_fn, **kwargs)
+    out = execute(rolled(q), rolled(k), rolled(v), rolled_index)
     unrolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) - first.view(b, 1)) % n_k  # [b, n_k]
     out = out.gather(2, unrolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
     return out[:, :, n_k - n_q:]

@@ -14,7 +14,7 @@ separately and multiplies the other way round, `ρ_q(Q) (ρ_k(K)ᵀ V)`, so the 
 The causal form gives query i the same mechanism over keys 0..i only: softmax over the positions j <= i, or n = the
 number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear.
 
-This module depends on torch (and the shared input checks) only.
+This module depends on torch, the shared input checks and the back-end names (`longattn.backends`) only.
 """
 
 from __future__ import annotations
@@ -22,11 +22,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backends import check_backend_name
 from .ops_checks import check_qkv, check_token_mask
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
 EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
+
+# The `backend=` values efficient attention cannot honour, and why: the shared back ends compute softmax(Q Kᵀ / s) V
+# under a mask, and efficient attention never forms a score matrix to mask or take a softmax over.
+_UNSUPPORTED_BACKENDS = {
+    "flex": "FlexAttention computes softmax(Q Kᵀ) V under a block mask, and efficient attention has no score "
+            "matrix (it multiplies ρ_q(Q) by the [d, d_v] context ρ_k(K)ᵀ V)",
+    "xformers": "xformers' kernels compute softmax(Q Kᵀ) V, and efficient attention has no softmax over keys to "
+                "hand to a kernel (it normalises queries and keys separately)",
+}
+_SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this module's computation
 
 # Keys per chunk of the causal form. Memory per (b, h) is about n·c (intra-chunk scores) + (n / c)·d·d_v (one state
 # per chunk), smallest near c = sqrt(d·d_v); 64 also keeps the per-chunk Python step count low (n / 64).
@@ -53,6 +64,7 @@ def efficient_attention(
     normalization: str = "softmax",
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Efficient attention `ρ_q(Q) (ρ_k(K)ᵀ V)` in O(n · d · d_v) time and O(n · (d + d_v)) memory.
 
@@ -67,14 +79,23 @@ def efficient_attention(
             (divide by the number of visible keys: exactly dot-product attention with scaling normalisation).
         causal: Query i sees keys 0..i only, normalised over them (computed with prefix sums over key chunks).
         key_padding_mask: Bool `[b, n_k]`, True = real token.
+        backend: `"auto"` or `"torch"` (both this module's linear-time computation), or `"reference"`: the dense
+            form `efficient_attention_weights(...) @ v`, O(n_q · n_k) memory, for tests. `"flex"` and `"xformers"`
+            compute softmax attention and cannot run it.
 
     Returns:
         Output `[b, h, n_q, d_v]` in the dtype of q (accumulated in float32 for half inputs).
 
     Raises:
-        ValueError: Mismatched shapes, n_q > n_k, an unknown normalisation or a mask that is not `[b, n_k]`.
+        ValueError: Mismatched shapes, n_q > n_k, an unknown normalisation, a mask that is not `[b, n_k]`, or a
+            `backend` that is unknown or cannot run efficient attention (the message says why).
     """
     padding = _check(q, k, v, normalization, key_padding_mask)
+    if _check_backend(backend) == "reference":
+        weights = efficient_attention_weights(
+            q, k, normalization=normalization, causal=causal, key_padding_mask=padding
+        )  # [b, h, n_q, n_k] in the compute dtype
+        return (weights @ v.to(weights.dtype)).to(q.dtype)
     dtype = _compute_dtype(q.dtype)
     qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
     if causal:
@@ -84,6 +105,22 @@ def efficient_attention(
     else:
         out = _scaling_global(qc, kc, vc, padding)
     return out.to(q.dtype)
+
+
+def _check_backend(backend: str) -> str:
+    """Validate `backend=` for efficient attention.
+
+    Raises:
+        ValueError: If `backend` is unknown, or names a back end that cannot run efficient attention.
+    """
+    check_backend_name(backend)
+    if backend not in _SUPPORTED_BACKENDS:
+        why = _UNSUPPORTED_BACKENDS.get(backend, "it has no implementation of efficient attention")
+        raise ValueError(
+            f"`backend`={backend!r} cannot run efficient (linear) attention: {why}; "
+            f"use one of {list(_SUPPORTED_BACKENDS)}."
+        )
+    return backend
 
 
 def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:

@@ -60,6 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .backends import check_backend_name
+
 __all__ = [
     "SELF_SCORE",
     "attend_windows",
@@ -75,6 +77,16 @@ __all__ = [
 
 SELF_SCORE = -1e5
 """Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
+
+# The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
+_UNSUPPORTED_BACKENDS = {
+    "flex": "FlexAttention evaluates a predicate over positions, and LSH's keys depend on the sorted hash buckets "
+            "and chunk boundaries of each round, merged over rounds by log-sum-exp, with the self key as a fallback",
+    "xformers": "no xformers layout computes LSH's chunk windows over the sorted buckets, merged over rounds, with "
+                "the self key as a fallback (`executor_xformers.bucketed_attention` is plain within-bucket "
+                "attention)",
+}
+_SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always the windowed kernel below
 
 # Rotated vectors are computed in slices of this many positions, so that `[b, h, r, n, nb/2]` never exists at once
 # (at 32K tokens and 512 buckets it would take half a gigabyte).
@@ -467,6 +479,7 @@ def lsh_attention(
     rotations: Tensor | None = None,
     seed: int | None = None,
     dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> Tensor:
     """Reformer LSH attention with shared queries and keys, in O(n·log n + n·r·c·w) time.
 
@@ -488,12 +501,16 @@ def lsh_attention(
         rotations: Explicit rotations `[h or 1, d, r, Σ factors/2]` (e.g. transformers'); override the seed.
         seed: Seed of the rotations (`lsh_rotations`); None = fresh random rotations.
         dropout_p: Dropout on the attention probabilities.
+        backend: `"auto"` or `"torch"` (both the windowed kernel), or `"reference"`: `lsh_attention_dense` at the
+            same rotations, O(r · n²) memory, for tests (it equals the kernel on real tokens; padded queries and
+            the dropout draws may differ). `"flex"` and `"xformers"` cannot run LSH attention.
 
     Returns:
         Output `[b, h, n, d_v]`.
 
     Raises:
-        ValueError: Mismatched shapes, a bucket size below 1, or a causal call without an earlier chunk.
+        ValueError: Mismatched shapes, a bucket size below 1, a causal call without an earlier chunk, or a
+            `backend` that is unknown or cannot run LSH attention (the message says why).
     """
     if qk.dim() != 4 or v.dim() != 4 or v.shape[:3] != qk.shape[:3]:
         raise ValueError(f"qk and v must be [b, h, n, d] with equal b, h, n; got {tuple(qk.shape)}, {tuple(v.shape)}")
@@ -504,6 +521,12 @@ def lsh_attention(
         )
     if causal and num_chunks_before < 1:
         raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
+    check_backend_name(backend)
+    if backend not in _SUPPORTED_BACKENDS:
+        why = _UNSUPPORTED_BACKENDS.get(backend, "it has no implementation of LSH attention")
+        raise ValueError(
+            f"`backend`={backend!r} cannot run LSH attention: {why}; use one of {list(_SUPPORTED_BACKENDS)}."
+        )
     b, h, n, d = qk.shape
     d_v = v.shape[-1]
     c = bucket_size
@@ -512,6 +535,14 @@ def lsh_attention(
         num_buckets = default_num_buckets(n, c) if num_buckets is None else num_buckets
         rotations = lsh_rotations(heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed,
                                   device=device)
+    if backend == "reference":
+        # The dense form at the SAME rotations and bucket count, so both hash every token alike.
+        out, _ = lsh_attention_dense(
+            qk, qk, v, rotations=rotations, bucket_size=c, num_buckets=num_buckets,
+            num_chunks_before=num_chunks_before, num_chunks_after=num_chunks_after, causal=causal,
+            key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+        )
+        return out
     r = rotations.shape[2]
     before, after = num_chunks_before, 0 if causal else num_chunks_after
     n_chunks = -(-n // c)
