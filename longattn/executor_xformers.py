@@ -1014,9 +1014,10 @@ def _probe(device, dtype, needs_tensor_bias) -> list[str]:
             check(q, k, v)
             torch.cuda.synchronize(device)
         except Exception as error:  # noqa: BLE001 - a failing kernel is a reason, whatever it raises
-            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            # xformers explains a refusal over several lines (one block per operator): keep them all, on one line.
+            message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
             reasons.append(f"xformers {name} failed on {device} in {str(dtype).removeprefix('torch.')}: "
-                           f"{type(error).__name__}: {message[:200]}")
+                           f"{type(error).__name__}: {message[:600]}")
     return reasons
 
 

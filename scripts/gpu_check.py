@@ -17,7 +17,9 @@ smoke test on this torch build, the xformers rows say so (the reasons of `longat
 2. Benchmarks (bfloat16, batch 1, 16 heads of 64): forward and forward + backward at 4K to 128K for each pattern
    and back end, beside dense SDPA (flash) and the "ideal" time: dense flash time x the pattern's density.
    Time: median of CUDA-event timings after warm-up; peak: `torch.cuda.max_memory_allocated` above the inputs.
-3. A forward pass of a 4-layer, hidden-512 sliding-window encoder on 1M tokens in one batch.
+3. Every registered attention kind in a 2-layer model (encoder and causal LM), forward + backward in bfloat16:
+   finite outputs and gradients, and its time.
+4. A forward pass of a 4-layer, hidden-512 sliding-window encoder on 1M tokens in one batch, per back end.
 
 The table is printed and written to `docs/benchmarks_gpu.md` (with the date, the GPU and the software versions).
 FlexAttention compiles for every pattern and length, so a first full run takes a while; under a time limit per
@@ -112,17 +114,7 @@ def _strided_case(name, *, stride, causal):
         return patterns.strided_pattern(stride=stride, causal=causal)
 
     def run(backend, q, k, v):
-        b, h, n, d = q.shape
-        if backend == "xformers":
-            _require(backend, q, k, v, "strided", causal=causal)
-            return executor_xformers.strided_attention(q, k, v, stride=stride, causal=causal, scale=d ** -0.5)
-        if backend == "flex":
-            _require(backend, q, k, v, "strided", causal=causal)
-            return executor_flex.flex_attention(q, k, v, mask_fn=pattern(b, n, q.device), scale=d ** -0.5,
-                                                cache_key=f"strided_{stride}_{causal}")
-        if not hasattr(ops, "strided_attention"):
-            raise ValueError("longattn.ops.strided_attention does not exist in this checkout")
-        return ops.strided_attention(q, k, v, stride=stride, causal=causal)
+        return ops.strided_attention(q, k, v, stride=stride, causal=causal, backend=backend)
 
     def density(n):
         return min(1.0, ((1 if causal else 2) * (stride + n / stride)) / n)
@@ -137,18 +129,8 @@ def _fixed_case(name, *, block_size, num_summary, causal):
         return patterns.fixed_pattern(block_size=block_size, num_summary=num_summary, causal=causal)
 
     def run(backend, q, k, v):
-        b, h, n, d = q.shape
-        if backend == "xformers":
-            _require(backend, q, k, v, "fixed", causal=causal)
-            return executor_xformers.fixed_attention(q, k, v, block_size=block_size, num_summary=num_summary,
-                                                     causal=causal, scale=d ** -0.5)
-        if backend == "flex":
-            _require(backend, q, k, v, "fixed", causal=causal)
-            return executor_flex.flex_attention(q, k, v, mask_fn=pattern(b, n, q.device), scale=d ** -0.5,
-                                                cache_key=f"fixed_{block_size}_{num_summary}_{causal}")
-        if not hasattr(ops, "fixed_attention"):
-            raise ValueError("longattn.ops.fixed_attention does not exist in this checkout")
-        return ops.fixed_attention(q, k, v, block_size=block_size, num_summary=num_summary, causal=causal)
+        return ops.fixed_attention(q, k, v, block_size=block_size, num_summary=num_summary, causal=causal,
+                                   backend=backend)
 
     def density(n):
         return min(1.0, (block_size + num_summary * n / block_size) / n / (2 if causal else 1))
@@ -346,6 +328,10 @@ def run_benchmarks(args) -> list[str]:
         "|---|---|---|---|---|" + "---|" * len(BACKENDS) + "---|---|",
     ]
     for n in args.lengths:
+        # Compile FlexAttention afresh for each length: otherwise the second length onwards runs a kernel compiled
+        # for symbolic lengths, which is slower than what a user running one length gets.
+        torch._dynamo.reset()
+        executor_flex._compiled_flex_attention.cache_clear()
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, heads, n, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
                    for _ in range(3))
@@ -440,6 +426,55 @@ def run_million(args) -> list[str]:
     return lines
 
 
+def run_kinds(args) -> list[str]:
+    """Every registered attention kind in a 2-layer model on the GPU: forward + backward, encoder and causal LM.
+
+    Checks that each kind's executors run on CUDA in bfloat16 with finite outputs and gradients, and times them
+    (median of `--repeats` after `--warmup`) at `--kinds-length` tokens, hidden 256, 4 heads, batch 1.
+    """
+    from longattn import LongAttnConfig, available_attention_types  # noqa: PLC0415
+    from longattn.modeling_longattn import LongAttnForCausalLM, LongAttnModel  # noqa: PLC0415
+
+    n = args.kinds_length
+    lines = [f"| kind | encoder fwd+bwd ms (MB) | causal LM fwd+bwd ms (MB) |", "|---|---|---|"]
+    input_ids = torch.randint(3, 260, (1, n), device=DEVICE)
+    for kind in available_attention_types():
+        cells = []
+        for model_class in (LongAttnModel, LongAttnForCausalLM):
+            try:
+                config = LongAttnConfig(
+                    vocab_size=260, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=1024, max_position_embeddings=n, attention_type=kind,
+                    is_decoder=model_class is LongAttnForCausalLM, hidden_dropout_prob=0.0,
+                )
+                torch.manual_seed(0)
+                model = model_class(config).to(DEVICE, torch.bfloat16).train()
+
+                def step(model=model):
+                    output = model(input_ids)
+                    result = output.logits if hasattr(output, "logits") else output.last_hidden_state
+                    result.float().square().mean().backward()
+                    return result
+
+                finite = bool(torch.isfinite(step()).all()) and all(
+                    bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+                ms, mb = _time(step, warmup=args.warmup, repeats=args.repeats)
+                cells.append(f"{ms:.1f} ({mb:.0f})" + ("" if finite else " NON-FINITE"))
+                del model
+            except ValueError as error:
+                cells.append("n/a: " + str(error)[:80])
+            except Exception as error:  # noqa: BLE001 - a failing kind is a result
+                cells.append(f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}")
+                if args.verbose:
+                    traceback.print_exc()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        line = f"| {kind} | " + " | ".join(cells) + " |"
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ report
 def environment() -> list[str]:
     xformers_version = "not installed"
@@ -483,6 +518,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-million", action="store_true")
+    parser.add_argument("--skip-kinds", action="store_true")
+    parser.add_argument("--kinds-length", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks_gpu.md")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -518,6 +555,10 @@ def main(argv=None) -> int:
         sections += ["## Benchmarks (bfloat16, batch 1, 16 heads of 64)", "",
                      "Milliseconds (median) and peak MB above the inputs. ideal = dense flash time x the pattern's "
                      "density; best / ideal uses the fastest back end.", "", *run_benchmarks(args), ""]
+    if not args.skip_kinds:
+        sections += [f"## Every attention kind in a model (bfloat16, {args.kinds_length} tokens)", "",
+                     "Two layers, hidden 256, 4 heads, batch 1, `attention_backend='auto'`; forward + backward of a "
+                     "training step, milliseconds (median) and peak MB above the inputs.", "", *run_kinds(args), ""]
     if not args.skip_million:
         sections += ["## One forward pass at 1M tokens", "", *run_million(args), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
