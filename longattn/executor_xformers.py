@@ -874,7 +874,12 @@ def strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: b
 def fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int, num_summary: int,
                     summary_per_head: bool = False, causal: bool = True, key_padding_mask: Tensor | None = None,
                     scale: float) -> Tensor:
-    """Fixed attention (see `fixed_layout`) on xformers kernels; q, k, v `[b, h, n, d]`."""
+    """Fixed attention (see `fixed_layout`) on xformers kernels; q, k, v `[b, h, n, d]`.
+
+    Blocks count from position 0 in every row, padded or not. The pattern of `patterns.fixed_pattern` counts them
+    from each row's first real token; `ops.fixed_attention` rolls left-padded rows before calling this, so call it
+    directly only on rows whose padding is at the end.
+    """
     b, h, n, _ = q.shape
     layout = fixed_layout(batch=b, heads=h, length=n, block_size=block_size, num_summary=num_summary,
                           summary_per_head=summary_per_head, causal=causal, key_padding_mask=key_padding_mask,
