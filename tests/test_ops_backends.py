@@ -68,19 +68,24 @@ def _pattern(kind, *, causal, key_padding_mask, **arguments):
     return make(causal=causal, key_padding_mask=key_padding_mask, **arguments)
 
 
-@pytest.fixture
-def executed(monkeypatch):
-    """The names (values of `EXECUTORS`) of the executors `longattn.ops` ran, in order; clear it before a call."""
+def _spy(monkeypatch, targets) -> list[str]:
+    """Record the name of each `(module, name)` function in `targets` when it runs, in order."""
     ran = []
-    for name in EXECUTORS.values():
-        original = getattr(ops, name)
+    for module, name in targets:
+        original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
             ran.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(ops, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return ran
+
+
+@pytest.fixture
+def executed(monkeypatch):
+    """The names (values of `EXECUTORS`) of the executors `longattn.ops` ran, in order; clear it before a call."""
+    return _spy(monkeypatch, [(ops, name) for name in EXECUTORS.values()])
 
 
 # ---------------------------------------------------------------------------------------------- strided and fixed
@@ -215,16 +220,7 @@ def _lsh(qk, _, v, **kwargs):
 @pytest.fixture
 def dense_forms(monkeypatch):
     """Names of the dense forms efficient and LSH attention ran (their `"reference"` back ends)."""
-    ran = []
-    for module, name in ((ops_linear, "efficient_attention_weights"), (ops_lsh, "lsh_attention_dense")):
-        original = getattr(module, name)
-
-        def spy(*args, _name=name, _original=original, **kwargs):
-            ran.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
-    return ran
+    return _spy(monkeypatch, [(ops_linear, "efficient_attention_weights"), (ops_lsh, "lsh_attention_dense")])
 
 
 @pytest.mark.parametrize(("name", "fn"), [("efficient (linear)", _efficient), ("LSH", _lsh)], ids=["efficient", "lsh"])
