@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .backends import BACKEND_NAMES
 from .ops import reference_attention
 from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
@@ -80,6 +81,10 @@ class LongAttnAttention(nn.Module):
 
     attention_type: ClassVar[str] = ""
     config_fields: ClassVar[dict[str, Any]] = {}
+    backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "reference")
+    """Values of `attention_backend` this kind runs on. Every kind has its PyTorch executor (`"torch"`, which
+    `"auto"` uses where nothing faster serves it) and its dense form (`"reference"`, `attend_dense`); kinds whose
+    pattern the GPU back ends compute (they pass `backend=` to `longattn.ops`) add `"flex"` and `"xformers"`."""
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__()
@@ -100,6 +105,17 @@ class LongAttnAttention(nn.Module):
     @classmethod
     def validate_config(cls, config: Any, *, layer_idx: int, is_causal: bool) -> None:
         """Check this kind's fields for layer `layer_idx`; raise `ValueError` naming field, value and allowed."""
+
+    @classmethod
+    def check_backend(cls, backend: str) -> None:
+        """Raise `ValueError` when this kind cannot run on `backend` (the config's `attention_backend`), rather
+        than quietly running it on another."""
+        if backend not in cls.backends:
+            raise ValueError(
+                f"`attention_backend`={backend!r} cannot run `attention_type`={cls.attention_type!r}: this kind runs "
+                f"on {', '.join(repr(name) for name in cls.backends)} ('reference' is its dense form). Use 'auto' to "
+                "let every layer take the fastest back end it has."
+            )
 
     @classmethod
     def length_multiple(cls, config: Any, *, layer_idx: int) -> int:
@@ -207,7 +223,7 @@ class LongAttnAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         decoding = k.shape[2] != q.shape[2]
-        if output_attentions or decoding:
+        if output_attentions or decoding or self.backend == "reference":
             out, weights = self.attend_dense(q, k, v, key_padding_mask=attention_mask, global_mask=global_attention_mask)
         else:
             out = self.attend(q, k, v, key_padding_mask=attention_mask, global_mask=global_attention_mask)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_base import LongAttnAttention, check_int_field
+from .backends import BACKEND_NAMES
 from .ops import sliding_window_attention
 from .patterns import sliding_window_pattern
 
@@ -26,6 +27,7 @@ class LongformerAttention(LongAttnAttention):
     `sliding_dilation` (int or one per head)."""
 
     attention_type = "sliding"
+    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
     config_fields = {"sliding_window": 256, "sliding_dilation": 1}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_base import LongAttnAttention, check_int_field
+from .backends import BACKEND_NAMES
 from .ops import fixed_attention, strided_attention
 from .patterns import fixed_pattern, strided_pattern
 
@@ -32,6 +33,7 @@ class StridedAttention(LongAttnAttention):
     """The `"strided"` kind. Config field: `strided_stride` (the stride l; int or one per layer)."""
 
     attention_type = "strided"
+    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
     config_fields = {"strided_stride": 128}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
@@ -62,6 +64,7 @@ class FixedAttention(LongAttnAttention):
     [1, l]; int or one per layer) and `fixed_summary_per_head` (bool: distinct summary sub-blocks per head)."""
 
     attention_type = "fixed"
+    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
     config_fields = {"fixed_block_size": 128, "fixed_num_summary": 8, "fixed_summary_per_head": False}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):

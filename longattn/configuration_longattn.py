@@ -44,8 +44,9 @@ class LongAttnConfig(PreTrainedConfig):
         attention_backend: Which kernels compute the attention of the kinds that dispatch (`"sliding"`, `"full"`,
             `"strided"`, `"fixed"`): `"auto"` (default; the fastest that can run: xformers, then FlexAttention on
             CUDA, else the PyTorch executors), `"torch"`, `"flex"`, `"xformers"` or `"reference"` (see
-            `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons. Kinds
-            with their own executor ignore it.
+            `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
+            The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
+            naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
         **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields.
 
     Raises:
@@ -166,9 +167,11 @@ class LongAttnConfig(PreTrainedConfig):
         encoder_is_causal = bool(self.is_decoder) and not self.is_encoder_decoder
         for layer_idx, name in enumerate(encoder_types):
             attention_class(name).validate_config(self, layer_idx=layer_idx, is_causal=encoder_is_causal)
+            attention_class(name).check_backend(self.attention_backend)
         if self.is_encoder_decoder:
             for layer_idx, name in enumerate(decoder_types):
                 attention_class(name).validate_config(self, layer_idx=layer_idx, is_causal=True)
+                attention_class(name).check_backend(self.attention_backend)
 
 
 def _expand(value: str | list[str], num_layers: int) -> list[str]:

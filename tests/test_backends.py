@@ -19,6 +19,7 @@ from attention_checks import assert_all_close, outputs_and_grads
 from longattn import LongAttnConfig, backends, ops, patterns
 from longattn import executor_flex, executor_xformers
 from longattn.backends import AttentionRequest, select_backend
+from longattn.attention_registry import ATTENTION_CLASSES
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, N, D = 3, 4, 23, 8
@@ -174,6 +175,40 @@ def test_config_backend_reaches_the_kinds(kind):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="'xformers' cannot run"):
             model("xformers")(input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_CLASSES))
+def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
+    dispatches = kind in ("full", "sliding", "strided", "fixed")
+    assert set(ATTENTION_CLASSES[kind].backends) == (set(backends.BACKEND_NAMES) if dispatches
+                                                      else {"auto", "torch", "reference"})
+    for backend in ("auto", "torch", "reference"):
+        LongAttnConfig(attention_type=kind, attention_backend=backend)
+    for backend in ("flex", "xformers"):
+        if dispatches:
+            LongAttnConfig(attention_type=kind, attention_backend=backend)
+        else:
+            message = f"`attention_backend`='{backend}' cannot run `attention_type`='{kind}'"
+            with pytest.raises(ValueError, match=message):
+                LongAttnConfig(attention_type=kind, attention_backend=backend)
+
+
+@pytest.mark.parametrize("kind", ["lsh", "sinkhorn", "efficient"])
+def test_reference_backend_runs_a_kinds_dense_form(kind):
+    def model(backend):
+        torch.manual_seed(0)
+        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
+                                attention_backend=backend, lsh_bucket_size=4, lsh_seed=0, sinkhorn_block_size=4)
+        return LongAttnModel(config).eval()
+
+    input_ids = torch.randint(3, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = model("auto")(input_ids, output_attentions=True).last_hidden_state  # the dense form, by request
+        reference = model("reference")(input_ids).last_hidden_state
+        fast = model("auto")(input_ids).last_hidden_state
+    torch.testing.assert_close(reference, dense, rtol=0, atol=0)
+    torch.testing.assert_close(reference, fast, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
