@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention, check_int_field
+from .backends import AttentionRequest, select_backend
+from .executor_xformers import HIDDEN_PENALTY, current_kernel
 from .ops_lsh import attend_windows
 
 __all__ = [
@@ -398,6 +400,7 @@ def sinkhorn_attention(
     scale: float | None = None,
     noise: bool = False,
     dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> Tensor:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
@@ -413,15 +416,28 @@ def sinkhorn_attention(
         scale: Multiplier of q·k; default 1/sqrt(d).
         noise: Gumbel noise on the sorting scores (training).
         dropout_p: Dropout on the attention probabilities.
+        backend: `"auto"` (default) or `"torch"`: the PyTorch executor; `"xformers"`: the attention step as one
+            xformers call (CUDA; `_attend_on_kernel`), which `"auto"` does not pick yet (not measured on a GPU);
+            `"reference"`: `sinkhorn_attention_dense`.
 
     Returns:
         `[b, h, n, d_v]`.
 
     Raises:
-        ValueError: Causal SortCut.
+        ValueError: Causal SortCut, or a back end that cannot run this call (the message says why).
     """
     if causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
+    choice = select_backend(backend, AttentionRequest.for_inputs(
+        q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
+    ))
+    if choice == "reference":
+        return sinkhorn_attention_dense(
+            q, k, v, sort_weight, block_size=block_size, iterations=iterations, temperature=temperature,
+            causal=causal, sortcut=sortcut, key_padding_mask=key_padding_mask, scale=scale, noise=noise,
+            dropout_p=dropout_p,
+        )[0]
+    on_kernel = choice == "xformers"
     b, h, n, d = q.shape
     d_v = v.shape[-1]
     s = block_size
@@ -441,6 +457,11 @@ def sinkhorn_attention(
         values = torch.einsum("bhpj,bhjsd->bhpsd", mix, v_blocks)
         # A sorted block exists where its row of S is not empty (a real target block).
         present = (sort[:, :, :kept].sum(-1) > 0)[..., None].expand(b, h, kept, s).reshape(b * h, 1, kept * s)
+        if on_kernel:
+            out = _attend_on_kernel(q, keys.reshape(b, h, kept * s, d), values.reshape(b, h, kept * s, d_v),
+                                    visible=present.view(b, h, 1, 1, kept * s), queries_per_key_block=q.shape[2],
+                                    scale=scale, dropout_p=dropout_p)
+            return _restore(out, n, rotation)
         bias = torch.zeros(present.shape, dtype=bias_dtype, device=q.device).masked_fill_(~present, -math.inf)
         out, _ = attend_windows(q.reshape(b * h, -1, d), keys.reshape(-1, d), values.reshape(-1, d_v), bias,
                                 stride=kept * s, scale=scale, dropout_p=dropout_p)
@@ -461,9 +482,60 @@ def sinkhorn_attention(
                 earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
                 visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
             bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, _HIDDEN)
+    if on_kernel:
+        # Per block: its own keys, then w · the keys of its sorted block (values alike); autograd carries dw.
+        w = weight[..., None, None]  # [b, h, B, 1, 1]
+        k_blocks, v_blocks = k.reshape(b, h, blocks, s, d), v.reshape(b, h, blocks, s, d_v)
+        index = source[..., None, None]
+        sorted_k = torch.take_along_dim(k_blocks, index, dim=2) * w  # [b, h, B, s, d]
+        sorted_v = torch.take_along_dim(v_blocks, index, dim=2) * w
+        keys = torch.cat([k_blocks, sorted_k], dim=3).view(b, h, blocks * 2 * s, d)
+        values = torch.cat([v_blocks, sorted_v], dim=3).view(b, h, blocks * 2 * s, d_v)
+        visible = None if bias is None else bias > _HIDDEN / 2  # [b, h, B, 1 or s, 2s]
+        out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=s, scale=scale,
+                                dropout_p=dropout_p)
+        return _restore(out, n, rotation)
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
     out = _OwnAndSortedAttention.apply(q, k, v, source, weight, bias, float(scale), s, float(dropout_p), seed)
     return _restore(out, n, rotation)
+
+
+def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tensor | None, queries_per_key_block: int,
+                      scale: float, dropout_p: float) -> Tensor:
+    """Query blocks over their own key blocks as one call of the xformers kernel (`executor_xformers`' contract).
+
+    Query block i (`queries_per_key_block` = m queries) attends to key block i (w keys): q `[b, h, B·m, d]`,
+    keys `[b, h, B·w, d]`, values `[b, h, B·w, d_v]`, the blocks riding in the kernel's batch dim. Hidden keys get
+    an additive bias of -`HIDDEN_PENALTY` (its rows 8-aligned in memory, as the kernels read them), and rows
+    with no visible key are zeroed, as the PyTorch executor returns them.
+
+    Args:
+        visible: Bool `[b, h, B, 1 or m, w]`, True = visible; None = every key.
+
+    Returns:
+        `[b, h, B·m, d_v]`.
+    """
+    b, h, n_q, d = q.shape
+    m = queries_per_key_block
+    blocks = n_q // m
+    w = keys.shape[2] // blocks
+
+    def kernel_layout(x: Tensor, rows: int) -> Tensor:  # [b, h, B·rows, c] -> [b·B, rows, h, c]
+        return x.reshape(b, h, blocks, rows, x.shape[-1]).permute(0, 2, 3, 1, 4).reshape(b * blocks, rows, h, -1)
+
+    attn_bias = has_key = None
+    if visible is not None:
+        has_key = visible.any(dim=-1, keepdim=True)  # [b, h, B, 1 or m, 1]
+        aligned = -(-w // 8) * 8
+        attn_bias = torch.zeros(b, blocks, h, visible.shape[3], aligned, dtype=q.dtype, device=q.device)[..., :w]
+        attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HIDDEN_PENALTY)
+        attn_bias = attn_bias.reshape(b * blocks, h, visible.shape[3], w).expand(b * blocks, h, m, w)
+    out = current_kernel().attention(kernel_layout(q, m), kernel_layout(keys, w), kernel_layout(values, w), attn_bias,
+                                     p=dropout_p, scale=scale)  # [b·B, m, h, d_v]
+    out = out.view(b, blocks, m, h, -1).permute(0, 3, 1, 2, 4)  # [b, h, B, m, d_v]
+    if has_key is not None:
+        out = out * has_key
+    return out.reshape(b, h, n_q, -1)
 
 
 # ---------------------------------------------------------------------------------------------- dense form
@@ -571,6 +643,7 @@ class SinkhornAttention(LongAttnAttention):
     """
 
     attention_type = "sinkhorn"
+    backends = ("auto", "torch", "reference", "xformers")
     config_fields = {
         "sinkhorn_block_size": 64,
         "sinkhorn_iterations": 5,
@@ -629,7 +702,7 @@ class SinkhornAttention(LongAttnAttention):
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return sinkhorn_attention(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())
+        return sinkhorn_attention(q, k, v, key_padding_mask=key_padding_mask, backend=self.backend, **self._kwargs())
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         return sinkhorn_attention_dense(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())

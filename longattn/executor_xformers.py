@@ -940,7 +940,8 @@ def unavailable_reasons() -> list[str]:
 
 def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> bool:
     """Whether the layout of a request carries a dense part mask (an additive tensor bias, served by cutlass)."""
-    return causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed")
+    # Sinkhorn hides keys (padding, causal blocks, empty sorted blocks) with an additive bias.
+    return pattern == "sinkhorn" or (causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed"))
 
 
 def request_reasons(

@@ -179,13 +179,13 @@ def test_config_backend_reaches_the_kinds(kind):
 
 @pytest.mark.parametrize("kind", sorted(ATTENTION_CLASSES))
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
-    dispatches = kind in ("full", "sliding", "strided", "fixed")
-    assert set(ATTENTION_CLASSES[kind].backends) == (set(backends.BACKEND_NAMES) if dispatches
-                                                      else {"auto", "torch", "reference"})
+    gpu_paths = {"full": {"flex", "xformers"}, "sliding": {"flex", "xformers"}, "strided": {"flex", "xformers"},
+                 "fixed": {"flex", "xformers"}, "sinkhorn": {"xformers"}}.get(kind, set())
+    assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
     for backend in ("flex", "xformers"):
-        if dispatches:
+        if backend in gpu_paths:
             LongAttnConfig(attention_type=kind, attention_backend=backend)
         else:
             message = f"`attention_backend`='{backend}' cannot run `attention_type`='{kind}'"
@@ -384,6 +384,68 @@ def test_residue_view_is_a_view_in_class_order():
     assert view.data_ptr() == x.data_ptr() and view.shape == (2, 4, 3, 3, 2)
     for r in range(4):
         assert torch.equal(view[:, r], x[:, :, r::4].transpose(1, 2))
+
+
+@pytest.mark.parametrize(("n", "causal", "padding", "sortcut"), [
+    (24, False, False, None),  # no bias: every key visible, one plain call
+    (23, False, False, None),  # length not a multiple of the block
+    (25, True, True, None),
+    (24, False, True, None),
+    (24, False, False, 2),
+    (22, False, True, 3),
+])
+def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, causal, padding, sortcut):
+    from longattn.attention_sinkhorn import sinkhorn_attention
+
+    q, k, v = _qkv(n_q=n, n_k=n)
+    sort_weight = torch.randn(D, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
+                              requires_grad=True)
+    key_padding_mask = _masks(length=n)[0] if padding else None
+    if padding:
+        key_padding_mask[2, :3] = True  # the fully padded row gets three real tokens
+    kwargs = dict(block_size=4, iterations=3, temperature=0.75, causal=causal, sortcut=sortcut,
+                  key_padding_mask=key_padding_mask, scale=SCALE)
+
+    def run(backend):
+        out = sinkhorn_attention(q, k, v, sort_weight, backend=backend, **kwargs)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        return (out, *torch.autograd.grad(out, (q, k, v, sort_weight), grad))
+
+    for name, actual, expected in zip(("out", "dq", "dk", "dv", "dW"), run("xformers"), run("torch"), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_config_xformers_reaches_the_sinkhorn_kind(reference_kernel):
+    def model(backend):
+        torch.manual_seed(0)
+        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=64, attention_type="sinkhorn",
+                                sinkhorn_block_size=4, attention_backend=backend)
+        return LongAttnModel(config).eval().double()
+
+    input_ids = torch.randint(3, 50, (2, 21), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, 21, dtype=torch.long)
+    attention_mask[1, :5] = 0
+    calls = []
+    original = reference_kernel.attention
+    reference_kernel.attention = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    with torch.no_grad():
+        expected = model("torch")(input_ids, attention_mask=attention_mask).last_hidden_state
+        assert not calls
+        actual = model("xformers")(input_ids, attention_mask=attention_mask).last_hidden_state
+    assert len(calls) == 2  # one kernel call per layer
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_xformers_sinkhorn_is_explicit_only(monkeypatch):
+    monkeypatch.setattr(backends, "xformers_unavailable_reasons", lambda: [])
+    monkeypatch.setattr(backends, "xformers_probe_reasons", lambda *args, **kwargs: [])
+    monkeypatch.setattr(backends, "flex_unavailable_reasons", lambda: [])
+    request = _request(pattern="sinkhorn", device="cuda", dtype=torch.bfloat16)
+    assert select_backend("auto", request) == "torch"
+    assert select_backend("xformers", request) == "xformers"
+    with pytest.raises(ValueError, match="pattern 'sinkhorn' is not served"):
+        select_backend("flex", request)
 
 
 @pytest.mark.parametrize("stride", [1, 3, 5])
