@@ -12,7 +12,7 @@ from transformers import AutoModelForMaskedLM
 import longattn
 from longattn import LongAttnConfig
 from longattn.attention_base import apply_rotary
-from longattn.attention_routing import _top_members, cluster_statistics, routing_attention, routing_attention_dense
+from longattn.attention_routing import _balanced_members, _top_members, cluster_statistics, routing_attention, routing_attention_dense
 from longattn.ops import sliding_window_attention
 
 DOUBLE = dict(dtype=torch.float64)
@@ -122,6 +122,25 @@ def test_top_members_are_topk(n, size):
     torch.testing.assert_close(scores.gather(-1, found), expected.values, rtol=0, atol=0)  # most similar first
     real = torch.isfinite(expected.values)
     assert torch.equal(found[real], expected.indices[real])
+
+
+@pytest.mark.parametrize("n, clusters", [(1000, 50), (4096, 32), (300, 3)])
+def test_balanced_members_are_each_centroids_topk(n, clusters):
+    """The strip-wise similarities (with a rest of positions after the last whole strip, and padding) select each
+    centroid's most similar positions, most similar first, as one top-k over all its cosines would."""
+    generator = torch.Generator().manual_seed(n)
+    x = torch.randn(2, 3, n, 16, generator=generator) * torch.rand(2, 3, n, 1, generator=generator)
+    centroids = F.normalize(torch.randn(3, clusters, 16, generator=generator), dim=-1)
+    valid = _padding(2, n, [n, n - n // 3])
+    size = -(-n // clusters)
+    top, used = _balanced_members(x, centroids, valid, size)
+    cosines = torch.einsum("hcd,bhnd->bhcn", centroids, F.normalize(x, dim=-1)).masked_fill(
+        ~valid[:, None, None, :], -math.inf)
+    expected = cosines.topk(size, dim=-1)
+    real = used.expand_as(top) & torch.isfinite(expected.values)
+    torch.testing.assert_close(cosines.gather(-1, top)[real], expected.values[real])
+    assert torch.equal(top.sort(-1).values[:1], expected.indices.sort(-1).values[:1])  # no padding in row 0
+    assert valid.gather(-1, top[1].reshape(1, -1)).view_as(top[1])[used[1].expand_as(top[1])].all()
 
 
 def test_balanced_routing_with_many_clusters_equals_the_reference():
