@@ -637,3 +637,43 @@ def test_gpu_backends_equal_the_reference(backend):
     actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend=backend, **pattern),
                                 q, k, v)
     assert_all_close(actual, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("causal", "padding", "sortcut"), [(False, False, None), (True, True, None),
+                                                            (False, True, 2)])
+def test_gpu_sinkhorn_on_xformers_equals_the_torch_executor(causal, padding, sortcut):
+    pytest.importorskip("xformers")
+    from longattn.attention_sinkhorn import sinkhorn_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+               for _ in range(3))
+    sort_weight = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, generator=generator) / 8
+    key_padding_mask = None
+    if padding:
+        key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
+        key_padding_mask[1, :130] = False
+    kwargs = dict(block_size=64, iterations=5, temperature=0.75, causal=causal, sortcut=sortcut,
+                  key_padding_mask=key_padding_mask)
+    expected = outputs_and_grads(lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="torch", **kwargs),
+                                 q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="xformers", **kwargs),
+                               q, k, v)
+    assert_all_close(actual, expected, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_flex_banded_block_mask_at_a_length_of_many_tiles(causal):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3001, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
+    pattern = dict(window=200, dilation=3, causal=causal)
+    mask = patterns.materialize_mask(patterns.sliding_window_pattern(**pattern), batch=1, heads=2, q_len=3001,
+                                     kv_len=3001, device="cuda")
+    with torch.no_grad():
+        expected = ops.reference_attention(q, k, v, mask)
+        actual = ops.sliding_window_attention(q, k, v, backend="flex", **pattern)
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
