@@ -38,6 +38,7 @@ class LSHAttention(LongAttnAttention):
     """
 
     attention_type = "lsh"
+    backends = ("auto", "torch", "reference", "xformers")
     config_fields = {
         "lsh_num_hashes": 2,
         "lsh_bucket_size": 64,
@@ -124,6 +125,7 @@ class LSHAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             rotations=self.current_rotations(q.device),
             dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
         )
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):

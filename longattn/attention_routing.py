@@ -39,7 +39,8 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field
-from .ops_lsh import attend_windows, gather_rows, head_rows
+from .backends import AttentionRequest, select_backend
+from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
 
 __all__ = [
@@ -243,6 +244,7 @@ def routing_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_statistics: bool = False,
+    backend: str = "auto",
 ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
@@ -257,6 +259,9 @@ def routing_attention(
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention probabilities.
         return_statistics: Also return `cluster_statistics` (from the routing itself, at no extra cost).
+        backend: `"auto"` or `"torch"`: the windowed PyTorch kernel (`attend_windows`); `"xformers"`: the same
+            windows on xformers' kernel (`attend_windows_on_kernel`; CUDA, no dropout), which `"auto"` does not pick
+            until it is measured on a GPU.
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key), and `(sums, counts)` when asked.
@@ -264,6 +269,13 @@ def routing_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     valid = None if key_padding_mask is None else key_padding_mask.bool()
     clusters = centroids.shape[1]
+    choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
+        q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
+    ))
+    if choice not in ("torch", "xformers"):
+        raise ValueError(f"`backend`={backend!r} cannot run routing attention here: use 'auto', 'torch' or "
+                         "'xformers' (the kind's dense form is `routing_attention_dense`).")
+    windows = attend_windows_on_kernel if choice == "xformers" else attend_windows
     with torch.no_grad():
         if causal:
             query_cluster, key_cluster = _nearest(q, centroids), _nearest(k, centroids)
@@ -286,9 +298,9 @@ def routing_attention(
                 statistics = (q_sums + k_sums, q_counts + k_counts)
     if causal:
         out = _causal_routing(q, k, v, query_cluster, key_cluster, clusters=clusters, window=causal_window,
-                              scale=scale, dropout_p=dropout_p)
+                              scale=scale, dropout_p=dropout_p, windows=windows)
     else:
-        out = _balanced_routing(q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p)
+        out = _balanced_routing(q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows)
     return (out, statistics) if return_statistics else out
 
 
@@ -302,7 +314,7 @@ def _heads(x: Tensor) -> list[Tensor]:
     return [head.reshape(b * n, d) for head in x.unbind(1)]
 
 
-def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p):
+def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows):
     """Attention inside the balanced clusters `[b, h, C, k]` of queries and keys; a query in several clusters
     gets one softmax over the union of their keys.
 
@@ -313,13 +325,13 @@ def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p):
     b, _, n, _ = q.shape
     outs = [
         _balanced_head(q_h, k_h, v_h, query_top[:, head], key_top[:, head], used, n=n, scale=scale,
-                       dropout_p=dropout_p)
+                       dropout_p=dropout_p, windows=windows)
         for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
     ]
     return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
 
 
-def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p):
+def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows):
     """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`; output `[b·n, d_v]`
     in float32 for half inputs."""
     d, d_v = q.shape[-1], v.shape[-1]
@@ -328,7 +340,7 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p):
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
-    out, lse = attend_windows(
+    out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d), k.index_select(0, key_index), v.index_select(0, key_index),
         slot_used.reshape(-1, 1, size), stride=size, scale=scale, dropout_p=dropout_p,
     )  # [b·C, k, d_v], [b·C, k]
@@ -348,7 +360,8 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p):
         0, query_index, out.reshape(-1, d_v).to(compute) * weight.unsqueeze(-1))
 
 
-def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p):
+def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p,
+                    windows=attend_windows):
     """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding)."""
     b, h, n, d = q.shape
     d_v = v.shape[-1]
@@ -409,7 +422,7 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         answer_inverse[0, answer_row] = torch.arange(b * h * n, device=device)
     keys = torch.cat([k_rows, k_rows.new_zeros(1, d)]).index_select(0, key_index)  # [b·h·T·2W, d]
     values = torch.cat([v_rows, v_rows.new_zeros(1, d_v)]).index_select(0, value_index)
-    out, _ = attend_windows(
+    out, _ = windows(
         gather_rows(q_rows, query_index, query_inverse).view(-1, chunk, d), keys, values, bias,
         stride=2 * window, scale=scale, dropout_p=dropout_p,
     )  # [b·h·T, c, d_v]
@@ -491,6 +504,7 @@ class RoutingAttention(LongAttnAttention):
     """
 
     attention_type = "routing"
+    backends = ("auto", "torch", "reference", "xformers")
     config_fields = {
         "routing_num_clusters": 64,
         "routing_num_local_heads": 0,
@@ -558,6 +572,7 @@ class RoutingAttention(LongAttnAttention):
         out = routing_attention(
             q_r, k_r, v_r, self.centroids, causal=self.is_causal, causal_window=self.causal_window,
             key_padding_mask=key_padding_mask, scale=self.scale, dropout_p=dropout_p, return_statistics=learn,
+            backend=self.backend,
         )
         if learn:
             out, (sums, counts) = out

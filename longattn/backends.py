@@ -59,18 +59,19 @@ BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
 AUTO_ORDER = ("xformers", "flex", "torch")
 """The order in which `"auto"` tries the back ends: fastest first."""
 
-PATTERN_FAMILIES = ("full", "sliding", "strided", "fixed", "blocks", "sinkhorn")
+PATTERN_FAMILIES = ("full", "sliding", "strided", "fixed", "blocks", "windows", "sinkhorn")
 """Pattern families a request can name: dense, (dilated) sliding window with global tokens, Sparse Transformer
-strided and fixed, content-based blocks after sorting (LSH buckets, routing clusters), and Sinkhorn's blocks
-(each query block over its own and its sorted key block, or SortCut's kept blocks)."""
+strided and fixed, within-bucket blocks after sorting (`executor_xformers.bucketed_attention`), the key windows of
+sorted chunks that LSH and routing attend with (`ops_lsh.attend_windows`), and Sinkhorn's blocks (each query block
+over its own and its sorted key block, or SortCut's kept blocks)."""
 
 KIND_PATTERNS = {
     "full": "full",
     "sliding": "sliding",
     "strided": "strided",
     "fixed": "fixed",
-    "lsh": "blocks",
-    "routing": "blocks",
+    "lsh": "windows",
+    "routing": "windows",
     "sinkhorn": "sinkhorn",
 }
 """Attention kind -> the pattern family of its inner attention step."""
@@ -235,7 +236,7 @@ class FlexBackend(Backend):
 
 class XformersBackend(Backend):
     name = "xformers"
-    patterns = ("full", "sliding", "strided", "fixed", "blocks", "sinkhorn")
+    patterns = ("full", "sliding", "strided", "fixed", "blocks", "windows", "sinkhorn")
     devices = ("cuda",)
     summary = (
         "xformers memory-efficient kernels: local / block-diagonal biases, residue-class permutations, "
@@ -271,9 +272,9 @@ class XformersBackend(Backend):
     def auto_reasons(self, request):
         if request.pattern == "full" and not request.key_padding:
             return ["dense attention without padding: SDPA runs the same flash kernel without a layout copy"]
-        if request.pattern == "sinkhorn":
-            return ["the Sinkhorn mapping has not been run on a GPU yet: 'auto' keeps the PyTorch executor "
-                    "(ask for 'xformers' to use it)"]
+        if request.pattern in ("sinkhorn", "windows"):
+            return [f"the {request.pattern!r} mapping has not been run on a GPU yet: 'auto' keeps the PyTorch "
+                    "executor (ask for 'xformers' to use it)"]
         dilations = {request.dilation} if isinstance(request.dilation, int) else set(request.dilation)
         undilated = dilations == {1}
         if (request.pattern == "sliding" and undilated and not request.global_tokens and not request.key_padding

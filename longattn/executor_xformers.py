@@ -941,7 +941,8 @@ def unavailable_reasons() -> list[str]:
 def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> bool:
     """Whether the layout of a request carries a dense part mask (an additive tensor bias, served by cutlass)."""
     # Sinkhorn hides keys (padding, causal blocks, empty sorted blocks) with an additive bias.
-    return pattern == "sinkhorn" or (causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed"))
+    return pattern in ("sinkhorn", "windows") or (
+        causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed"))
 
 
 def request_reasons(
@@ -964,6 +965,9 @@ def request_reasons(
     if pattern == "fixed" and causal and key_padding:
         reasons.append("causal fixed attention with padding counts blocks from each row's first real token; the "
                        "xformers layout counts them from position 0")
+    if pattern == "windows" and dropout:
+        reasons.append("the key windows of LSH and routing need the kernel's log-sum-exp, whose forward has no "
+                       "attention dropout")
     if pattern == "blocks" and key_padding:
         reasons.append("bucketed attention takes no key padding mask (put padding in a bucket of its own)")
     merges = global_tokens or key_padding or pattern in ("strided", "fixed")

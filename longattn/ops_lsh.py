@@ -60,11 +60,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import check_backend_name
+from .backends import AttentionRequest, check_backend_name, select_backend
+from .executor_xformers import HIDDEN_PENALTY, current_kernel
 
 __all__ = [
     "SELF_SCORE",
     "attend_windows",
+    "attend_windows_on_kernel",
     "default_num_buckets",
     "gather_rows",
     "head_rows",
@@ -82,11 +84,9 @@ SELF_SCORE = -1e5
 _UNSUPPORTED_BACKENDS = {
     "flex": "FlexAttention evaluates a predicate over positions, and LSH's keys depend on the sorted hash buckets "
             "and chunk boundaries of each round, merged over rounds by log-sum-exp, with the self key as a fallback",
-    "xformers": "no xformers layout computes LSH's chunk windows over the sorted buckets, merged over rounds, with "
-                "the self key as a fallback (`executor_xformers.bucketed_attention` is plain within-bucket "
-                "attention)",
 }
-_SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always the windowed kernel below
+# "auto" is always the windowed kernel below; "xformers" runs its windows as one kernel call (explicit only).
+_SUPPORTED_BACKENDS = ("auto", "torch", "reference", "xformers")
 
 # Rotated vectors are computed in slices of this many positions, so that `[b, h, r, n, nb/2]` never exists at once
 # (at 32K tokens and 512 buckets it would take half a gigabyte).
@@ -464,6 +464,95 @@ def attend_windows(
     return out.to(q.dtype), lse
 
 
+# A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-HIDDEN_PENALTY), so
+# it weighs exactly nothing beside any visible key and everything when only hidden keys are left; a row whose
+# log-sum-exp is below `_SEEN_NOTHING` saw hidden keys only.
+_SELF_PENALTY = HIDDEN_PENALTY / 2
+_SEEN_NOTHING = -0.75 * HIDDEN_PENALTY
+
+
+class _KernelWindows(torch.autograd.Function):
+    """Attention of query chunks over their key windows on the xformers kernel, returning (out, lse) with the
+    gradient of both.
+
+    The kernel's backward knows only dO: it computes dS = P ∘ (dP − D) with D = rowsum(dO ∘ O). The log-sum-exp's
+    gradient g adds P ∘ g; one extra value column gives it exactly: zeros in V (dP unchanged), -1 in O and g in dO,
+    so that D becomes rowsum(dO ∘ O) − g.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        kernel = current_kernel()
+        out, lse = kernel.forward(q, k, v, bias, scale=scale)  # [B, c, 1, d_v], [B, 1, c]
+        seen = lse > _SEEN_NOTHING
+        out = torch.where(seen.transpose(1, 2)[..., None], out, 0.0)
+        lse = torch.where(seen, lse, -math.inf)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bias, ctx.scale, ctx.kernel = bias, scale, kernel
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        d, d_v = q.shape[-1], v.shape[-1]
+        width = -(-(max(d, d_v) + 1) // 8) * 8  # the kernels take one head dim for q, k and v, a multiple of 8
+        seen = torch.isfinite(lse)  # [B, 1, c]
+        rows = seen.transpose(1, 2)[..., None]  # [B, c, 1, 1]
+        grad_out = torch.where(rows, grad_out, 0.0) if grad_out is not None else torch.zeros_like(out)
+        g = torch.where(seen, grad_lse, 0.0) if grad_lse is not None else torch.zeros_like(lse)
+        extra = torch.zeros(*out.shape[:-1], width - d_v, dtype=out.dtype, device=out.device)
+        out_aug, grad_aug = extra.clone(), extra.clone()
+        out_aug[..., 0] = -1.0
+        grad_aug[..., 0] = g.transpose(1, 2).to(out.dtype)
+        dq, dk, dv = ctx.kernel.backward(
+            torch.cat([grad_out, grad_aug], dim=-1), torch.cat([out, out_aug], dim=-1),
+            torch.where(seen, lse, 0.0), F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
+            F.pad(v, (0, width - d_v)), ctx.bias, scale=ctx.scale,
+        )
+        return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None
+
+
+def attend_windows_on_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    *,
+    stride: int,
+    scale: float,
+    dropout_p: float = 0.0,
+    self_column: int | None = None,
+    keep_probs: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments and results.
+
+    The key windows are copied out (`[B, w, d]`; the kernel reads whole tensors, not overlapping views), the mask
+    becomes an additive bias (-`HIDDEN_PENALTY` for hidden keys, -`HIDDEN_PENALTY / 2` for the self column, which
+    keeps Reformer's rule: the own key counts only when nothing else is visible), and the chunks ride in the
+    kernel's batch dim. A row with no visible key returns zeros and `lse = -inf`. Under the self rule a row that
+    sees only its own key reports `lse = q·k_self − HIDDEN_PENALTY / 2` where `attend_windows` reports `SELF_SCORE`;
+    both weigh nothing beside a round that sees anything else, and rounds that see only the own key share its value.
+
+    Raises:
+        ValueError: `dropout_p > 0` (the kernel's forward with log-sum-exp has no dropout).
+    """
+    if dropout_p > 0:
+        raise ValueError("attention dropout is not available on the xformers windows (its forward with "
+                         "log-sum-exp has none); set the dropout probability to 0 or use the 'torch' back end.")
+    w = mask.shape[-1]
+    chunks, c, d = q.shape
+    visible = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)  # [B, c or 1, w]
+    aligned = -(-w // 8) * 8  # bias rows 8-aligned in memory, as the kernels read them
+    bias = torch.zeros(chunks, 1, c, aligned, dtype=q.dtype, device=q.device)[..., :w]
+    bias.masked_fill_(~visible.unsqueeze(1).expand(chunks, 1, c, w), -HIDDEN_PENALTY)
+    if self_column is not None:
+        bias[:, 0, :, self_column:self_column + c].diagonal(dim1=-2, dim2=-1).fill_(-_SELF_PENALTY)
+    keys = _windows(k.contiguous(), 0, chunks, stride, w)  # autograd folds the overlapping windows back
+    values = _windows(v.contiguous(), 0, chunks, stride, w)
+    out, lse = _KernelWindows.apply(q.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2), bias, float(scale))
+    return out.squeeze(2), lse.squeeze(1)
+
+
 # ---------------------------------------------------------------------------------------------- the executor
 def lsh_attention(
     qk: Tensor,
@@ -501,9 +590,11 @@ def lsh_attention(
         rotations: Explicit rotations `[h or 1, d, r, Σ factors/2]` (e.g. transformers'); override the seed.
         seed: Seed of the rotations (`lsh_rotations`); None = fresh random rotations.
         dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` or `"torch"` (both the windowed kernel), or `"reference"`: `lsh_attention_dense` at the
-            same rotations, O(r · n²) memory, for tests (it equals the kernel on real tokens; padded queries and
-            the dropout draws may differ). `"flex"` and `"xformers"` cannot run LSH attention.
+        backend: `"auto"` or `"torch"` (both the windowed kernel), `"xformers"` (the same windows on xformers'
+            kernel, `attend_windows_on_kernel`; CUDA, no dropout; `"auto"` does not pick it until it is measured on
+            a GPU), or `"reference"`: `lsh_attention_dense` at the same rotations, O(r · n²) memory, for tests (it
+            equals the kernel on real tokens; padded queries and the dropout draws may differ). `"flex"` cannot
+            run LSH attention.
 
     Returns:
         Output `[b, h, n, d_v]`.
@@ -535,6 +626,12 @@ def lsh_attention(
         num_buckets = default_num_buckets(n, c) if num_buckets is None else num_buckets
         rotations = lsh_rotations(heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed,
                                   device=device)
+    windows = attend_windows
+    if backend == "xformers":
+        select_backend(backend, AttentionRequest.for_inputs(
+            qk, qk, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
+        ))  # raises with the reasons when the kernel cannot run here
+        windows = attend_windows_on_kernel
     if backend == "reference":
         # The dense form at the SAME rotations and bucket count, so both hash every token alike.
         out, _ = lsh_attention_dense(
@@ -609,8 +706,8 @@ def lsh_attention(
     q_sorted = qk_sorted[before * c:before * c + n_queries * c].view(n_queries, c, d)
     k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero
     v_sorted = gather_rows(v_rows, value_index, value_inverse)  # [rows, d_v]
-    out, lse = attend_windows(q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p,
-                              self_column=before * c)  # [U, c, d_v], [U, c]
+    out, lse = windows(q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p,
+                       self_column=before * c)  # [U, c, d_v], [U, c]
     out = gather_rows(out.view(-1, d_v), unsort, unsort_inverse.view(1, -1)).view(b, h, r, n, d_v)
     lse = lse.reshape(-1).index_select(0, unsort).view(b, h, r, n)
     return _combine_rounds(out, lse)

@@ -11,6 +11,7 @@ themselves without CUDA.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -180,7 +181,8 @@ def test_config_backend_reaches_the_kinds(kind):
 @pytest.mark.parametrize("kind", sorted(ATTENTION_CLASSES))
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     gpu_paths = {"full": {"flex", "xformers"}, "sliding": {"flex", "xformers"}, "strided": {"flex", "xformers"},
-                 "fixed": {"flex", "xformers"}, "sinkhorn": {"xformers"}}.get(kind, set())
+                 "fixed": {"flex", "xformers"}, "sinkhorn": {"xformers"}, "lsh": {"xformers"},
+                 "routing": {"xformers"}}.get(kind, set())
     assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
@@ -435,6 +437,85 @@ def test_config_xformers_reaches_the_sinkhorn_kind(reference_kernel):
         actual = model("xformers")(input_ids, attention_mask=attention_mask).last_hidden_state
     assert len(calls) == 2  # one kernel call per layer
     torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("self_column", [None, 4])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_kernel_windows_equal_attend_windows_outputs_lse_and_gradients(reference_kernel, self_column, float_mask):
+    from longattn.ops_lsh import attend_windows, attend_windows_on_kernel
+
+    generator = torch.Generator().manual_seed(0)
+    chunks, c, stride, w, d = 6, 4, 4, 8, 5  # overlapping windows: each chunk and the one before it
+    q = torch.randn(chunks, c, d, generator=generator, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(stride * (chunks - 1) + w, d, generator=generator, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(k.shape[0], 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(chunks, c, w, generator=generator) > 0.5
+    mask[1] = False  # a chunk whose rows see nothing (but, under the self rule, themselves)
+    mask[2, :, :] = False
+    mask[2, :, 1] = True
+    if float_mask:
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf)
+    weights = torch.randn(chunks, c, 3, generator=generator, dtype=torch.float64)
+    lse_weights = torch.randn(chunks, c, generator=generator, dtype=torch.float64)
+
+    def run(windows):
+        out, lse = windows(q, k, v, mask, stride=stride, scale=0.7, self_column=self_column)
+        # Rows that see only their own key report a different (constant vs. penalised) lse by design: leave
+        # their lse out of the loss; everything else must agree, gradients through lse included.
+        sees_other = (mask if mask.dtype == torch.bool else ~torch.isneginf(mask)).clone()
+        if self_column is not None:
+            sees_other[:, :, self_column:self_column + c].diagonal(dim1=-2, dim2=-1).fill_(False)
+        counted = sees_other.any(-1) & torch.isfinite(lse)
+        loss = (out * weights).sum() + (torch.where(counted, lse, 0.0) * lse_weights).sum()
+        return (out, torch.where(counted, lse, 0.0), *torch.autograd.grad(loss, (q, k, v)))
+
+    for name, actual, expected in zip(("out", "lse", "dq", "dk", "dv"), run(attend_windows_on_kernel),
+                                      run(attend_windows), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(("causal", "padding", "hashes"), [(False, False, 1), (False, True, 3), (True, True, 2)])
+def test_xformers_lsh_path_equals_the_torch_kernel(reference_kernel, causal, padding, hashes):
+    generator = torch.Generator().manual_seed(0)
+    qk = torch.randn(2, 2, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    key_padding_mask = None
+    if padding:
+        key_padding_mask = torch.ones(2, 37, dtype=torch.bool)
+        key_padding_mask[0, :6] = False
+        key_padding_mask[1, -9:] = False
+    kwargs = dict(num_hashes=hashes, bucket_size=4, num_buckets=4, causal=causal, key_padding_mask=key_padding_mask,
+                  seed=3)
+
+    def run(backend):
+        return outputs_and_grads(lambda qk, _, v: ops.lsh_attention(qk, v, backend=backend, **kwargs), qk, qk, v)
+
+    actual, expected = run("xformers"), run("torch")
+    real = torch.ones(2, 1, 37, 1) if key_padding_mask is None else key_padding_mask[:, None, :, None]
+    for name, a, e in zip(("out", "grad_qk", "grad_qk(again)", "grad_v"), actual, expected, strict=True):
+        if name == "out":  # padded queries' outputs are not part of the contract
+            a, e = a * real, e * real
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(("causal", "padding"), [(False, False), (False, True), (True, True)])
+def test_xformers_routing_path_equals_the_torch_kernel(reference_kernel, causal, padding):
+    from longattn.attention_routing import routing_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 41, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 8, generator=generator, dtype=torch.float64), dim=-1)
+    key_padding_mask = None
+    if padding:
+        key_padding_mask = torch.ones(2, 41, dtype=torch.bool)
+        key_padding_mask[1, -7:] = False
+    kwargs = dict(causal=causal, causal_window=6, key_padding_mask=key_padding_mask)
+    expected = outputs_and_grads(lambda q, k, v: routing_attention(q, k, v, centroids, backend="torch", **kwargs),
+                                 q, k, v)
+    actual = outputs_and_grads(lambda q, k, v: routing_attention(q, k, v, centroids, backend="xformers", **kwargs),
+                               q, k, v)
+    assert_all_close(actual, expected, rtol=1e-9, atol=1e-9)
 
 
 def test_xformers_sinkhorn_is_explicit_only(monkeypatch):

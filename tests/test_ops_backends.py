@@ -224,13 +224,20 @@ def dense_forms(monkeypatch):
     return _spy(monkeypatch, [(ops_linear, "efficient_attention_weights"), (ops_lsh, "lsh_attention_dense")])
 
 
-@pytest.mark.parametrize(("name", "fn"), [("efficient (linear)", _efficient), ("LSH", _lsh)], ids=["efficient", "lsh"])
-@pytest.mark.parametrize("backend", ["flex", "xformers"])
+@pytest.mark.parametrize(("name", "fn", "backend"), [
+    ("efficient (linear)", _efficient, "flex"), ("efficient (linear)", _efficient, "xformers"), ("LSH", _lsh, "flex"),
+], ids=["efficient-flex", "efficient-xformers", "lsh-flex"])
 def test_efficient_and_lsh_refuse_the_kernel_back_ends(name, fn, backend):
     q, k, v = _qkv(37, requires_grad=False)
     message = rf"`backend`='{backend}' cannot run {re.escape(name)} attention: .*use one of \['auto', 'torch'"
     with pytest.raises(ValueError, match=message):
         fn(q, k, v, backend=backend)
+
+
+def test_lsh_on_xformers_says_why_it_cannot_run_on_cpu():
+    q, k, v = _qkv(37, requires_grad=False)
+    with pytest.raises(ValueError, match=r"'xformers' cannot run this 'windows' attention on cpu.*device 'cpu'"):
+        _lsh(q, k, v, backend="xformers")
 
 
 @pytest.mark.parametrize("fn", [_efficient, _lsh], ids=["efficient", "lsh"])
