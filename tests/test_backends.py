@@ -758,3 +758,33 @@ def test_gpu_flex_banded_block_mask_at_a_length_of_many_tiles(causal):
         expected = ops.reference_attention(q, k, v, mask)
         actual = ops.sliding_window_attention(q, k, v, backend="flex", **pattern)
     torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ["lsh", "routing"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_lsh_and_routing_on_xformers_equal_the_torch_kernel(kind, causal):
+    pytest.importorskip("xformers")
+    from longattn.attention_routing import routing_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+               for _ in range(3))
+    key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
+    key_padding_mask[1, 870:] = False
+    if kind == "lsh":
+        def run(backend):
+            return lambda q, k, v: ops.lsh_attention(q, v, num_hashes=2, bucket_size=64, causal=causal, seed=0,
+                                                     key_padding_mask=key_padding_mask, backend=backend)
+    else:
+        centroids = torch.nn.functional.normalize(
+            torch.randn(4, 8, 64, device="cuda", generator=generator), dim=-1).to(torch.bfloat16)
+
+        def run(backend):
+            return lambda q, k, v: routing_attention(q, k, v, centroids, causal=causal, causal_window=128,
+                                                     key_padding_mask=key_padding_mask, backend=backend)
+    real = key_padding_mask[:, None, :, None]
+    expected = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("torch"), q, k, v))]
+    actual = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("xformers"), q, k, v))]
+    assert_all_close(actual, expected, rtol=3e-2, atol=3e-2)
