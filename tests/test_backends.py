@@ -698,15 +698,20 @@ def test_per_head_dilation_predicate_reads_no_captured_tensor():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _gpu_qkv(length=1000):
+    """bf16 q, k, v `[2, 4, length, 64]` on the GPU that require grad, and the generator that drew them."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+            for _ in range(3)], generator
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("backend", ["flex", "xformers"])
 def test_gpu_backends_equal_the_reference(backend):
     if backend == "xformers":
         pytest.importorskip("xformers")
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-               for _ in range(3))
+    (q, k, v), generator = _gpu_qkv()
     key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
     key_padding_mask[1, 900:] = False
     global_mask = torch.zeros(2, 1000, dtype=torch.bool, device="cuda")
@@ -728,9 +733,7 @@ def test_gpu_sinkhorn_on_xformers_equals_the_torch_executor(causal, padding, sor
     pytest.importorskip("xformers")
     from longattn.attention_sinkhorn import sinkhorn_attention
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-               for _ in range(3))
+    (q, k, v), generator = _gpu_qkv()
     sort_weight = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, generator=generator) / 8
     key_padding_mask = None
     if padding:
@@ -768,9 +771,7 @@ def test_gpu_lsh_and_routing_on_xformers_equal_the_torch_kernel(kind, causal):
     pytest.importorskip("xformers")
     from longattn.attention_routing import routing_attention
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-               for _ in range(3))
+    (q, k, v), generator = _gpu_qkv()
     key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
     key_padding_mask[1, 870:] = False
     if kind == "lsh":
