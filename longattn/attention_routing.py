@@ -68,17 +68,29 @@ def _top_members(scores: Tensor, size: int) -> Tensor:
     smallest chosen maximum.
     """
     rows, n = scores.shape
-    group = int(math.sqrt(n / size))  # g, minimises G + size·g
-    width = n // group  # G
+    group, width = _strips(n, size)
     if group < 4:  # too little to gain
         return scores.topk(size, dim=-1).indices
     maxima = scores[:, : group * width].view(rows, group, width).amax(dim=1)  # [R, G]
     best = maxima.topk(size, dim=-1, sorted=False)  # the `size` best groups [R, size], in any order
-    columns = (best.indices.unsqueeze(-1) + torch.arange(0, group * width, width, device=scores.device)).view(rows, -1)
-    if group * width < n:
-        rest = torch.arange(group * width, n, device=scores.device).expand(rows, -1)
-        columns = torch.cat([columns, rest], dim=-1)
+    columns = _candidate_columns(best.indices, group, width, n)
     return _largest(scores.gather(-1, columns), columns, best.values, size)  # [R, size·g + rest] candidates
+
+
+def _strips(n: int, size: int) -> tuple[int, int]:
+    """(g, G): g strips of G positions (and a rest of n - g·G < g) for picking the `size` largest of n scores."""
+    group = int(math.sqrt(n / size))  # g, minimises G + size·g
+    return group, n // max(group, 1)
+
+
+def _candidate_columns(best: Tensor, group: int, width: int, n: int) -> Tensor:
+    """The positions `[R, size·g + rest]` of the chosen groups `best [R, size]` (group j: position j of every strip),
+    then the rest after the last whole strip: the only places the `size` largest scores can be."""
+    rows = best.shape[0]
+    columns = (best.unsqueeze(-1) + torch.arange(0, group * width, width, device=best.device)).view(rows, -1)
+    if group * width < n:
+        columns = torch.cat([columns, torch.arange(group * width, n, device=best.device).expand(rows, -1)], dim=-1)
+    return columns
 
 
 def _largest(values: Tensor, columns: Tensor, maxima: Tensor, size: int) -> Tensor:
@@ -121,16 +133,15 @@ def _balanced_members(
     rows, row_of = head_rows(x.detach().float())  # [b·h·n, d]: norms of contiguous rows, 8x faster than per head
     inverse_norm = rows.norm(dim=-1).clamp_min(1e-12).reciprocal()  # F.normalize's eps
     positions = torch.arange(n, device=device)
-    group = int(math.sqrt(n / size))  # g strips of G positions, as in `_top_members`
-    width = n // group  # G
-    if group < 4:  # too little to gain from the grouped selection
+    group, width = _strips(n, size)  # g strips of G positions, as in `_top_members`
+    if group < 4:  # too little to gain from the grouped selection: `_top_members` is one plain top-k
         for bi in range(b):
             for hi in range(h):
                 unit = x[bi, hi].detach().float() * inverse_norm[row_of(bi, hi, positions)].unsqueeze(-1)  # [n, d]
                 block = torch.matmul(centroids[hi].float(), unit.T)  # [C, n]
                 if valid is not None:
                     block.masked_fill_(~valid[bi], -math.inf)
-                top[bi, hi] = block.topk(size, dim=-1).indices
+                top[bi, hi] = _top_members(block, size)
     else:
         # Similarities position-major, `[n, C]`, a strip of G positions at a time: `[G, d] @ [d, C]` with the small
         # centroid matrix as the reused operand ran 1.5-2.5x faster than `[C, d] @ [d, n]` (same values, bit for bit),
@@ -152,11 +163,7 @@ def _balanced_members(
                     elif strip < group:
                         torch.maximum(maxima, part, out=maxima)
                 best = maxima.T.topk(size, dim=-1, sorted=False)  # the `size` best groups of each centroid [C, size]
-                columns = (best.indices.unsqueeze(-1) + torch.arange(0, group * width, width, device=device)).view(
-                    clusters, -1)
-                if group * width < n:
-                    columns = torch.cat(
-                        [columns, torch.arange(group * width, n, device=device).expand(clusters, -1)], dim=-1)
+                columns = _candidate_columns(best.indices, group, width, n)
                 offsets = torch.arange(clusters, device=device).unsqueeze(-1)
                 values = scores.view(-1).take(columns * clusters + offsets)  # [C, size·g + rest] candidates
                 top[bi, hi] = _largest(values, columns, best.values, size)

@@ -522,9 +522,9 @@ def attend_windows_on_kernel(
     scale: float,
     dropout_p: float = 0.0,
     self_column: int | None = None,
-    keep_probs: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments and results.
+    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments (less
+    `keep_probs`, a memory choice of the PyTorch kernel) and results.
 
     The key windows are copied out (`[B, w, d]`; the kernel reads whole tensors, not overlapping views), the mask
     becomes an additive bias (-`HIDDEN_PENALTY` for hidden keys, -`HIDDEN_PENALTY / 2` for the self column, which
