@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .backends import BACKEND_NAMES
 from .ops import reference_attention
 from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask

@@ -428,7 +428,8 @@ def sinkhorn_attention(
     """
     if causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
-    choice = select_backend(backend, AttentionRequest.for_inputs(
+    # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
+    choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
     ))
     if choice == "reference":

@@ -940,7 +940,7 @@ def unavailable_reasons() -> list[str]:
 
 def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> bool:
     """Whether the layout of a request carries a dense part mask (an additive tensor bias, served by cutlass)."""
-    # Sinkhorn hides keys (padding, causal blocks, empty sorted blocks) with an additive bias.
+    # Sinkhorn's blocks and LSH / routing windows hide keys (padding, causality, empty blocks) with an additive bias.
     return pattern in ("sinkhorn", "windows") or (
         causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed"))
 

@@ -417,6 +417,23 @@ def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, c
         torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_sinkhorn_kernel_call_zeroes_rows_that_see_no_key(reference_kernel):
+    from longattn.attention_sinkhorn import _attend_on_kernel
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 8, generator=generator, dtype=torch.float64)  # 2 blocks of 4 queries
+    keys, values = (torch.randn(1, 2, 12, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    visible = torch.rand(1, 2, 2, 4, 6, generator=generator) > 0.3
+    visible[0, 1, 0, 2] = False  # head 1, block 0, query 2 sees nothing (its hidden keys have real values)
+    visible[..., 0] |= ~visible.any(-1) & (torch.arange(4).view(1, 1, 1, 4) != 2)
+    out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=4, scale=0.5, dropout_p=0.0)
+    mask = torch.block_diag(*[torch.ones(4, 6, dtype=torch.bool)] * 2).view(1, 1, 8, 12) & torch.cat(
+        [torch.nn.functional.pad(visible[:, :, 0], (0, 6)), torch.nn.functional.pad(visible[:, :, 1], (6, 0))], dim=2)
+    expected = ops.reference_attention(q, keys, values, mask, scale=0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    assert torch.equal(out[0, 1, 2], torch.zeros(8, dtype=torch.float64))
+
+
 def test_config_xformers_reaches_the_sinkhorn_kind(reference_kernel):
     def model(backend):
         torch.manual_seed(0)
