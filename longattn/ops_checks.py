@@ -1,13 +1,41 @@
 """Input checks shared by the functional attentions (`ops`, `ops_linear`): one wording for every error.
 
-Shape legend: b batch, h heads, n_q queries, n_k keys, d head dim (d_v for values). This module depends on torch only.
+Shape legend: b batch, h heads, n_q queries, n_k keys, d head dim (d_v for values). This module depends on torch and
+the back-end names (`longattn.backends`) only.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["check_dropout", "check_flag", "check_qkv", "check_token_mask"]
+from .backends import check_backend_name
+
+__all__ = ["check_backend_support", "check_dropout", "check_flag", "check_qkv", "check_token_mask"]
+
+
+def check_backend_support(backend: str, *, attention: str, supported: tuple[str, ...],
+                          unsupported: dict[str, str]) -> str:
+    """Validate `backend=` for a functional attention that runs on some back ends only.
+
+    Args:
+        backend: The requested back end.
+        attention: The attention's name in messages (e.g. "LSH").
+        supported: The back ends it runs on.
+        unsupported: Why it cannot run on the others, per back-end name.
+
+    Returns:
+        `backend`.
+
+    Raises:
+        ValueError: If `backend` is unknown, or not one of `supported` (the message says why and what is allowed).
+    """
+    check_backend_name(backend)
+    if backend not in supported:
+        why = unsupported.get(backend, f"it has no implementation of {attention} attention")
+        raise ValueError(
+            f"`backend`={backend!r} cannot run {attention} attention: {why}; use one of {list(supported)}."
+        )
+    return backend
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:

@@ -14,7 +14,7 @@ separately and multiplies the other way round, `ρ_q(Q) (ρ_k(K)ᵀ V)`, so the 
 The causal form gives query i the same mechanism over keys 0..i only: softmax over the positions j <= i, or n = the
 number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear.
 
-This module depends on torch, the shared input checks and the back-end names (`longattn.backends`) only.
+This module depends on torch and the shared input checks only.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backends import check_backend_name
-from .ops_checks import check_qkv, check_token_mask
+from .ops_checks import check_backend_support, check_qkv, check_token_mask
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
@@ -108,19 +107,9 @@ def efficient_attention(
 
 
 def _check_backend(backend: str) -> str:
-    """Validate `backend=` for efficient attention.
-
-    Raises:
-        ValueError: If `backend` is unknown, or names a back end that cannot run efficient attention.
-    """
-    check_backend_name(backend)
-    if backend not in _SUPPORTED_BACKENDS:
-        why = _UNSUPPORTED_BACKENDS.get(backend, "it has no implementation of efficient attention")
-        raise ValueError(
-            f"`backend`={backend!r} cannot run efficient (linear) attention: {why}; "
-            f"use one of {list(_SUPPORTED_BACKENDS)}."
-        )
-    return backend
+    """Validate `backend=` for efficient attention (`ops_checks.check_backend_support`)."""
+    return check_backend_support(backend, attention="efficient (linear)", supported=_SUPPORTED_BACKENDS,
+                                 unsupported=_UNSUPPORTED_BACKENDS)
 
 
 def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:

@@ -60,8 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import AttentionRequest, check_backend_name, select_backend
+from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
+from .ops_checks import check_backend_support
 
 __all__ = [
     "SELF_SCORE",
@@ -612,12 +613,7 @@ def lsh_attention(
         )
     if causal and num_chunks_before < 1:
         raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
-    check_backend_name(backend)
-    if backend not in _SUPPORTED_BACKENDS:
-        why = _UNSUPPORTED_BACKENDS.get(backend, "it has no implementation of LSH attention")
-        raise ValueError(
-            f"`backend`={backend!r} cannot run LSH attention: {why}; use one of {list(_SUPPORTED_BACKENDS)}."
-        )
+    check_backend_support(backend, attention="LSH", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS)
     b, h, n, d = qk.shape
     d_v = v.shape[-1]
     c = bucket_size
