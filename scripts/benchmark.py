@@ -71,6 +71,7 @@ def _longattn_kind(kind: str, **fields):
         from longattn.attention_registry import attention_class
 
         settings = {"max_position_embeddings": max(args.length, 4096), **fields}  # Linformer sizes E/F by it
+        settings.update(config_overrides(args.set))  # `--set`: the user's settings win over the registry's
         config = LongAttnConfig(
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
@@ -88,6 +89,20 @@ def _longattn_kind(kind: str, **fields):
         return layer
 
     return build
+
+
+def config_overrides(items: list[str]) -> dict:
+    """`--set FIELD=VALUE` items as config fields; a value is read as JSON (numbers, booleans, lists), else a string."""
+    overrides = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise ValueError(f"`--set` item {item!r} is not FIELD=VALUE (e.g. fixed_num_summary=1)")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value
+    return overrides
 
 
 def _global_mask(args):
@@ -461,7 +476,7 @@ def run_one(args: argparse.Namespace, impl: str, length: int, mode: str) -> dict
         "--batch", str(args.batch), "--hidden", str(args.hidden), "--heads", str(args.heads),
         "--window", str(args.window), "--global-tokens", str(args.global_tokens), "--repeats", str(args.repeats),
         "--wait-idle", str(args.wait_idle), "--timeout", str(args.timeout),
-    ] + (["--no-tensor-memory"] if not args.tensor_memory else [])
+    ] + (["--no-tensor-memory"] if not args.tensor_memory else []) + [f"--set={item}" for item in args.set]
     result = {"impl": impl, "length": length, "mode": mode}
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     try:
@@ -520,6 +535,9 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         "",
     ]
     lines += [f"- `{name}`: {IMPLS[name].description}" for name in args.impls]
+    if args.set:
+        lines += ["", "Config fields set for every longattn kind (`--set`, over the settings above): "
+                  + ", ".join(f"`{item}`" for item in args.set)]
     for mode in args.mode:
         lines += [
             "",
@@ -589,6 +607,11 @@ def main(argv: list[str] | None = None) -> None:
         "--allocator", choices=sorted(ALLOCATORS), default="glibc",
         help="glibc: its defaults; reuse: keep freed memory instead of unmapping it (see ALLOCATORS)",
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="a LongAttnConfig field for every longattn kind of the run, over its registered setting (repeatable; "
+        "peers ignore it), e.g. --set fixed_num_summary=1",
+    )
     parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
@@ -596,6 +619,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        config_overrides(args.set)
+    except ValueError as error:
+        parser.error(str(error))
 
     if args.worker:
         args.mode = args.mode[0] if isinstance(args.mode, list) else args.mode
