@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import json
 import os
 import platform
@@ -102,6 +103,20 @@ def config_overrides(items: list[str]) -> dict:
             overrides[field] = json.loads(value)
         except json.JSONDecodeError:
             overrides[field] = value
+    if overrides:
+        # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
+        # registered setting: refuse it here.
+        sys.path.insert(0, str(REPO))
+        from longattn import LongAttnConfig
+
+        known = LongAttnConfig().to_dict()
+        for field in overrides:
+            if field not in known:
+                close = difflib.get_close_matches(field, known, n=3)
+                raise ValueError(
+                    f"`--set` field {field!r} is not a LongAttnConfig field"
+                    + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
+                )
     return overrides
 
 

@@ -27,6 +27,13 @@ def test_overrides_are_parsed_as_json_else_strings(benchmark):
         benchmark.config_overrides(["fixed_num_summary"])
 
 
+def test_misspelt_field_is_refused(benchmark):
+    # LongAttnConfig itself would keep the typo as an attribute and the run would measure the registered setting.
+    expected = "'fixed_num_sumary' is not a LongAttnConfig field: did you mean fixed_num_summary"
+    with pytest.raises(ValueError, match=expected):
+        benchmark.config_overrides(["fixed_num_sumary=1"])
+
+
 def test_override_wins_over_the_registered_setting(benchmark):
     args = benchmark.argparse.Namespace(
         length=256, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=["fixed_num_summary=2"],
