@@ -244,7 +244,7 @@ def recorded_value(output_dir: str | Path) -> Callable[[str, str], str]:
         name = flag.lstrip("-").replace("-", "_")
         if is_secret_flag(name):
             return REDACTED
-        if os.path.isabs(value) or (name in PATH_FLAGS and Path(value).exists()):
+        if name == "output_dir" or os.path.isabs(value) or (name in PATH_FLAGS and Path(value).exists()):
             return recorded_path(value, output_dir)
         return value
 
