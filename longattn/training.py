@@ -22,6 +22,13 @@ the current epoch that were already consumed (`accelerator.skip_first_batches`).
 MLM masking) is seeded from (seed, epoch, batch, process), and the shuffling from (seed, epoch), so a resumed run
 repeats the uninterrupted one bit for bit on CPU.
 
+With --gradient_accumulation_steps K, one optimizer step is K batches gathered first: their labelled tokens, counted
+over all processes, go to the model as `num_items_in_batch` (transformers' convention), so the step's gradient is
+that of one batch K times larger. A resumed run warns about arguments that differ from those its checkpoint was
+written with, and 'latest' skips a checkpoint that does not load. What the output folder records of the command line
+and the arguments (model card, `all_results.json`, checkpoints, trackers) holds no secret (`--hub_token`, ...) and no
+absolute path (`recorded_value`).
+
 Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
 SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
 kills it in the middle of the checkpoint of step N.
@@ -979,7 +986,8 @@ def train(
     Returns:
         The metrics of the last evaluation (`eval_*`), `train_loss` (mean over every optimizer step of the run,
         resumed parts included), `train_last_loss`, `train_runtime` (seconds in this process), `train_steps`,
-        `epochs`, `num_processes`, `ranks_seen` (a gather across processes), `global_batch_size` and the model limits.
+        `epochs`, `num_processes`, `ranks_seen` (a gather across processes), `global_batch_size`, the model limits
+        and `resumed_from` (the checkpoint, relative to the output folder).
     """
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm

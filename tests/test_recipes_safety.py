@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -311,7 +312,17 @@ def test_a_decoder_prompt_does_not_end_the_text_but_clm_training_text_does():
 
 
 # ---------------------------------------------------------------------------------------------- packaging
-def test_the_license_is_an_spdx_string():
-    """setuptools >= 77 warns on every build about the `license = {text = ...}` table."""
+def test_the_license_is_an_spdx_string(monkeypatch):
+    """setuptools >= 77 warns on every build about the `license = {text = ...}` table; the installed one reads the
+    SPDX string without a warning."""
+    setuptools = pytest.importorskip("setuptools")
+    from setuptools.config import pyprojecttoml
+    from setuptools.dist import Distribution
+
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert project["project"]["license"] == "Apache-2.0"
+    monkeypatch.chdir(REPO)  # the readme is found relative to the project
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pyprojecttoml.apply_configuration(Distribution(), "pyproject.toml")
+    assert not [w for w in caught if "license" in str(w.message).lower()], setuptools.__version__
