@@ -8,7 +8,7 @@ A recipe reads top to bottom like transformers' `run_*_no_trainer.py` examples:
     config = load_config(args, task="mlm")                     # --config_overrides, validated by LongAttnConfig
     tokenizer = load_tokenizer(args, config)                   # the byte tokenizer unless told otherwise
     accelerator = make_accelerator(args)
-    raw = load_raw_datasets(args)                              # --dataset_name or json/jsonl/csv/txt files
+    raw = load_raw_datasets(args, {"text_column": "text"})     # --dataset_name or json/jsonl/csv/txt; columns checked
     ... tokenize with raw.map ...
     model = load_model(args, config, tokenizer, AutoModelForMaskedLM)
     results = train(args, accelerator, model, train_dataset, eval_dataset, collator, evaluate=..., ...)
@@ -22,16 +22,16 @@ the current epoch that were already consumed (`accelerator.skip_first_batches`).
 MLM masking) is seeded from (seed, epoch, batch, process), and the shuffling from (seed, epoch), so a resumed run
 repeats the uninterrupted one bit for bit on CPU.
 
+Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
+SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
+kills it in the middle of the checkpoint of step N.
+
 With --gradient_accumulation_steps K, one optimizer step is K batches gathered first: their labelled tokens, counted
 over all processes, go to the model as `num_items_in_batch` (transformers' convention), so the step's gradient is
 that of one batch K times larger. A resumed run warns about arguments that differ from those its checkpoint was
 written with, and 'latest' skips a checkpoint that does not load. What the output folder records of the command line
 and the arguments (model card, `all_results.json`, checkpoints, trackers) holds no secret (`--hub_token`, ...) and no
 absolute path (`recorded_value`).
-
-Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
-SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
-kills it in the middle of the checkpoint of step N.
 
 Importing this module has no side effect (no logging setup, no environment change); `accelerate` is only touched when
 a recipe calls `make_accelerator`.
