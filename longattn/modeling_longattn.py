@@ -18,6 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 from transformers.modeling_outputs import (
@@ -223,11 +224,29 @@ class LongAttnStack(nn.Module):
 
 
 def _as_bool_mask(mask: torch.Tensor | None, *, name: str, batch: int, length: int) -> torch.Tensor | None:
-    """Check a `[b, length]` 0/1 mask and return it as bool (None stays None)."""
+    """Check a `[b, length]` mask of 1 (keep) and 0 (padding), bool, integer or float as in transformers, and return
+    it as bool (None stays None).
+
+    Raises:
+        ValueError: another shape (a 4-D `[b, 1, n, m]` mask included: which keys a query sees is the attention
+            kind's pattern, which such a mask cannot express), or a float mask with values other than 0 and 1 (an
+            additive mask, 0 keep / -inf drop, would be read the other way round).
+    """
     if mask is None:
         return None
+    if mask.dim() == 4:
+        raise ValueError(
+            f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
+            "set by each layer's `attention_type` (a sparse pattern such a mask cannot express, causality included). "
+            f"Pass the [batch, length] = [{batch}, {length}] padding mask: 1 = token, 0 = padding."
+        )
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
         raise ValueError(f"`{name}` has shape {list(mask.shape)}: expected [batch, length] = [{batch}, {length}].")
+    if mask.is_floating_point() and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(
+            f"`{name}` is a float mask with values other than 0 and 1: expected 1 = token, 0 = padding (as "
+            "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
+        )
     return mask.bool()
 
 
@@ -396,11 +415,25 @@ class LongAttnModel(LongAttnPreTrainedModel):
         return outputs if return_dict else outputs.to_tuple()
 
 
-def _with_auxiliary_loss(loss: torch.Tensor | None, model: LongAttnModel | Any) -> torch.Tensor | None:
-    """Add the attention kinds' auxiliary losses to a task loss (only when there is a task loss)."""
+def _with_auxiliary_loss(
+    loss: torch.Tensor | None,
+    model: LongAttnModel | Any,
+    *,
+    labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | None:
+    """Add the attention kinds' auxiliary losses to a task loss (only when there is a task loss).
+
+    With `num_items_in_batch` (transformers' Trainer: the labelled items of every micro-batch of one optimizer step,
+    on every device with `average_tokens_across_devices`) the task loss is this micro-batch's share of the step's
+    loss, and the auxiliary loss gets the same share, `labels`' labelled items / `num_items_in_batch`. The shares of
+    one step add up to one, so accumulating micro-batches adds the auxiliary loss once, as one large batch does.
+    """
     extra = model.auxiliary_loss()
     if loss is None or extra is None:
         return loss
+    if num_items_in_batch is not None:
+        extra = extra * (labels.ne(-100).sum().to(extra.device) / num_items_in_batch)
     return loss + extra.to(loss.dtype)
 
 
@@ -438,7 +471,7 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> MaskedLMOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> MaskedLMOutput | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
@@ -446,8 +479,8 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self.longattn)
+            loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                 attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
@@ -476,7 +509,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> SequenceClassifierOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> SequenceClassifierOutput | tuple:
         if global_attention_mask is None:
             reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
             global_attention_mask = torch.zeros(reference.shape[:2], dtype=torch.bool, device=reference.device)
@@ -487,14 +520,26 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
                                 return_dict=True)
         pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
-        loss = _with_auxiliary_loss(_classification_loss(self.config, logits, labels), self.longattn)
+        loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                           attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
 
-def _classification_loss(config: LongAttnConfig, logits: torch.Tensor, labels: torch.Tensor | None):
-    """transformers' problem types: regression (1 label), single-label (int labels), multi-label (float labels)."""
+def _classification_loss(
+    config: LongAttnConfig,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | None:
+    """transformers' problem types: regression (1 label), single-label (int labels), multi-label (float labels).
+
+    The mean over labels, or with `num_items_in_batch` (transformers' Trainer, which counts the items of `labels`
+    that are not -100: one per example, one per example and label for multi-label and multi-output regression) the
+    sum over them divided by it, so that accumulated micro-batches give the loss of one large batch.
+    """
     if labels is None:
         return None
     labels = labels.to(logits.device)
@@ -505,11 +550,14 @@ def _classification_loss(config: LongAttnConfig, logits: torch.Tensor, labels: t
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
     if config.problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return fixed_cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1), num_items_in_batch)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    if config.problem_type == "regression":
+        loss = F.mse_loss(logits.float().view(labels.shape), labels.float(), reduction=reduction)
+    else:
+        loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class LongAttnForTokenClassification(LongAttnPreTrainedModel):
@@ -525,7 +573,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> TokenClassifierOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> TokenClassifierOutput | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
@@ -533,8 +581,9 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self.longattn)
+            loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1).to(logits.device),
+                                       num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                        attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
@@ -543,6 +592,10 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
 class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
     """Extractive QA: start/end logits per token. Put global attention on the question tokens
     (`global_attention_mask`), as Longformer does; none is added by default."""
+
+    # The loss is the mean of two per-example means, which `num_items_in_batch` cannot split (and QA batches have no
+    # `labels` for Trainer to count): Trainer divides it by the accumulation steps itself.
+    accepts_loss_kwargs = False
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
@@ -596,8 +649,8 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
-                output_attentions=None, return_dict=None, logits_to_keep: int = 0,
-                **kwargs) -> CausalLMOutputWithPast | tuple:
+                output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
+                num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                                 past_key_values=past_key_values, use_cache=use_cache,
@@ -608,10 +661,13 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)  # [b, n, V]
         loss = None
-        if labels is not None:
-            shifted = labels[:, 1:].to(logits.device)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1))
-        loss = _with_auxiliary_loss(loss, self.longattn)
+        if labels is not None or shift_labels is not None:
+            # `shift_labels` `[b, n]` (padding-free collators) are the targets of every position, already aligned.
+            if shift_labels is None:
+                shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+            loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
+                                   shift_labels=shift_labels)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
@@ -693,7 +749,7 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 decoder_input_ids=None, decoder_attention_mask=None, decoder_inputs_embeds=None,
                 encoder_outputs=None, past_key_values=None, use_cache=None, labels=None,
-                output_hidden_states=None, output_attentions=None, return_dict=None,
+                output_hidden_states=None, output_attentions=None, return_dict=None, num_items_in_batch=None,
                 **kwargs) -> Seq2SeqLMOutput | tuple:
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
@@ -724,8 +780,9 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
         logits = self.lm_head(decoder_outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self)
+            # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
+            loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
