@@ -18,6 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
@@ -36,6 +37,17 @@ from .attention_base import LongAttnAttention
 from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
+
+# transformers 5.x renamed the KV cache argument and output field `past_key_values` to `cache` (generate passes
+# `cache=` since): the models take both names and fill the output field under the installed release's name.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache given as `cache` or, by its older name, as `past_key_values`."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the KV cache as `cache` or as `past_key_values` (its older name), not both.")
+    return cache if cache is not None else past_key_values
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -211,7 +223,7 @@ class LongAttnStack(nn.Module):
             all_hidden_states += (hidden_states,)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
+            **{_CACHE_FIELD: past_key_values},
             hidden_states=all_hidden_states,
             attentions=all_attentions,
             cross_attentions=all_cross_attentions,
@@ -264,7 +276,7 @@ class LongAttnPreTrainedModel(PreTrainedModel):
     base_model_prefix = "longattn"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LongAttnLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         # transformers skips, for custom code, modules without direct parameters of their own: that would skip the
@@ -284,9 +296,34 @@ class LongAttnPreTrainedModel(PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # transformers would build the generation cache from the config, and reads our `sliding_window` field as
-        # "keep only the last w keys". That is wrong for dilated windows and global tokens, so the model builds a
-        # plain `DynamicCache` (all keys) itself on the first forward pass.
+        # "keep only the last w keys". That is wrong for dilated windows, global tokens and the strided, fixed and
+        # content-based kinds, so `_prepare_cache_for_generation` builds one that keeps every key.
         return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """Give `generate` a KV cache of full layers (every key kept), for every decoding mode.
+
+        Assisted and prompt-lookup decoding need it before the first forward pass (they `crop` the keys of rejected
+        draft tokens), beam search reorders it (`reorder_cache`). A cache the caller passes is used as it is.
+
+        Raises:
+            ValueError: a `cache_implementation` other than "dynamic" (static and sliding caches are laid out from
+                the config, which cannot describe the kinds' patterns).
+        """
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in ALL_CACHE_NAMES):
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"`cache_implementation`={generation_config.cache_implementation!r} is not supported by longattn "
+                "models: use None or 'dynamic' (a cache that keeps every key, which every attention kind can use)."
+            )
+        cache = DynamicCache()  # no config: full layers, whatever `sliding_window` says
+        if self.config.is_encoder_decoder:
+            cache = EncoderDecoderCache(cache, DynamicCache())
+        if getattr(generation_config, "is_assistant", False) and hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()  # transformers does this for the caches it builds for a draft model
+        model_kwargs[ALL_CACHE_NAMES[0]] = cache
 
 
 def _run_backbone(
@@ -355,7 +392,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
         attention_mask: `[b, m]`, 1 = real token, 0 = padding.
         global_attention_mask: `[b, m]`, 1 = global token (Longformer semantics; kinds without global tokens ignore it).
         position_ids: `[b, n]`; by default counted over real tokens.
-        past_key_values / use_cache: the KV cache of a causal decoder.
+        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder.
 
     Returns:
         `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `[b, n, D]`.
@@ -391,8 +428,10 @@ class LongAttnModel(LongAttnPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        past_key_values = _cache_argument(cache, past_key_values)
         use_cache = self.is_causal and (use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()  # no config: see `_supports_default_dynamic_cache`
@@ -650,10 +689,10 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
-                num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast | tuple:
+                num_items_in_batch=None, cache=None, **kwargs) -> CausalLMOutputWithPast | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
+                                past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         hidden_states = outputs.last_hidden_state
@@ -668,7 +707,7 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
                                    shift_labels=shift_labels)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
@@ -750,7 +789,7 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                 decoder_input_ids=None, decoder_attention_mask=None, decoder_inputs_embeds=None,
                 encoder_outputs=None, past_key_values=None, use_cache=None, labels=None,
                 output_hidden_states=None, output_attentions=None, return_dict=None, num_items_in_batch=None,
-                **kwargs) -> Seq2SeqLMOutput | tuple:
+                cache=None, **kwargs) -> Seq2SeqLMOutput | tuple:
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         output_attentions = bool(output_attentions if output_attentions is not None
@@ -766,6 +805,7 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        past_key_values = _cache_argument(cache, past_key_values)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
@@ -784,7 +824,7 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
             loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, past_key_values=decoder_outputs.past_key_values,
+            loss=loss, logits=logits, **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
