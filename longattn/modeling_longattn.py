@@ -310,14 +310,16 @@ class LongAttnPreTrainedModel(PreTrainedModel):
             ValueError: a `cache_implementation` other than "dynamic" (static and sliding caches are laid out from
                 the config, which cannot describe the kinds' patterns).
         """
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.use_cache is False or any(model_kwargs.get(name) is not None for name in ALL_CACHE_NAMES):
-            return
-        if generation_config.cache_implementation not in (None, "dynamic"):
+        given = any(model_kwargs.get(name) is not None for name in ALL_CACHE_NAMES)
+        builds = generation_config.use_cache is not False and not given
+        if builds and generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
                 f"`cache_implementation`={generation_config.cache_implementation!r} is not supported by longattn "
                 "models: use None or 'dynamic' (a cache that keeps every key, which every attention kind can use)."
             )
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # checks a given one
+        if not builds:
+            return
         cache = DynamicCache()  # no config: full layers, whatever `sliding_window` says
         if self.config.is_encoder_decoder:
             cache = EncoderDecoderCache(cache, DynamicCache())
@@ -518,7 +520,8 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
-            loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
+                                   num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                 attentions=outputs.attentions)
@@ -620,7 +623,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         loss = None
         if labels is not None:
-            loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1).to(logits.device),
+            loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
                                        num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
@@ -703,9 +706,9 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
         if labels is not None or shift_labels is not None:
             # `shift_labels` `[b, n]` (padding-free collators) are the targets of every position, already aligned.
             if shift_labels is None:
-                shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+                shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
             loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
-                                   shift_labels=shift_labels)
+                                   shift_labels=shift_labels.contiguous())
         loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -821,7 +824,8 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
-            loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
+                                   num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},

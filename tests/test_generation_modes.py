@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_models import KINDS, causal_config_or_skip, random_ids, tiny_config
+from transformers import DynamicCache
 
 import longattn
 
@@ -82,3 +83,19 @@ def test_seq2seq_assisted_and_beam_search(kind):
     sources = random_ids(2, 21)
     cached = model.generate(sources, num_beams=3, **GREEDY)
     torch.testing.assert_close(cached, model.generate(sources, num_beams=3, use_cache=False, **GREEDY), rtol=0, atol=0)
+
+
+def test_cache_argument_takes_both_names():
+    """`cache` (transformers' name since 5.2x, what generate passes) and `past_key_values` (its older name) are one
+    argument: the same step through either gives the same logits; two different caches at once are refused."""
+    model = _decoder("sliding")
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        for name in ("cache", "past_key_values"):
+            prefix = model(input_ids=ids[:, :11], use_cache=True)
+            cache = prefix.cache if hasattr(prefix, "cache") else prefix.past_key_values
+            step = model(input_ids=ids[:, 11:], use_cache=True, **{name: cache}).logits
+            torch.testing.assert_close(step[:, 0], full[:, 11], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="`cache` or as `past_key_values`"):
+            model(input_ids=ids[:, 11:], cache=DynamicCache(), past_key_values=DynamicCache())
