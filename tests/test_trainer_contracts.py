@@ -92,6 +92,28 @@ def test_gradient_accumulation_equals_one_large_batch(head, kind, tmp_path):
         torch.testing.assert_close(small_weights[name], weight, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_accumulation_across_devices_equals_one_large_batch():
+    """What Trainer does on W processes with `average_tokens_across_devices` (its default): `num_items_in_batch` counts
+    the labels of every device, each device's loss is multiplied by W and DDP averages the gradients. Two simulated
+    devices of two micro-batches each give the gradient of the whole batch, adaptive span's penalty included."""
+    config = tiny_config("adaptive_span", **KIND_FIELDS["adaptive_span"])
+    examples = _examples("masked_lm", count=8)
+    ids = torch.stack([e["input_ids"] for e in examples])
+    labels = torch.stack([e["labels"] for e in examples])
+    torch.manual_seed(0)
+    model = longattn.LongAttnForMaskedLM(config)
+    model(input_ids=ids, labels=labels).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    world_size, num_items = 2, labels.ne(-100).sum()
+    for rows in torch.arange(8).split(2):  # devices 0, 0, 1, 1: two micro-batches each
+        loss = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=num_items).loss
+        (loss * world_size).backward()
+    for name, p in model.named_parameters():
+        if name in expected:
+            torch.testing.assert_close(p.grad / world_size, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_loss_is_a_share_of_num_items_in_batch():
     """`num_items_in_batch` (the labelled items of a whole optimizer step) divides the summed loss of a micro-batch."""
     torch.manual_seed(0)
