@@ -18,6 +18,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation.utils import ALL_CACHE_NAMES
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 from transformers.modeling_outputs import (
@@ -35,6 +37,17 @@ from .attention_base import LongAttnAttention
 from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
+
+# transformers 5.x renamed the KV cache argument and output field `past_key_values` to `cache` (generate passes
+# `cache=` since): the models take both names and fill the output field under the installed release's name.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The KV cache given as `cache` or, by its older name, as `past_key_values`."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("Pass the KV cache as `cache` or as `past_key_values` (its older name), not both.")
+    return cache if cache is not None else past_key_values
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -210,7 +223,7 @@ class LongAttnStack(nn.Module):
             all_hidden_states += (hidden_states,)
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
+            **{_CACHE_FIELD: past_key_values},
             hidden_states=all_hidden_states,
             attentions=all_attentions,
             cross_attentions=all_cross_attentions,
@@ -223,11 +236,29 @@ class LongAttnStack(nn.Module):
 
 
 def _as_bool_mask(mask: torch.Tensor | None, *, name: str, batch: int, length: int) -> torch.Tensor | None:
-    """Check a `[b, length]` 0/1 mask and return it as bool (None stays None)."""
+    """Check a `[b, length]` mask of 1 (keep) and 0 (padding), bool, integer or float as in transformers, and return
+    it as bool (None stays None).
+
+    Raises:
+        ValueError: another shape (a 4-D `[b, 1, n, m]` mask included: which keys a query sees is the attention
+            kind's pattern, which such a mask cannot express), or a float mask with values other than 0 and 1 (an
+            additive mask, 0 keep / -inf drop, would be read the other way round).
+    """
     if mask is None:
         return None
+    if mask.dim() == 4:
+        raise ValueError(
+            f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
+            "set by each layer's `attention_type` (a sparse pattern such a mask cannot express, causality included). "
+            f"Pass the [batch, length] = [{batch}, {length}] padding mask: 1 = token, 0 = padding."
+        )
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
         raise ValueError(f"`{name}` has shape {list(mask.shape)}: expected [batch, length] = [{batch}, {length}].")
+    if mask.is_floating_point() and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(
+            f"`{name}` is a float mask with values other than 0 and 1: expected 1 = token, 0 = padding (as "
+            "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
+        )
     return mask.bool()
 
 
@@ -245,7 +276,7 @@ class LongAttnPreTrainedModel(PreTrainedModel):
     base_model_prefix = "longattn"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LongAttnLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         # transformers skips, for custom code, modules without direct parameters of their own: that would skip the
@@ -265,9 +296,36 @@ class LongAttnPreTrainedModel(PreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # transformers would build the generation cache from the config, and reads our `sliding_window` field as
-        # "keep only the last w keys". That is wrong for dilated windows and global tokens, so the model builds a
-        # plain `DynamicCache` (all keys) itself on the first forward pass.
+        # "keep only the last w keys". That is wrong for dilated windows, global tokens and the strided, fixed and
+        # content-based kinds, so `_prepare_cache_for_generation` builds one that keeps every key.
         return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """Give `generate` a KV cache of full layers (every key kept), for every decoding mode.
+
+        Assisted and prompt-lookup decoding need it before the first forward pass (they `crop` the keys of rejected
+        draft tokens), beam search reorders it (`reorder_cache`). A cache the caller passes is used as it is.
+
+        Raises:
+            ValueError: a `cache_implementation` other than "dynamic" (static and sliding caches are laid out from
+                the config, which cannot describe the kinds' patterns).
+        """
+        given = any(model_kwargs.get(name) is not None for name in ALL_CACHE_NAMES)
+        builds = generation_config.use_cache is not False and not given
+        if builds and generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"`cache_implementation`={generation_config.cache_implementation!r} is not supported by longattn "
+                "models: use None or 'dynamic' (a cache that keeps every key, which every attention kind can use)."
+            )
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)  # checks a given one
+        if not builds:
+            return
+        cache = DynamicCache()  # no config: full layers, whatever `sliding_window` says
+        if self.config.is_encoder_decoder:
+            cache = EncoderDecoderCache(cache, DynamicCache())
+        if getattr(generation_config, "is_assistant", False) and hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()  # transformers does this for the caches it builds for a draft model
+        model_kwargs[ALL_CACHE_NAMES[0]] = cache
 
 
 def _run_backbone(
@@ -336,7 +394,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
         attention_mask: `[b, m]`, 1 = real token, 0 = padding.
         global_attention_mask: `[b, m]`, 1 = global token (Longformer semantics; kinds without global tokens ignore it).
         position_ids: `[b, n]`; by default counted over real tokens.
-        past_key_values / use_cache: the KV cache of a causal decoder.
+        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder.
 
     Returns:
         `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `[b, n, D]`.
@@ -372,8 +430,10 @@ class LongAttnModel(LongAttnPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        past_key_values = _cache_argument(cache, past_key_values)
         use_cache = self.is_causal and (use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()  # no config: see `_supports_default_dynamic_cache`
@@ -396,11 +456,25 @@ class LongAttnModel(LongAttnPreTrainedModel):
         return outputs if return_dict else outputs.to_tuple()
 
 
-def _with_auxiliary_loss(loss: torch.Tensor | None, model: LongAttnModel | Any) -> torch.Tensor | None:
-    """Add the attention kinds' auxiliary losses to a task loss (only when there is a task loss)."""
+def _with_auxiliary_loss(
+    loss: torch.Tensor | None,
+    model: LongAttnModel | Any,
+    *,
+    labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | None:
+    """Add the attention kinds' auxiliary losses to a task loss (only when there is a task loss).
+
+    With `num_items_in_batch` (transformers' Trainer: the labelled items of every micro-batch of one optimizer step,
+    on every device with `average_tokens_across_devices`) the task loss is this micro-batch's share of the step's
+    loss, and the auxiliary loss gets the same share, `labels`' labelled items / `num_items_in_batch`. The shares of
+    one step add up to one, so accumulating micro-batches adds the auxiliary loss once, as one large batch does.
+    """
     extra = model.auxiliary_loss()
     if loss is None or extra is None:
         return loss
+    if num_items_in_batch is not None:
+        extra = extra * (labels.ne(-100).sum().to(extra.device) / num_items_in_batch)
     return loss + extra.to(loss.dtype)
 
 
@@ -438,7 +512,7 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> MaskedLMOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> MaskedLMOutput | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
@@ -446,8 +520,9 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self.longattn)
+            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
+                                   num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                 attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
@@ -476,7 +551,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> SequenceClassifierOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> SequenceClassifierOutput | tuple:
         if global_attention_mask is None:
             reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
             global_attention_mask = torch.zeros(reference.shape[:2], dtype=torch.bool, device=reference.device)
@@ -487,14 +562,26 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
                                 return_dict=True)
         pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
-        loss = _with_auxiliary_loss(_classification_loss(self.config, logits, labels), self.longattn)
+        loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                           attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
 
-def _classification_loss(config: LongAttnConfig, logits: torch.Tensor, labels: torch.Tensor | None):
-    """transformers' problem types: regression (1 label), single-label (int labels), multi-label (float labels)."""
+def _classification_loss(
+    config: LongAttnConfig,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | None:
+    """transformers' problem types: regression (1 label), single-label (int labels), multi-label (float labels).
+
+    The mean over labels, or with `num_items_in_batch` (transformers' Trainer, which counts the items of `labels`
+    that are not -100: one per example, one per example and label for multi-label and multi-output regression) the
+    sum over them divided by it, so that accumulated micro-batches give the loss of one large batch.
+    """
     if labels is None:
         return None
     labels = labels.to(logits.device)
@@ -505,11 +592,14 @@ def _classification_loss(config: LongAttnConfig, logits: torch.Tensor, labels: t
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
-    if config.problem_type == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
     if config.problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return fixed_cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1), num_items_in_batch)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    if config.problem_type == "regression":
+        loss = F.mse_loss(logits.float().view(labels.shape), labels.float(), reduction=reduction)
+    else:
+        loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class LongAttnForTokenClassification(LongAttnPreTrainedModel):
@@ -525,7 +615,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> TokenClassifierOutput | tuple:
+                num_items_in_batch=None, **kwargs) -> TokenClassifierOutput | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
@@ -533,8 +623,9 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self.longattn)
+            loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
+                                       num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                        attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
@@ -543,6 +634,10 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
 class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
     """Extractive QA: start/end logits per token. Put global attention on the question tokens
     (`global_attention_mask`), as Longformer does; none is added by default."""
+
+    # The loss is the mean of two per-example means, which `num_items_in_batch` cannot split (and QA batches have no
+    # `labels` for Trainer to count): Trainer divides it by the accumulation steps itself.
+    accepts_loss_kwargs = False
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
@@ -596,11 +691,11 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
-                output_attentions=None, return_dict=None, logits_to_keep: int = 0,
-                **kwargs) -> CausalLMOutputWithPast | tuple:
+                output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
+                num_items_in_batch=None, cache=None, **kwargs) -> CausalLMOutputWithPast | tuple:
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
+                                past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         hidden_states = outputs.last_hidden_state
@@ -608,11 +703,14 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)  # [b, n, V]
         loss = None
-        if labels is not None:
-            shifted = labels[:, 1:].to(logits.device)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1))
-        loss = _with_auxiliary_loss(loss, self.longattn)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        if labels is not None or shift_labels is not None:
+            # `shift_labels` `[b, n]` (padding-free collators) are the targets of every position, already aligned.
+            if shift_labels is None:
+                shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
+                                   shift_labels=shift_labels.contiguous())
+        loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
                                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
@@ -693,8 +791,8 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 decoder_input_ids=None, decoder_attention_mask=None, decoder_inputs_embeds=None,
                 encoder_outputs=None, past_key_values=None, use_cache=None, labels=None,
-                output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> Seq2SeqLMOutput | tuple:
+                output_hidden_states=None, output_attentions=None, return_dict=None, num_items_in_batch=None,
+                cache=None, **kwargs) -> Seq2SeqLMOutput | tuple:
         output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
                                     else self.config.output_hidden_states)
         output_attentions = bool(output_attentions if output_attentions is not None
@@ -710,6 +808,7 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        past_key_values = _cache_argument(cache, past_key_values)
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
@@ -724,10 +823,12 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
         logits = self.lm_head(decoder_outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device))
-        loss = _with_auxiliary_loss(loss, self)
+            # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
+            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
+                                   num_items_in_batch=num_items_in_batch)
+        loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, past_key_values=decoder_outputs.past_key_values,
+            loss=loss, logits=logits, **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
