@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from longattn import data, hub, training
+from longattn import LongAttnForCausalLM, data, hub, training
 from longattn.tokenization_longattn import byte_tokenizer
 from test_recipes import REPO, TINY, _load_recipe, run
 
@@ -254,7 +254,17 @@ class StubCausalLM(torch.nn.Module):
         return SimpleNamespace(loss=total / count, logits=logits)
 
 
-def _accumulated_gradients(tmp_path: Path, batch_size: int, steps: int, monkeypatch) -> tuple[list, float]:
+def tiny_longattn_causal_lm():
+    """A real longattn causal LM head (dropout off), which takes `num_items_in_batch` like transformers' heads."""
+    torch.manual_seed(0)
+    config = training.LongAttnConfig(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, is_decoder=True, attention_type="sliding",
+                                     sliding_window=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return LongAttnForCausalLM(config)
+
+
+def _accumulated_gradients(tmp_path: Path, batch_size: int, steps: int, monkeypatch,
+                           make_model=StubCausalLM) -> tuple[list, float]:
     """The gradients the optimizer sees at its first step, and the logged loss of that step."""
     seen = []
 
@@ -273,17 +283,18 @@ def _accumulated_gradients(tmp_path: Path, batch_size: int, steps: int, monkeypa
     # Eight examples of length 6 with 1 to 5 labelled targets: micro-batch means differ from the token mean.
     examples = [{"input_ids": [(i + j) % 12 for j in range(6)],
                  "labels": [(i + j) % 12 if j <= 1 + i % 5 else -100 for j in range(6)]} for i in range(8)]
-    results = training.train(args, training.make_accelerator(args), StubCausalLM(), examples, examples[:2],
+    results = training.train(args, training.make_accelerator(args), make_model(), examples, examples[:2],
                              training.PadCollator(pad_token_id=0, align_labels=True),
                              evaluate=lambda model, loader: {})
     return seen[0], results["train_loss"]
 
 
-def test_gradient_accumulation_equals_one_large_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("make_model", [StubCausalLM, tiny_longattn_causal_lm], ids=["stub", "longattn"])
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, monkeypatch, make_model):
     """Batch 2 x 4 accumulation steps gives the gradients and the loss of batch 8: the loop passes the labelled
     tokens of the whole optimizer step as `num_items_in_batch` and does not divide by the accumulation steps."""
-    accumulated, accumulated_loss = _accumulated_gradients(tmp_path, 2, 4, monkeypatch)
-    single, single_loss = _accumulated_gradients(tmp_path, 8, 1, monkeypatch)
+    accumulated, accumulated_loss = _accumulated_gradients(tmp_path, 2, 4, monkeypatch, make_model)
+    single, single_loss = _accumulated_gradients(tmp_path, 8, 1, monkeypatch, make_model)
     for got, expected in zip(accumulated, single):
         torch.testing.assert_close(got, expected)
     assert accumulated_loss == pytest.approx(single_loss, rel=1e-6)
