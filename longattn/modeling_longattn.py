@@ -41,6 +41,7 @@ from .configuration_longattn import LongAttnConfig
 
 logger = logging.get_logger(__name__)
 
+
 # ---------------------------------------------------------------------------------------------- building blocks
 class LongAttnRotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021): relative, so it works at any length."""
