@@ -20,8 +20,10 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -29,6 +31,7 @@ from transformers.modeling_outputs import (
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -37,6 +40,8 @@ from .attention_base import LongAttnAttention
 from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.x renamed the KV cache argument and output field `past_key_values` to `cache` (generate passes
 # `cache=` since): the models take both names and fill the output field under the installed release's name.
@@ -198,19 +203,27 @@ class LongAttnStack(nn.Module):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
+        if past_key_values is not None and self.training and torch.is_grad_enabled() and any(
+            layer.gradient_checkpointing for layer in self.layers
+        ):
+            # The backward pass runs each checkpointed layer again, which would write its keys into the cache twice.
+            logger.warning_once("Gradient checkpointing in training: the KV cache is not used (`use_cache=False`).")
+            past_key_values = None
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+            # Tensors go in by position: reentrant gradient checkpointing passes gradients only to positional
+            # arguments, and the decoder's cross-attention must reach the encoder through `encoder_hidden_states`.
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
-                attention_mask=attention_mask,
-                global_attention_mask=global_attention_mask,
-                position_embeddings=position_embeddings,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
+                attention_mask,
+                global_attention_mask,
+                position_embeddings,
+                encoder_hidden_states,
+                encoder_attention_mask,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
             )
@@ -328,6 +341,33 @@ class LongAttnPreTrainedModel(PreTrainedModel):
         model_kwargs[ALL_CACHE_NAMES[0]] = cache
 
 
+class _RenameOnLoad(WeightRenaming):
+    """A key renaming for checkpoints of an earlier layout, applied when loading only.
+
+    transformers saves a loaded model under the reverse of the renamings it loaded with ("original format"), and a
+    new model under the reverse of every registered one. Reversed, `encoder.encoder.` <- `encoder.` would write the
+    current base model's `encoder.*` keys in the old seq2seq layout; the reverse here keeps the current names.
+    """
+
+    __slots__ = ()
+
+    def reverse_transform(self) -> WeightRenaming:
+        literal = [pattern.replace(".", r"\.") for pattern in self._original_target_patterns]
+        return WeightRenaming(source_patterns=literal, target_patterns=list(self._original_target_patterns))
+
+
+# Until the seq2seq model took BART's layout, `LongAttnForSeq2SeqLM` kept its encoder as a whole `LongAttnModel` under
+# `encoder.` (keys `encoder.embeddings.*`, `encoder.encoder.*`) next to `decoder.*`. Renamed here to the base model's
+# names; transformers then adds the `longattn.` prefix where the class has it (`decoder.*` needs nothing else). Keys of
+# every other layout never start with `encoder.encoder.` or `encoder.embeddings.`.
+SEQ2SEQ_V0_RENAMINGS = [
+    _RenameOnLoad(source_patterns=r"^encoder\.encoder\.", target_patterns="encoder."),
+    _RenameOnLoad(source_patterns=r"^encoder\.embeddings\.", target_patterns="embeddings."),
+]
+# Registered for the model type (custom code gets only registered mappings); again by the copy a Hub folder carries.
+register_checkpoint_conversion_mapping(LongAttnConfig.model_type, SEQ2SEQ_V0_RENAMINGS, overwrite=True)
+
+
 def _run_backbone(
     embeddings: LongAttnEmbeddings,
     rotary: LongAttnRotaryEmbedding | None,
@@ -386,37 +426,95 @@ def _run_backbone(
 
 
 # ---------------------------------------------------------------------------------------------- the base model
+ENCODER_WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
+DECODER_WORD_EMBEDDINGS = "decoder.embeddings.word_embeddings.weight"
+
+
 class LongAttnModel(LongAttnPreTrainedModel):
-    """The bare stack: a bidirectional encoder, or a causal decoder when `config.is_decoder` (without seq2seq).
+    """The bare model: a bidirectional encoder, a causal decoder when `config.is_decoder`, or an encoder-decoder
+    when `config.is_encoder_decoder` (then it also holds the seq2seq decoder and returns `Seq2SeqModelOutput`).
+
+    Laid out as BART's `BartModel`: every head keeps this class under `longattn` (the `base_model_prefix`), and the
+    encoder's weights have the same names in every model (`embeddings.*`, `encoder.*`; the decoder adds `decoder.*`
+    and shares `embeddings.word_embeddings`). So `AutoModel` on a seq2seq folder loads the whole trained model, a
+    seq2seq head loads the encoder of a masked-LM checkpoint, and an encoder head loads the encoder of a seq2seq one.
+
+    Args:
+        config: The model config.
+        add_decoder: Build the seq2seq decoder (default: `config.is_encoder_decoder`); the encoder heads pass False,
+            so that they are the encoder alone whatever checkpoint they load.
 
     Forward args:
         input_ids: `[b, n]` token ids (or `inputs_embeds` `[b, n, D]`).
         attention_mask: `[b, m]`, 1 = real token, 0 = padding.
         global_attention_mask: `[b, m]`, 1 = global token (Longformer semantics; kinds without global tokens ignore it).
         position_ids: `[b, n]`; by default counted over real tokens.
-        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder.
+        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an `EncoderDecoderCache` in seq2seq).
+        decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq).
+        encoder_outputs: the encoder's output, computed once by `generate()` (seq2seq).
 
     Returns:
-        `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `[b, n, D]`.
+        `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `[b, n, D]`; in seq2seq
+        `Seq2SeqModelOutput` with the decoder's `last_hidden_state` `[b, t, D]` and `encoder_last_hidden_state`.
     """
 
-    def __init__(self, config: LongAttnConfig):
+    def __init__(self, config: LongAttnConfig, *, add_decoder: bool | None = None):
         super().__init__(config)
+        add_decoder = bool(config.is_encoder_decoder) if add_decoder is None else add_decoder
         self.is_causal = bool(config.is_decoder) and not config.is_encoder_decoder
         self.embeddings = LongAttnEmbeddings(config)
         self.rotary = LongAttnRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.encoder = LongAttnStack(config, attention_types=config.layer_attention_types, is_causal=self.is_causal,
                                      has_cross_attention=False)
+        self.decoder = LongAttnDecoder(config) if add_decoder else None
+        if add_decoder:
+            # Instance attribute: an encoder alone has no decoder weight to tie.
+            self._tied_weights_keys = {DECODER_WORD_EMBEDDINGS: ENCODER_WORD_EMBEDDINGS}
         self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
+        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
+        if self.decoder is not None and not all_submodels:
+            # One token table for encoder and decoder (as BART's `shared`), whatever `tie_word_embeddings` says: only
+            # the LM head follows that field. Tied as parameters, not by sharing the module, so that transformers
+            # can tell a missing table from a loaded one.
+            tied[DECODER_WORD_EMBEDDINGS] = ENCODER_WORD_EMBEDDINGS
+        return tied
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embeddings.word_embeddings = value
+        if self.decoder is not None:
+            self.decoder.embeddings.word_embeddings = value  # `tie_weights` ties them again when it runs
+
+    def get_encoder(self) -> nn.Module:
+        return LongAttnEncoder(self) if self.decoder is not None else self
+
+    def get_decoder(self) -> LongAttnDecoder | None:
+        return self.decoder
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        return self.encoder.auxiliary_loss()
+        losses = [loss for loss in (self.encoder.auxiliary_loss(),
+                                    self.decoder.stack.auxiliary_loss() if self.decoder is not None else None)
+                  if loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def encode(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
+               position_ids=None, output_hidden_states=None, output_attentions=None,
+               return_dict=None) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        """The encoder alone (bidirectional, no cache): `last_hidden_state` `[b, n, D]`."""
+        outputs = _run_backbone(
+            self.embeddings, self.rotary, self.encoder, self.config,
+            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask, position_ids=position_ids, past_key_values=None,
+            output_hidden_states=bool(output_hidden_states if output_hidden_states is not None
+                                      else self.config.output_hidden_states),
+            output_attentions=bool(output_attentions if output_attentions is not None
+                                   else self.config.output_attentions),
+        )
+        return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
     def forward(
         self,
@@ -430,10 +528,23 @@ class LongAttnModel(LongAttnPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        encoder_outputs: ModelOutput | tuple | None = None,
         cache: Cache | None = None,
         **kwargs: Any,
-    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+    ) -> BaseModelOutputWithPastAndCrossAttentions | Seq2SeqModelOutput | tuple:
         past_key_values = _cache_argument(cache, past_key_values)
+        if self.decoder is not None:
+            return self._seq2seq_forward(
+                input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
+                inputs_embeds=inputs_embeds, position_ids=position_ids, decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=decoder_attention_mask, decoder_inputs_embeds=decoder_inputs_embeds,
+                encoder_outputs=encoder_outputs, past_key_values=past_key_values, use_cache=use_cache,
+                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                return_dict=return_dict,
+            )
         use_cache = self.is_causal and (use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()  # no config: see `_supports_default_dynamic_cache`
@@ -454,6 +565,64 @@ class LongAttnModel(LongAttnPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         return outputs if return_dict else outputs.to_tuple()
+
+    def _seq2seq_forward(self, *, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                         decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, encoder_outputs,
+                         past_key_values, use_cache, output_hidden_states, output_attentions,
+                         return_dict) -> Seq2SeqModelOutput | tuple:
+        """Encode (unless `encoder_outputs` is given), then decode with cross-attention to the encoder states."""
+        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
+                                    else self.config.output_hidden_states)
+        output_attentions = bool(output_attentions if output_attentions is not None
+                                 else self.config.output_attentions)
+        if encoder_outputs is None:
+            encoder_outputs = self.encode(input_ids, attention_mask=attention_mask,
+                                          global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
+                                          position_ids=position_ids, output_hidden_states=output_hidden_states,
+                                          output_attentions=output_attentions, return_dict=True)
+        elif not isinstance(encoder_outputs, ModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        if not use_cache:
+            past_key_values = None
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids, inputs_embeds=decoder_inputs_embeds, attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values, output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+        )
+        output = Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
+            decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
+        )
+        return output if _return_dict(self, return_dict) else output.to_tuple()
+
+
+class LongAttnEncoder(nn.Module):
+    """The encoder of a seq2seq `LongAttnModel` as one module (embeddings, then the encoder stack): what
+    `get_encoder()` returns, and `generate()` runs once per input.
+
+    It holds no weights of its own: the model is kept out of the module tree (in a tuple), so no weight is listed
+    under a second name.
+    """
+
+    def __init__(self, model: LongAttnModel):
+        super().__init__()
+        self._model = (model,)
+
+    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
+                position_ids=None, output_hidden_states=None, output_attentions=None, return_dict=None,
+                **kwargs) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        return self._model[0].encode(input_ids, attention_mask=attention_mask,
+                                     global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
+                                     position_ids=position_ids, output_hidden_states=output_hidden_states,
+                                     output_attentions=output_attentions, return_dict=return_dict)
 
 
 def _with_auxiliary_loss(
@@ -500,7 +669,7 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
-        self.longattn = LongAttnModel(config)
+        self.longattn = LongAttnModel(config, add_decoder=False)
         self.lm_head = LongAttnLMHead(config)
         self.post_init()
 
@@ -543,7 +712,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.longattn = LongAttnModel(config)
+        self.longattn = LongAttnModel(config, add_decoder=False)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
@@ -608,7 +777,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.longattn = LongAttnModel(config)
+        self.longattn = LongAttnModel(config, add_decoder=False)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -641,7 +810,7 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
-        self.longattn = LongAttnModel(config)
+        self.longattn = LongAttnModel(config, add_decoder=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -716,13 +885,13 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
 
 
 class LongAttnDecoder(nn.Module):
-    """The seq2seq decoder: causal self-attention (`config.decoder_attention_type`) + cross-attention."""
+    """The seq2seq decoder: causal self-attention (`config.decoder_attention_type`) + cross-attention. Its token
+    table is tied to the encoder's by `LongAttnModel`."""
 
-    def __init__(self, config: LongAttnConfig, word_embeddings: nn.Embedding):
+    def __init__(self, config: LongAttnConfig):
         super().__init__()
         self.config = config
         self.embeddings = LongAttnEmbeddings(config)
-        self.embeddings.word_embeddings = word_embeddings  # shared with the encoder
         self.rotary = LongAttnRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.stack = LongAttnStack(config, attention_types=config.decoder_layer_attention_types, is_causal=True,
                                    has_cross_attention=True)
@@ -749,35 +918,26 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
 
 class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
     """Encoder-decoder like LED: a long encoder with the configured attention (`attention_type`), a decoder with causal
-    self-attention (`decoder_attention_type`, "full" by default) and dense cross-attention, shared embeddings."""
+    self-attention (`decoder_attention_type`, "full" by default) and dense cross-attention, shared embeddings.
 
-    _tied_weights_keys = {
-        "lm_head.weight": "encoder.embeddings.word_embeddings.weight",
-        "decoder.embeddings.word_embeddings.weight": "encoder.embeddings.word_embeddings.weight",
-    }
+    The encoder-decoder is a `LongAttnModel` under `longattn` (see there why), plus the LM head."""
+
+    _tied_weights_keys = {"lm_head.weight": "longattn.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: LongAttnConfig):
         if not config.is_encoder_decoder or config.is_decoder:
             config.is_encoder_decoder, config.is_decoder = True, False
             config.validate_longattn()
         super().__init__(config)
-        self.encoder = LongAttnModel(config)
-        self.decoder = LongAttnDecoder(config, self.encoder.embeddings.word_embeddings)
+        self.longattn = LongAttnModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_encoder(self) -> LongAttnModel:
-        return self.encoder
+    def get_encoder(self) -> nn.Module:
+        return self.longattn.get_encoder()
 
     def get_decoder(self) -> LongAttnDecoder:
-        return self.decoder
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.encoder.embeddings.word_embeddings
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.encoder.embeddings.word_embeddings = value
-        self.decoder.embeddings.word_embeddings = value
+        return self.longattn.decoder
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -793,34 +953,19 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                 encoder_outputs=None, past_key_values=None, use_cache=None, labels=None,
                 output_hidden_states=None, output_attentions=None, return_dict=None, num_items_in_batch=None,
                 cache=None, **kwargs) -> Seq2SeqLMOutput | tuple:
-        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
-                                    else self.config.output_hidden_states)
-        output_attentions = bool(output_attentions if output_attentions is not None
-                                 else self.config.output_attentions)
-        if encoder_outputs is None:
-            encoder_outputs = self.encoder(input_ids, attention_mask=attention_mask,
-                                           global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
-                                           output_hidden_states=output_hidden_states,
-                                           output_attentions=output_attentions, return_dict=True)
-        elif not isinstance(encoder_outputs, ModelOutput):
-            encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         past_key_values = _cache_argument(cache, past_key_values)
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        if not use_cache:
-            past_key_values = None
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids, inputs_embeds=decoder_inputs_embeds, attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values, output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-        )
-        logits = self.lm_head(decoder_outputs.last_hidden_state)  # [b, n, V]
+        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
+                                inputs_embeds=inputs_embeds, decoder_input_ids=decoder_input_ids,
+                                decoder_attention_mask=decoder_attention_mask,
+                                decoder_inputs_embeds=decoder_inputs_embeds, encoder_outputs=encoder_outputs,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                                return_dict=True)
+        logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = None
         if labels is not None:
             # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
@@ -828,18 +973,16 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                                    num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
-            decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
-            cross_attentions=decoder_outputs.cross_attentions,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
+            loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions,
         )
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        losses = [loss for loss in (self.encoder.auxiliary_loss(), self.decoder.stack.auxiliary_loss())
-                  if loss is not None]
-        return torch.stack(losses).sum() if losses else None
+        return self.longattn.auxiliary_loss()
 
 
 __all__ = [
