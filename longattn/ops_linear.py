@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .ops_checks import check_backend_support, check_qkv, check_token_mask
+from .ops_checks import check_backend_support, check_flag, check_qkv, check_token_mask, empty_attention, is_empty
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
@@ -48,11 +48,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, normalization: str, key_padding_mask: Tensor | None) -> Tensor | None:
-    b, _, _, n_k = check_qkv(q, k, v)
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, normalization: str, causal: bool, key_padding_mask: Tensor | None,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+) -> Tensor | None:
+    """The shared checks of both entry points; returns the padding mask (bool `[b, n_k]` or None)."""
+    b, _, _, n_k = check_qkv(q, k, v, names=names)
     if normalization not in EFFICIENT_NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}")
-    return check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    check_flag("causal", causal)
+    return check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
 
 
 def efficient_attention(
@@ -86,11 +91,15 @@ def efficient_attention(
         Output `[b, h, n_q, d_v]` in the dtype of q (accumulated in float32 for half inputs).
 
     Raises:
-        ValueError: Mismatched shapes, n_q > n_k, an unknown normalisation, a mask that is not `[b, n_k]`, or a
-            `backend` that is unknown or cannot run efficient attention (the message says why).
+        ValueError: q, k, v that are not floating-point tensors of matching shapes, dtype and device, n_q > n_k,
+            an unknown normalisation, a non-bool `causal`, a mask that is not bool `[b, n_k]`, or a `backend`
+            that is unknown or cannot run efficient attention (the message says why).
     """
-    padding = _check(q, k, v, normalization, key_padding_mask)
-    if _check_backend(backend) == "reference":
+    padding = _check(q, k, v, normalization, causal, key_padding_mask)
+    backend = _check_backend(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
+    if backend == "reference":
         weights = efficient_attention_weights(
             q, k, normalization=normalization, causal=causal, key_padding_mask=padding
         )  # [b, h, n_q, n_k] in the compute dtype
@@ -233,7 +242,7 @@ def efficient_attention_weights(
     Returns:
         Weights `[b, h, n_q, n_k]` in the compute dtype (float32 for half inputs); `weights @ v` is the output.
     """
-    padding = _check(q, k, k, normalization, key_padding_mask)
+    padding = _check(q, k, k, normalization, causal, key_padding_mask, names=("q", "k", "k"))
     dtype = _compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     b, h, n_q, d = q.shape
