@@ -41,6 +41,9 @@ _SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this mo
 # Keys per chunk of the causal form. Memory per (b, h) is about n·c (intra-chunk scores) + (n / c)·d·d_v (one state
 # per chunk), smallest near c = sqrt(d·d_v); 64 also keeps the per-chunk Python step count low (n / 64).
 _CAUSAL_CHUNK = 64
+# The softmax form also holds one [c, c, d] block of weights per chunk (per-query stabilisers, see `_causal`), so
+# memory per (b, h) is about n·c·d: a smaller chunk keeps it near the scaling form's.
+_CAUSAL_SOFTMAX_CHUNK = 16
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,15 +155,16 @@ def _scaling_global(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> 
 def _causal(q: Tensor, k: Tensor, v: Tensor, normalization: str, padding: Tensor | None) -> Tensor:
     """Causal efficient attention by key chunks of c: within a chunk a masked [c, c] product, across chunks a state.
 
-    Softmax form: query i needs, per key feature, Σ_{j<=i} exp(k_j) v_j / Σ_{j<=i} exp(k_j). Each chunk t uses one
-    stabiliser R_t per feature, the running maximum of k up to the end of chunk t, so every exp() is <= 1; the state
-    carried from chunk t to t+1 is rescaled by exp(R_t - R_{t+1}) <= 1. R_t may include keys later in the same chunk
-    than the query: it cancels exactly in the ratio, and only matters if those keys exceed all earlier ones by more
-    than the exponent range (about 80 in float32), where earlier terms would underflow.
+    Softmax form: query i needs, per key feature f, Σ_{j<=i} exp(k_jf) v_j / Σ_{j<=i} exp(k_jf). Every exponent is
+    taken relative to the prefix maximum M_if = max_{j<=i} k_jf (a running max, as in online softmax), so every
+    exp() is <= 1 and the key reaching the maximum contributes exactly 1 to the denominator: large logits neither
+    overflow nor underflow a whole row to zero. Inside a chunk the weights exp(k_jf - M_if) depend on both i and j
+    (a [c, c, d] product per chunk); the state carried across chunks is kept relative to the maximum at the end of
+    the previous chunk, R_{t-1} <= M_i, and rescaled by exp(R_{t-1} - M_if) <= 1 for each query.
     """
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
-    c = min(_CAUSAL_CHUNK, n_k)
+    c = min(_CAUSAL_CHUNK if normalization == "scaling" else _CAUSAL_SOFTMAX_CHUNK, n_k)
     n_chunks = -(-n_k // c)
     pad = n_chunks * c - n_k
     valid = torch.ones(b, n_k, dtype=torch.bool, device=q.device) if padding is None else padding
@@ -175,46 +179,61 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, normalization: str, padding: Tensor
     valid_t = valid.view(b, 1, n_chunks, c, 1)
     tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # key j <= query i inside a chunk
 
-    if normalization == "softmax":
-        k_masked = k_t.masked_fill(~valid_t, float("-inf"))
-        # Stabiliser per chunk and feature: running max up to the chunk's end; 0 while no real key was seen.
-        running = torch.cummax(k_masked.amax(dim=3), dim=2).values.detach()  # [b, h, T, d]
-        running = running.masked_fill(running == float("-inf"), 0.0)
-        weights = torch.exp(k_masked - running.unsqueeze(3))  # [b, h, T, c, d], 0 on padding
-        decay = torch.exp(running[:, :, :-1] - running[:, :, 1:])  # [b, h, T-1, d], <= 1
-        chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
-        chunk_mass = weights.sum(dim=3)  # [b, h, T, d]
-        context_in, mass_in = _carry(chunk_context, chunk_mass, decay)  # states entering each chunk
-        mass = mass_in.unsqueeze(3) + weights.cumsum(dim=3)  # [b, h, T, c, d]: Σ_{j<=i} exp(k_j - R_t)
-        features = torch.softmax(q_t, dim=-1)
-        coefficient = torch.where(mass > 0, features / torch.where(mass > 0, mass, torch.ones_like(mass)), 0.0)
-    else:
+    if normalization == "scaling":
         weights = k_t * valid_t  # [b, h, T, c, d]
         chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
         # No stabiliser is needed for sums of products, so the carried states are plain exclusive prefix sums.
         context_in = chunk_context.cumsum(dim=2) - chunk_context
         count = valid.to(q.dtype).cumsum(dim=1).view(b, 1, n_chunks, c, 1)  # visible keys up to each query
         coefficient = q_t / count.clamp(min=1)  # [b, h, T, c, d]
+        inter = coefficient @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
+        scores = (coefficient @ weights.transpose(-1, -2)).masked_fill(~tril, 0.0)  # [b, h, T, c, c]
+        out = inter + scores @ v_t  # [b, h, T, c, d_v]
+        return out.reshape(b, h, n_chunks * c, d_v)[:, :, n_k - n_q : n_k]
 
-    inter = coefficient @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
-    scores = (coefficient @ weights.transpose(-1, -2)).masked_fill(~tril, 0.0)  # [b, h, T, c, c]
+    neg_inf = float("-inf")
+    k_masked = k_t.masked_fill(~valid_t, neg_inf)
+    # Stabilisers carry no gradient: the result does not depend on them. -inf = no real key up to there.
+    prefix = torch.cummax(k_masked.detach().reshape(b, h, n_chunks * c, d), dim=2).values
+    prefix = prefix.view(b, h, n_chunks, c, d)  # M_i
+    seen = prefix > neg_inf
+    shift = torch.where(seen, prefix, torch.zeros_like(prefix))
+    end, end_seen = shift[:, :, :, -1], seen[:, :, :, -1]  # R_t, [b, h, T, d]
+    prev_end = torch.nn.functional.pad(end, (0, 0, 1, 0))[:, :, :-1]  # R_{t-1}
+    prev_seen = torch.nn.functional.pad(end_seen, (0, 0, 1, 0), value=False)[:, :, :-1]
+    # exp(R_{t-1} - x) <= 1; 0 where no real key came before the chunk (its state is 0 then anyway).
+    carried = torch.exp((prev_end.unsqueeze(3) - shift).masked_fill(~prev_seen.unsqueeze(3), neg_inf))  # [b,h,T,c,d]
+    decay = torch.exp((prev_end - end).masked_fill(~prev_seen, neg_inf))  # [b, h, T, d]: R_{t-1} -> R_t
+
+    weights = torch.exp(k_masked - end.unsqueeze(3))  # [b, h, T, c, d]: exp(k_j - R_t), 0 on padding
+    chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
+    context_in, mass_in = _carry(chunk_context, weights.sum(dim=3), decay)  # states entering chunk t, rel. R_{t-1}
+    # exp(k_jf - M_if) for keys j <= i of the chunk; masked before exp() so that no inf reaches the backward.
+    within = (k_masked.unsqueeze(3) - shift.unsqueeze(4)).masked_fill(~tril[:, :, None], neg_inf)
+    within = torch.exp(within)  # [b, h, T, c_i, c_j, d]
+    mass = carried * mass_in.unsqueeze(3) + within.sum(dim=4)  # [b, h, T, c, d]: >= 1 once a real key is seen
+    features = torch.softmax(q_t, dim=-1)
+    coefficient = torch.where(mass > 0, features / torch.where(mass > 0, mass, torch.ones_like(mass)), 0.0)
+    inter = (coefficient * carried) @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
+    scores = torch.einsum("bhtif,bhtijf->bhtij", coefficient, within)  # [b, h, T, c, c]
     out = inter + scores @ v_t  # [b, h, T, c, d_v]
     return out.reshape(b, h, n_chunks * c, d_v)[:, :, n_k - n_q : n_k]
 
 
 def _carry(chunk_context: Tensor, chunk_mass: Tensor, decay: Tensor) -> tuple[Tensor, Tensor]:
-    """States entering each chunk: H_0 = 0, H_{t+1} = exp(R_t - R_{t+1}) (H_t + U_t), same for the mass.
+    """States entering each chunk: G_0 = 0, G_{t+1} = decay_t · G_t + U_t, the same for the mass.
 
-    A sequential scan over the T chunks (each step touches only [b, h, d, d_v]): the decays make a cumulative sum
-    impossible without over- or underflow, and T = n / c steps keep it linear.
+    U_t is chunk t's sum relative to R_t (the prefix max at its end) and decay_t = exp(R_{t-1} - R_t) <= 1, so G_t
+    is relative to R_{t-1}. A sequential scan over the T chunks (each step touches only [b, h, d, d_v]): the decays
+    make a cumulative sum impossible without over- or underflow, and T = n / c steps keep it linear.
     """
     # unbind (not indexing in the loop): the backward of T index ops would write T full-size zero gradients.
     context_steps, mass_steps, factors = chunk_context.unbind(2), chunk_mass.unbind(2), decay.unbind(2)
     contexts = [torch.zeros_like(context_steps[0])]
     masses = [torch.zeros_like(mass_steps[0])]
-    for t, factor in enumerate(factors):  # factor [b, h, d]
-        contexts.append((contexts[-1] + context_steps[t]) * factor.unsqueeze(-1))
-        masses.append((masses[-1] + mass_steps[t]) * factor)
+    for t in range(len(context_steps) - 1):  # factor [b, h, d]
+        contexts.append(contexts[-1] * factors[t].unsqueeze(-1) + context_steps[t])
+        masses.append(masses[-1] * factors[t] + mass_steps[t])
     return torch.stack(contexts, dim=2), torch.stack(masses, dim=2)
 
 
