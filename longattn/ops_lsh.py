@@ -123,7 +123,7 @@ def default_num_buckets(length: int, bucket_size: int) -> Buckets:
 
 
 def hash_factors(num_buckets: Buckets) -> tuple[int, ...]:
-    factors = (num_buckets,) if isinstance(num_buckets, int) else tuple(num_buckets)
+    factors = (num_buckets,) if not isinstance(num_buckets, (tuple, list)) else tuple(num_buckets)
     if not factors or any(not isinstance(f, int) or isinstance(f, bool) or f < 2 or f % 2 for f in factors):
         raise ValueError(f"num_buckets={num_buckets!r} is invalid: expected an even integer >= 2, or a tuple of them.")
     return factors
