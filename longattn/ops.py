@@ -7,7 +7,9 @@ the LAST n_q positions (cached decoding). Masks are bool `[b, n_k]`: `key_paddin
 `global_mask` True = global token; a float or int mask is refused with a `ValueError` (SDPA reads a float mask as
 an additive bias, 0 = keep, so converting it with `.bool()` would invert it: pass `mask == 0` for such a mask,
 `mask.bool()` for a 1/0 one). Every function returns zeros, never NaN, for a query that sees no key (e.g. a
-fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything.
+fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything. An empty
+batch or sequence gives an empty output of the right shape, as SDPA does; bad input raises `ValueError` naming the
+argument (the checks are in `longattn.ops_checks`).
 """
 
 from __future__ import annotations

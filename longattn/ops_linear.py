@@ -12,7 +12,9 @@ separately and multiplies the other way round, `ρ_q(Q) (ρ_k(K)ᵀ V)`, so the 
   dot-product attention with scaling normalisation (the paper's Section 3.3), n being the number of visible keys.
 
 The causal form gives query i the same mechanism over keys 0..i only: softmax over the positions j <= i, or n = the
-number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear.
+number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear;
+the softmax form takes every exponent relative to the query's running maximum (as online softmax does), so large
+logits give exact, finite rows.
 
 This module depends on torch and the shared input checks only.
 """
@@ -42,7 +44,7 @@ _SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this mo
 # per chunk), smallest near c = sqrt(d·d_v); 64 also keeps the per-chunk Python step count low (n / 64).
 _CAUSAL_CHUNK = 64
 # The softmax form also holds one [c, c, d] block of weights per chunk (per-query stabilisers, see `_causal`), so
-# memory per (b, h) is about n·c·d: a smaller chunk keeps it near the scaling form's.
+# its memory per (b, h) is about n·c·d + (n / c)·d·d_v: a smaller chunk keeps that near the scaling form's.
 _CAUSAL_SOFTMAX_CHUNK = 16
 
 
@@ -74,6 +76,9 @@ def efficient_attention(
     backend: str = "auto",
 ) -> Tensor:
     """Efficient attention `ρ_q(Q) (ρ_k(K)ᵀ V)` in O(n · d · d_v) time and O(n · (d + d_v)) memory.
+
+    The causal softmax form adds O(n · c · d) time and memory for its per-query stabilisers (c = 16 keys per chunk).
+    An empty batch or sequence gives an empty output.
 
     Padded keys take no part in any normalisation (they are not counted in n and get no softmax mass). A query
     that sees no key (a fully padded row, or a causal query before the first real key) returns zeros.
@@ -264,6 +269,8 @@ def efficient_attention_weights(
     padding = _check(q, k, k, normalization, causal, key_padding_mask, names=("q", "k", "k"))
     dtype = _compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
+    if is_empty(q, k):
+        return q @ k.transpose(-1, -2)  # [b, h, n_q, n_k], no element
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     visible = torch.ones(b, 1, n_q, n_k, dtype=torch.bool, device=q.device)
