@@ -163,12 +163,11 @@ def test_bad_argument_raises_value_error_naming_it(op, argument):
         assert _name_in(argument, str(raised.value)), (op, argument, value, str(raised.value))
 
 
-@pytest.mark.parametrize("op", [op for op in OPS if op != "reference_attention"])
-@pytest.mark.parametrize("name", ["key_padding_mask", "global_mask"])
+@pytest.mark.parametrize(("op", "name"), [
+    (op, name) for op in OPS for name in ("key_padding_mask", "global_mask") if name in ARGUMENTS[op]
+])
 def test_float_mask_is_refused_with_how_to_convert(op, name):
     """An additive float mask (0 keep, -inf drop) used to be read inverted by `.bool()`; a 1/0 mask is refused too."""
-    if name not in ARGUMENTS[op]:
-        pytest.skip(f"{op} takes no {name}")
     generator = torch.Generator().manual_seed(1)
     q, k, v = _tensors(generator)
     keep = torch.ones(B, N, dtype=torch.bool)
@@ -263,7 +262,7 @@ def _random_valid_arguments(op: str, generator: torch.Generator) -> dict:
 @pytest.mark.parametrize("op", list(OPS))
 def test_random_valid_inputs_give_finite_outputs(op):
     generator = torch.Generator().manual_seed(4)
-    for _ in range(12):
+    for _ in range(8):
         arguments = _random_valid_arguments(op, generator)
         q, v = arguments["q"].requires_grad_(), arguments["v"].requires_grad_()
         out = _run(op, arguments)
