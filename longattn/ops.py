@@ -4,20 +4,23 @@ Shape legend: b batch, h heads, n length (n_q queries, n_k keys), d head dim (d_
 
 q, k, v are `[b, h, n, d]` like `torch.nn.functional.scaled_dot_product_attention`. When n_q < n_k the queries are
 the LAST n_q positions (cached decoding). Masks are bool `[b, n_k]`: `key_padding_mask` True = real token,
-`global_mask` True = global token. Every function returns zeros, never NaN, for a query that sees no key (e.g. a
-fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything.
+`global_mask` True = global token; a float or int mask is refused with a `ValueError` (SDPA reads a float mask as
+an additive bias, 0 = keep, so converting it with `.bool()` would invert it: pass `mask == 0` for such a mask,
+`mask.bool()` for a 1/0 one). Every function returns zeros, never NaN, for a query that sees no key (e.g. a
+fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything. An empty
+batch or sequence gives an empty output of the right shape, as SDPA does; bad input raises `ValueError` naming the
+argument (the checks are in `longattn.ops_checks`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import AttentionRequest, select_backend
+from .backends import AttentionRequest, check_backend_name, select_backend
 from .executor_blocked import banded_attention
 from .executor_flex import flex_attention as flex_pattern_attention
 from .executor_xformers import fixed_attention as xformers_fixed_attention
@@ -25,7 +28,16 @@ from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
 from .executor_xformers import strided_attention as xformers_strided_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
-from .ops_checks import check_dropout, check_flag, check_qkv, check_token_mask
+from .ops_checks import (
+    check_bool_mask,
+    check_dropout,
+    check_flag,
+    check_qkv,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 from .ops_linear import efficient_attention
 from .ops_lsh import lsh_attention
 from .patterns import (
@@ -52,10 +64,6 @@ __all__ = [
     "efficient_attention",
     "lsh_attention",
 ]
-
-
-def _default_scale(scale: float | None, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def _run_pattern(
@@ -105,17 +113,26 @@ def reference_attention(
         Output `[b, h, n_q, d_v]`, or `(output, probs)` with probs `[b, h, n_q, n_k]` when `return_weights`.
 
     Raises:
-        ValueError: If shapes do not match or `dropout_p` is outside [0, 1).
+        ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, `mask` is not a
+            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `scale` is not finite, or `dropout_p`
+            is outside [0, 1).
     """
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dim() != 4:
-            raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
+    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=False)
+    mask = check_bool_mask("mask", mask, device=q.device)
+    if mask is not None:
+        try:
+            if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, (b, h, n_q, n_k)) != (b, h, n_q, n_k):
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"mask must be broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {tuple(mask.shape)}"
+            ) from None
     dropout_p = check_dropout(dropout_p)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    return_weights = check_flag("return_weights", return_weights)
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n_q, n_k]
     if mask is not None:
-        mask = mask.bool()
         # A finite fill (not -inf) keeps rows without visible keys finite; they are zeroed just below.
         scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
     probs = torch.softmax(scores, dim=-1)
@@ -157,14 +174,19 @@ def full_attention(
         Output `[b, h, n_q, d_v]`.
 
     Raises:
-        ValueError: If shapes of q, k, v or the masks do not match, `dropout_p` is outside [0, 1), or `backend`
-            is unknown or cannot run this call (the message says why).
+        ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, a mask is not
+            bool `[b, n_k]`, `causal` is not a bool, `scale` is not finite, `dropout_p` is outside [0, 1), or
+            `backend` is unknown or cannot run this call (the message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    check_token_mask("global_mask", global_mask, b, n_k)
+    causal = check_flag("causal", causal)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    check_backend_name(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     choice = select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="full", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
     ))
@@ -228,8 +250,9 @@ def sliding_window_attention(
         Output `[b, h, n_q, d_v]`.
 
     Raises:
-        ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, masks whose
-            shape is not `[b, n_k]`, mismatched q/k/v shapes, `dropout_p` outside [0, 1), or a `backend` that is
+        ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
+            `causal`, masks that are not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching
+            shapes, dtype and device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is
             unknown or cannot run this call (the message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
@@ -237,10 +260,14 @@ def sliding_window_attention(
     dilation = check_dilation(dilation, heads=h)
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
         dilation = dilation[0]  # one group of heads, and a mask without a head dimension
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
-    global_tokens = check_token_mask("global_mask", global_mask, b, n_k)
+    causal = check_flag("causal", causal)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    check_backend_name(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     mask_fn = sliding_window_pattern(
         window=window, dilation=dilation, causal=causal, global_mask=global_tokens, key_padding_mask=padding
     )
@@ -313,16 +340,19 @@ def strided_attention(
         Output `[b, h, n_q, d_v]`.
 
     Raises:
-        ValueError: For a stride below 1, a non-bool `causal`, a mask whose shape is not `[b, n_k]`, mismatched
-            q/k/v shapes, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run this call (the
-            message says why).
+        ValueError: For a stride below 1, a non-bool `causal`, a mask that is not bool `[b, n_k]`, q/k/v that
+            are not floating-point tensors of matching shapes, dtype and device, a non-finite `scale`, `dropout_p`
+            outside [0, 1), or a `backend` that is unknown or cannot run this call (the message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = check_flag("causal", causal)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    check_backend_name(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=padding)
     choice = select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="strided", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
@@ -385,16 +415,20 @@ def fixed_attention(
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, a mask
-            whose shape is not `[b, n_k]`, mismatched q/k/v shapes, `dropout_p` outside [0, 1), or a `backend`
-            that is unknown or cannot run this call (the message says why).
+            that is not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching shapes, dtype and
+            device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run
+            this call (the message says why).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1])
+    check_backend_name(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     mask_fn = fixed_pattern(
         block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
         key_padding_mask=padding,

@@ -6,11 +6,26 @@ the back-end names (`longattn.backends`) only.
 
 from __future__ import annotations
 
+import math
+import numbers
+
+import torch
 from torch import Tensor
 
 from .backends import check_backend_name
 
-__all__ = ["check_backend_support", "check_dropout", "check_flag", "check_qkv", "check_token_mask"]
+__all__ = [
+    "check_backend_support",
+    "check_bool_mask",
+    "check_dropout",
+    "check_flag",
+    "check_positive_int",
+    "check_qkv",
+    "check_scale",
+    "check_token_mask",
+    "empty_attention",
+    "is_empty",
+]
 
 
 def check_backend_support(backend: str, *, attention: str, supported: tuple[str, ...],
@@ -38,51 +53,146 @@ def check_backend_support(backend: str, *, attention: str, supported: tuple[str,
     return backend
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int]:
-    """Check q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]` with n_q <= n_k; return (b, h, n_q, n_k).
+def check_qkv(
+    q: Tensor, k: Tensor, v: Tensor, *, names: tuple[str, str, str] = ("q", "k", "v"), queries_last: bool = True
+) -> tuple[int, int, int, int]:
+    """Check q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]`; return (b, h, n_q, n_k).
+
+    Args:
+        q: Queries.
+        k: Keys.
+        v: Values.
+        names: The arguments' names in messages (e.g. `("qk", "qk", "v")` for shared-QK attention).
+        queries_last: The queries are the last n_q key positions (cached decoding), so n_q <= n_k is required.
 
     Raises:
-        ValueError: A tensor is not 4-d, the shapes disagree, or q has more positions than k (queries are the
-            last n_q key positions).
+        ValueError: A tensor is not a 4-d floating-point tensor, the three differ in dtype or device, the shapes
+            disagree, a head dim is 0, or (with `queries_last`) q has more positions than k.
     """
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
+    for name, tensor in zip(names, (q, k, v)):
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor [batch, heads, length, head_dim], got {type(tensor).__name__}")
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64), "
+                             f"got {tensor.dtype}")
+        if tensor.shape[3] == 0:
+            raise ValueError(f"{name} has head_dim 0 (shape {tuple(tensor.shape)}): head_dim must be >= 1")
+    q_name, k_name, v_name = names
+    for name, tensor in ((k_name, k), (v_name, v)):
+        if tensor.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {tensor.dtype} but {q_name} has {q.dtype}: {q_name}, {k_name}, "
+                             f"{v_name} must share one dtype")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but {q_name} is on {q.device}: {q_name}, {k_name}, "
+                             f"{v_name} must be on one device")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     if k.shape[:2] != (b, h) or k.shape[3] != d:
-        raise ValueError(f"k must have shape [{b}, {h}, n_k, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+        raise ValueError(f"{k_name} must have shape [{b}, {h}, n_k, {d}] to match {q_name} {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v must have shape [{b}, {h}, {n_k}, d_v] to match k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if n_q > n_k:
+        raise ValueError(f"{v_name} must have shape [{b}, {h}, {n_k}, d_v] to match {k_name} {tuple(k.shape)}, "
+                         f"got {tuple(v.shape)}")
+    if queries_last and n_q > n_k:
         raise ValueError(
-            f"q has more positions ({n_q}) than k ({n_k}); queries are the last n_q key positions, so n_q <= n_k"
+            f"{q_name} has more positions ({n_q}) than {k_name} ({n_k}); queries are the last n_q key positions, "
+            "so n_q <= n_k"
         )
     return b, h, n_q, n_k
 
 
-def check_token_mask(name: str, mask: Tensor | None, batch: int, length: int) -> Tensor | None:
-    """A per-token mask `[batch, length]` as bool (None stays None).
+def check_bool_mask(name: str, mask: Tensor | None, *, device: torch.device | None = None) -> Tensor | None:
+    """A bool mask, unchanged (None stays None): True = takes part (is attended / is a real or global token).
+
+    Float masks are refused rather than converted: `scaled_dot_product_attention` reads a float mask as an additive
+    bias (0 = keep, -inf = drop), which `.bool()` would invert, and a 1/0 mask would be read the other way round.
 
     Raises:
-        ValueError: The mask has another shape (the message names it by `name`).
+        ValueError: The mask is not a bool tensor, or is not on `device` (the message names it by `name` and says
+            how to convert).
     """
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"{name} must be a bool torch.Tensor (True = attend), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} must be a bool tensor (True = attend / take part, as scaled_dot_product_attention's bool "
+            f"masks), got dtype {mask.dtype}: convert an additive float mask (0 = keep, -inf = drop) with "
+            f"`{name} == 0`, and a 1/0 mask (1 = keep) with `{name}.bool()`"
+        )
+    if device is not None and mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the queries are on {device}: move it with `.to({device.type!r})`")
+    return mask
+
+
+def check_token_mask(
+    name: str, mask: Tensor | None, batch: int, length: int, *, device: torch.device | None = None
+) -> Tensor | None:
+    """A per-token bool mask `[batch, length]`, unchanged (None stays None).
+
+    Raises:
+        ValueError: The mask is not bool (see `check_bool_mask`), is not on `device`, or has another shape (the
+            message names it by `name`).
+    """
+    mask = check_bool_mask(name, mask, device=device)
     if mask is None:
         return None
     if mask.dim() != 2 or tuple(mask.shape) != (batch, length):
         raise ValueError(f"{name} must have shape [batch, length] = [{batch}, {length}], got {tuple(mask.shape)}")
-    return mask.bool()
+    return mask
 
 
 def check_dropout(dropout_p: float) -> float:
     """The dropout probability as a float.
 
     Raises:
-        ValueError: It is not in [0, 1).
+        ValueError: It is not a real number in [0, 1).
     """
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     return float(dropout_p)
+
+
+def check_scale(scale: float | None, head_dim: int) -> float:
+    """The multiplier of q·k: `scale`, or 1/sqrt(head_dim) when None.
+
+    Raises:
+        ValueError: `scale` is not a finite real number.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float (or None for 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def check_positive_int(name: str, value: int, *, minimum: int = 1, meaning: str = "") -> int:
+    """An int option >= `minimum`, unchanged.
+
+    Raises:
+        ValueError: It is not an int (bools are refused) or is below `minimum`.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = f" ({meaning})" if meaning else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{what}, got {value!r}")
+    return value
+
+
+def is_empty(q: Tensor, k: Tensor) -> bool:
+    """Whether a checked call has no output row (batch, heads or queries 0) or no key to attend to."""
+    return q.numel() == 0 or k.numel() == 0
+
+
+def empty_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The output `[b, h, n_q, d_v]` of a call without queries or keys: empty, or zeros (no visible key), as SDPA.
+
+    Computed from q, k and v (all three have no element, or q·kᵀ has none), so it stays in the autograd graph
+    and the backward gives zero gradients of the inputs' shapes.
+    """
+    return torch.matmul(torch.matmul(q, k.transpose(-1, -2)), v)  # [b, h, n_q, n_k] @ [b, h, n_k, d_v]
 
 
 def check_flag(name: str, value: bool) -> bool:

@@ -12,7 +12,9 @@ separately and multiplies the other way round, `ρ_q(Q) (ρ_k(K)ᵀ V)`, so the 
   dot-product attention with scaling normalisation (the paper's Section 3.3), n being the number of visible keys.
 
 The causal form gives query i the same mechanism over keys 0..i only: softmax over the positions j <= i, or n = the
-number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear.
+number of visible keys up to i. It is computed chunk by chunk with a running state (prefix sums), still linear;
+the softmax form takes every exponent relative to the query's running maximum (as online softmax does), so large
+logits give exact, finite rows.
 
 This module depends on torch and the shared input checks only.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .ops_checks import check_backend_support, check_qkv, check_token_mask
+from .ops_checks import check_backend_support, check_flag, check_qkv, check_token_mask, empty_attention, is_empty
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
@@ -41,6 +43,9 @@ _SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this mo
 # Keys per chunk of the causal form. Memory per (b, h) is about n·c (intra-chunk scores) + (n / c)·d·d_v (one state
 # per chunk), smallest near c = sqrt(d·d_v); 64 also keeps the per-chunk Python step count low (n / 64).
 _CAUSAL_CHUNK = 64
+# The softmax form also holds one [c, c, d] block of weights per chunk (per-query stabilisers, see `_causal`), so
+# its memory per (b, h) is about n·c·d + (n / c)·d·d_v: a smaller chunk keeps that near the scaling form's.
+_CAUSAL_SOFTMAX_CHUNK = 16
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,11 +53,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, normalization: str, key_padding_mask: Tensor | None) -> Tensor | None:
-    b, _, _, n_k = check_qkv(q, k, v)
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, normalization: str, causal: bool, key_padding_mask: Tensor | None,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+) -> Tensor | None:
+    """The shared checks of both entry points; returns the padding mask (bool `[b, n_k]` or None)."""
+    b, _, _, n_k = check_qkv(q, k, v, names=names)
     if normalization not in EFFICIENT_NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}")
-    return check_token_mask("key_padding_mask", key_padding_mask, b, n_k)
+    check_flag("causal", causal)
+    return check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
 
 
 def efficient_attention(
@@ -66,6 +76,9 @@ def efficient_attention(
     backend: str = "auto",
 ) -> Tensor:
     """Efficient attention `ρ_q(Q) (ρ_k(K)ᵀ V)` in O(n · d · d_v) time and O(n · (d + d_v)) memory.
+
+    The causal softmax form adds O(n · c · d) time and memory for its per-query stabilisers (c = 16 keys per chunk).
+    An empty batch or sequence gives an empty output.
 
     Padded keys take no part in any normalisation (they are not counted in n and get no softmax mass). A query
     that sees no key (a fully padded row, or a causal query before the first real key) returns zeros.
@@ -86,11 +99,15 @@ def efficient_attention(
         Output `[b, h, n_q, d_v]` in the dtype of q (accumulated in float32 for half inputs).
 
     Raises:
-        ValueError: Mismatched shapes, n_q > n_k, an unknown normalisation, a mask that is not `[b, n_k]`, or a
-            `backend` that is unknown or cannot run efficient attention (the message says why).
+        ValueError: q, k, v that are not floating-point tensors of matching shapes, dtype and device, n_q > n_k,
+            an unknown normalisation, a non-bool `causal`, a mask that is not bool `[b, n_k]`, or a `backend`
+            that is unknown or cannot run efficient attention (the message says why).
     """
-    padding = _check(q, k, v, normalization, key_padding_mask)
-    if _check_backend(backend) == "reference":
+    padding = _check(q, k, v, normalization, causal, key_padding_mask)
+    backend = _check_backend(backend)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
+    if backend == "reference":
         weights = efficient_attention_weights(
             q, k, normalization=normalization, causal=causal, key_padding_mask=padding
         )  # [b, h, n_q, n_k] in the compute dtype
@@ -143,15 +160,16 @@ def _scaling_global(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> 
 def _causal(q: Tensor, k: Tensor, v: Tensor, normalization: str, padding: Tensor | None) -> Tensor:
     """Causal efficient attention by key chunks of c: within a chunk a masked [c, c] product, across chunks a state.
 
-    Softmax form: query i needs, per key feature, Σ_{j<=i} exp(k_j) v_j / Σ_{j<=i} exp(k_j). Each chunk t uses one
-    stabiliser R_t per feature, the running maximum of k up to the end of chunk t, so every exp() is <= 1; the state
-    carried from chunk t to t+1 is rescaled by exp(R_t - R_{t+1}) <= 1. R_t may include keys later in the same chunk
-    than the query: it cancels exactly in the ratio, and only matters if those keys exceed all earlier ones by more
-    than the exponent range (about 80 in float32), where earlier terms would underflow.
+    Softmax form: query i needs, per key feature f, Σ_{j<=i} exp(k_jf) v_j / Σ_{j<=i} exp(k_jf). Every exponent is
+    taken relative to the prefix maximum M_if = max_{j<=i} k_jf (a running max, as in online softmax), so every
+    exp() is <= 1 and the key reaching the maximum contributes exactly 1 to the denominator: large logits neither
+    overflow nor underflow a whole row to zero. Inside a chunk the weights exp(k_jf - M_if) depend on both i and j
+    (a [c, c, d] product per chunk); the state carried across chunks is kept relative to the maximum at the end of
+    the previous chunk, R_{t-1} <= M_i, and rescaled by exp(R_{t-1} - M_if) <= 1 for each query.
     """
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
-    c = min(_CAUSAL_CHUNK, n_k)
+    c = min(_CAUSAL_CHUNK if normalization == "scaling" else _CAUSAL_SOFTMAX_CHUNK, n_k)
     n_chunks = -(-n_k // c)
     pad = n_chunks * c - n_k
     valid = torch.ones(b, n_k, dtype=torch.bool, device=q.device) if padding is None else padding
@@ -166,46 +184,61 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, normalization: str, padding: Tensor
     valid_t = valid.view(b, 1, n_chunks, c, 1)
     tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # key j <= query i inside a chunk
 
-    if normalization == "softmax":
-        k_masked = k_t.masked_fill(~valid_t, float("-inf"))
-        # Stabiliser per chunk and feature: running max up to the chunk's end; 0 while no real key was seen.
-        running = torch.cummax(k_masked.amax(dim=3), dim=2).values.detach()  # [b, h, T, d]
-        running = running.masked_fill(running == float("-inf"), 0.0)
-        weights = torch.exp(k_masked - running.unsqueeze(3))  # [b, h, T, c, d], 0 on padding
-        decay = torch.exp(running[:, :, :-1] - running[:, :, 1:])  # [b, h, T-1, d], <= 1
-        chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
-        chunk_mass = weights.sum(dim=3)  # [b, h, T, d]
-        context_in, mass_in = _carry(chunk_context, chunk_mass, decay)  # states entering each chunk
-        mass = mass_in.unsqueeze(3) + weights.cumsum(dim=3)  # [b, h, T, c, d]: Σ_{j<=i} exp(k_j - R_t)
-        features = torch.softmax(q_t, dim=-1)
-        coefficient = torch.where(mass > 0, features / torch.where(mass > 0, mass, torch.ones_like(mass)), 0.0)
-    else:
+    if normalization == "scaling":
         weights = k_t * valid_t  # [b, h, T, c, d]
         chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
         # No stabiliser is needed for sums of products, so the carried states are plain exclusive prefix sums.
         context_in = chunk_context.cumsum(dim=2) - chunk_context
         count = valid.to(q.dtype).cumsum(dim=1).view(b, 1, n_chunks, c, 1)  # visible keys up to each query
         coefficient = q_t / count.clamp(min=1)  # [b, h, T, c, d]
+        inter = coefficient @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
+        scores = (coefficient @ weights.transpose(-1, -2)).masked_fill(~tril, 0.0)  # [b, h, T, c, c]
+        out = inter + scores @ v_t  # [b, h, T, c, d_v]
+        return out.reshape(b, h, n_chunks * c, d_v)[:, :, n_k - n_q : n_k]
 
-    inter = coefficient @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
-    scores = (coefficient @ weights.transpose(-1, -2)).masked_fill(~tril, 0.0)  # [b, h, T, c, c]
+    neg_inf = float("-inf")
+    k_masked = k_t.masked_fill(~valid_t, neg_inf)
+    # Stabilisers carry no gradient: the result does not depend on them. -inf = no real key up to there.
+    prefix = torch.cummax(k_masked.detach().reshape(b, h, n_chunks * c, d), dim=2).values
+    prefix = prefix.view(b, h, n_chunks, c, d)  # M_i
+    seen = prefix > neg_inf
+    shift = torch.where(seen, prefix, torch.zeros_like(prefix))
+    end, end_seen = shift[:, :, :, -1], seen[:, :, :, -1]  # R_t, [b, h, T, d]
+    prev_end = torch.nn.functional.pad(end, (0, 0, 1, 0))[:, :, :-1]  # R_{t-1}
+    prev_seen = torch.nn.functional.pad(end_seen, (0, 0, 1, 0), value=False)[:, :, :-1]
+    # exp(R_{t-1} - x) <= 1; 0 where no real key came before the chunk (its state is 0 then anyway).
+    carried = torch.exp((prev_end.unsqueeze(3) - shift).masked_fill(~prev_seen.unsqueeze(3), neg_inf))  # [b,h,T,c,d]
+    decay = torch.exp((prev_end - end).masked_fill(~prev_seen, neg_inf))  # [b, h, T, d]: R_{t-1} -> R_t
+
+    weights = torch.exp(k_masked - end.unsqueeze(3))  # [b, h, T, c, d]: exp(k_j - R_t), 0 on padding
+    chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
+    context_in, mass_in = _carry(chunk_context, weights.sum(dim=3), decay)  # states entering chunk t, rel. R_{t-1}
+    # exp(k_jf - M_if) for keys j <= i of the chunk; masked before exp() so that no inf reaches the backward.
+    within = (k_masked.unsqueeze(3) - shift.unsqueeze(4)).masked_fill(~tril[:, :, None], neg_inf)
+    within = torch.exp(within)  # [b, h, T, c_i, c_j, d]
+    mass = carried * mass_in.unsqueeze(3) + within.sum(dim=4)  # [b, h, T, c, d]: >= 1 once a real key is seen
+    features = torch.softmax(q_t, dim=-1)
+    coefficient = torch.where(mass > 0, features / torch.where(mass > 0, mass, torch.ones_like(mass)), 0.0)
+    inter = (coefficient * carried) @ context_in  # [b, h, T, c, d_v]: keys of earlier chunks
+    scores = torch.einsum("bhtif,bhtijf->bhtij", coefficient, within)  # [b, h, T, c, c]
     out = inter + scores @ v_t  # [b, h, T, c, d_v]
     return out.reshape(b, h, n_chunks * c, d_v)[:, :, n_k - n_q : n_k]
 
 
 def _carry(chunk_context: Tensor, chunk_mass: Tensor, decay: Tensor) -> tuple[Tensor, Tensor]:
-    """States entering each chunk: H_0 = 0, H_{t+1} = exp(R_t - R_{t+1}) (H_t + U_t), same for the mass.
+    """States entering each chunk: G_0 = 0, G_{t+1} = decay_t · G_t + U_t, the same for the mass.
 
-    A sequential scan over the T chunks (each step touches only [b, h, d, d_v]): the decays make a cumulative sum
-    impossible without over- or underflow, and T = n / c steps keep it linear.
+    U_t is chunk t's sum relative to R_t (the prefix max at its end) and decay_t = exp(R_{t-1} - R_t) <= 1, so G_t
+    is relative to R_{t-1}. A sequential scan over the T chunks (each step touches only [b, h, d, d_v]): the decays
+    make a cumulative sum impossible without over- or underflow, and T = n / c steps keep it linear.
     """
     # unbind (not indexing in the loop): the backward of T index ops would write T full-size zero gradients.
     context_steps, mass_steps, factors = chunk_context.unbind(2), chunk_mass.unbind(2), decay.unbind(2)
     contexts = [torch.zeros_like(context_steps[0])]
     masses = [torch.zeros_like(mass_steps[0])]
-    for t, factor in enumerate(factors):  # factor [b, h, d]
-        contexts.append((contexts[-1] + context_steps[t]) * factor.unsqueeze(-1))
-        masses.append((masses[-1] + mass_steps[t]) * factor)
+    for t in range(len(context_steps) - 1):  # factor [b, h, d]
+        contexts.append(contexts[-1] * factors[t].unsqueeze(-1) + context_steps[t])
+        masses.append(masses[-1] * factors[t] + mass_steps[t])
     return torch.stack(contexts, dim=2), torch.stack(masses, dim=2)
 
 
@@ -233,9 +266,11 @@ def efficient_attention_weights(
     Returns:
         Weights `[b, h, n_q, n_k]` in the compute dtype (float32 for half inputs); `weights @ v` is the output.
     """
-    padding = _check(q, k, k, normalization, key_padding_mask)
+    padding = _check(q, k, k, normalization, causal, key_padding_mask, names=("q", "k", "k"))
     dtype = _compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
+    if is_empty(q, k):
+        return q @ k.transpose(-1, -2)  # [b, h, n_q, n_k], no element
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     visible = torch.ones(b, 1, n_q, n_k, dtype=torch.bool, device=q.device)

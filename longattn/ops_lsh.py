@@ -62,7 +62,16 @@ from torch import Tensor
 
 from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
-from .ops_checks import check_backend_support
+from .ops_checks import (
+    check_backend_support,
+    check_dropout,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 
 __all__ = [
     "SELF_SCORE",
@@ -114,7 +123,7 @@ def default_num_buckets(length: int, bucket_size: int) -> Buckets:
 
 
 def hash_factors(num_buckets: Buckets) -> tuple[int, ...]:
-    factors = (num_buckets,) if isinstance(num_buckets, int) else tuple(num_buckets)
+    factors = (num_buckets,) if not isinstance(num_buckets, (tuple, list)) else tuple(num_buckets)
     if not factors or any(not isinstance(f, int) or isinstance(f, bool) or f < 2 or f % 2 for f in factors):
         raise ValueError(f"num_buckets={num_buckets!r} is invalid: expected an even integer >= 2, or a tuple of them.")
     return factors
@@ -555,6 +564,23 @@ def attend_windows_on_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- the executor
+def _check_rotations(rotations: Tensor, *, heads: int, head_dim: int, num_buckets: Buckets | None) -> None:
+    """Refuse rotations that are not a floating-point `[h or 1, d, r, Σ factors/2]` tensor (r >= 1).
+
+    Raises:
+        ValueError: Naming `rotations`, its shape or dtype, and the shape expected.
+    """
+    columns = None if num_buckets is None else sum(f // 2 for f in hash_factors(num_buckets))
+    expected = f"[{heads} or 1, {head_dim}, num_hashes >= 1, {columns if columns else 'num_buckets / 2 >= 1'}]"
+    if not isinstance(rotations, Tensor) or not rotations.is_floating_point():
+        raise ValueError(f"rotations must be a floating-point tensor {expected}, got "
+                         f"{rotations.dtype if isinstance(rotations, Tensor) else type(rotations).__name__}")
+    shape = tuple(rotations.shape)
+    if (len(shape) != 4 or shape[0] not in (1, heads) or shape[1] != head_dim or shape[2] < 1 or shape[3] < 1
+            or (columns is not None and shape[3] != columns)):
+        raise ValueError(f"rotations must have shape {expected}, got {shape}")
+
+
 def lsh_attention(
     qk: Tensor,
     v: Tensor,
@@ -601,20 +627,33 @@ def lsh_attention(
         Output `[b, h, n, d_v]`.
 
     Raises:
-        ValueError: Mismatched shapes, a bucket size below 1, a causal call without an earlier chunk, or a
-            `backend` that is unknown or cannot run LSH attention (the message says why).
+        ValueError: qk and v that are not floating-point tensors `[b, h, n, d]`, `[b, h, n, d_v]` of one dtype
+            and device, `num_hashes` or `bucket_size` below 1, negative chunk counts, a causal call without an
+            earlier chunk, invalid `num_buckets` or `rotations`, a non-bool `causal`, a mask that is not bool
+            `[b, n]`, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run LSH attention (the
+            message says why).
     """
-    if qk.dim() != 4 or v.dim() != 4 or v.shape[:3] != qk.shape[:3]:
-        raise ValueError(f"qk and v must be [b, h, n, d] with equal b, h, n; got {tuple(qk.shape)}, {tuple(v.shape)}")
-    if bucket_size < 1 or num_chunks_before < 0 or num_chunks_after < 0:
-        raise ValueError(
-            f"bucket_size={bucket_size}, num_chunks_before={num_chunks_before}, num_chunks_after={num_chunks_after}: "
-            "expected bucket_size >= 1 and chunk counts >= 0."
-        )
+    b, h, n, _ = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
+    d = qk.shape[3]
+    bucket_size = check_positive_int("bucket_size", bucket_size, meaning="the chunk length of the sorted sequence")
+    num_chunks_before = check_positive_int("num_chunks_before", num_chunks_before, minimum=0)
+    num_chunks_after = check_positive_int("num_chunks_after", num_chunks_after, minimum=0)
+    causal = check_flag("causal", causal)
     if causal and num_chunks_before < 1:
         raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n, device=qk.device)
+    dropout_p = check_dropout(dropout_p)
+    if num_buckets is not None:
+        hash_factors(num_buckets)
+    if rotations is None:
+        num_hashes = check_positive_int("num_hashes", num_hashes, meaning="the number of hash rounds")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+    else:
+        _check_rotations(rotations, heads=h, head_dim=d, num_buckets=num_buckets)
     check_backend_support(backend, attention="LSH", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS)
-    b, h, n, d = qk.shape
+    if is_empty(qk, qk):
+        return empty_attention(qk, qk, v)
     d_v = v.shape[-1]
     c = bucket_size
     device = qk.device
@@ -784,14 +823,16 @@ def lsh_attention_dense(
         `(out [b, h, n, d_v], weights [b, h, n, m])`, weights summed over the rounds.
 
     Raises:
-        ValueError: A bidirectional call with n != m (it needs every query's sorted position).
+        ValueError: A bidirectional call with n != m (it needs every query's sorted position), or a mask that is not
+            bool `[b, m]`.
     """
     b, h, n, _ = q.shape
     m = k.shape[2]
     if not causal and n != m:
         raise ValueError(f"bidirectional LSH needs every query (n={n}) to be a key position (m={m}).")
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     q_pos = torch.arange(m - n, m, device=q.device)
     key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]
     query_buckets = key_buckets[..., m - n:]  # shared QK: a query hashes like its key

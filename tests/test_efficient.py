@@ -116,6 +116,32 @@ def test_causal_state_is_exact_across_many_chunks_with_large_logits():
     torch.testing.assert_close(efficient_attention(q, k, v, causal=True), softmax_dense(q, k, v, visible))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_causal_form_is_exact_at_large_logits(dtype):
+    # q and k scaled by 30: inside a chunk, later keys exceed earlier ones by more than float32's exponent range, so
+    # a stabiliser shared by the chunk (its maximum) underflowed whole rows to zero (or NaN). Each query's own
+    # prefix maximum keeps every row exact.
+    q, k, v = qkv(n=150, grad=False)
+    q, k = q * 30, k * 30
+    mask = padding_mask(2, 150)
+    visible = torch.ones(150, 150, dtype=torch.bool).tril() & mask[:, None, None, :]
+    expected = softmax_dense(q, k, v, visible)  # float64
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = efficient_attention(*inputs, causal=True, key_padding_mask=mask)
+    tolerance = {} if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    assert (out[0].abs().sum(-1) > 0).all()  # no row without padding is zero
+    grads = torch.autograd.grad(out.sum(), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+    if dtype == torch.float64:
+        reference = [t.detach().requires_grad_() for t in (q, k, v)]
+        expected_grads = torch.autograd.grad(
+            efficient_attention(*reference, causal=True, key_padding_mask=mask, backend="reference").sum(), reference
+        )
+        for grad, expected_grad in zip(grads, expected_grads):
+            torch.testing.assert_close(grad, expected_grad)
+
+
 def test_bad_arguments_raise():
     q, k, v = qkv(n=10)
     with pytest.raises(ValueError, match="normalization"):

@@ -1,0 +1,290 @@
+"""Bad input to the public functional attentions (`longattn.ops`), walked systematically with a fixed seed.
+
+Every op x every argument x a list of bad values must raise `ValueError` whose message names the argument; empty
+inputs (batch, heads or length 0) and random valid inputs must give an output of the right shape without NaN, and a
+backward with gradients of the inputs' shapes. Never another exception type, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import longattn
+from longattn import ops
+
+B, H, N, D = 2, 2, 6, 4
+
+
+def _tensors(generator: torch.Generator, b: int = B, h: int = H, n_q: int = N, n_k: int = N, d: int = D):
+    q = torch.randn(b, h, n_q, d, generator=generator)
+    k = torch.randn(b, h, n_k, d, generator=generator)
+    v = torch.randn(b, h, n_k, d, generator=generator)
+    return q, k, v
+
+
+# Each op: how to call it from one dict of arguments, and its default arguments on q, k, v. LSH is shared-QK: its
+# `qk` is q (k is not passed).
+OPS = {
+    "full_attention": (lambda a: ops.full_attention(**a), {}),
+    "sliding_window_attention": (lambda a: ops.sliding_window_attention(**a), {"window": 2}),
+    "strided_attention": (lambda a: ops.strided_attention(**a), {"stride": 2}),
+    "fixed_attention": (lambda a: ops.fixed_attention(**a), {"block_size": 3, "num_summary": 1}),
+    "efficient_attention": (lambda a: ops.efficient_attention(**a), {}),
+    "lsh_attention": (lambda a: ops.lsh_attention(a.pop("q"), **a), {"num_hashes": 2, "bucket_size": 2, "seed": 0}),
+    "reference_attention": (lambda a: ops.reference_attention(**a), {"mask": None}),
+}
+# The keyword arguments each op takes besides q, k, v (LSH takes no k).
+ARGUMENTS = {
+    "full_attention": {"causal", "global_mask", "key_padding_mask", "scale", "dropout_p", "backend"},
+    "sliding_window_attention": {"window", "dilation", "causal", "global_mask", "key_padding_mask", "scale",
+                                 "dropout_p", "backend"},
+    "strided_attention": {"stride", "causal", "key_padding_mask", "scale", "dropout_p", "backend"},
+    "fixed_attention": {"block_size", "num_summary", "causal", "summary_per_head", "key_padding_mask", "scale",
+                        "dropout_p", "backend"},
+    "efficient_attention": {"normalization", "causal", "key_padding_mask", "backend"},
+    "lsh_attention": {"num_hashes", "bucket_size", "num_buckets", "num_chunks_before", "num_chunks_after", "causal",
+                      "key_padding_mask", "rotations", "seed", "dropout_p", "backend"},
+    "reference_attention": {"mask", "scale", "dropout_p", "return_weights"},
+}
+
+
+def _arguments(op: str, q, k, v) -> dict:
+    arguments = {"q": q, "v": v, **OPS[op][1]}
+    if op != "lsh_attention":
+        arguments["k"] = k
+    return arguments
+
+
+def _run(op: str, arguments: dict):
+    return OPS[op][0](dict(arguments))
+
+
+def _bad_tensor_values(q: torch.Tensor, *, head_dim_fixed: bool, length_fixed: bool) -> list:
+    """Bad values for one of q, k, v (the others stay good); another head_dim or length only where they must match."""
+    d = q.shape[3]
+    return [
+        q[0],  # 3-d
+        q.unsqueeze(0),  # 5-d
+        q.tolist(),  # not a tensor
+        q.to(torch.long),  # not floating point
+        q.to(torch.float64),  # another dtype than the others
+        q.to("meta"),  # another device
+        q[..., :0],  # head_dim 0
+        q[:1],  # another batch
+        q[:, :1],  # other heads
+    ] + ([q[..., : d - 1]] if head_dim_fixed else []) + ([torch.cat([q, q], dim=2)] if length_fixed else [])
+
+
+def _bad_token_masks(b: int, n: int) -> list:
+    keep = torch.ones(b, n, dtype=torch.bool)
+    keep[0, -1] = False
+    return [
+        torch.zeros(b, n).masked_fill(~keep, -math.inf),  # additive float mask (SDPA's float convention)
+        keep.float(),  # 1/0 float mask
+        keep.long(),  # 1/0 int mask
+        keep[:, :-1],  # wrong length
+        keep[:1],  # wrong batch
+        keep[0],  # 1-d
+        keep[:, None],  # 3-d
+        keep.to("meta"),  # wrong device
+        keep.tolist(),  # not a tensor
+    ]
+
+
+SIZE_VALUES = [0, -1, 2.5, True, "3", None]
+BAD_VALUES = {
+    "causal": [1, 0, torch.tensor(1), torch.tensor(True), "yes", None],
+    "summary_per_head": [1, "no", None],
+    "return_weights": [1, None],
+    "window": SIZE_VALUES,
+    "stride": SIZE_VALUES,
+    "block_size": SIZE_VALUES,
+    "num_summary": SIZE_VALUES + [4],  # 4 > block_size 3
+    "num_hashes": SIZE_VALUES,
+    "bucket_size": SIZE_VALUES,
+    "num_chunks_before": [-1, 1.5, True, "1", None],
+    "num_chunks_after": [-1, 1.5, True, "1", None],
+    "num_buckets": [3, 0, -2, (2, 3), True, 2.0, "4"],
+    "seed": [1.5, "0", True],
+    "dilation": [0, -1, 1.5, True, [1], [1, 0], [], "2"],
+    "scale": [math.nan, math.inf, "0.5", True, torch.tensor(0.5)],
+    "dropout_p": [-0.1, 1.0, math.nan, "0.1", True, None],
+    "backend": ["cuda", "", 3, None],
+    "normalization": ["bogus", None, 1],
+}
+
+
+def _bad_cases():
+    """(op, argument, index of the bad value): the whole walk, one pytest case per op and argument."""
+    for op in OPS:
+        for argument in sorted(ARGUMENTS[op]) + (["q", "v"] if op == "lsh_attention" else ["q", "k", "v"]):
+            yield op, argument
+
+
+def _bad_values(op: str, argument: str, q, k, v) -> list:
+    if argument in ("q", "k", "v"):
+        # v may have another head_dim (d_v), and so may LSH's qk; reference attention takes any number of queries.
+        head_dim_fixed = argument == "k" or (argument == "q" and op != "lsh_attention")
+        length_fixed = not (argument == "q" and op == "reference_attention")
+        return _bad_tensor_values({"q": q, "k": k, "v": v}[argument], head_dim_fixed=head_dim_fixed,
+                                  length_fixed=length_fixed)
+    if argument in ("key_padding_mask", "global_mask"):
+        return _bad_token_masks(q.shape[0], k.shape[2])
+    if argument == "mask":
+        keep = torch.rand(B, 1, N, N) > 0.3
+        return [
+            torch.zeros(keep.shape).masked_fill(~keep, -math.inf), keep.float(), keep.long(),
+            keep[..., :-1], keep[None], keep.to("meta"), keep.tolist(),
+        ]
+    if argument == "rotations":
+        good = longattn.ops_lsh.lsh_rotations(heads=H, head_dim=D, num_hashes=2, num_buckets=4, seed=0)
+        return [good[0], good[:, :-1], good.long(), good[:, :, :0], torch.cat([good, good]), good.tolist()]
+    return BAD_VALUES[argument]
+
+
+def _name_in(argument: str, message: str) -> bool:
+    name = "qk" if argument == "q" and "qk" in message else argument
+    return re.search(rf"\b{re.escape(name)}\b", message) is not None
+
+
+@pytest.mark.parametrize(("op", "argument"), list(_bad_cases()))
+def test_bad_argument_raises_value_error_naming_it(op, argument):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = _tensors(generator)
+    for value in _bad_values(op, argument, q, k, v):
+        arguments = _arguments(op, q, k, v)
+        arguments[argument] = value
+        with pytest.raises(ValueError) as raised:
+            _run(op, arguments)
+        assert _name_in(argument, str(raised.value)), (op, argument, value, str(raised.value))
+
+
+@pytest.mark.parametrize(("op", "name"), [
+    (op, name) for op in OPS for name in ("key_padding_mask", "global_mask") if name in ARGUMENTS[op]
+])
+def test_float_mask_is_refused_with_how_to_convert(op, name):
+    """An additive float mask (0 keep, -inf drop) used to be read inverted by `.bool()`; a 1/0 mask is refused too."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = _tensors(generator)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[1, :2] = False
+    for mask in (torch.zeros(B, N).masked_fill(~keep, -math.inf), keep.to(torch.float16), keep.to(torch.int64)):
+        with pytest.raises(ValueError, match=rf"{name} must be a bool tensor \(True = attend") as raised:
+            _run(op, {**_arguments(op, q, k, v), name: mask})
+        assert f"`{name} == 0`" in str(raised.value) and f"`{name}.bool()`" in str(raised.value)
+    # The bool mask the message asks for gives what the 0/-inf mask meant: the masked keys take no part.
+    additive = torch.zeros(B, N).masked_fill(~keep, -math.inf)
+    out = _run(op, {**_arguments(op, q, k, v), name: additive == 0})
+    assert torch.isfinite(out).all()
+
+
+def test_reference_attention_refuses_a_float_mask_and_checks_its_shape():
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = _tensors(generator)
+    visible = torch.ones(N, N, dtype=torch.bool).tril()
+    additive = torch.zeros(N, N).masked_fill(~visible, -math.inf)
+    with pytest.raises(ValueError, match=r"mask must be a bool tensor .*`mask == 0`"):
+        ops.reference_attention(q, k, v, additive)
+    with pytest.raises(ValueError, match=r"mask must be broadcastable to \[b, h, n_q, n_k\]"):
+        ops.reference_attention(q, k, v, visible[:, :-1])
+    torch.testing.assert_close(ops.reference_attention(q, k, v, additive == 0),
+                               ops.full_attention(q, k, v, causal=True))
+
+
+EMPTY_SHAPES = [  # (b, h, n_q, n_k)
+    (0, H, N, N),
+    (B, 0, N, N),
+    (B, H, 0, 0),
+    (B, H, 0, N),  # no query (cached decoding of nothing)
+]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_empty_inputs_give_empty_outputs_and_gradients(op, shape):
+    b, h, n_q, n_k = shape
+    if op == "lsh_attention" and n_q != n_k:
+        pytest.skip("LSH attention is shared-QK: queries are every key position")
+    generator = torch.Generator().manual_seed(3)
+    for causal in (False, True):
+        q, k, v = (t.requires_grad_() for t in _tensors(generator, b, h, n_q, n_k))
+        arguments = _arguments(op, q, k, v)
+        if op != "reference_attention":
+            arguments["causal"] = causal
+        if "key_padding_mask" in ARGUMENTS[op]:
+            arguments["key_padding_mask"] = torch.ones(b, n_k, dtype=torch.bool)
+        out = _run(op, arguments)
+        assert out.shape == (b, h, n_q, D)
+        assert not out.isnan().any()
+        out.sum().backward()
+        for tensor in (q, v) if op == "lsh_attention" else (q, k, v):
+            assert tensor.grad is not None and tensor.grad.shape == tensor.shape
+            assert not tensor.grad.isnan().any()
+
+
+def _random_valid_arguments(op: str, generator: torch.Generator) -> dict:
+    """Random small valid inputs: lengths 1..9, queries the last n_q keys, masks with fully padded rows."""
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    n_k = draw(1, 9)
+    n_q = n_k if op == "lsh_attention" else draw(1, n_k)
+    q, k, v = _tensors(generator, draw(1, 2), draw(1, 3), n_q, n_k, draw(1, 5))
+    arguments = _arguments(op, q, k, v)
+    b, h = q.shape[:2]
+    if "causal" in ARGUMENTS[op]:
+        arguments["causal"] = bool(draw(0, 1))
+    for name in ("key_padding_mask", "global_mask"):
+        if name in ARGUMENTS[op] and draw(0, 1):
+            arguments[name] = torch.rand(b, n_k, generator=generator) > 0.5
+    if op == "reference_attention":
+        arguments["mask"] = torch.rand(b, 1, n_q, n_k, generator=generator) > 0.5
+    sizes = {"window": (1, 10), "stride": (1, 10), "bucket_size": (1, 10), "num_hashes": (1, 3)}
+    for name, (low, high) in sizes.items():
+        if name in ARGUMENTS[op]:
+            arguments[name] = draw(low, high)
+    if op == "fixed_attention":
+        arguments["block_size"] = draw(1, 10)
+        arguments["num_summary"] = draw(1, arguments["block_size"])
+    if op == "sliding_window_attention" and draw(0, 1):
+        arguments["dilation"] = [draw(1, 3) for _ in range(h)]
+    if op == "efficient_attention":
+        arguments["normalization"] = ("softmax", "scaling")[draw(0, 1)]
+    if "backend" in ARGUMENTS[op] and draw(0, 1):
+        arguments["backend"] = "reference"
+    return arguments
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_random_valid_inputs_give_finite_outputs(op):
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(8):
+        arguments = _random_valid_arguments(op, generator)
+        q, v = arguments["q"].requires_grad_(), arguments["v"].requires_grad_()
+        out = _run(op, arguments)
+        assert out.shape == (*q.shape[:3], v.shape[3])
+        assert torch.isfinite(out).all(), arguments
+        out.sum().backward()
+        assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "strided", "fixed", "lsh", "efficient"])
+def test_model_forward_bad_shapes_and_empty_inputs(kind):
+    """The model forwards over the kinds built on `ops`: wrong shapes are refused, empty batches give empty outputs."""
+    config = longattn.LongAttnConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, attention_type=kind, sliding_window=2, strided_stride=2, fixed_block_size=4,
+        fixed_num_summary=1, lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0,
+    )
+    model = longattn.LongAttnModel(config).eval()
+    ids = torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(input_ids=ids[0])
+    for empty in (ids[:0], ids[:, :0]):
+        assert model(input_ids=empty).last_hidden_state.shape == (*empty.shape, 16)
