@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_base import LongAttnAttention, check_int_field
+from .attention_base import LongAttnAttention, check_int_field, check_number
 from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
 from .ops_lsh import attend_windows
@@ -669,9 +669,7 @@ class SinkhornAttention(LongAttnAttention):
     def validate_config(cls, config, *, layer_idx, is_causal):
         check_int_field(config, "sinkhorn_block_size", layer_idx, minimum=1)
         check_int_field(config, "sinkhorn_iterations", layer_idx, minimum=1)
-        temperature = config.sinkhorn_temperature
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-            raise ValueError(f"`sinkhorn_temperature`={temperature!r} is invalid: expected a number > 0.")
+        check_number("sinkhorn_temperature", config.sinkhorn_temperature, minimum=0.0, exclusive_minimum=True)
         sortcut = config.sinkhorn_sortcut
         if sortcut is None:
             return
