@@ -284,7 +284,7 @@ def adaptive_span_reference(
     visible = allowed[None, None] if key_padding_mask is None else allowed & key_padding_mask[:, None, None, :]
     weights = _support_and_softmax(scores, soft[None], visible)
     dropped = nn.functional.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return (dropped @ v.to(dtype)).to(q.dtype), weights.to(q.dtype)
+    return (dropped @ v.to(dtype)).to(q.dtype), dropped.to(q.dtype)
 
 
 class AdaptiveSpanAttention(LongAttnAttention):

@@ -619,7 +619,7 @@ def sinkhorn_attention_dense(
     # rotated-away padding would give garbage, not a defined output)
     dropped = F.dropout(weights_layout, p=dropout_p) if dropout_p > 0 else weights_layout
     out = torch.matmul(dropped, v_l)  # [b, h, n, d_v]
-    weights = weights_layout[..., :m].gather(-1, layout[:, None, None, :].expand(b, h, n, m))  # back to positions
+    weights = dropped[..., :m].gather(-1, layout[:, None, None, :].expand(b, h, n, m))  # back to positions
     return out.to(q.dtype), weights.to(q.dtype)
 
 
