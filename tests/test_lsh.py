@@ -238,6 +238,21 @@ def test_each_layer_has_its_own_eval_rotations_derived_from_the_seed(seed):
         torch.testing.assert_close(_rotations(_lsh_lm(lsh_seed=seed))[1], second, rtol=0, atol=0)
 
 
+def test_seq2seq_decoder_layers_hash_apart_from_the_encoder_layers():
+    from longattn.attention_lsh import LSHAttention
+
+    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
+                            num_decoder_layers=2, intermediate_size=64, attention_type="lsh",
+                            decoder_attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=7,
+                            max_position_embeddings=64)
+    layers = [m for m in longattn.LongAttnForSeq2SeqLM(config).modules() if isinstance(m, LSHAttention)]
+    seeds = sorted(layer.seed for layer in layers)
+    assert seeds == [7, 8, 9, 10], seeds  # encoder layers 7 + i, decoder layers 7 + 2 + i
+    for layer in layers:
+        expected = lsh_rotations(heads=2, head_dim=16, num_hashes=2, num_buckets=4, seed=layer.seed)
+        torch.testing.assert_close(layer.eval_rotations, expected, rtol=0, atol=0)
+
+
 def test_save_and_reload_give_the_same_eval_outputs(tmp_path):
     model = _lsh_lm().eval()
     ids = torch.randint(4, 60, (2, 30), generator=torch.Generator().manual_seed(2))
