@@ -62,10 +62,14 @@ class LongAttnConfig(PreTrainedConfig):
             `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
             The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
             naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
-        **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields.
+        **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields. Unknown
+            keys are kept (as in every transformers config), except one within edit distance 2 of a longattn field:
+            a `ValueError` ("did you mean ...?"), a warning when the config is loaded from a file. `head_dim` is
+            accepted when it equals `hidden_size / num_attention_heads` (it is derived, not stored).
 
     Raises:
-        ValueError: a field outside its allowed values; the message names the field, the value and what is allowed.
+        ValueError: a field outside its allowed type or values (the message names the field, the value and what is
+            allowed), a misspelt field, or a `model_type` other than "longattn" (a folder of another model).
     """
 
     model_type = "longattn"
