@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, check_int_field
+from .attention_base import LongAttnAttention, check_int_field, check_number
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
 # waste fewer gathered keys per query but compute more masked-out scores at the band's edges; 64 balances both for
@@ -284,7 +284,7 @@ def adaptive_span_reference(
     visible = allowed[None, None] if key_padding_mask is None else allowed & key_padding_mask[:, None, None, :]
     weights = _support_and_softmax(scores, soft[None], visible)
     dropped = nn.functional.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return (dropped @ v.to(dtype)).to(q.dtype), weights.to(q.dtype)
+    return (dropped @ v.to(dtype)).to(q.dtype), dropped.to(q.dtype)
 
 
 class AdaptiveSpanAttention(LongAttnAttention):
@@ -316,9 +316,7 @@ class AdaptiveSpanAttention(LongAttnAttention):
         ramp = config.adaptive_span_ramp
         if not isinstance(ramp, int) or isinstance(ramp, bool) or ramp < 1:
             raise ValueError(f"`adaptive_span_ramp`={ramp!r} is invalid: expected an integer >= 1.")
-        coef = config.adaptive_span_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-            raise ValueError(f"`adaptive_span_loss_coef`={coef!r} is invalid: expected a number >= 0.")
+        check_number("adaptive_span_loss_coef", config.adaptive_span_loss_coef, minimum=0.0)
 
     @torch.no_grad()
     def reset_kind_parameters(self) -> None:

@@ -65,6 +65,37 @@ def check_int_field(config: Any, field: str, layer_idx: int, *, minimum: int, pe
     return values[layer_idx] if per == "layer" and len(values) > 1 else values[0]
 
 
+def check_number(
+    field: str,
+    value: Any,
+    *,
+    minimum: float,
+    maximum: float = math.inf,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    optional: bool = False,
+) -> None:
+    """Validate a real-valued field: an int or float (not a bool), finite, within [minimum, maximum] (bounds made
+    exclusive on request); None too when `optional`.
+
+    Raises:
+        ValueError: naming the field, the value and the allowed range.
+    """
+    if optional and value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > minimum if exclusive_minimum else value >= minimum) and (
+            value < maximum if exclusive_maximum else value <= maximum
+        )
+    if not ok:
+        low = f"{'(' if exclusive_minimum else '['}{minimum:g}"
+        high = "inf)" if maximum == math.inf else f"{maximum:g}{')' if exclusive_maximum else ']'}"
+        raise ValueError(
+            f"`{field}`={value!r} is invalid: expected a finite number in {low}, {high}{' or None' if optional else ''}."
+        )
+
+
 def _num_layers_for(config: Any) -> int:
     return config.num_hidden_layers
 

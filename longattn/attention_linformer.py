@@ -236,8 +236,9 @@ class LinformerAttention(LongAttnAttention):
             return nn.functional.scaled_dot_product_attention(q, k_bar, v_bar, dropout_p=dropout_p, scale=self.scale), None
         scores = (q @ k_bar.transpose(-1, -2)).float() * self.scale  # [b, h, n, k]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = (nn.functional.dropout(probs, p=dropout_p) if dropout_p > 0 else probs) @ v_bar
-        weights = probs @ f_rows.permute(0, 2, 3, 1)  # [b, h, n, k] @ [b|1, H, k, n] -> [b, h, n, n]
+        dropped = nn.functional.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+        out = dropped @ v_bar
+        weights = dropped @ f_rows.permute(0, 2, 3, 1)  # [b, h, n, k] @ [b|1, H, k, n] -> [b, h, n, n]
         if key_padding_mask is not None:
             weights = weights * key_padding_mask[:, None, None, :]
         return out, weights

@@ -11,11 +11,21 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import initialization as init
+from transformers.utils import logging
 
 from .attention_base import LongAttnAttention, check_int_field
 from .ops_lsh import default_num_buckets, hash_factors, lsh_attention, lsh_attention_dense, lsh_rotations
 
-__all__ = ["LSHAttention"]
+__all__ = ["LSHAttention", "layer_seed"]
+
+logger = logging.get_logger(__name__)
+
+
+def layer_seed(seed: int, layer_idx: int, *, decoder_offset: int = 0) -> int:
+    """The seed of one layer's eval rotations: `lsh_seed + layer_idx` (+ `num_hidden_layers` in a seq2seq decoder),
+    so that layers hash differently while layer 0 keeps `lsh_seed` itself (transformers' `hash_seed`)."""
+    return seed + decoder_offset + layer_idx
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -30,11 +40,16 @@ class LSHAttention(LongAttnAttention):
             padding and caching do not change the hashing.
         lsh_num_chunks_before (1), lsh_num_chunks_after (0): neighbouring chunks a chunk also attends to (causal
             layers look back only, and need at least one chunk before).
-        lsh_seed (None): seed of the rotations; None draws fresh rotations on every call (as in the paper), so set
-            it for reproducible outputs and for cached decoding that equals the full forward pass.
+        lsh_seed (None): seed of the eval rotations: layer i draws them with `layer_seed(lsh_seed, i)`; None
+            draws them from torch's generator when the model is created.
 
-    Explicit rotations `[h, d, r, nb/2]` (e.g. taken from transformers) can be set with `set_rotations`; they
-    override the seed. The layer has `q_proj` (queries and keys), `v_proj` and `o_proj`, but no `k_proj`.
+    Rotations: in training every call draws fresh ones (the paper: the model learns to be robust to the hashing);
+    in eval the layer uses its own fixed rotations, the persistent buffer `eval_rotations` `[h, d, r, Σ factors/2]`,
+    saved with the model, so that eval outputs are deterministic, survive a save/reload, and cached decoding equals
+    the full forward pass. A checkpoint without that buffer (saved before it existed, or by another attention kind)
+    gets new eval rotations on load, with a warning. Explicit rotations `[h, d, r, nb/2]` (e.g. taken from
+    transformers) can be set with `set_rotations`; they override both. The layer has `q_proj` (queries and keys),
+    `v_proj` and `o_proj`, but no `k_proj`.
     """
 
     attention_type = "lsh"
@@ -61,8 +76,17 @@ class LSHAttention(LongAttnAttention):
         )
         self.num_chunks_before = config.per_layer("lsh_num_chunks_before", layer_idx)
         self.num_chunks_after = config.per_layer("lsh_num_chunks_after", layer_idx)
-        self.seed = config.lsh_seed
+        self.seed = None if config.lsh_seed is None else layer_seed(
+            config.lsh_seed, layer_idx,
+            decoder_offset=config.num_hidden_layers if is_causal and config.is_encoder_decoder else 0,
+        )
         self.rotations: Tensor | None = None
+        columns = sum(factor // 2 for factor in hash_factors(self.num_buckets))
+        self.register_buffer("eval_rotations", torch.empty(self.num_heads, self.head_dim, self.num_hashes, columns))
+        # transformers' `from_pretrained` builds the model on the meta device, then fills what the checkpoint
+        # holds: a buffer still to initialise after that was missing from the checkpoint (see reset_kind_parameters).
+        self._built_for_loading = self.eval_rotations.is_meta
+        self.reset_kind_parameters()
 
     @classmethod
     def validate_config(cls, config, *, layer_idx, is_causal):
@@ -85,6 +109,23 @@ class LSHAttention(LongAttnAttention):
                 "lsh_num_chunks_before, so expected >= 1."
             )
 
+    @torch.no_grad()
+    def reset_kind_parameters(self) -> None:
+        """Draw the eval rotations (from this layer's seed, or from torch's generator without `lsh_seed`); kept
+        when loaded from a checkpoint."""
+        if getattr(self.eval_rotations, "_is_hf_initialized", False):
+            return
+        if self._built_for_loading and not self.eval_rotations.is_meta:
+            logger.warning(
+                f"LSH layer {self.layer_idx}: the checkpoint has no `eval_rotations` (it was saved before LSH layers "
+                "kept fixed eval rotations, or by another attention kind), so new ones were drawn"
+                f"{'' if self.seed is None else f' from lsh_seed (layer seed {self.seed})'}: its eval outputs differ "
+                "from those it gave before. Save the model again to keep these."
+            )
+        rotations = lsh_rotations(heads=self.num_heads, head_dim=self.head_dim, num_hashes=self.num_hashes,
+                                  num_buckets=self.num_buckets, seed=self.seed, device="cpu")
+        init.copy_(self.eval_rotations, rotations)
+
     def set_rotations(self, rotations: Tensor | None) -> None:
         """Use these rotations `[h or 1, d, r, Σ factors/2]` instead of seeded or random ones (None: back to those).
 
@@ -103,11 +144,13 @@ class LSHAttention(LongAttnAttention):
         self.rotations = rotations
 
     def current_rotations(self, device: torch.device) -> Tensor:
-        """The rotations of this call: explicit, else seeded, else freshly drawn."""
+        """The rotations of this call: explicit, else fresh in training, else the layer's fixed eval rotations."""
         if self.rotations is not None:
             return self.rotations.to(device)
-        return lsh_rotations(heads=self.num_heads, head_dim=self.head_dim, num_hashes=self.num_hashes,
-                             num_buckets=self.num_buckets, seed=self.seed, device=device)
+        if self.training:
+            return lsh_rotations(heads=self.num_heads, head_dim=self.head_dim, num_hashes=self.num_hashes,
+                                 num_buckets=self.num_buckets, device=device)
+        return self.eval_rotations.to(device)
 
     def project(self, hidden_states):
         qk = self.split_heads(self.q_proj(hidden_states))  # [b, h, n, d]

@@ -491,7 +491,7 @@ def routing_attention_dense(
     weights = torch.softmax(scores.masked_fill(~sees, 0.0), dim=-1) * sees
     weights = weights * query_valid[:, None, :, None] if causal else weights
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return torch.matmul(dropped, v.to(dtype)).to(q.dtype), weights.to(q.dtype)
+    return torch.matmul(dropped, v.to(dtype)).to(q.dtype), dropped.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -623,4 +623,4 @@ def _masked_attention(q, k, v, mask, scale, dropout_p):
     sees = mask.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~sees, 0.0), dim=-1) * sees
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return torch.matmul(dropped, v.to(dtype)).to(q.dtype), weights.to(q.dtype)
+    return torch.matmul(dropped, v.to(dtype)).to(q.dtype), dropped.to(q.dtype)

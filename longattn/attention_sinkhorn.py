@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_base import LongAttnAttention, check_int_field
+from .attention_base import LongAttnAttention, check_int_field, check_number
 from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
 from .ops_lsh import attend_windows
@@ -619,7 +619,7 @@ def sinkhorn_attention_dense(
     # rotated-away padding would give garbage, not a defined output)
     dropped = F.dropout(weights_layout, p=dropout_p) if dropout_p > 0 else weights_layout
     out = torch.matmul(dropped, v_l)  # [b, h, n, d_v]
-    weights = weights_layout[..., :m].gather(-1, layout[:, None, None, :].expand(b, h, n, m))  # back to positions
+    weights = dropped[..., :m].gather(-1, layout[:, None, None, :].expand(b, h, n, m))  # back to positions
     return out.to(q.dtype), weights.to(q.dtype)
 
 
@@ -669,9 +669,7 @@ class SinkhornAttention(LongAttnAttention):
     def validate_config(cls, config, *, layer_idx, is_causal):
         check_int_field(config, "sinkhorn_block_size", layer_idx, minimum=1)
         check_int_field(config, "sinkhorn_iterations", layer_idx, minimum=1)
-        temperature = config.sinkhorn_temperature
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-            raise ValueError(f"`sinkhorn_temperature`={temperature!r} is invalid: expected a number > 0.")
+        check_number("sinkhorn_temperature", config.sinkhorn_temperature, minimum=0.0, exclusive_minimum=True)
         sortcut = config.sinkhorn_sortcut
         if sortcut is None:
             return

@@ -53,7 +53,8 @@ class SynthesizerAttention(LongAttnAttention):
     (`[L, h·L]`, row = query position); factorised random `synth_random_a`, `synth_random_b` (`[L, h·k]`);
     mixture `synth_mix` (`[h, 2]`).
 
-    `output_attentions=True` returns the synthesised probabilities `[b, h, n, m]` (the only attention there is).
+    `output_attentions=True` returns the synthesised probabilities `[b, h, n, m]` the output was computed from
+    (after dropout in training; the only attention there is).
     The KV cache of a decoder keeps the values (and keys with the mixture); without keys it stores a one-channel
     placeholder so that the cache still counts its length.
     """
@@ -220,11 +221,13 @@ class SynthesizerAttention(LongAttnAttention):
             logits = weights[None, :, 0, None, None] * logits + weights[None, :, 1, None, None] * dot
         visible = self._visible(attention_mask, n, m, v.device)  # [b|1, 1, n, m]
         probs = torch.softmax(logits.masked_fill(~visible, torch.finfo(dtype).min), dim=-1)
-        probs = probs * visible  # a row without visible keys (a fully padded row) is all zeros, not uniform
+        # [b, h, n, m]: the input-independent modes give one matrix for the batch; expanded before dropout, so that
+        # every sequence draws its own dropout mask (dropout of the shared matrix would drop alike in all of them).
+        probs = (probs * visible).expand(b, -1, -1, -1)  # a row without visible keys (all padding) is zeros
         dropped = nn.functional.dropout(probs, p=self.dropout_p) if self.training and self.dropout_p > 0 else probs
         out = (dropped @ v.to(dtype)).to(v.dtype)  # [b, h, n, d]
-        weights_out = probs.to(v.dtype).expand(b, -1, -1, -1) if output_attentions else None
-        return self.o_proj(self.merge_heads(out)), weights_out
+        # The weights the output was computed from (after dropout, as transformers' eager attention returns them).
+        return self.o_proj(self.merge_heads(out)), (dropped.to(v.dtype) if output_attentions else None)
 
     def _visible(self, attention_mask: torch.Tensor | None, n: int, m: int, device: torch.device) -> torch.Tensor:
         """Bool `[b|1, 1, n, m]`: causal (query i is position m - n + i) and real keys."""

@@ -8,14 +8,29 @@ Common transformer fields follow BERT/LED naming. Attention-kind fields are flat
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import functools
+import inspect
+import os
 from typing import Any
 
-from transformers import PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.utils import logging
 
+from .attention_base import check_number
 from .attention_registry import ATTENTION_CLASSES, attention_class, available_attention_types
 from .backends import check_backend_name
 
+logger = logging.get_logger(__name__)
+
 POSITION_EMBEDDING_TYPES = ("rope", "learned")
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+# True while `from_dict` (hence `from_pretrained`, `AutoConfig`) builds a config from a saved file: a near-miss key
+# there is a warning (the file was written elsewhere, and configs accept unknown keys), in code it is an error.
+_LOADING = contextvars.ContextVar("longattn_config_loading", default=False)
 
 
 class LongAttnConfig(PreTrainedConfig):
@@ -47,10 +62,14 @@ class LongAttnConfig(PreTrainedConfig):
             `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
             The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
             naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
-        **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields.
+        **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields. Unknown
+            keys are kept (as in every transformers config), except one within edit distance 2 of a longattn field:
+            a `ValueError` ("did you mean ...?"), a warning when the config is loaded from a file. `head_dim` is
+            accepted when it equals `hidden_size / num_attention_heads` (it is derived, not stored).
 
     Raises:
-        ValueError: a field outside its allowed values; the message names the field, the value and what is allowed.
+        ValueError: a field outside its allowed type or values (the message names the field, the value and what is
+            allowed), a misspelt field, or a `model_type` other than "longattn" (a folder of another model).
     """
 
     model_type = "longattn"
@@ -85,6 +104,11 @@ class LongAttnConfig(PreTrainedConfig):
         use_cache: bool = True,
         **kwargs: Any,
     ):
+        _check_model_type(kwargs.pop("model_type", None), source="the config")
+        # `head_dim` is derived (hidden_size / num_attention_heads); a config that states it must agree (checked
+        # below, once the sizes are known). Llama-style config.json files carry it.
+        head_dim = kwargs.pop("head_dim", None)
+        _check_near_misses(kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -118,11 +142,43 @@ class LongAttnConfig(PreTrainedConfig):
             **kwargs,
         )
         self.validate_longattn()
+        if head_dim is not None:
+            self.head_dim = head_dim
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any):
+        """transformers' `get_config_dict`, refusing a folder that holds another model type (checked here, where
+        the folder is known, before transformers would build a random longattn model from a foreign config)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        _check_model_type(config_dict.get("model_type"), source=f"{str(pretrained_model_name_or_path)!r}")
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        """transformers' `from_dict`; a key of the saved config that looks like a misspelt longattn field is a
+        warning here (an error when the config is built in code)."""
+        token = _LOADING.set(True)
+        try:
+            return super().from_dict(config_dict, **kwargs)
+        finally:
+            _LOADING.reset(token)
 
     # ------------------------------------------------------------------ per-layer views
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: `hidden_size // num_attention_heads` (derived, never stored)."""
         return self.hidden_size // self.num_attention_heads
+
+    @head_dim.setter
+    def head_dim(self, value: Any) -> None:
+        # Settable so that configs naming it (Llama's, transformers' `from_pretrained(..., head_dim=...)`) load,
+        # but only to the derived value: another width would need projections this model does not have.
+        if value != self.head_dim or isinstance(value, bool):
+            raise ValueError(
+                f"`head_dim`={value!r} is invalid: longattn derives it as `hidden_size` / `num_attention_heads` "
+                f"= {self.hidden_size} / {self.num_attention_heads} = {self.head_dim}; give that value or none."
+            )
 
     @property
     def layer_attention_types(self) -> list[str]:
@@ -151,10 +207,32 @@ class LongAttnConfig(PreTrainedConfig):
             raise ValueError(
                 f"`num_attention_heads`={self.num_attention_heads} must divide `hidden_size`={self.hidden_size}."
             )
-        for field in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        for field in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            check_number(field, getattr(self, field), minimum=0.0, maximum=1.0, exclusive_maximum=True,
+                         optional=field == "classifier_dropout")
+        for field in ("rope_theta", "layer_norm_eps"):
+            check_number(field, getattr(self, field), minimum=0.0, exclusive_minimum=True)
+        check_number("initializer_range", self.initializer_range, minimum=0.0)
+        # A truthy string such as "no" would silently turn an encoder causal: booleans must be bools.
+        for field in ("is_decoder", "is_encoder_decoder", "tie_word_embeddings", "use_cache", "output_hidden_states",
+                      "return_dict"):
             value = getattr(self, field)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"`{field}`={value!r} is invalid: expected a probability in [0, 1).")
+            if not isinstance(value, bool):
+                raise ValueError(f"`{field}`={value!r} is invalid: expected True or False.")
+        chunk = self.chunk_size_feed_forward
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise ValueError(f"`chunk_size_feed_forward`={chunk!r} is invalid: expected an integer >= 0.")
+        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(
+                f"`problem_type`={self.problem_type!r} is unknown: expected None or one of {list(PROBLEM_TYPES)}."
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"`hidden_act`={self.hidden_act!r} is unknown: expected a name of transformers' ACT2FN "
+                f"(e.g. 'gelu', 'relu', 'silu')."
+            )
+        for field in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            _check_token_id(field, getattr(self, field), self.vocab_size)
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"`position_embedding_type`={self.position_embedding_type!r} is unknown: "
@@ -172,6 +250,87 @@ class LongAttnConfig(PreTrainedConfig):
             for layer_idx, name in enumerate(decoder_types):
                 attention_class(name).validate_config(self, layer_idx=layer_idx, is_causal=True)
                 attention_class(name).check_backend(self.attention_backend)
+
+
+def _check_token_id(field: str, value: Any, vocab_size: int) -> None:
+    """None, or a token id in [0, vocab_size) (`eos_token_id` may be a list of them, as in transformers)."""
+    values = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+    for item in values:
+        if item is not None and (not isinstance(item, int) or isinstance(item, bool) or not 0 <= item < vocab_size):
+            raise ValueError(
+                f"`{field}`={value!r} is invalid: expected None or a token id in [0, {vocab_size}) "
+                f"(`vocab_size`={vocab_size})."
+            )
+
+
+def _check_model_type(model_type: Any, *, source: str) -> None:
+    """Refuse a config of another model: its weights would not fit, and the model would load as random."""
+    if model_type is None or model_type == LongAttnConfig.model_type:
+        return
+    raise ValueError(
+        f"{source} holds a {model_type!r} model, not a longattn model (`model_type`={model_type!r}, expected "
+        f"'longattn'). Load it with transformers' `AutoModel` / `AutoConfig` (or its own model class); to reuse its "
+        f"weights in a longattn model, convert them first instead of loading the folder with a longattn class."
+    )
+
+
+@functools.cache
+def _longattn_fields() -> frozenset[str]:
+    """The fields longattn defines: the arguments of `LongAttnConfig.__init__` and every kind's own fields."""
+    arguments = {
+        name for name, parameter in inspect.signature(LongAttnConfig.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY or parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    } - {"self"}
+    return frozenset(arguments | {field for kind in ATTENTION_CLASSES.values() for field in kind.config_fields})
+
+
+@functools.cache
+def _transformers_keys() -> frozenset[str]:
+    """Keys a config may carry for transformers itself (its fields and properties, generation parameters it pops,
+    and what saved configs commonly hold), which are never reported as misspellings."""
+    keys = {field.name for field in dataclasses.fields(PreTrainedConfig)}
+    keys |= {name for name in dir(PreTrainedConfig) if not name.startswith("__")}
+    keys |= set(GenerationConfig().to_dict())
+    keys |= {
+        "model_type", "transformers_version", "name_or_path", "torch_dtype", "attn_implementation",
+        "experts_implementation", "per_layer_config", "num_labels", "auto_map", "tokenizer_class", "prefix",
+        "task_specific_params", "finetuning_task", "add_cross_attention", "cross_attention_hidden_size",
+        "tie_encoder_decoder", "rope_parameters", "rope_scaling", "custom_pipelines", "head_dim",
+    }
+    return frozenset(keys)
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def _check_near_misses(kwargs: dict[str, Any]) -> None:
+    """An unknown key within edit distance 2 of a longattn field is almost surely a misspelling, which would keep
+    the field's default silently: a `ValueError` in code, a warning when loading a saved config. Other unknown keys
+    are kept, as transformers' configs do."""
+    fields, known = _longattn_fields(), _transformers_keys()
+    for key in kwargs:
+        if not isinstance(key, str) or key in fields or key in known or key.startswith("_") or key.endswith("_token_id"):
+            continue
+        close = sorted((distance, field) for field in fields if (distance := _edit_distance(key, field)) <= 2)
+        if not close:
+            continue
+        names = ", ".join(field for _, field in close[:3])
+        message = (
+            f"`{key}`={kwargs[key]!r} is not a LongAttnConfig field (did you mean {names}?); as it stands it would be "
+            f"kept as an unused attribute and the default of {close[0][1]} used."
+        )
+        if _LOADING.get():
+            logger.warning(message)
+        else:
+            raise ValueError(message)
 
 
 def _expand(value: str | list[str], num_layers: int) -> list[str]:

@@ -107,7 +107,8 @@ def reference_attention(
             None = every key visible.
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention probabilities.
-        return_weights: Also return the probabilities (before dropout).
+        return_weights: Also return the probabilities the output was computed from (after dropout, as
+            transformers' eager attention returns them).
 
     Returns:
         Output `[b, h, n_q, d_v]`, or `(output, probs)` with probs `[b, h, n_q, n_k]` when `return_weights`.
@@ -140,7 +141,7 @@ def reference_attention(
         probs = probs * mask
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     out = torch.matmul(dropped, v.to(dtype)).to(q.dtype)
-    return (out, probs.to(q.dtype)) if return_weights else out
+    return (out, dropped.to(q.dtype)) if return_weights else out
 
 
 def full_attention(

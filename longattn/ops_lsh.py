@@ -152,7 +152,8 @@ def lsh_rotations(
     if seed is None:
         return torch.randn(shape, device=device, dtype=dtype)
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=dtype).to(device)
+    # device="cpu" explicitly: the generator is a CPU one, also under a `torch.device("meta")` context.
+    return torch.randn(shape, generator=generator, dtype=dtype, device="cpu").to(device)
 
 
 @torch.no_grad()
@@ -859,4 +860,4 @@ def lsh_attention_dense(
     weights = (probs * torch.softmax(lse, dim=2).unsqueeze(-1)).sum(dim=2)  # [b, h, n, m]
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(dropped, v.to(dtype))
-    return out.to(q.dtype), weights.to(q.dtype)
+    return out.to(q.dtype), dropped.to(q.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -197,6 +198,107 @@ def test_model_layers_use_the_seed_and_explicit_rotations():
         assert not torch.allclose(model(input_ids=ids).last_hidden_state, seeded)
     with pytest.raises(ValueError, match="rotations"):
         layer.set_rotations(torch.zeros(2, 15, 2, 2))
+
+
+# ---------------------------------------------------------------------------------------------- eval rotations
+def _lsh_lm(**overrides):
+    fields = dict(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
+                  attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_num_hashes=2,
+                  hidden_dropout_prob=0.0, max_position_embeddings=64)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    return longattn.LongAttnForCausalLM(LongAttnConfig(**fields))
+
+
+def _rotations(model):
+    return [layer.self_attn.eval_rotations for layer in model.longattn.encoder.layers]
+
+
+def test_eval_is_deterministic_without_a_seed_and_training_draws_fresh_rotations():
+    model = _lsh_lm()  # lsh_seed=None: the eval rotations are drawn once, at creation
+    ids = torch.randint(4, 60, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.eval()
+        first = model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, first, rtol=0, atol=0)
+        model.train()  # no dropout: only the rotations can change between two calls
+        assert not torch.allclose(model(input_ids=ids).logits, model(input_ids=ids).logits)
+        model.eval()
+        torch.testing.assert_close(model(input_ids=ids).logits, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_each_layer_has_its_own_eval_rotations_derived_from_the_seed(seed):
+    first, second = _rotations(_lsh_lm(lsh_seed=seed))
+    assert not torch.allclose(first, second)
+    if seed is not None:  # layer i: lsh_seed + i, so layer 0 keeps transformers' `hash_seed` rotations
+        for layer_idx, rotations in enumerate((first, second)):
+            expected = lsh_rotations(heads=2, head_dim=16, num_hashes=2, num_buckets=4, seed=seed + layer_idx)
+            torch.testing.assert_close(rotations, expected, rtol=0, atol=0)
+        torch.testing.assert_close(_rotations(_lsh_lm(lsh_seed=seed))[1], second, rtol=0, atol=0)
+
+
+def test_seq2seq_decoder_layers_hash_apart_from_the_encoder_layers():
+    from longattn.attention_lsh import LSHAttention
+
+    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
+                            num_decoder_layers=2, intermediate_size=64, attention_type="lsh",
+                            decoder_attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=7,
+                            max_position_embeddings=64)
+    layers = [m for m in longattn.LongAttnForSeq2SeqLM(config).modules() if isinstance(m, LSHAttention)]
+    seeds = sorted(layer.seed for layer in layers)
+    assert seeds == [7, 8, 9, 10], seeds  # encoder layers 7 + i, decoder layers 7 + 2 + i
+    for layer in layers:
+        expected = lsh_rotations(heads=2, head_dim=16, num_hashes=2, num_buckets=4, seed=layer.seed)
+        torch.testing.assert_close(layer.eval_rotations, expected, rtol=0, atol=0)
+
+
+def test_save_and_reload_give_the_same_eval_outputs(tmp_path):
+    model = _lsh_lm().eval()
+    ids = torch.randint(4, 60, (2, 30), generator=torch.Generator().manual_seed(2))
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(123)  # another global RNG state must not matter on reload
+    reloaded = longattn.LongAttnForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_cached_decoding_equals_the_full_forward_pass_without_a_seed():
+    model = _lsh_lm().eval()
+    ids = torch.randint(4, 60, (2, 21), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :13], use_cache=True)
+        cache, steps = prefix.past_key_values, [prefix.logits]
+        for t in range(13, 21):
+            step = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            steps.append(step.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_without_eval_rotations_loads_with_a_warning(tmp_path, caplog):
+    """A folder saved before the eval rotations were kept (simulated: the buffers removed from the weights)."""
+    from safetensors.torch import load_file, save_file
+
+    model = _lsh_lm(lsh_seed=3).eval()
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    old = {name: tensor for name, tensor in weights.items() if not name.endswith("eval_rotations")}
+    assert len(old) == len(weights) - 2
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="longattn.attention_lsh"):
+        reloaded = longattn.LongAttnForCausalLM.from_pretrained(tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "longattn.attention_lsh"]
+    assert len(warnings) == 2 and all("eval outputs differ" in message for message in warnings), warnings
+    for got, expected in zip(_rotations(reloaded), _rotations(model), strict=True):  # drawn again from the seed
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="longattn.attention_lsh"):
+        longattn.LongAttnForCausalLM.from_pretrained(tmp_path.parent / tmp_path.name)  # still old: warns again
+        model.save_pretrained(tmp_path / "new")
+        longattn.LongAttnForCausalLM.from_pretrained(tmp_path / "new")
+    assert len([r for r in caplog.records if r.name == "longattn.attention_lsh"]) == 2
 
 
 # ---------------------------------------------------------------------------------------------- causality

@@ -164,3 +164,17 @@ def test_longer_inputs_than_the_synthesised_length_raise():
     attention = module("dense")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         attention(torch.randn(1, L + 1, D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_attentions_are_the_dropped_weights_each_sequence_its_own(mode):
+    """The returned weights are the tensor the output was computed from (after dropout, in training); the
+    input-independent modes share one matrix across the batch, yet each sequence draws its own dropout mask."""
+    attention = module(mode, attention_probs_dropout_prob=0.5).train()
+    x = torch.randn(1, 10, D, dtype=torch.float64).expand(2, -1, -1)  # two identical sequences
+    torch.manual_seed(3)
+    out, weights = attention(x, output_attentions=True)
+    values = linear(attention.v_proj, x).view(2, 10, H, D // H).transpose(1, 2)
+    expected = linear(attention.o_proj, (weights @ values).transpose(1, 2).reshape(2, 10, D))
+    torch.testing.assert_close(out, expected)
+    assert not torch.equal(weights[0], weights[1]), "both sequences were dropped with the same mask"
