@@ -124,30 +124,31 @@ def _longattn_kind(kind: str, **fields):
 
 
 def config_overrides(items: list[str]) -> dict:
-    """`--set FIELD=VALUE` items as config fields; a value is read as JSON (numbers, booleans, lists), else a string."""
+    """`--set FIELD=VALUE` items as config fields, in the recipes' `--config_overrides` grammar
+    (`longattn.config_overrides`: numbers, true/false, none, `[a,b]` lists, else a string)."""
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"`--set` item {item!r} is not FIELD=VALUE (e.g. fixed_num_summary=1)")
+    if not items:
+        return {}
+    # Imported here: `--help` and a run without `--set` need no longattn (nor torch) in the parent process.
+    sys.path.insert(0, str(REPO))
+    from longattn import LongAttnConfig
+    from longattn.config_overrides import parse_config_overrides
+
     overrides = {}
     for item in items:
-        field, sep, value = item.partition("=")
-        if not sep or not field:
-            raise ValueError(f"`--set` item {item!r} is not FIELD=VALUE (e.g. fixed_num_summary=1)")
-        try:
-            overrides[field] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[field] = value
-    if overrides:
-        # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
-        # registered setting: refuse it here.
-        sys.path.insert(0, str(REPO))
-        from longattn import LongAttnConfig
-
-        known = LongAttnConfig().to_dict()
-        for field in overrides:
-            if field not in known:
-                close = difflib.get_close_matches(field, known, n=3)
-                raise ValueError(
-                    f"`--set` field {field!r} is not a LongAttnConfig field"
-                    + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
-                )
+        overrides.update(parse_config_overrides(item, flag="--set"))
+    # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
+    # registered setting: refuse it here.
+    known = LongAttnConfig().to_dict()
+    for field in overrides:
+        if field not in known:
+            close = difflib.get_close_matches(field, known, n=3)
+            raise ValueError(
+                f"`--set` field {field!r} is not a LongAttnConfig field"
+                + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
+            )
     return overrides
 
 
@@ -676,7 +677,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="a LongAttnConfig field for every longattn kind of the run, over its registered setting (repeatable; "
-        "peers ignore it), e.g. --set fixed_num_summary=1",
+        "peers ignore it; values as in the recipes' --config_overrides), e.g. --set fixed_num_summary=1 "
+        "--set sliding_dilation=[1,2,4,8]",
     )
     parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false",
                         help="skip the profiled run that measures the tensor MB column")

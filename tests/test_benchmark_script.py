@@ -21,9 +21,10 @@ def benchmark():
     return module
 
 
-def test_overrides_are_parsed_as_json_else_strings(benchmark):
-    assert benchmark.config_overrides(["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch"]) == {
-        "fixed_num_summary": 1, "lsh_seed": None, "attention_backend": "torch",
+def test_overrides_are_parsed_in_the_recipes_grammar(benchmark):
+    assert benchmark.config_overrides(["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch",
+                                       "sliding_dilation=[1,2]"]) == {
+        "fixed_num_summary": 1, "lsh_seed": None, "attention_backend": "torch", "sliding_dilation": [1, 2],
     }
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         benchmark.config_overrides(["fixed_num_summary"])
