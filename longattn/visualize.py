@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     global_mask[0, args.global_tokens] = 1
     pattern = attention_pattern(model, input_ids, global_attention_mask=global_mask)
     settings = format_config_overrides({**PICTURE_SETTINGS.get(args.attention_type, {}), **overrides})
-    title = f"{args.attention_type} {settings} n={args.length}{' causal' if args.causal else ''}"
+    title = " ".join(filter(None, [args.attention_type, settings, f"n={args.length}", "causal" * args.causal]))
     print(draw_pattern(pattern, args.output, title=title))
 
 
