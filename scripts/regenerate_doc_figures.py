@@ -186,7 +186,7 @@ def rewrite(text: str, figures: dict[str, dict[str, str]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def _environment(output: Path) -> dict[str, str]:
+def _environment() -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     # The checkout's longattn and this interpreter, whatever is installed (a recipe's sys.path[0] is recipes/).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -199,7 +199,7 @@ def run_set(name: str) -> dict[str, str]:
     spec = FIGURE_SETS[name]
     output = RUNS / name
     shutil.rmtree(REPO / output, ignore_errors=True)
-    env = _environment(output)
+    env = _environment()
     env.update({key: value.format(output=output) for key, value in spec.env.items()})
     if spec.data:
         task, *knobs = DATA[spec.data]
