@@ -91,8 +91,8 @@ def check_installed(impls: list[str]) -> None:
     """Raise ValueError naming the first requested peer whose package is not installed, and how to install it."""
     for impl in impls:
         if (package := missing_package(impl)) is not None:
-            raise ValueError(f"--impls {impl} needs the `{package}` package, which is not installed: install the "
-                             f"peers (the `bench` extra) with `{INSTALL_PEERS}`")
+            raise ValueError(f"implementation {impl} needs the `{package}` package, which is not installed: "
+                             f"install the peers (the `bench` extra) with `{INSTALL_PEERS}`")
 
 
 def _longattn_kind(kind: str, **fields):
@@ -356,7 +356,8 @@ def _build_hf_longformer(args):
     return layer
 
 
-@register("local-attention", "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)",
+@register("local-attention",
+          "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)",
           package=("local-attention", "local_attention"))
 def _build_local_attention(args):
     from local_attention import LocalAttention

@@ -223,7 +223,8 @@ def run_set(name: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--sets", nargs="+", choices=sorted(FIGURE_SETS), default=list(FIGURE_SETS),
                         help="figure sets to rerun")
