@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sets", nargs="+", choices=sorted(FIGURE_SETS), default=list(FIGURE_SETS),
+    parser.add_argument("--sets", nargs="+", choices=sorted(FIGURE_SETS), default=list(FIGURE_SETS), metavar="SET",
                         help="figure sets to rerun")
     parser.add_argument("--check", action="store_true", help="only check that the markers and sets agree")
     args = parser.parse_args(argv)
