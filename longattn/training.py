@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from . import config_overrides
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
 from .hub import REDACTED, is_secret_flag, redact_argv
@@ -268,45 +269,12 @@ def recorded_args(args: argparse.Namespace) -> dict[str, int | float | str | boo
 
 # ---------------------------------------------------------------------------------------------- config / tokenizer
 def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
-    """`"a=1,b=x,c=[sliding,full]"` -> `{"a": 1, "b": "x", "c": ["sliding", "full"]}` (transformers' format, plus
-    lists in brackets). Values become int, float, bool (`true`/`false`), None (`none`/`null`) or str."""
-    if not overrides:
-        return {}
-    items, depth, current = [], 0, ""
-    for char in overrides:
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    items.append(current)
-    parsed: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise RecipeError(f"--config_overrides: {item!r} is not of the form key=value.")
-        if value.startswith("[") and value.endswith("]"):
-            inner = value[1:-1].strip()
-            parsed[key] = [_scalar(v.strip()) for v in inner.split(",")] if inner else []
-        else:
-            parsed[key] = _scalar(value)
-    return parsed
-
-
-def _scalar(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text.strip("'\"")
+    """`"a=1,b=x,c=[sliding,full]"` -> `{"a": 1, "b": "x", "c": ["sliding", "full"]}`: the grammar of
+    `longattn.config_overrides` (shared with `python -m longattn.visualize`), a malformed item a `RecipeError`."""
+    try:
+        return config_overrides.parse_config_overrides(overrides)
+    except ValueError as error:
+        raise RecipeError(str(error)) from None
 
 
 def load_config(args: argparse.Namespace, *, task: str):

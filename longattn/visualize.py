@@ -5,19 +5,36 @@ routing, Sinkhorn, ...) it is the pattern the layer actually produced on the giv
 place: the layer's attention weights (`output_attentions=True`), computed in float64 so that a visible key never
 underflows to a zero weight.
 
-Needs matplotlib (`pip install longattn[plot]`). Command line: `python -m longattn.visualize --help`.
+Needs matplotlib (`pip install longattn[plot]`). Command line: `python -m longattn.visualize --help`; its config
+overrides take the recipes' grammar (`--config_overrides "sliding_window=4,sliding_dilation=[1,3]"`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from .config_overrides import format_config_overrides, parse_config_overrides
 from .configuration_longattn import LongAttnConfig
 from .modeling_longattn import LongAttnModel
+
+
+# Each kind's settings for a picture, under the user's overrides: small enough that its structure shows at the
+# default 64 tokens (the config defaults, e.g. a window of 256 keys each side, would cover the whole picture).
+PICTURE_SETTINGS: dict[str, dict] = {
+    "sliding": {"sliding_window": 4, "sliding_dilation": [1, 3]},
+    "strided": {"strided_stride": 8},
+    "fixed": {"fixed_block_size": 16, "fixed_num_summary": 4},
+    "lsh": {"lsh_bucket_size": 8, "lsh_num_hashes": 2},
+    "routing": {"routing_num_clusters": 4},
+    "sinkhorn": {"sinkhorn_block_size": 8},
+    "adaptive_span": {"adaptive_span_max": 16, "adaptive_span_ramp": 4},
+    "reduction": {"reduction_ratio": 4},
+    "linformer": {"linformer_proj_len": 16},
+    "synthesizer": {"synthesizer_mode": "factorized_random"},
+}
 
 
 @torch.no_grad()
@@ -80,31 +97,46 @@ def draw_pattern(pattern: torch.Tensor, path: str | Path, *, title: str = "") ->
     return path
 
 
+def picture_config(attention_type: str, overrides: dict | None = None, *, length: int = 64, heads: int = 2,
+                   causal: bool = False) -> LongAttnConfig:
+    """A one-layer config of `attention_type` for a picture: `PICTURE_SETTINGS[attention_type]` under `overrides`."""
+    settings = {
+        "attention_type": attention_type, "num_attention_heads": heads, "hidden_size": 16 * heads,
+        "num_hidden_layers": 1, "intermediate_size": 32, "max_position_embeddings": max(length, 128),
+        "is_decoder": causal, **PICTURE_SETTINGS.get(attention_type, {}), **(overrides or {}),
+    }
+    return LongAttnConfig(**settings)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Draw the attention pattern of a configured layer as a PNG.")
+    parser = argparse.ArgumentParser(description="Draw the attention pattern of a configured layer as a PNG.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--attention_type", default="sliding", help="a registered attention name")
-    parser.add_argument("--config_overrides", default="{}",
-                        help='JSON of config fields, e.g. \'{"sliding_window": 4, "sliding_dilation": [1, 2]}\'')
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--config_overrides", default="",
+                        help="config fields as in the recipes, over the kind's picture settings "
+                        "(longattn.visualize.PICTURE_SETTINGS), e.g. 'sliding_window=4,sliding_dilation=[1,3]'")
+    parser.add_argument("--length", type=int, default=64, help="tokens of the random input")
+    parser.add_argument("--heads", type=int, default=2, help="attention heads (one picture each)")
     parser.add_argument("--causal", action="store_true", help="draw the decoder (causal) form")
     parser.add_argument("--global_tokens", type=int, nargs="*", default=[], help="positions of global tokens")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="pattern.png")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the input")
+    parser.add_argument("--output", default="pattern.png", help="the PNG to write")
     args = parser.parse_args(argv)
+    try:
+        overrides = parse_config_overrides(args.config_overrides)
+        config = picture_config(args.attention_type, overrides, length=args.length, heads=args.heads,
+                                causal=args.causal)
+    except ValueError as error:
+        parser.error(str(error))
 
     torch.manual_seed(args.seed)
-    config = LongAttnConfig(
-        attention_type=args.attention_type, num_attention_heads=args.heads, hidden_size=16 * args.heads,
-        num_hidden_layers=1, intermediate_size=32, max_position_embeddings=max(args.length, 128),
-        is_decoder=args.causal, **json.loads(args.config_overrides),
-    )
     model = LongAttnModel(config)
     input_ids = torch.randint(4, config.vocab_size, (1, args.length))
     global_mask = torch.zeros_like(input_ids)
     global_mask[0, args.global_tokens] = 1
     pattern = attention_pattern(model, input_ids, global_attention_mask=global_mask)
-    title = f"{args.attention_type} {args.config_overrides} n={args.length}{' causal' if args.causal else ''}"
+    settings = format_config_overrides({**PICTURE_SETTINGS.get(args.attention_type, {}), **overrides})
+    title = " ".join(filter(None, [args.attention_type, settings, f"n={args.length}", "causal" * args.causal]))
     print(draw_pattern(pattern, args.output, title=title))
 
 

@@ -8,6 +8,11 @@ Examples:
         --mode fwd fwdbwd --out docs/benchmarks.md
     python scripts/benchmark.py --lengths 16384 --impls sliding --mode fwdbwd        # print only
 
+The peer packages (local-attention, linformer, reformer-pytorch, routing-transformer, sinkhorn-transformer) are not
+installed by scripts/setup.sh; the default run includes a peer only when it is importable. They come with the `bench`
+extra, torch pinned first so that pip keeps the CPU build:
+    pip install torch==2.13.0 && pip install -e ".[bench]"
+
 Method (also written into the report):
 - time: best of `--repeats` runs after one warm-up run, wall clock (`time.perf_counter`), torch's default threads.
 - peak MB (RSS): high-water resident memory of the worker (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus its
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import importlib.util
 import json
 import os
 import platform
@@ -36,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "hf-longformer"
 NOISY = 0.1  # a timing taken while other processes used more than this share of the CPUs is marked with *
+INSTALL_PEERS = 'pip install torch==2.13.0 && pip install -e ".[bench]"'  # torch first: pip keeps the CPU build
 
 
 # ------------------------------------------------------------------------------------------------ the registry
@@ -47,21 +54,45 @@ class Impl:
         description: One line for the report.
         build: `build(args) -> layer`, where `layer(hidden_states [b, n, D]) -> [b, n, D]` is an `nn.Module` (or a
             callable holding modules) with its q/k/v/o projections.
+        package: `(pip name, import name)` of a peer package that `build` needs and the `bench` extra installs;
+            None for longattn kinds and transformers' layers.
     """
 
     description: str
     build: Callable[[argparse.Namespace], Callable]
+    package: tuple[str, str] | None = None
 
 
 IMPLS: dict[str, Impl] = {}
 
 
-def register(name: str, description: str):
+def register(name: str, description: str, package: tuple[str, str] | None = None):
     def decorator(build):
-        IMPLS[name] = Impl(description, build)
+        IMPLS[name] = Impl(description, build, package)
         return build
 
     return decorator
+
+
+def missing_package(impl: str) -> str | None:
+    """The pip name of the peer package `impl` needs when it cannot be imported here, else None."""
+    package = IMPLS[impl].package
+    if package is None or importlib.util.find_spec(package[1]) is not None:
+        return None
+    return package[0]
+
+
+def default_impls() -> list[str]:
+    """Dense SDPA, longattn's sliding window and transformers' Longformer, plus local-attention if installed."""
+    return [impl for impl in ("full", "sliding", BASELINE, "local-attention") if missing_package(impl) is None]
+
+
+def check_installed(impls: list[str]) -> None:
+    """Raise ValueError naming the first requested peer whose package is not installed, and how to install it."""
+    for impl in impls:
+        if (package := missing_package(impl)) is not None:
+            raise ValueError(f"implementation {impl} needs the `{package}` package, which is not installed: "
+                             f"install the peers (the `bench` extra) with `{INSTALL_PEERS}`")
 
 
 def _longattn_kind(kind: str, **fields):
@@ -93,30 +124,31 @@ def _longattn_kind(kind: str, **fields):
 
 
 def config_overrides(items: list[str]) -> dict:
-    """`--set FIELD=VALUE` items as config fields; a value is read as JSON (numbers, booleans, lists), else a string."""
+    """`--set FIELD=VALUE` items as config fields, in the recipes' `--config_overrides` grammar
+    (`longattn.config_overrides`: numbers, true/false, none, `[a,b]` lists, else a string)."""
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"`--set` item {item!r} is not FIELD=VALUE (e.g. fixed_num_summary=1)")
+    if not items:
+        return {}
+    # Imported here: `--help` and a run without `--set` need no longattn (nor torch) in the parent process.
+    sys.path.insert(0, str(REPO))
+    from longattn import LongAttnConfig
+    from longattn.config_overrides import parse_config_overrides
+
     overrides = {}
     for item in items:
-        field, sep, value = item.partition("=")
-        if not sep or not field:
-            raise ValueError(f"`--set` item {item!r} is not FIELD=VALUE (e.g. fixed_num_summary=1)")
-        try:
-            overrides[field] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[field] = value
-    if overrides:
-        # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
-        # registered setting: refuse it here.
-        sys.path.insert(0, str(REPO))
-        from longattn import LongAttnConfig
-
-        known = LongAttnConfig().to_dict()
-        for field in overrides:
-            if field not in known:
-                close = difflib.get_close_matches(field, known, n=3)
-                raise ValueError(
-                    f"`--set` field {field!r} is not a LongAttnConfig field"
-                    + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
-                )
+        overrides.update(parse_config_overrides(item, flag="--set"))
+    # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
+    # registered setting: refuse it here.
+    known = LongAttnConfig().to_dict()
+    for field in overrides:
+        if field not in known:
+            close = difflib.get_close_matches(field, known, n=3)
+            raise ValueError(
+                f"`--set` field {field!r} is not a LongAttnConfig field"
+                + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
+            )
     return overrides
 
 
@@ -203,7 +235,8 @@ def _build_hf_lsh(args):
     return layer
 
 
-@register("peer-linformer", "`linformer` package: LinformerSelfAttention(k=256), one E/F per layer")
+@register("peer-linformer", "`linformer` package: LinformerSelfAttention(k=256), one E/F per layer",
+          package=("linformer", "linformer"))
 def _build_peer_linformer(args):
     from linformer import LinformerSelfAttention
 
@@ -218,7 +251,8 @@ def _build_peer_linformer(args):
 
 
 @register("reformer-lsh", "`reformer-pytorch` package: LSHSelfAttention(bucket_size=64, n_hashes=2), shared-QK "
-          "projection + v + output (its design: 3 projections), one bucket before")
+          "projection + v + output (its design: 3 projections), one bucket before",
+          package=("reformer-pytorch", "reformer_pytorch"))
 def _build_reformer_lsh(args):
     from reformer_pytorch import LSHSelfAttention
 
@@ -248,7 +282,8 @@ def _with_aux_loss():
 
 
 @register("routing-transformer", "`routing-transformer` package: SelfAttention(window_size=128, i.e. length/128 "
-          "clusters, local_attn_heads=0: all heads routed), its k-means commitment loss in the backward")
+          "clusters, local_attn_heads=0: all heads routed), its k-means commitment loss in the backward",
+          package=("routing-transformer", "routing_transformer"))
 def _build_routing_transformer(args):
     from routing_transformer.routing_transformer import SelfAttention
 
@@ -266,7 +301,8 @@ def _build_routing_transformer(args):
 
 
 @register("sinkhorn-transformer", "`sinkhorn-transformer` package: SinkhornSelfAttention(bucket_size=64, "
-          "non_permutative=False: Gumbel-Sinkhorn sorting, 5 iterations, temperature 0.75; no local heads)")
+          "non_permutative=False: Gumbel-Sinkhorn sorting, 5 iterations, temperature 0.75; no local heads)",
+          package=("sinkhorn-transformer", "sinkhorn_transformer"))
 def _build_sinkhorn_transformer(args):
     from sinkhorn_transformer import SinkhornSelfAttention
 
@@ -320,7 +356,9 @@ def _build_hf_longformer(args):
     return layer
 
 
-@register("local-attention", "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)")
+@register("local-attention",
+          "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)",
+          package=("local-attention", "local_attention"))
 def _build_local_attention(args):
     from local_attention import LocalAttention
     from torch import nn
@@ -592,19 +630,34 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every default, except for on/off flags (their default is their absence)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--impls", nargs="+", default=["full", "sliding", BASELINE, "local-attention"], choices=sorted(IMPLS))
-    parser.add_argument("--baseline", default=BASELINE, choices=sorted(IMPLS),
-                        help="the implementation the ratio columns compare against (default %(default)s)")
-    parser.add_argument("--mode", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
+    peers = sorted(impl for impl in IMPLS if IMPLS[impl].package)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter,
+        epilog=f"Peers from other packages ({', '.join(peers)}) are not installed by scripts/setup.sh; install them "
+        f"(the `bench` extra of pyproject.toml, torch pinned first) with: {INSTALL_PEERS}",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
+    parser.add_argument("--impls", nargs="+", default=default_impls(), choices=sorted(IMPLS), metavar="IMPL",
+                        help=f"implementations to measure, of: {', '.join(sorted(IMPLS))}; the default takes "
+                        "local-attention only where it is installed")
+    parser.add_argument("--baseline", default=BASELINE, choices=sorted(IMPLS), metavar="IMPL",
+                        help="the implementation the ratio columns compare against")
+    parser.add_argument("--mode", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"],
+                        help="fwd: forward only; fwdbwd: forward and backward")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--window", type=int, default=256, help="keys on each side of a query")
     parser.add_argument("--global-tokens", type=int, default=0, help="the first N tokens are global (where supported)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up run (the best counts)")
     parser.add_argument(
         "--timeout", type=float, default=600.0,
         help="give up on a configuration whose single (warm-up) run takes longer than this many seconds",
@@ -625,9 +678,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="a LongAttnConfig field for every longattn kind of the run, over its registered setting (repeatable; "
-        "peers ignore it), e.g. --set fixed_num_summary=1",
+        "peers ignore it; values as in the recipes' --config_overrides), e.g. --set fixed_num_summary=1 "
+        "--set sliding_dilation=[1,2,4,8]",
     )
-    parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false")
+    parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false",
+                        help="skip the profiled run that measures the tensor MB column")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -636,6 +691,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config_overrides(args.set)
+        check_installed([args.impl] if args.worker else [*args.impls, args.baseline])
     except ValueError as error:
         parser.error(str(error))
 

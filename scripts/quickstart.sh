@@ -9,11 +9,14 @@
 #   5. a separate Python process that never imports longattn loads that folder with
 #      AutoModelForSequenceClassification(trust_remote_code=True) and prints its accuracy on the unseen test split.
 # Knobs (environment): QUICKSTART_STEPS (default 400), QUICKSTART_OUTPUT (default runs/quickstart-needle),
-# QUICKSTART_PROCESSES=2 to train with two processes (accelerate launch, gloo) instead of one.
+# QUICKSTART_PROCESSES=2 to train with two processes (accelerate launch, gloo) instead of one,
+# QUICKSTART_SETUP=0 to skip step 1 and use the `python` on PATH as it is (scripts/regenerate_doc_figures.py does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-. .venv/bin/activate
+if [ "${QUICKSTART_SETUP:-1}" != 0 ]; then
+    bash scripts/setup.sh
+    . .venv/bin/activate
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 DATA=data/generated/needle

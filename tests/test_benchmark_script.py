@@ -1,5 +1,7 @@
-"""`scripts/benchmark.py`: its `--set` overrides reach the measured layer, and bad items are refused."""
+"""`scripts/benchmark.py`: its `--set` overrides reach the measured layer, bad items are refused, peer packages are
+measured only where installed (else a one-line error says how to install them), and `--help` shows the defaults."""
 
+import importlib.machinery
 import importlib.util
 import subprocess
 import sys
@@ -19,9 +21,10 @@ def benchmark():
     return module
 
 
-def test_overrides_are_parsed_as_json_else_strings(benchmark):
-    assert benchmark.config_overrides(["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch"]) == {
-        "fixed_num_summary": 1, "lsh_seed": None, "attention_backend": "torch",
+def test_overrides_are_parsed_in_the_recipes_grammar(benchmark):
+    assert benchmark.config_overrides(["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch",
+                                       "sliding_dilation=[1,2]"]) == {
+        "fixed_num_summary": 1, "lsh_seed": None, "attention_backend": "torch", "sliding_dilation": [1, 2],
     }
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         benchmark.config_overrides(["fixed_num_summary"])
@@ -50,3 +53,52 @@ def test_bad_item_is_a_usage_error():
     )
     assert completed.returncode == 2
     assert "FIELD=VALUE" in completed.stderr
+
+
+def _record_runs(benchmark, monkeypatch) -> list[str]:
+    """Replace the measuring subprocess by a stub; return the list the implementations asked for go into."""
+    measured = []
+
+    def run_one(args, impl, length, mode):
+        measured.append(impl)
+        return {"impl": impl, "length": length, "mode": mode, "error": "not run"}
+
+    monkeypatch.setattr(benchmark, "run_one", run_one)
+    return measured
+
+
+def _installed(name: str):
+    """A stand-in module that `importlib.util.find_spec` finds."""
+    return importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None))
+
+
+def test_default_run_takes_local_attention_only_where_installed(benchmark, monkeypatch):
+    measured = _record_runs(benchmark, monkeypatch)
+    monkeypatch.setitem(sys.modules, "local_attention", None)  # not importable, as after scripts/setup.sh
+    benchmark.main(["--lengths", "64", "--mode", "fwd"])
+    assert measured == ["full", "sliding", "hf-longformer"]
+
+    measured.clear()
+    monkeypatch.setitem(sys.modules, "local_attention", _installed("local_attention"))
+    benchmark.main(["--lengths", "64", "--mode", "fwd"])
+    assert measured == ["full", "sliding", "hf-longformer", "local-attention"]
+
+
+@pytest.mark.parametrize("flag", ["--impls", "--baseline"])
+def test_requested_peer_that_is_missing_is_a_one_line_error(benchmark, monkeypatch, capsys, flag):
+    measured = _record_runs(benchmark, monkeypatch)
+    monkeypatch.setitem(sys.modules, "reformer_pytorch", None)
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--lengths", "64", "--mode", "fwd", flag, "reformer-lsh"])
+    assert exit_info.value.code == 2 and measured == []
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "reformer-lsh needs the `reformer-pytorch` package" in error
+    assert 'pip install torch==2.13.0 && pip install -e ".[bench]"' in error and "`bench` extra" in error
+
+
+def test_help_shows_defaults_and_how_to_install_the_peers():
+    completed = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True)
+    text = " ".join(completed.stdout.split())  # argparse wraps lines
+    assert "keys on each side of a query (default: 256)" in text
+    assert "(default: hf-longformer)" in text and "(default: [1024, 4096, 16384])" in text
+    assert 'pip install torch==2.13.0 && pip install -e ".[bench]"' in text

@@ -1,10 +1,25 @@
-"""The pattern picture shows exactly the configured pattern (fixed kinds) and writes a PNG."""
+"""The pattern picture shows exactly the configured pattern (fixed kinds) and writes a PNG; the command line reads
+config overrides in the recipes' key=value grammar, and its default picture of every kind shows a pattern."""
 
+import pytest
 import torch
 
 import longattn
+from longattn import visualize
+from longattn.config_overrides import format_config_overrides, parse_config_overrides
 from longattn.patterns import materialize_mask, sliding_window_pattern
 from longattn.visualize import attention_pattern, draw_pattern, main
+
+# Kinds whose non-causal weights are dense by nature: every query gives every key (or key group) a weight.
+DENSE_BY_NATURE = {"full", "efficient", "synthesizer", "reduction"}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The patterns `main` draws, in order (no PNG is written)."""
+    patterns = []
+    monkeypatch.setattr(visualize, "draw_pattern", lambda pattern, path, title="": patterns.append(pattern))
+    return patterns
 
 
 def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
@@ -24,6 +39,39 @@ def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
 
 
 def test_command_line_writes_a_png(tmp_path):
-    main(["--attention_type", "sliding", "--config_overrides", '{"sliding_window": 2}', "--length", "24",
+    main(["--attention_type", "sliding", "--config_overrides", "sliding_window=2", "--length", "24",
           "--causal", "--output", str(tmp_path / "causal.png")])
     assert (tmp_path / "causal.png").exists()
+
+
+def test_config_overrides_take_the_recipes_grammar(drawn):
+    main(["--attention_type", "sliding", "--config_overrides", "sliding_window=2,sliding_dilation=[1,3]",
+          "--length", "24"])
+    expected = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=24,
+                                kv_len=24)[0]
+    assert torch.equal(drawn[0], expected)
+
+
+def test_json_overrides_are_a_usage_error_naming_the_grammar(drawn, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config_overrides", '{"sliding_window": 2}'])
+    assert exit_info.value.code == 2 and drawn == []
+    error = capsys.readouterr().err
+    assert "--config_overrides" in error and "key=value" in error
+
+
+@pytest.mark.parametrize("kind", longattn.available_attention_types())
+def test_default_picture_shows_the_pattern(drawn, kind):
+    # The config defaults (e.g. a window of 256 keys each side) would cover a 64-token picture entirely.
+    main(["--attention_type", kind])
+    seen = drawn[0]
+    if kind in DENSE_BY_NATURE:
+        assert seen.all()
+    else:
+        assert seen.any() and not seen.all(), f"{kind}: {seen.float().mean():.0%} of the cells seen"
+
+
+def test_overrides_round_trip():
+    overrides = {"attention_type": ["sliding", "full"], "sliding_window": 4, "dropout": 0.5, "use_cache": False,
+                 "lsh_seed": None, "synthesizer_mode": "dense"}
+    assert parse_config_overrides(format_config_overrides(overrides)) == overrides
