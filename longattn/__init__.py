@@ -18,6 +18,7 @@ from transformers import (
 from . import ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
+from .integration_transformers import apply_longattn  # registers the "longattn" attention implementation
 from .modeling_longattn import (
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
@@ -55,6 +56,7 @@ __all__ = [
     "LongAttnForQuestionAnswering",
     "LongAttnForCausalLM",
     "LongAttnForSeq2SeqLM",
+    "apply_longattn",
     "available_attention_types",
     "ops",
     "patterns",
