@@ -465,11 +465,12 @@ def longattn_attention_forward(
         raise ValueError(f"{family}: the padding mask covers {attention_mask.shape[-1]} keys, the layer has {m}.")
     global_mask = kwargs.get("global_attention_mask") if role != "decoder" else None
     if global_mask is not None:
-        if kind.is_causal and getattr(module.config, "sliding_window", None):
+        if n != m and kind.is_causal and getattr(module.config, "sliding_window", None):
+            # A bounded cache (a plain causal window) has dropped the earlier global keys.
             raise ValueError(
-                f"{family}: global tokens need a full cache, but this causal model's cache keeps only the last "
-                f"{module.config.sliding_window} keys (a plain sliding window); set the layer's kind to use dilation "
-                "or drop `global_attention_mask`."
+                f"{family}: cached decoding with global tokens needs a full cache, but this model's cache keeps only "
+                f"the last {module.config.sliding_window} keys (a plain sliding window); generate without "
+                "`global_attention_mask`, or use a dilated window (full cache layers)."
             )
         global_mask = global_mask.bool()
         if global_mask.shape[-1] < m:  # tokens generated since the prompt are not global
