@@ -183,7 +183,7 @@ def _attach(module: nn.Module, fields: dict[str, Any] | None = None) -> None:
         return
     is_causal = bool(getattr(module, "is_causal", False))
     config = kind_config(module.config, "decoder" if role == "decoder" else role, is_causal=is_causal, fields=fields)
-    kind = attention_class(config.layer_attention_types[module.layer_idx])(
+    kind = _stock_kind_class(attention_class(config.layer_attention_types[module.layer_idx]))(
         config, layer_idx=module.layer_idx, is_causal=is_causal
     )
     # The stock module projects q, k, v and the output itself.
@@ -194,6 +194,35 @@ def _attach(module: nn.Module, fields: dict[str, Any] | None = None) -> None:
     if reference is not None and reference.device.type != "meta":
         kind.to(device=reference.device, dtype=reference.dtype)
     module.add_module(_KIND_MODULE_NAME, kind)
+
+
+_STOCK_KIND_CLASSES: dict[type, type] = {}
+
+
+def _stock_kind_class(kind_class: type[LongAttnAttention]) -> type[LongAttnAttention]:
+    """`kind_class` whose own parameters a stock model initialises when a checkpoint lacks them.
+
+    `from_pretrained` builds the model on the meta device and, for every module, asks `_is_hf_initialized` before
+    calling the stock `_init_weights`, which knows nothing of a kind's own tensors (adaptive span's spans, routing's
+    centroids would stay uninitialised memory). Answering that question runs `reset_kind_parameters` first; it goes
+    through `transformers.initialization`, which keeps the tensors loaded from the checkpoint.
+    """
+    if kind_class not in _STOCK_KIND_CLASSES:
+
+        def get_initialized(self) -> bool:
+            if not self.__dict__.get("_longattn_initialized", False):
+                if all(t.device.type != "meta" for t in (*self.parameters(), *self.buffers())):
+                    self.reset_kind_parameters()
+            return self.__dict__.get("_longattn_initialized", False)
+
+        def set_initialized(self, value: bool) -> None:
+            self.__dict__["_longattn_initialized"] = value
+
+        _STOCK_KIND_CLASSES[kind_class] = type(
+            kind_class.__name__, (kind_class,),
+            {"_is_hf_initialized": property(get_initialized, set_initialized), "__module__": kind_class.__module__},
+        )
+    return _STOCK_KIND_CLASSES[kind_class]
 
 
 def _family(module_or_model: nn.Module) -> str:

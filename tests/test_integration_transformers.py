@@ -378,3 +378,24 @@ def test_packed_documents_are_refused(family):
     with pytest.raises(ValueError, match="position_ids` restart inside a row"):
         model(input_ids=ids, position_ids=position_ids)
     model(input_ids=ids, position_ids=torch.arange(12)[None])  # one document per row runs
+
+
+def test_kind_parameters_missing_from_a_stock_checkpoint_are_initialised_by_the_kind(tmp_path):
+    """from_pretrained of a checkpoint without kind tensors: they are reported MISSING and initialised as the kind
+    initialises them (spans at 0, unit-norm centroids), never left as uninitialised memory."""
+    from transformers import AutoConfig
+
+    build("bert").save_pretrained(tmp_path)
+    for fields, name in (({"attention_type": "adaptive_span", "adaptive_span_max": 16}, "span_fraction"),
+                         ({"attention_type": "routing", "routing_num_clusters": 4}, "centroids")):
+        config = AutoConfig.from_pretrained(tmp_path)
+        config.longattn = fields
+        model, info = AutoModel.from_pretrained(tmp_path, config=config, attn_implementation="longattn",
+                                                output_loading_info=True)
+        assert {key.rsplit(".", 1)[-1] for key in info["missing_keys"]} == {name}
+        tensor = model.encoder.layer[1].attention.self.longattn.get_parameter(name) if name == "span_fraction" else (
+            model.encoder.layer[1].attention.self.longattn.centroids)
+        if name == "span_fraction":
+            assert torch.equal(tensor, torch.zeros_like(tensor))
+        else:
+            torch.testing.assert_close(tensor.norm(dim=-1), torch.ones(tensor.shape[:-1]))
