@@ -39,8 +39,8 @@ native stack).
 
 Not supported (each a `ValueError` naming the family or kind and why): families whose layers never call the
 registered function (DeBERTa-v2), attentions that add a dense bias to the scores (T5's `position_bias`), families
-outside `SUPPORTED_ATTENTION_CLASSES`, the kinds `synthesizer` and `reduction` (they need the layer's hidden states,
-which the interface does not pass), `lsh` (shared queries and keys: a stock model has separate q and k
+outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` (it needs the layer's hidden states,
+which the interface does not pass), the dense and factorized-dense synthesizer (same reason), `lsh` (shared queries and keys: a stock model has separate q and k
 projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse kind, packed documents
 (restarting `position_ids`).
 """
@@ -81,8 +81,6 @@ SUPPORTED_ATTENTION_CLASSES = (
 mapping, and in `apply_longattn`); each calls the attention interface with q, k, v and a mask only."""
 
 REFUSED_KINDS = {
-    "synthesizer": "it synthesises the attention weights from the layer's hidden states, which the attention "
-    "interface does not pass (it receives q, k and v only)",
     "reduction": "it pools the layer's hidden states into memory keys, which the attention interface does not pass "
     "(it receives q, k and v only)",
     "lsh": "it hashes shared queries and keys (one projection), while a stock model has separate q and k projections",
@@ -106,16 +104,29 @@ def _check_fields(fields: dict[str, Any]) -> None:
             close = difflib.get_close_matches(field, allowed, n=3)
             hint = f" Did you mean {', '.join(repr(name) for name in close)}?" if close else ""
             raise ValueError(f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}")
-    for key in ("attention_type", "decoder_attention_type"):
-        names = fields.get(key, [])
-        for name in [names] if isinstance(names, str) else list(names):
-            if name in REFUSED_KINDS:
-                raise ValueError(f"`{key}`={name!r} cannot run in a stock transformers model: {REFUSED_KINDS[name]}.")
+    names = _kind_names(fields)
+    for name in names & set(REFUSED_KINDS):
+        raise ValueError(f"`attention_type`={name!r} cannot run in a stock transformers model: {REFUSED_KINDS[name]}.")
+    if "synthesizer" in names and fields.get("synthesizer_mode", "dense") in ("dense", "factorized_dense"):
+        raise ValueError(
+            f"`synthesizer_mode`={fields.get('synthesizer_mode', 'dense')!r} cannot run in a stock transformers model: "
+            "the dense forms synthesise the weights from the layer's hidden states, which the attention interface "
+            "does not pass (it receives q, k and v only). Use 'random' or 'factorized_random'."
+        )
     if fields.get("linformer_sharing") == "layerwise":
         raise ValueError(
             "`linformer_sharing`='layerwise' is not supported in stock models (one projection shared across layers "
             "would be owned by one layer's attention module): use 'headwise', 'key_value' or 'none'."
         )
+
+
+def _kind_names(fields: dict[str, Any]) -> set[str]:
+    """Every kind named by `attention_type` and `decoder_attention_type` (one name or one per layer)."""
+    names = set()
+    for key in ("attention_type", "decoder_attention_type"):
+        value = fields.get(key, [])
+        names.update([value] if isinstance(value, str) else value)
+    return names
 
 
 def _stack_geometry(config: Any, stack: str) -> tuple[int, int, int]:
@@ -511,7 +522,12 @@ def longattn_attention_forward(
         _check_unpacked(position_ids.expand(query.shape[0], -1)[:, -n:], attention_mask, family)
     kind.scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kind.dropout_p = dropout
-    if kwargs.get("output_attentions") or n != m or kind.backend == "reference":
+    if kind.attention_type == "synthesizer":  # the random forms: weights from positions, applied to v
+        out, weights = kind.attend_synthesized(
+            query if kind.mix else None, key, value, attention_mask=attention_mask, hidden_states=None, query_length=n
+        )
+        weights = weights.expand(query.shape[0], -1, -1, -1) if kwargs.get("output_attentions") else None
+    elif kwargs.get("output_attentions") or n != m or kind.backend == "reference":
         out, weights = kind.attend_dense(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)
     else:
         out = kind.attend(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)

@@ -201,11 +201,13 @@ def test_bart_global_tokens_apply_to_the_encoder_only():
 
 
 # ------------------------------------------------------------------------------------------ generation and cache
-GENERATE_CASES = [(family, "sliding") for family in CAUSAL] + [("llama", "dilated"), ("gpt2", "strided")]
+GENERATE_CASES = [(family, "sliding") for family in CAUSAL] + [("llama", "dilated"), ("gpt2", "strided"),
+                                                                ("llama", "synthesizer")]
 GENERATE_FIELDS = {
     "sliding": {"attention_type": "sliding", "sliding_window": 4},  # a bounded cache (window 5)
     "dilated": {"attention_type": "sliding", "sliding_window": 3, "sliding_dilation": 2},  # full cache layers
     "strided": {"attention_type": "strided", "strided_stride": 4},
+    "synthesizer": {"attention_type": "synthesizer", "synthesizer_mode": "factorized_random", "synthesizer_mix": True},
 }
 
 
@@ -259,6 +261,9 @@ PARAMETRIZED_KINDS = {
     "adaptive_span": {"attention_type": "adaptive_span", "adaptive_span_max": 16, "adaptive_span_ramp": 4},
     "efficient": {"attention_type": "efficient"},
     "sliding": {"attention_type": "sliding", "sliding_window": 4},
+    "random_synthesizer": {"attention_type": "synthesizer", "synthesizer_mode": "random"},
+    "factorized_random_mixed": {"attention_type": "synthesizer", "synthesizer_mode": "factorized_random",
+                                "synthesizer_factor_k": 4, "synthesizer_mix": True},
 }
 
 
@@ -342,10 +347,16 @@ def test_dense_position_bias_is_refused():
         longattn_attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 4, 5, 5))
 
 
-@pytest.mark.parametrize("kind", ["synthesizer", "reduction", "lsh"])
+@pytest.mark.parametrize("kind", ["reduction", "lsh"])
 def test_kinds_that_need_hidden_states_or_shared_qk_are_refused(kind):
     with pytest.raises(ValueError, match=f"`attention_type`='{kind}' cannot run in a stock transformers model"):
         apply_longattn(build("bert"), attention_type=kind)
+
+
+@pytest.mark.parametrize("mode", ["dense", "factorized_dense"])
+def test_dense_synthesizer_is_refused(mode):
+    with pytest.raises(ValueError, match=f"`synthesizer_mode`='{mode}' cannot run.*hidden states.*'random'"):
+        apply_longattn(build("bert"), attention_type="synthesizer", synthesizer_mode=mode)
 
 
 def test_fields_are_validated_like_longattn_config():
