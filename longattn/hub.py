@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -47,6 +49,47 @@ TASKS = {
     "seq2seq": ("text2text-generation", "sequence-to-sequence generation", "AutoModelForSeq2SeqLM"),
 }
 UPLOAD_IGNORE = ["checkpoints/**", "*.partial/**"]
+REDACTED = "REDACTED"
+# Flags whose value is a secret: --hub_token, --token, --use_auth_token, --db_password, --wandb_api_key, ... but
+# not --tokenizer_name or --global_tokens (a plural count, not a credential).
+_SECRET_FLAG = re.compile(r"password|passwd|secret|api_?key|credential|(?:^|_)token$")
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+def is_secret_flag(flag: str) -> bool:
+    """Whether a command-line flag (`--hub_token`, `hub-token`, `HUB_TOKEN`) carries a secret value."""
+    return bool(_SECRET_FLAG.search(flag.lstrip("-").lower().replace("-", "_")))
+
+
+def redact_argv(argv: list[str], recorded_value=None) -> list[str]:
+    """`argv` with the value of every secret flag replaced by `REDACTED`, in both `--flag value` and `--flag=value`
+    forms; `recorded_value(flag, value)` may rewrite the other values (e.g. paths)."""
+    out: list[str] = []
+    flag = None  # the flag whose value the next word may be
+    for word in argv:
+        if word.startswith("--"):
+            name, sep, value = word.partition("=")
+            flag = None if sep else name
+            if sep:
+                word = f"{name}={_recorded(name, value, recorded_value)}"
+        elif flag is not None:
+            word, flag = _recorded(flag, word, recorded_value), None
+        out.append(word)
+    return out
+
+
+def _recorded(flag: str, value: str, recorded_value) -> str:
+    if is_secret_flag(flag):
+        return REDACTED
+    return recorded_value(flag, value) if recorded_value is not None else value
+
+
+def redact_command(command: str) -> str:
+    """A shell command line with the values of its secret flags replaced by `REDACTED`."""
+    try:
+        return shlex.join(redact_argv(shlex.split(command)))
+    except ValueError:  # unbalanced quotes: not a command line we can parse, so keep none of it
+        return REDACTED
 
 
 # ---------------------------------------------------------------------------------------------- code files
@@ -194,7 +237,7 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
         task: A recipe task: "mlm", "classification", "clm" or "seq2seq".
         metrics: `{"eval_accuracy": 0.97, ...}`.
         training_data: One line about the data.
-        command: The training command.
+        command: The training command (the values of secret flags such as `--hub_token` are redacted).
         datasets: Hub dataset ids, for the metadata.
         extra: More `{name: value}` facts for the training section (steps, batch size, ...).
         model_name: The title (default: "longattn <attention kinds> <task>").
@@ -254,7 +297,7 @@ positions), vocabulary of {config.vocab_size}.
 {facts or "-"}
 
 ```bash
-{command or "not recorded"}
+{redact_command(command) if command else "not recorded"}
 ```
 
 ## How to load

@@ -10,7 +10,9 @@ trained from scratch: no vocabulary to learn, no unknown tokens, lengths measure
 It is built in code as a `tokenizers` fast tokenizer (a ByteLevel pre-tokenizer and a BPE model with no merges), so a
 saved copy is a plain `tokenizer.json` that `AutoTokenizer.from_pretrained(folder)` loads anywhere without custom code.
 Encoding adds `<s>` in front and `</s>` at the end (`<s> A </s> B </s>` for pairs): the first token is the natural
-global token of classification models.
+global token of classification models. A decoder's tokenizer (`add_eos_token=False`, what the causal-LM recipe saves)
+adds only `<s>`: a prompt that ended in `</s>` would ask `generate()` to continue after the end of the text. The
+causal-LM recipe appends `</s>` to its training texts itself, so the model still learns where a text ends.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ BYTE_OFFSET = len(SPECIAL_TOKENS)
 VOCAB_SIZE = BYTE_OFFSET + 256
 
 
-def byte_tokenizer_object() -> Tokenizer:
-    """The raw `tokenizers.Tokenizer` behind `byte_tokenizer` (ids as in the module docstring)."""
+def byte_tokenizer_object(add_eos_token: bool = True) -> Tokenizer:
+    """The raw `tokenizers.Tokenizer` behind `byte_tokenizer` (ids as in the module docstring); `add_eos_token` as
+    there."""
     byte_to_char = bytes_to_unicode()  # GPT-2's printable stand-in for each byte, as the ByteLevel pre-tokenizer emits
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({byte_to_char[byte]: BYTE_OFFSET + byte for byte in range(256)})
@@ -36,28 +39,32 @@ def byte_tokenizer_object() -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
     bos, eos = SPECIAL_TOKENS.index(BOS_TOKEN), SPECIAL_TOKENS.index(EOS_TOKEN)
+    end = f" {EOS_TOKEN}" if add_eos_token else ""
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A {EOS_TOKEN}",
-        pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B:1 {EOS_TOKEN}:1",
+        single=f"{BOS_TOKEN} $A{end}",
+        pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B:1{end}:1" if add_eos_token else f"{BOS_TOKEN} $A {EOS_TOKEN} $B:1",
         special_tokens=[(BOS_TOKEN, bos), (EOS_TOKEN, eos)],
     )
     return tokenizer
 
 
-def byte_tokenizer(model_max_length: int = 4096, padding_side: str = "right") -> PreTrainedTokenizerFast:
+def byte_tokenizer(model_max_length: int = 4096, padding_side: str = "right",
+                   add_eos_token: bool = True) -> PreTrainedTokenizerFast:
     """A byte-level `PreTrainedTokenizerFast` (260 ids, see the module docstring), built offline.
 
     Args:
         model_max_length: Longest input the model accepts (`LongAttnConfig.max_position_embeddings`); truncation
             and the tokenizer's length warnings use it.
         padding_side: `"right"` for training; `"left"` for batched generation with a causal LM.
+        add_eos_token: End every encoded text with `</s>` (encoders, seq2seq); `False` for decoder-only models,
+            whose prompts must not end the text before generation starts.
 
     Returns:
         A fast tokenizer whose `save_pretrained` writes a `tokenizer.json` that loads with `AutoTokenizer` and no
         custom code.
     """
     return PreTrainedTokenizerFast(
-        tokenizer_object=byte_tokenizer_object(),
+        tokenizer_object=byte_tokenizer_object(add_eos_token),
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,

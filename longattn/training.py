@@ -8,7 +8,7 @@ A recipe reads top to bottom like transformers' `run_*_no_trainer.py` examples:
     config = load_config(args, task="mlm")                     # --config_overrides, validated by LongAttnConfig
     tokenizer = load_tokenizer(args, config)                   # the byte tokenizer unless told otherwise
     accelerator = make_accelerator(args)
-    raw = load_raw_datasets(args)                              # --dataset_name or json/jsonl/csv/txt files
+    raw = load_raw_datasets(args, {"text_column": "text"})     # --dataset_name or json/jsonl/csv/txt; columns checked
     ... tokenize with raw.map ...
     model = load_model(args, config, tokenizer, AutoModelForMaskedLM)
     results = train(args, accelerator, model, train_dataset, eval_dataset, collator, evaluate=..., ...)
@@ -26,6 +26,13 @@ Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_
 SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
 kills it in the middle of the checkpoint of step N.
 
+With --gradient_accumulation_steps K, one optimizer step is K batches gathered first: their labelled tokens, counted
+over all processes, go to the model as `num_items_in_batch` (transformers' convention), so the step's gradient is
+that of one batch K times larger. A resumed run warns about arguments that differ from those its checkpoint was
+written with, and 'latest' skips a checkpoint that does not load. What the output folder records of the command line
+and the arguments (model card, `all_results.json`, checkpoints, trackers) holds no secret (`--hub_token`, ...) and no
+absolute path (`recorded_value`).
+
 Importing this module has no side effect (no logging setup, no environment change); `accelerate` is only touched when
 a recipe calls `make_accelerator`.
 """
@@ -33,7 +40,10 @@ a recipe calls `make_accelerator`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import inspect
+import itertools
 import json
 import logging
 import math
@@ -52,6 +62,7 @@ import torch
 
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
+from .hub import REDACTED, is_secret_flag, redact_argv
 from .tokenization_longattn import byte_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +75,17 @@ CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 _PARTIAL_SUFFIX = ".partial"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+LOG_FILE = "train_log.jsonl"
+# Flags whose value may name a local file or folder: recorded relative to the output folder (or by name), never as an
+# absolute path, since the output folder is what --push_to_hub publishes.
+PATH_FLAGS = ("output_dir", "train_file", "validation_file", "dataset_name", "model_name_or_path", "config_name",
+              "tokenizer_name", "resume_from_checkpoint")
+# Flags that may change between a run and its resumption without changing what is trained.
+_RESUME_FREE_FLAGS = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "command", "with_tracking",
+                      "report_to", "push_to_hub", "hub_model_id", "hub_private_repo", "logging_steps",
+                      "checkpointing_steps", "checkpoints_total_limit", "eval_steps", "preprocessing_num_workers",
+                      "max_train_steps", "num_train_epochs", "per_device_eval_batch_size", "trust_remote_code",
+                      "ddp_find_unused_parameters", "gradient_checkpointing"}
 
 
 class RecipeError(Exception):
@@ -157,7 +179,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     args = parser.parse_args(argv)
     script = Path(sys.argv[0])
     script = Path(script.parent.name, script.name) if script.parent.name == "recipes" else Path(script.name)
-    args.command = shlex.join([str(script), *(sys.argv[1:] if argv is None else argv)])
+    # What the output folder records of this command: no secret, no absolute path (see `recorded_value`).
+    args.command = shlex.join([str(script), *redact_argv(sys.argv[1:] if argv is None else list(argv),
+                                                         recorded_value(args.output_dir))])
     if args.dataset_name is None and args.train_file is None:
         raise RecipeError("give --train_file (json, jsonl, csv, txt) or --dataset_name.")
     if args.dataset_name is not None and (args.train_file or args.validation_file):
@@ -210,6 +234,36 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
         raise RecipeError(f"{checkpoints} holds checkpoints of an earlier run: pass --resume_from_checkpoint latest "
                           f"to continue it, or --overwrite_output_dir to start over.")
     return args
+
+
+def recorded_path(path: str | Path, output_dir: str | Path) -> str:
+    """`path` as the output folder records it: relative to the output folder while that climbs at most two levels
+    (`../../data/train.jsonl`), else by its name alone; an absolute path would publish the user's directories."""
+    relative = Path(os.path.relpath(Path(path).resolve(), Path(output_dir).resolve()))
+    ups = next((i for i, part in enumerate(relative.parts) if part != ".."), len(relative.parts))
+    return relative.as_posix() if ups <= 2 else Path(path).name
+
+
+def recorded_value(output_dir: str | Path) -> Callable[[str, str], str]:
+    """`(flag, value) -> value` as recorded: a secret redacted, a local path made relative (`recorded_path`)."""
+
+    def record(flag: str, value: str) -> str:
+        name = flag.lstrip("-").replace("-", "_")
+        if is_secret_flag(name):
+            return REDACTED
+        if name == "output_dir" or os.path.isabs(value) or (name in PATH_FLAGS and Path(value).exists()):
+            return recorded_path(value, output_dir)
+        return value
+
+    return record
+
+
+def recorded_args(args: argparse.Namespace) -> dict[str, int | float | str | bool]:
+    """The scalar arguments as the trackers (TensorBoard, W&B, ... through `init_trackers`) may store them: secrets
+    redacted, local paths relative to the output folder."""
+    record = recorded_value(args.output_dir)
+    return {key: record(key, value) if isinstance(value, str) else (REDACTED if is_secret_flag(key) else value)
+            for key, value in vars(args).items() if isinstance(value, (int, float, str, bool))}
 
 
 # ---------------------------------------------------------------------------------------------- config / tokenizer
@@ -290,12 +344,13 @@ def load_config(args: argparse.Namespace, *, task: str):
 
 
 def load_tokenizer(args: argparse.Namespace, config):
-    """--tokenizer_name, else the tokenizer of --model_name_or_path, else the byte tokenizer (offline)."""
+    """--tokenizer_name, else the tokenizer of --model_name_or_path, else the byte tokenizer (offline; for a causal
+    LM without the `</s>` it ends other texts with, so that a prompt does not end the text before generation)."""
     from transformers import AutoTokenizer
 
     source = args.tokenizer_name or args.model_name_or_path
     if source is None:
-        return byte_tokenizer(model_max_length=config.max_position_embeddings)
+        return byte_tokenizer(model_max_length=config.max_position_embeddings, add_eos_token=args.task != "clm")
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     except (ValueError, OSError) as error:
@@ -342,7 +397,9 @@ def make_accelerator(args: argparse.Namespace):
 
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if args.ddp_find_unused_parameters else []
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # `train` accumulates itself (as transformers' Trainer does): the loss of an optimizer step is normalised by
+        # the labelled tokens of all its micro-batches, not divided again by the accumulation steps.
+        gradient_accumulation_steps=1,
         mixed_precision=args.mixed_precision,
         log_with=args.report_to if args.with_tracking else None,
         project_dir=args.output_dir,
@@ -357,6 +414,13 @@ def make_accelerator(args: argparse.Namespace):
             f"(e.g. ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/configs/cpu_2proc.yaml ...).")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
+    requested = requested_num_processes()
+    if accelerator.num_processes == 1 and requested > 1:
+        logger.warning(
+            "%d processes were asked for but this run has one: `accelerate launch --cpu` (or a config without "
+            "multi_cpu/multi_gpu) starts a single process. For %d CPU processes: ACCELERATE_USE_CPU=1 accelerate "
+            "launch --multi_gpu --num_processes %d ... (or --config_file recipes/configs/cpu_2proc.yaml).",
+            requested, requested, requested)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per saved file otherwise
     if accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_warning()
@@ -372,10 +436,37 @@ def make_accelerator(args: argparse.Namespace):
     return accelerator
 
 
-def load_raw_datasets(args: argparse.Namespace):
+def requested_num_processes() -> int:
+    """How many processes the launch asked for, where this process can tell: `ACCELERATE_NUM_PROCESSES`, else
+    `--num_processes N` on the command line of the `accelerate launch` that started it (Linux `/proc`); else 1."""
+    value = os.environ.get("ACCELERATE_NUM_PROCESSES", "")
+    if value.isdigit():
+        return int(value)
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return 1
+    if not any(word.endswith("accelerate") or word == "accelerate.commands.launch" for word in parent):
+        return 1
+    for i, word in enumerate(parent):
+        if word.endswith(".py"):  # the training script: what follows is its own command line
+            break
+        name, _, inline = word.partition("=")
+        if name == "--num_processes":
+            value = inline or (parent[i + 1] if i + 1 < len(parent) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
+def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None):
     """A `DatasetDict` with "train" and "validation" from --dataset_name or the data files (a validation split is
-    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples."""
-    from datasets import load_dataset
+    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples.
+
+    Args:
+        columns: `{flag: column}` the recipe reads (`{"text_column": "text"}`), checked before any split so that an
+            error names the file and the row as they are there (`require_columns`).
+    """
+    from datasets import DatasetDict, load_dataset
 
     try:
         if args.dataset_name is not None:
@@ -389,6 +480,11 @@ def load_raw_datasets(args: argparse.Namespace):
         raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
     if "train" not in raw:
         raise RecipeError(f"the dataset has no 'train' split (splits: {sorted(raw)}).")
+    if columns:  # the splits the recipe reads: test stands in for a missing validation split
+        used = [split for split in ("train", "validation") if split in raw]
+        used += ["test"] if "validation" not in raw and "test" in raw else []
+        require_columns(DatasetDict({split: raw[split] for split in used}), columns,
+                        sources=_data_sources(args, raw), problem_type=getattr(args, "problem_type", None))
     if "validation" not in raw:
         if "test" in raw:
             raw["validation"] = raw["test"]
@@ -402,23 +498,78 @@ def load_raw_datasets(args: argparse.Namespace):
     for split in ("train", "validation"):
         if len(raw[split]) == 0:
             raise RecipeError(f"the {split} split is empty.")
-    from datasets import DatasetDict
-
     return DatasetDict(train=raw["train"], validation=raw["validation"])  # other splits are not tokenized
 
 
-def require_columns(raw, columns: dict[str, str]) -> None:
-    """Check that every `{flag: column}` exists in the train and validation splits.
+def require_columns(raw, columns: dict[str, str], *, sources: dict[str, str] | None = None,
+                    problem_type: str | None = None) -> None:
+    """Check that every `{flag: column}` exists in each split, that text columns hold a text in every row and that
+    a `label_column` holds labels of one kind: integers or strings (classes), or numbers with
+    `problem_type="regression"`.
+
+    Args:
+        raw: The splits (a `DatasetDict`).
+        columns: `{flag: column}`; the flag `label_column` marks the labels, every other flag a text column.
+        sources: `{split: where it comes from}` for the messages (the data file); default: the split's name.
+        problem_type: "regression" for float labels.
 
     Raises:
-        RecipeError: naming the missing column, the columns there are and the flag that picks another one.
+        RecipeError: one line naming the file (or split), the column, the row (1-based, in that file) and the flag
+            that picks another column.
     """
-    for split in ("train", "validation"):
+    label_kind = None
+    for split in raw:
+        source = (sources or {}).get(split)
+        where = source or f"the {split} data"
         present = raw[split].column_names
         for flag, column in columns.items():
             if column not in present:
-                raise RecipeError(f"column {column!r} is not in the {split} data (columns: {present}); "
-                                  f"pick another with --{flag}.")
+                raise RecipeError(f"column {column!r} is not in the {split} data{f' {source}' if source else ''} "
+                                  f"(columns: {present}); pick another with --{flag}.")
+            values = raw[split][column]
+            if flag == "label_column":
+                label_kind = _check_labels(values, where, column, label_kind, regression=problem_type == "regression")
+                continue
+            for row, value in enumerate(values, start=1):
+                if not isinstance(value, str):
+                    raise RecipeError(f"{where}: column {column!r}, row {row}: expected a text, found {value!r}.")
+
+
+def _label_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "string" if isinstance(value, str) else type(value).__name__
+
+
+def _check_labels(values: list, where: str, column: str, kind: str | None, *, regression: bool) -> str:
+    """The kind of the labels ("number", "string", "boolean"), checked row by row against `kind` (the train split's)."""
+    first_row = None
+    for row, value in enumerate(values, start=1):
+        here = f"{where}: column {column!r}, row {row}"
+        if value is None:
+            raise RecipeError(f"{here}: the label is missing.")
+        if kind is None:
+            kind, first_row = _label_kind(value), row
+        elif _label_kind(value) != kind:
+            seen = f"row {first_row}" if first_row is not None else "the training data"
+            raise RecipeError(f"{here}: label {value!r} is a {_label_kind(value)}, but {seen} has {kind} labels; "
+                              f"use one kind of label.")
+        if regression and kind != "number":
+            raise RecipeError(f"{here}: label {value!r} is not a number, which --problem_type regression needs.")
+        if not regression and kind == "number" and not float(value).is_integer():
+            raise RecipeError(f"{here}: label {value!r} is not a class (an integer or a string); pass "
+                              f"--problem_type regression to train a regression on numbers.")
+    return kind
+
+
+def _data_sources(args: argparse.Namespace, raw) -> dict[str, str]:
+    """`{split: the file or dataset it comes from}` for error messages."""
+    if args.dataset_name is not None:
+        return {split: f"{args.dataset_name} ({split} split)" for split in raw}
+    return {split: path for split, path in (("train", args.train_file), ("validation", args.validation_file))
+            if path is not None}
 
 
 def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
@@ -620,18 +771,114 @@ def save_checkpoint(accelerator, args: argparse.Namespace, state: dict[str, Any]
     return final
 
 
-def resolve_resume(args: argparse.Namespace) -> Path | None:
-    """The checkpoint to resume from: the given folder, the newest complete one for 'latest', or None (scratch)."""
+def resume(accelerator, args: argparse.Namespace, state: dict[str, Any]) -> Path | None:
+    """Load the checkpoint of --resume_from_checkpoint into the prepared objects and `state`; return its folder, or
+    None when 'latest' finds no checkpoint (a fresh start).
+
+    With 'latest', a checkpoint that does not load (a truncated `model.safetensors`, a damaged state file) is
+    reported with a warning and the next older one is tried. Arguments that differ from those the checkpoint was
+    written with (`run_settings`: data contents, model settings, learning rate, ...) are named in a warning.
+
+    Raises:
+        RecipeError: the checkpoint was written with another global batch or number of processes; no checkpoint
+            loads.
+    """
     directory = Path(args.output_dir) / CHECKPOINTS_DIR
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint != "latest":
-        return Path(args.resume_from_checkpoint)
-    checkpoints = list_checkpoints(directory)
-    if not checkpoints:
-        logger.info("--resume_from_checkpoint latest: no checkpoint in %s yet, starting from scratch", directory)
-        return None
-    return checkpoints[-1]
+    if args.resume_from_checkpoint == "latest":
+        candidates = list_checkpoints(directory)[::-1]
+        if not candidates:
+            logger.info("--resume_from_checkpoint latest: no checkpoint in %s yet, starting from scratch", directory)
+            return None
+    else:
+        candidates = [Path(args.resume_from_checkpoint)]
+    failures = []
+    for path in candidates:
+        shown = recorded_path(path, args.output_dir)
+        try:
+            saved = json.loads((path / STATE_FILE).read_text())
+            _check_resume_batch(saved, state, shown)
+            accelerator.load_state(str(path))
+        except RecipeError:
+            raise
+        except Exception as error:  # torch, safetensors and pickle each raise their own type for a damaged file
+            failures.append(f"{shown}: {_one_line(error)}")
+            if path != candidates[-1]:
+                logger.warning("checkpoint %s does not load (%s): falling back to the one before it", shown,
+                               _one_line(error)[:300])
+            continue
+        _warn_changed_settings(saved.get("run_settings"), state.get("run_settings"), shown)
+        state.update({key: value for key, value in saved.items() if key != "run_settings"})
+        logger.info("resumed from %s: step %d, epoch %d, skipping %d batches", shown, state["completed_steps"],
+                    state["epoch"], state["batch_in_epoch"])
+        return path
+    raise RecipeError(f"no checkpoint to resume from loads: {'; '.join(failures)}")
+
+
+def _check_resume_batch(saved: dict[str, Any], state: dict[str, Any], shown: str) -> None:
+    if saved["global_batch_size"] != state["global_batch_size"] or saved["num_processes"] != state["num_processes"]:
+        raise RecipeError(
+            f"{shown} was written with {saved['num_processes']} processes and a global batch of "
+            f"{saved['global_batch_size']}; resume with the same (now {state['num_processes']} processes, "
+            f"global batch {state['global_batch_size']}) to repeat the run exactly.")
+
+
+def _warn_changed_settings(saved: dict[str, Any] | None, current: dict[str, Any] | None, shown: str) -> None:
+    if saved is None or current is None:  # a checkpoint written before settings were recorded
+        return
+    changed = [f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in sorted(set(saved) | set(current))
+               if saved.get(key) != current.get(key)]
+    if changed:
+        logger.warning("resuming from %s with arguments other than it was written with: %s", shown,
+                       ", ".join(changed))
+
+
+def run_settings(args: argparse.Namespace, config) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it, to compare on resumption: every argument that changes what
+    is trained (not --output_dir, --logging_steps, ...; never a secret), data files by name and a SHA-256 of their
+    contents, and a SHA-256 of the model's config."""
+    record = recorded_value(args.output_dir)
+    settings: dict[str, Any] = {}
+    for key, value in sorted(vars(args).items()):
+        if key in _RESUME_FREE_FLAGS or is_secret_flag(key):
+            continue
+        if key in PATH_FLAGS and isinstance(value, str) and Path(value).exists():
+            value = f"{Path(value).name} (sha256 {_contents_digest(Path(value))[:16]})"
+        elif isinstance(value, str):
+            value = record(key, value)
+        settings[key] = value
+    if hasattr(config, "to_json_string"):
+        settings["model_config"] = "sha256 " + hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16]
+    return settings
+
+
+def _contents_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, or of a folder's files (relative names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        digest.update(file.relative_to(path).as_posix().encode() if file != path else b"")
+        with file.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _restart_log(path: Path, completed_steps: int) -> None:
+    """Keep only the records of `train_log.jsonl` up to `completed_steps`: none for a fresh run (an earlier run's
+    log is not appended to), those up to the checkpoint for a resumed one (the interrupted stretch is repeated)."""
+    if not path.is_file():
+        return
+    kept = []
+    if completed_steps:
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= completed_steps:
+                    kept.append(line + "\n")
+            except ValueError:  # a line cut by a kill
+                pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def _remove_partial_checkpoints(directory: Path) -> None:
@@ -656,6 +903,61 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the training loop
+def _accepts_loss_kwargs(model) -> bool:
+    """Whether `model.forward` normalises its loss by a `num_items_in_batch` argument (transformers' Trainer test:
+    an explicit `accepts_loss_kwargs`, else a `**kwargs` in the signature)."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def count_loss_items(batches: list[dict[str, torch.Tensor]], *, shifted_labels: bool) -> torch.Tensor:
+    """The labelled items (label != -100) of the micro-batches of one optimizer step, in this process: `shift_labels`
+    where a batch has them, else `labels[..., 1:]` when the model shifts its labels (a causal LM: the first label is
+    never a target), else every label (one per example for classification)."""
+    total = torch.zeros((), dtype=torch.long, device=batches[0]["labels"].device)
+    for batch in batches:
+        labels = batch.get("shift_labels", batch["labels"][..., 1:] if shifted_labels else batch["labels"])
+        total += labels.ne(-100).sum()
+    return total
+
+
+def accumulation_step(accelerator, model, group: list[dict[str, torch.Tensor]], *, use_num_items: bool,
+                      shifted_labels: bool, seeds: list[int]) -> float:
+    """Forward and backward over the micro-batches of one optimizer step; return the step's loss (all processes).
+
+    With `use_num_items` (the model takes `num_items_in_batch`, as transformers' heads do), every micro-batch's
+    loss is its sum of token losses over the labelled tokens of the whole step across all processes (N), so the
+    accumulated gradient is that of one batch of `len(group)` x processes micro-batches, however the labelled tokens
+    fall; the loss is multiplied by the number of processes because DDP averages gradients over them (transformers'
+    `average_tokens_across_devices`). Without, each micro-batch's mean loss is divided by `len(group)`.
+
+    Args:
+        group: The micro-batches, already prepared (MLM masking).
+        shifted_labels: The model shifts `labels` itself (causal LM), see `count_loss_items`.
+        seeds: One seed per micro-batch for dropout, so that a resumed run repeats the interrupted one.
+    """
+    num_items = None
+    if use_num_items and "labels" in group[0]:
+        num_items = accelerator.reduce(count_loss_items(group, shifted_labels=shifted_labels),
+                                       reduction="sum").clamp(min=1)
+    step_loss = torch.zeros((), device=accelerator.device)
+    for i, (batch, seed) in enumerate(zip(group, seeds)):
+        torch.manual_seed(seed)
+        # Gradients are synchronised across processes on the last micro-batch only.
+        with accelerator.no_sync(model) if i < len(group) - 1 else contextlib.nullcontext():
+            if num_items is not None:
+                loss = model(**batch, num_items_in_batch=num_items).loss
+                accelerator.backward(loss * accelerator.num_processes)
+            else:
+                loss = model(**batch).loss
+                accelerator.backward(loss / len(group))
+        step_loss += loss.detach().float()
+    if num_items is not None:  # each process holds its share of the step's token mean
+        return accelerator.reduce(step_loss, reduction="sum").item()
+    return accelerator.reduce(step_loss / len(group), reduction="mean").item()
+
+
 def train(
     args: argparse.Namespace,
     accelerator,
@@ -684,7 +986,8 @@ def train(
     Returns:
         The metrics of the last evaluation (`eval_*`), `train_loss` (mean over every optimizer step of the run,
         resumed parts included), `train_last_loss`, `train_runtime` (seconds in this process), `train_steps`,
-        `epochs`, `num_processes`, `ranks_seen` (a gather across processes), `global_batch_size` and the model limits.
+        `epochs`, `num_processes`, `ranks_seen` (a gather across processes), `global_batch_size`, the model limits
+        and `resumed_from` (the checkpoint, relative to the output folder).
     """
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
@@ -714,30 +1017,25 @@ def train(
     num_epochs = math.ceil(max_train_steps / updates_per_epoch)
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
+    use_num_items = _accepts_loss_kwargs(accelerator.unwrap_model(model))
 
     if args.with_tracking:
-        accelerator.init_trackers(f"longattn-{args.task}", {k: v for k, v in vars(args).items()
-                                                            if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers(f"longattn-{args.task}", recorded_args(args))
     checkpoints = Path(args.output_dir) / CHECKPOINTS_DIR
     if args.overwrite_output_dir and args.resume_from_checkpoint is None and accelerator.is_main_process:
         shutil.rmtree(checkpoints, ignore_errors=True)
-    resume_path = resolve_resume(args)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _remove_partial_checkpoints(checkpoints)
     state = {"completed_steps": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "loss_count": 0,
              "last_loss": None, "global_batch_size": global_batch_size, "num_processes": accelerator.num_processes}
-    if resume_path is not None:
-        saved = json.loads((resume_path / STATE_FILE).read_text())
-        if saved["global_batch_size"] != global_batch_size or saved["num_processes"] != accelerator.num_processes:
-            raise RecipeError(
-                f"{resume_path} was written with {saved['num_processes']} processes and a global batch of "
-                f"{saved['global_batch_size']}; resume with the same (now {accelerator.num_processes} processes, "
-                f"global batch {global_batch_size}) to repeat the run exactly.")
-        accelerator.load_state(str(resume_path))
-        state.update(saved)
-        logger.info("resumed from %s: step %d, epoch %d, skipping %d batches", resume_path,
-                    state["completed_steps"], state["epoch"], state["batch_in_epoch"])
+    resuming = args.resume_from_checkpoint is not None
+    if checkpoint_every or args.checkpointing_steps == "epoch" or resuming:
+        state["run_settings"] = run_settings(args, accelerator.unwrap_model(model).config)
+    resume_path = resume(accelerator, args, state) if resuming else None
+    log_path = Path(args.output_dir) / LOG_FILE
+    if accelerator.is_main_process:
+        _restart_log(log_path, state["completed_steps"] if resume_path is not None else 0)
 
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
     logger.info("training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
@@ -745,7 +1043,6 @@ def train(
                 num_epochs)
     progress = tqdm(total=max_train_steps, initial=state["completed_steps"], desc="train",
                     disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    log_path = Path(args.output_dir) / "train_log.jsonl"
     metrics: dict[str, float] = {}
     start = time.perf_counter()
 
@@ -758,7 +1055,6 @@ def train(
         logger.info("step %d: %s", state["completed_steps"], _fmt(result))
         return result
 
-    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     last_eval_step = None
     for epoch in range(state["epoch"], num_epochs):
         if state["completed_steps"] >= max_train_steps:
@@ -766,30 +1062,26 @@ def train(
         model.train()
         train_dataloader.set_epoch(epoch)
         skip = state["batch_in_epoch"] if epoch == state["epoch"] else 0
-        loader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        loader = iter(accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader)
         batch_index = skip
-        for batch in loader:
-            # Dropout and masking depend only on where this batch is in the run, so a resumed run repeats them.
-            torch.manual_seed(_derived_seed(args.seed, "train", epoch, batch_index, accelerator.process_index))
-            with accelerator.accumulate(model):
-                if prepare_batch is not None:
-                    batch = prepare_batch(batch, batch_generator(args.seed, "batch", epoch, batch_index,
-                                                                 accelerator.process_index))
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
-            batch_index += 1
-            window_loss += loss.detach().float()
-            window_batches += 1
-            if not accelerator.sync_gradients:
-                continue
-            step_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
-            window_loss.zero_()
-            window_batches = 0
+        # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
+        # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
+        while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
+            if prepare_batch is not None:
+                group = [prepare_batch(batch, batch_generator(args.seed, "batch", epoch, batch_index + i,
+                                                              accelerator.process_index))
+                         for i, batch in enumerate(group)]
+            step_loss = accumulation_step(accelerator, model, group, use_num_items=use_num_items,
+                                          shifted_labels=args.task == "clm",
+                                          seeds=[_derived_seed(args.seed, "train", epoch, batch_index + i,
+                                                               accelerator.process_index)
+                                                 for i in range(len(group))])
+            if args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            batch_index += len(group)
             state["completed_steps"] += 1
             state["loss_sum"] += step_loss
             state["loss_count"] += 1
@@ -837,7 +1129,7 @@ def train(
         "global_batch_size": global_batch_size,
         "max_seq_length": args.max_seq_length,
         "attention_types": list(getattr(config, "layer_attention_types", [])),
-        "resumed_from": str(resume_path) if resume_path is not None else None,
+        "resumed_from": recorded_path(resume_path, args.output_dir) if resume_path is not None else None,
         "seed": args.seed,
     }
 
@@ -938,19 +1230,22 @@ def _launch_command(results: dict[str, Any], command: str) -> str:
 
 
 def run_recipe(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> None:
-    """Run a recipe's `main`; a `RecipeError` ends the process with one line on stderr and exit status 2."""
+    """Run a recipe's `main`; a `RecipeError` ends the process with one line on stderr and exit status 2, an
+    `OSError` with one line and exit status 1."""
     try:
         main(argv)
-    except RecipeError as error:
+    except (RecipeError, OSError) as error:
+        # An OSError (a missing file, an unwritable output folder) is the user's to fix too: one line, no traceback.
         prog = Path(sys.argv[0]).name
         sys.stderr.write(f"{prog}: error: {_one_line(error)}\n")
         sys.stderr.flush()
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(error, RecipeError) else 1) from None
 
 
 __all__ = [
     "RecipeError", "recipe_parser", "parse_args", "parse_config_overrides", "load_config", "load_tokenizer",
     "resolve_max_seq_length", "length_multiple", "make_accelerator", "load_raw_datasets", "require_columns",
     "group_texts", "PadCollator", "pad_token_id", "mask_tokens", "progress_bar", "batch_generator", "load_model", "is_longattn", "list_checkpoints",
-    "save_checkpoint", "train", "token_stats", "summarize_token_stats", "finish", "describe_data", "run_recipe",
+    "save_checkpoint", "resume", "run_settings", "recorded_args", "recorded_path", "count_loss_items",
+    "accumulation_step", "train", "token_stats", "summarize_token_stats", "finish", "describe_data", "run_recipe",
 ]

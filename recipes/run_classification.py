@@ -3,8 +3,8 @@
 
 The first token (`<s>` with the byte tokenizer) is a global token by default, as in Longformer: it sees the whole
 document and the whole document sees it, whatever the attention of the other tokens (`--global_attention none` turns
-that off). Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes,
-float labels a regression.
+that off). Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes;
+numbers such as 1.5 are a regression, with `--problem_type regression` (without it they stop the run with an error).
 
     python -m longattn.data needle --output_dir data/generated/needle
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_classification.py \\
@@ -30,21 +30,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--label_column", default="label")
     parser.add_argument("--global_attention", choices=("first", "none"), default="first",
                         help="global attention on the first token (default) or on no token")
+    parser.add_argument("--problem_type", choices=("single_label_classification", "regression"),
+                        default="single_label_classification",
+                        help="regression: one output trained with MSE on numeric labels (a label such as 1.5 "
+                             "is refused without it)")
     args = training.parse_args(parser, argv)
     config = training.load_config(args, task="classification")
     tokenizer = training.load_tokenizer(args, config)
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
     accelerator = training.make_accelerator(args)
 
-    raw = training.load_raw_datasets(args)
     columns = {"text_column": args.text_column, "label_column": args.label_column}
     if args.text_pair_column:
         columns["text_pair_column"] = args.text_pair_column
-    training.require_columns(raw, columns)
+    raw = training.load_raw_datasets(args, columns)  # labels checked: one kind, numbers only for a regression
 
     train_labels = raw["train"].unique(args.label_column)
-    is_regression = all(isinstance(x, float) for x in train_labels) and not all(float(x).is_integer()
-                                                                                for x in train_labels)
+    is_regression = args.problem_type == "regression"
+    config.problem_type = "regression" if is_regression else None  # None: the head infers it from the labels
     if is_regression:
         config.num_labels, label_to_id = 1, None
     else:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Causal-language-model training of a longattn decoder, under `accelerate launch` or plain `python`.
 
-Texts (`--text_column`, default `text`) are tokenized, concatenated and cut into `--max_seq_length` blocks (or kept one
-per example with `--line_by_line`); the model predicts every next token (causal attention of the configured kind).
+Texts (`--text_column`, default `text`) are tokenized, each ended with the end-of-text token, concatenated and cut
+into `--max_seq_length` blocks (or kept one per example with `--line_by_line`); the model predicts every next token
+(causal attention of the configured kind). The tokenizer saved with the model adds no end-of-text token, so a prompt
+given to `generate()` is continued rather than ended.
 Evaluation reports loss, perplexity and next-token accuracy.
 
     python -m longattn.data listops --output_dir data/generated/listops --min_length 100 --max_length 300
@@ -21,6 +23,17 @@ import longattn  # noqa: F401  (registers the longattn Auto classes)
 from longattn import training
 
 
+def tokenize_texts(tokenizer, texts: list[str], *, max_length: int | None = None) -> list[list[int]]:
+    """Token ids of each text ended with the tokenizer's end-of-text id (the model learns where a text ends; the
+    tokenizer itself does not append it, see the module docstring), truncated to `max_length` with the end kept."""
+    eos = tokenizer.eos_token_id
+    limit = None if max_length is None else max_length - (eos is not None)
+    encoded = tokenizer(texts, truncation=limit is not None, max_length=limit, verbose=False)["input_ids"]
+    if eos is None:
+        return [list(ids) for ids in encoded]
+    return [list(ids) if ids and ids[-1] == eos else [*ids, eos] for ids in encoded]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = training.recipe_parser(__doc__, task="clm")
     parser.add_argument("--text_column", default="text")
@@ -32,15 +45,12 @@ def main(argv: list[str] | None = None) -> dict:
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
     accelerator = training.make_accelerator(args)
 
-    raw = training.load_raw_datasets(args)
-    training.require_columns(raw, {"text_column": args.text_column})
+    raw = training.load_raw_datasets(args, {"text_column": args.text_column})
 
     def tokenize(examples):
-        if args.line_by_line:
-            encoded = tokenizer(examples[args.text_column], truncation=True, max_length=max_length)
-        else:
-            encoded = tokenizer(examples[args.text_column], verbose=False)
-        return {"input_ids": encoded["input_ids"], "labels": [list(ids) for ids in encoded["input_ids"]]}
+        ids = tokenize_texts(tokenizer, examples[args.text_column],
+                             max_length=max_length if args.line_by_line else None)
+        return {"input_ids": ids, "labels": [list(row) for row in ids]}
 
     with accelerator.main_process_first():
         processed = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names,

@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
     accelerator = training.make_accelerator(args)
 
-    raw = training.load_raw_datasets(args)
-    training.require_columns(raw, {"text_column": args.text_column})
+    raw = training.load_raw_datasets(args, {"text_column": args.text_column})
 
     def tokenize(examples):
         if args.line_by_line:

@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     generation_max_length = args.generation_max_length or max_target_length
     accelerator = training.make_accelerator(args)
 
-    raw = training.load_raw_datasets(args)
-    training.require_columns(raw, {"source_column": args.source_column, "target_column": args.target_column})
+    raw = training.load_raw_datasets(args, {"source_column": args.source_column, "target_column": args.target_column})
     start_id = config.decoder_start_token_id
 
     def preprocess(examples):

@@ -94,6 +94,9 @@ def run(recipe: str, args: list[str], *, processes: int = 1, env: dict[str, str]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LONGATTN_RECIPE_"))}
     full_env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                     OMP_NUM_THREADS="1", **(env or {}))
+    # The script's folder (recipes/) comes first on sys.path: without this, an installed longattn would be tested
+    # instead of this checkout's.
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     if processes > 1:
         full_env["ACCELERATE_USE_CPU"] = "1"
     return subprocess.run(command, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=600)
