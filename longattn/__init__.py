@@ -19,6 +19,7 @@ from . import ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
 from .integration_transformers import apply_longattn  # registers the "longattn" attention implementation
+from .lengthen import lengthen, save_lengthened
 from .modeling_longattn import (
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
@@ -58,6 +59,8 @@ __all__ = [
     "LongAttnForSeq2SeqLM",
     "apply_longattn",
     "available_attention_types",
+    "lengthen",
+    "save_lengthened",
     "ops",
     "patterns",
 ]
