@@ -414,11 +414,12 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
         tokenizer_limit = getattr(tokenizer, "model_max_length", None) or limit
         value = min(limit, tokenizer_limit, default_cap)
     elif value > limit:
-        longer = (f"lengthen the checkpoint first (longattn-lengthen SRC OUT --max_length {value})"
-                  if config.model_type != LongAttnConfig.model_type
-                  else f"train from scratch with --config_overrides max_position_embeddings={value}")
-        raise RecipeError(f"--{flag} {value} exceeds the model's limit of {limit} tokens: pass at most {limit}, or "
-                          f"{longer}.")
+        if not is_longattn(config):
+            raise RecipeError(f"--{flag} {value} exceeds the {limit} tokens the model reads (max_position_embeddings="
+                              f"{config.max_position_embeddings}): pass at most {limit}, or lengthen the checkpoint "
+                              f"first: longattn-lengthen SRC OUT --max_length {value}.")
+        raise RecipeError(f"--{flag} {value} exceeds the model's limit max_position_embeddings={limit}: pass at most "
+                          f"{limit}, or train from scratch with --config_overrides max_position_embeddings={value}.")
     setattr(args, flag, value)
     return value
 
@@ -848,8 +849,10 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
     return model
 
 
-def is_longattn(model) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == LongAttnConfig.model_type
+def is_longattn(model_or_config) -> bool:
+    """Whether a model (or config) is one of longattn's own classes, not a stock family running its kinds."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "model_type", None) == LongAttnConfig.model_type
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
