@@ -193,7 +193,7 @@ def _attach(module: nn.Module, fields: dict[str, Any] | None = None) -> None:
     if role == "cross":
         return
     is_causal = bool(getattr(module, "is_causal", False))
-    config = kind_config(module.config, "decoder" if role == "decoder" else role, is_causal=is_causal, fields=fields)
+    config = kind_config(module.config, role, is_causal=is_causal, fields=fields)
     kind = _stock_kind_class(attention_class(config.layer_attention_types[module.layer_idx]))(
         config, layer_idx=module.layer_idx, is_causal=is_causal
     )
@@ -334,8 +334,10 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
     previous = getattr(config, "longattn", None)
     config.longattn = fields
     try:
+        for role, is_causal in {(_role(m), bool(getattr(m, "is_causal", False))) for m in modules}:
+            kind_config(config, role, is_causal=is_causal, fields=fields)  # every stack valid before any change
         for module in modules:
-            _attach(module, fields)  # validates before anything else changes
+            _attach(module, fields)
         _configure_cache(model)
     except ValueError:
         config.longattn = previous

@@ -231,12 +231,12 @@ def test_plain_causal_window_bounds_the_cache_and_the_dict_wins_over_mistral_win
     assert model.config.sliding_window == 7
     cache = DynamicCache(config=model.config)
     batch = inputs("mistral", length=30)
-    model(**batch, past_key_values=cache, use_cache=True)
+    model(**batch, cache=cache, use_cache=True)
     assert cache.layers[0].keys.shape[2] == 6  # transformers keeps window - 1 keys between steps
     apply_longattn(model, attention_type="sliding", sliding_window=6, sliding_dilation=2)
     assert model.config.sliding_window is None
     cache = DynamicCache(config=model.config)
-    model(**batch, past_key_values=cache, use_cache=True)
+    model(**batch, cache=cache, use_cache=True)
     assert cache.layers[0].keys.shape[2] == 30
     # the attention follows the dict (window 2 per side), not Mistral's 4096-token window
     apply_longattn(model, attention_type="sliding", sliding_window=2)
@@ -410,3 +410,13 @@ def test_kind_parameters_missing_from_a_stock_checkpoint_are_initialised_by_the_
             assert torch.equal(tensor, torch.zeros_like(tensor))
         else:
             torch.testing.assert_close(tensor.norm(dim=-1), torch.ones(tensor.shape[:-1]))
+
+
+def test_an_invalid_decoder_field_changes_nothing():
+    """Every stack is validated before any kind is attached: BART's causal decoder refuses Linformer, and its
+    encoder keeps no kind."""
+    model = build("bart")
+    with pytest.raises(ValueError, match="'linformer' cannot be causal"):
+        apply_longattn(model, attention_type="sliding", decoder_attention_type="linformer")
+    assert not any(name.endswith(".longattn") for name, _ in model.named_modules())
+    assert model.config._attn_implementation == "sdpa"
