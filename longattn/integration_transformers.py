@@ -429,12 +429,11 @@ def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, fa
         )
 
 
-def _dense(query, key, value, mask, *, dropout, scaling, causal=False):
+def _dense(query, key, value, mask, *, dropout, scaling):
     """Dense attention under a user's 4-D mask (bool or additive), like transformers' `sdpa`."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=causal and mask is None
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
-    return out
 
 
 def longattn_attention_forward(
@@ -483,9 +482,11 @@ def longattn_attention_forward(
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [b, h, m, d]
     # Grouped-query attention repeats k/v to the query heads here; executors that read groups in place come later.
-    if role == "cross":
-        padding = attention_mask[:, None, None, :] if attention_mask is not None and not four_d else attention_mask
-        out = _dense(query, key, value, padding, dropout=dropout, scaling=scaling)
+    if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
+        if four_d:
+            out = _dense(query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+        else:
+            out = full_attention(query, key, value, key_padding_mask=attention_mask, scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2).contiguous(), None
     kind: LongAttnAttention | None = module._modules.get(_KIND_MODULE_NAME)
     if kind is None:

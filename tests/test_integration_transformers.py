@@ -420,3 +420,23 @@ def test_an_invalid_decoder_field_changes_nothing():
         apply_longattn(model, attention_type="sliding", decoder_attention_type="linformer")
     assert not any(name.endswith(".longattn") for name, _ in model.named_modules())
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_global_tokens_with_a_cache():
+    """Full cache layers (a dilated window): a cached decoding step with global tokens equals the uncached forward
+    (transformers' `generate` does not forward `global_attention_mask`; a forward with a cache does). A bounded
+    cache (a plain causal window) has dropped the early global keys: refused at the decoding step."""
+    ids = inputs("llama", length=13)["input_ids"][:1]
+    global_mask = torch.zeros(1, 13, dtype=torch.bool)
+    global_mask[:, 2] = True
+    model = apply_longattn(build("llama"), attention_type="sliding", sliding_window=2, sliding_dilation=2)
+    whole = model(input_ids=ids, global_attention_mask=global_mask).logits[:, -1]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :12], global_attention_mask=global_mask[:, :12], cache=cache, use_cache=True)
+    step = model(input_ids=ids[:, 12:], global_attention_mask=global_mask, cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, whole)
+    apply_longattn(model, attention_type="sliding", sliding_window=2)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :12], global_attention_mask=global_mask[:, :12], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cached decoding with global tokens needs a full cache"):
+        model(input_ids=ids[:, 12:], global_attention_mask=global_mask, cache=cache, use_cache=True)
