@@ -3,8 +3,8 @@
 Shape legend: b batch, h query heads, h_kv key/value heads, n query length, m key length, d head dim.
 
 `import longattn` registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
-function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, GPT-2, Llama, Mistral, Qwen2, BART) runs
-longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
+function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
 
     model = AutoModel.from_pretrained("roberta-base")
     longattn.apply_longattn(model, attention_type="sliding", sliding_window=256)
@@ -68,17 +68,24 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "longattn"
 """The name registered with `AttentionInterface` and `AttentionMaskInterface`."""
 
-SUPPORTED_ATTENTION_CLASSES = (
-    "BertSelfAttention",
-    "RobertaSelfAttention",
-    "GPT2Attention",
-    "LlamaAttention",
-    "MistralAttention",
-    "Qwen2Attention",
-    "BartAttention",
-)
-"""The stock attention classes whose modules receive a kind (at `from_pretrained` / `from_config` through the patch
-mapping, and in `apply_longattn`); each calls the attention interface with q, k, v and a mask only."""
+SUPPORTED_ATTENTION_CLASSES = {
+    "BertSelfAttention": "bert",
+    "RobertaSelfAttention": "roberta",
+    "XLMRobertaSelfAttention": "xlm_roberta",
+    "ElectraSelfAttention": "electra",
+    "GPT2Attention": "gpt2",
+    "OPTAttention": "opt",
+    "LlamaAttention": "llama",
+    "MistralAttention": "mistral",
+    "Qwen2Attention": "qwen2",
+    "Qwen3Attention": "qwen3",
+    "Phi3Attention": "phi3",
+    "GemmaAttention": "gemma",
+    "BartAttention": "bart",
+}
+"""The stock attention classes (and their `transformers.models` package) whose modules receive a kind: at
+`from_pretrained` / `from_config` through the patch mapping, and in `apply_longattn`. Each calls the attention
+interface with q, k, v and a mask only, and each is tested against `sdpa`."""
 
 REFUSED_KINDS = {
     "reduction": "it pools the layer's hidden states into memory keys, which the attention interface does not pass "
@@ -397,8 +404,7 @@ def register_build_hooks() -> None:
     import importlib
 
     mapping = {}
-    for name in SUPPORTED_ATTENTION_CLASSES:
-        family = name.removesuffix("SelfAttention").removesuffix("Attention").lower()
+    for name, family in SUPPORTED_ATTENTION_CLASSES.items():
         original = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
         mapping[f"^{name}$"] = _build_hook(_original_class(original))
     registered = get_patch_mapping()
