@@ -320,7 +320,9 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
     the fields to `config.longattn`, selects the `"longattn"` implementation (kept in `config.json` by every
     `save_pretrained`) and makes the cache follow the dict (see `_configure_cache`). Cross-attention stays full;
     an encoder-decoder's decoder self-attention runs `decoder_attention_type` (default "full"). Calling it again
-    replaces the kinds. Position tables are not touched (that is lengthening's job).
+    replaces the kinds. Position tables are not touched (that is lengthening's job). The saved implementation is
+    the plain config attribute `attn_implementation`: after `model.set_attn_implementation(other)`, set
+    `model.config.attn_implementation` too if the saved model should load as `other`.
 
     Args:
         model: A `PreTrainedModel` whose attention classes are in `SUPPORTED_ATTENTION_CLASSES`.

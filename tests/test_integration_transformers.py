@@ -482,3 +482,18 @@ def test_more_families_equal_sdpa_and_reload(family, tmp_path):
     assert any(name.endswith(".longattn") for name, _ in reloaded.named_modules())
     model.eval()
     torch.testing.assert_close(real_outputs(family, reloaded, batch)[0], real_outputs(family, model, batch)[0])
+
+
+@pytest.mark.parametrize("kind", ["sliding", "strided", "fixed"])
+def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
+    """The stock forward of a sparse kind runs its executor: no dense mask, no dense reference."""
+    model = apply_longattn(build("roberta"), **SPARSE_FIELDS[kind], attention_backend="torch")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense [n, m] mask was built")
+
+    for target in ("longattn.ops.materialize_mask", "longattn.attention_base.materialize_mask",
+                   "longattn.ops.reference_attention", "longattn.attention_base.reference_attention"):
+        monkeypatch.setattr(target, refuse)
+    batch = inputs("roberta")
+    model(**batch, global_attention_mask=batch["attention_mask"].bool() & (torch.arange(LENGTH) == 0))
