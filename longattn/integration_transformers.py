@@ -3,8 +3,8 @@
 Shape legend: b batch, h query heads, h_kv key/value heads, n query length, m key length, d head dim.
 
 `import longattn` registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
-function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, GPT-2, Llama, Mistral, Qwen2, BART) runs
-longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
+function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
 
     model = AutoModel.from_pretrained("roberta-base")
     longattn.apply_longattn(model, attention_type="sliding", sliding_window=256)
@@ -68,17 +68,24 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "longattn"
 """The name registered with `AttentionInterface` and `AttentionMaskInterface`."""
 
-SUPPORTED_ATTENTION_CLASSES = (
-    "BertSelfAttention",
-    "RobertaSelfAttention",
-    "GPT2Attention",
-    "LlamaAttention",
-    "MistralAttention",
-    "Qwen2Attention",
-    "BartAttention",
-)
-"""The stock attention classes whose modules receive a kind (at `from_pretrained` / `from_config` through the patch
-mapping, and in `apply_longattn`); each calls the attention interface with q, k, v and a mask only."""
+SUPPORTED_ATTENTION_CLASSES = {
+    "BertSelfAttention": "bert",
+    "RobertaSelfAttention": "roberta",
+    "XLMRobertaSelfAttention": "xlm_roberta",
+    "ElectraSelfAttention": "electra",
+    "GPT2Attention": "gpt2",
+    "OPTAttention": "opt",
+    "LlamaAttention": "llama",
+    "MistralAttention": "mistral",
+    "Qwen2Attention": "qwen2",
+    "Qwen3Attention": "qwen3",
+    "Phi3Attention": "phi3",
+    "GemmaAttention": "gemma",
+    "BartAttention": "bart",
+}
+"""The stock attention classes (and their `transformers.models` package) whose modules receive a kind: at
+`from_pretrained` / `from_config` through the patch mapping, and in `apply_longattn`. Each calls the attention
+interface with q, k, v and a mask only, and each is tested against `sdpa`."""
 
 REFUSED_KINDS = {
     "reduction": "it pools the layer's hidden states into memory keys, which the attention interface does not pass "
@@ -313,7 +320,9 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
     the fields to `config.longattn`, selects the `"longattn"` implementation (kept in `config.json` by every
     `save_pretrained`) and makes the cache follow the dict (see `_configure_cache`). Cross-attention stays full;
     an encoder-decoder's decoder self-attention runs `decoder_attention_type` (default "full"). Calling it again
-    replaces the kinds. Position tables are not touched (that is lengthening's job).
+    replaces the kinds. Position tables are not touched (that is lengthening's job). The saved implementation is
+    the plain config attribute `attn_implementation`: after `model.set_attn_implementation(other)`, set
+    `model.config.attn_implementation` too if the saved model should load as `other`.
 
     Args:
         model: A `PreTrainedModel` whose attention classes are in `SUPPORTED_ATTENTION_CLASSES`.
@@ -397,8 +406,7 @@ def register_build_hooks() -> None:
     import importlib
 
     mapping = {}
-    for name in SUPPORTED_ATTENTION_CLASSES:
-        family = name.removesuffix("SelfAttention").removesuffix("Attention").lower()
+    for name, family in SUPPORTED_ATTENTION_CLASSES.items():
         original = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
         mapping[f"^{name}$"] = _build_hook(_original_class(original))
     registered = get_patch_mapping()
@@ -429,12 +437,11 @@ def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, fa
         )
 
 
-def _dense(query, key, value, mask, *, dropout, scaling, causal=False):
+def _dense(query, key, value, mask, *, dropout, scaling):
     """Dense attention under a user's 4-D mask (bool or additive), like transformers' `sdpa`."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=causal and mask is None
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
-    return out
 
 
 def longattn_attention_forward(
@@ -483,9 +490,11 @@ def longattn_attention_forward(
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [b, h, m, d]
     # Grouped-query attention repeats k/v to the query heads here; executors that read groups in place come later.
-    if role == "cross":
-        padding = attention_mask[:, None, None, :] if attention_mask is not None and not four_d else attention_mask
-        out = _dense(query, key, value, padding, dropout=dropout, scaling=scaling)
+    if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
+        if four_d:
+            out = _dense(query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+        else:
+            out = full_attention(query, key, value, key_padding_mask=attention_mask, scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2).contiguous(), None
     kind: LongAttnAttention | None = module._modules.get(_KIND_MODULE_NAME)
     if kind is None:

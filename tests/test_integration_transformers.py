@@ -21,18 +21,30 @@ from transformers import (
     DebertaV2Config,
     DebertaV2Model,
     DynamicCache,
+    ElectraConfig,
+    ElectraModel,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     RobertaConfig,
     RobertaModel,
     T5Config,
     T5Model,
+    XLMRobertaConfig,
+    XLMRobertaModel,
 )
 
 import longattn
@@ -61,7 +73,20 @@ FAMILIES = {
                                            decoder_ffn_dim=64, max_position_embeddings=256, dropout=0.0,
                                            attention_dropout=0.0), False),
 }
-CAUSAL = [name for name, (_, _, causal) in FAMILIES.items() if causal]
+ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+MORE_FAMILIES = {
+    "xlm_roberta": (XLMRobertaModel, lambda: XLMRobertaConfig(**ENCODER), False),
+    "electra": (ElectraModel, lambda: ElectraConfig(**ENCODER, embedding_size=32), False),
+    "opt": (OPTForCausalLM, lambda: OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                              num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0,
+                                              attention_dropout=0.0), True),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**ROPE, head_dim=16), True),
+    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**ROPE, pad_token_id=0, eos_token_id=2, bos_token_id=1), True),
+    "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**ROPE, head_dim=16), True),
+}
+FAMILIES.update(MORE_FAMILIES)
+CAUSAL = [name for name, (_, _, causal) in FAMILIES.items() if causal and name not in MORE_FAMILIES]
 
 
 def build(family: str, implementation: str = "sdpa", **config_fields):
@@ -135,7 +160,7 @@ def test_mask_function_returns_the_padding_mask_cut_to_the_cached_keys():
 
 
 # ------------------------------------------------------------------------------------------ exactness
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [name for name in FAMILIES if name not in MORE_FAMILIES])
 @pytest.mark.parametrize("fields", [{"attention_type": "full"}, {"attention_type": "sliding", "sliding_window": LENGTH}],
                          ids=["full", "covering_window"])
 def test_equals_sdpa_with_padding(family, fields):
@@ -420,3 +445,55 @@ def test_an_invalid_decoder_field_changes_nothing():
         apply_longattn(model, attention_type="sliding", decoder_attention_type="linformer")
     assert not any(name.endswith(".longattn") for name, _ in model.named_modules())
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_global_tokens_with_a_cache():
+    """Full cache layers (a dilated window): a cached decoding step with global tokens equals the uncached forward
+    (transformers' `generate` does not forward `global_attention_mask`; a forward with a cache does). A bounded
+    cache (a plain causal window) has dropped the early global keys: refused at the decoding step."""
+    ids = inputs("llama", length=13)["input_ids"][:1]
+    global_mask = torch.zeros(1, 13, dtype=torch.bool)
+    global_mask[:, 2] = True
+    model = apply_longattn(build("llama"), attention_type="sliding", sliding_window=2, sliding_dilation=2)
+    whole = model(input_ids=ids, global_attention_mask=global_mask).logits[:, -1]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :12], global_attention_mask=global_mask[:, :12], cache=cache, use_cache=True)
+    step = model(input_ids=ids[:, 12:], global_attention_mask=global_mask, cache=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, whole)
+    apply_longattn(model, attention_type="sliding", sliding_window=2)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :12], global_attention_mask=global_mask[:, :12], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cached decoding with global tokens needs a full cache"):
+        model(input_ids=ids[:, 12:], global_attention_mask=global_mask, cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_more_families_equal_sdpa_and_reload(family, tmp_path):
+    """The other supported attention classes: a covering window equals sdpa (outputs and gradients, with padding),
+    and the model reloads with its Auto class as the same longattn model."""
+    reference = build(family)
+    model = apply_longattn(copy.deepcopy(reference), attention_type="sliding", sliding_window=LENGTH)
+    batch = inputs(family)
+    assert_same(outputs_and_grads(family, model, batch), outputs_and_grads(family, reference, batch))
+    model.save_pretrained(tmp_path)
+    auto = AutoModelForCausalLM if FAMILIES[family][2] else AutoModel
+    reloaded = auto.from_pretrained(tmp_path).eval()
+    assert reloaded.config._attn_implementation == "longattn"
+    assert any(name.endswith(".longattn") for name, _ in reloaded.named_modules())
+    model.eval()
+    torch.testing.assert_close(real_outputs(family, reloaded, batch)[0], real_outputs(family, model, batch)[0])
+
+
+@pytest.mark.parametrize("kind", ["sliding", "strided", "fixed"])
+def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
+    """The stock forward of a sparse kind runs its executor: no dense mask, no dense reference."""
+    model = apply_longattn(build("roberta"), **SPARSE_FIELDS[kind], attention_backend="torch")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense [n, m] mask was built")
+
+    for target in ("longattn.ops.materialize_mask", "longattn.attention_base.materialize_mask",
+                   "longattn.ops.reference_attention", "longattn.attention_base.reference_attention"):
+        monkeypatch.setattr(target, refuse)
+    batch = inputs("roberta")
+    model(**batch, global_attention_mask=batch["attention_mask"].bool() & (torch.arange(LENGTH) == 0))
