@@ -7,12 +7,13 @@
 What changes, by family (`max_length` is a token count; each table's size follows from it):
 
 - learned absolute position tables are extended by copying the pretrained table over the new rows, as Longformer
-  did: BERT's `position_embeddings` (`max_length` rows), RoBERTa's (`padding_idx + 1` more rows, kept in front:
-  roberta-base has 514 rows for 512 tokens, 4098 for 4096), GPT-2's `wpe`, and BART's encoder and decoder
-  `embed_positions` (both with 2 offset rows); the embeddings' `position_ids` / `token_type_ids` buffers follow;
-- rotary models (Llama, Mistral, Qwen2): `max_position_embeddings` is raised, and `rope_type` ("linear", "dynamic"
-  or "yarn") optionally scales the rotation by `max_length / max_position_embeddings`, written as transformers 5.x
-  `rope_parameters`;
+  did: BERT's and ELECTRA's `position_embeddings` (`max_length` rows), RoBERTa's and XLM-RoBERTa's
+  (`padding_idx + 1` more rows, kept in front: roberta-base has 514 rows for 512 tokens, 4098 for 4096), GPT-2's
+  `wpe`, OPT's `embed_positions` and BART's encoder and decoder `embed_positions` (2 offset rows each); the
+  embeddings' `position_ids` / `token_type_ids` buffers follow;
+- rotary models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma): `max_position_embeddings` is raised, and
+  `rope_type` ("linear", "dynamic" or "yarn") optionally scales the rotation by
+  `max_length / max_position_embeddings`, written as transformers 5.x `rope_parameters`;
 - the attention: `apply_longattn(model, **fields)` attaches the kinds (their parameters freshly initialised, since
   kinds such as Linformer's projections depend on the new length) and selects the `"longattn"` implementation,
   which every `save_pretrained` keeps in `config.json`.

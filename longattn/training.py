@@ -450,7 +450,7 @@ def _stock_kind_config(config, *, decoder: bool = False) -> LongAttnConfig:
 
 
 # Stock families whose one stack is bidirectional (the others of the supported families are causal decoders).
-_ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
+_ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
 
 def attention_types(config) -> list[str]:
