@@ -24,7 +24,6 @@ error about the unknown attention implementation, never a silent full-attention 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,6 @@ import torch
 from torch import nn
 
 from .integration_transformers import apply_longattn
-
-logger = logging.getLogger(__name__)
 
 ROPE_TYPES = ("linear", "dynamic", "yarn")
 """The rotary scalings `lengthen(..., rope_type=...)` writes into `rope_parameters`."""

@@ -23,7 +23,7 @@ from transformers import (
     TrainingArguments,
 )
 
-import longattn
+import longattn  # noqa: F401  (registers the implementation)
 from longattn import hub, training
 from longattn.lengthen import lengthen, max_tokens
 from longattn.tokenization_longattn import byte_tokenizer
