@@ -176,14 +176,18 @@ def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None,
         model: A model returned by `lengthen`.
         output_dir: The folder (created).
         tokenizer: Its tokenizer, or None.
-        source: The checkpoint it was lengthened from, for the card.
+        source: The checkpoint it was lengthened from, for the card: a Hub id becomes its `base_model`, a local
+            folder is recorded by its name only (the card is published with the folder).
     """
     from .hub import save_hub_folder, stock_model_card
 
     limit = max_tokens(model.config)
     if tokenizer is not None and limit is not None:
         tokenizer.model_max_length = limit
-    card = stock_model_card(model.config, base_model=source, extra={"lengthened to": f"{limit} tokens"})
+    local = source is not None and Path(source).exists()
+    facts = {"lengthened from": f"`{Path(source).name if local else source}`"} if source else {}
+    card = stock_model_card(model.config, base_model=None if local else source,
+                            extra={**facts, "lengthened to": f"{limit} tokens"})
     return save_hub_folder(model, tokenizer, output_dir, card=card)
 
 

@@ -112,7 +112,9 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta):
     config = json.loads((lengthened_roberta / "config.json").read_text())
     assert config["max_position_embeddings"] == NEW_TOKENS + 1 and config["attn_implementation"] == "longattn"
     assert config["longattn"] == {"attention_type": "sliding", "sliding_window": 8}
-    assert "pip install longattn" in (lengthened_roberta / "README.md").read_text()
+    card = (lengthened_roberta / "README.md").read_text()
+    assert "pip install longattn" in card and "lengthened from: `src`" in card
+    assert str(lengthened_roberta.parent) not in card  # a local source is recorded by its name only
     assert hub.hub_folder_problems(lengthened_roberta) == []
     with pytest.raises(SystemExit):  # a field the longattn dict does not have
         lengthen_main([str(lengthened_roberta), "x", "--max_length", "400", "--sliding_windw", "8"])
