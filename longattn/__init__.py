@@ -18,6 +18,8 @@ from transformers import (
 from . import ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
+from .integration_transformers import apply_longattn  # registers the "longattn" attention implementation
+from .lengthen import lengthen, save_lengthened
 from .modeling_longattn import (
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
@@ -55,7 +57,10 @@ __all__ = [
     "LongAttnForQuestionAnswering",
     "LongAttnForCausalLM",
     "LongAttnForSeq2SeqLM",
+    "apply_longattn",
     "available_attention_types",
+    "lengthen",
+    "save_lengthened",
     "ops",
     "patterns",
 ]

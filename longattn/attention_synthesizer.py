@@ -137,7 +137,7 @@ class SynthesizerAttention(LongAttnAttention):
         """Synthesised logits of the n new tokens over the m keys.
 
         Args:
-            hidden_states: `[b, n, D]`, the new tokens (the dense forms read them; the random forms do not).
+            hidden_states: `[b, n, D]`, the new tokens (the dense forms read them; the random forms do not: None).
             query_pos: Long `[b or 1, n]`, position of each query.
             key_pos: Long `[b, m]`, position of each key, or None when the keys are positions 0..m-1.
             m: Number of keys.
@@ -145,7 +145,7 @@ class SynthesizerAttention(LongAttnAttention):
         Returns:
             `[b or 1, h, n, m]`.
         """
-        h, n = self.num_heads, hidden_states.shape[1]
+        h, n = self.num_heads, query_pos.shape[-1]
         if self.mode in ("dense", "factorized_dense"):
             hidden = torch.relu(self.synth_hidden(hidden_states))  # [b, n, D]
             b = hidden.shape[0]
@@ -188,7 +188,7 @@ class SynthesizerAttention(LongAttnAttention):
         """Synthesised self-attention; see `LongAttnAttention.forward` for the arguments.
 
         Returns:
-            (`[b, n, D]` output, probabilities `[b, h, n, m]` or None).
+            (`[b, n, D]` output, probabilities after dropout `[b, h, n, m]` or None).
         """
         b, n, _ = hidden_states.shape
         v = self.split_heads(self.v_proj(hidden_states))  # [b, h, n, d]
@@ -201,6 +201,33 @@ class SynthesizerAttention(LongAttnAttention):
             q, k = None, v.new_zeros(b, self.num_heads, n, 1)  # the cache's placeholder keys
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        out, probs = self.attend_synthesized(q, k, v, attention_mask=attention_mask, hidden_states=hidden_states)
+        return self.o_proj(self.merge_heads(out)), (probs.to(v.dtype) if output_attentions else None)
+
+    def attend_synthesized(
+        self,
+        q: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None,
+        hidden_states: torch.Tensor | None,
+        query_length: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The synthesised attention of the n new tokens over the m keys (cached ones included).
+
+        Args:
+            q, k: `[b, h, n, d]`, `[b, h, m, d]` (read by the mixture only; q None without it).
+            v: `[b, h, m, d]`.
+            attention_mask: `[b, m]` bool, True = real token; None = no padding.
+            hidden_states: `[b, n, D]` (read by the dense forms only; None for the random forms).
+            query_length: n when `hidden_states` is None.
+
+        Returns:
+            (`[b, h, n, d]` output, the probabilities it was computed from, after dropout, `[b, h, n, m]`).
+        """
+        b = v.shape[0]
+        n = hidden_states.shape[1] if hidden_states is not None else query_length
         m = v.shape[2]
         if m > self.max_len:
             raise ValueError(
@@ -225,9 +252,8 @@ class SynthesizerAttention(LongAttnAttention):
         # every sequence draws its own dropout mask (dropout of the shared matrix would drop alike in all of them).
         probs = (probs * visible).expand(b, -1, -1, -1)  # a row without visible keys (all padding) is zeros
         dropped = nn.functional.dropout(probs, p=self.dropout_p) if self.training and self.dropout_p > 0 else probs
-        out = (dropped @ v.to(dtype)).to(v.dtype)  # [b, h, n, d]
         # The weights the output was computed from (after dropout, as transformers' eager attention returns them).
-        return self.o_proj(self.merge_heads(out)), (dropped.to(v.dtype) if output_attentions else None)
+        return (dropped @ v.to(dtype)).to(v.dtype), dropped  # [b, h, n, d], [b, h, n, m]
 
     def _visible(self, attention_mask: torch.Tensor | None, n: int, m: int, device: torch.device) -> torch.Tensor:
         """Bool `[b|1, 1, n, m]`: causal (query i is position m - n + i) and real keys."""

@@ -17,7 +17,8 @@ def parse_config_overrides(overrides: str | None, *, flag: str = "--config_overr
     """`"a=1,b=x,c=[sliding,full]"` -> `{"a": 1, "b": "x", "c": ["sliding", "full"]}`.
 
     Values become int, float, bool (`true`/`false`), None (`none`/`null`) or str; `[v1,v2]` becomes a list of them.
-    A key given twice keeps its last value.
+    A key given twice keeps its last value. A dotted key (`longattn.sliding_window`) names a field of a nested
+    dict: a lengthened stock checkpoint keeps its longattn fields in the `longattn` dict of its config.
 
     Args:
         overrides: The text of the flag; None or "" gives `{}`.
@@ -41,7 +42,7 @@ def parse_config_overrides(overrides: str | None, *, flag: str = "--config_overr
     for item in items:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or not key or not key.isidentifier():
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
             raise ValueError(f"{flag}: {item.strip()!r} is not of the form key=value; expected comma-separated "
                              f"key=value pairs, lists in brackets, e.g. 'sliding_window=4,sliding_dilation=[1,3]'.")
         if value.startswith("[") and value.endswith("]"):

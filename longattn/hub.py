@@ -8,6 +8,10 @@ A folder written by `save_hub_folder` loads in two ways, with the same outputs:
   patterns below them) is copied along;
 - `AutoModelFor...from_pretrained(folder)` after `import longattn`.
 
+A stock family running longattn's kinds (a lengthened BERT, RoBERTa, GPT-2, Llama, ... with a `longattn` dict in its
+config) is saved as transformers saves it, with no code: it loads with `from_pretrained(folder)` after
+`import longattn` only (longattn installed), and its model card (`stock_model_card`) says so.
+
 `push_folder` uploads it with huggingface_hub (`create_repo` + `upload_folder`); `python -m longattn.hub check FOLDER`
 lists what a folder lacks, `python -m longattn.hub push FOLDER REPO_ID` uploads one.
 """
@@ -137,22 +141,35 @@ def save_hub_folder(model, tokenizer, folder: str | Path, *, card=None, state_di
     """Write `model` (safetensors, `config.json` with `auto_map`), `tokenizer`, the modeling code and `card`
     (`README.md`) to `folder`.
 
+    A stock transformers model running longattn's kinds (a `longattn` dict in its config, see
+    `apply_longattn`) is saved without code or `auto_map`: its family's classes are transformers' own, and loading
+    it needs longattn installed (`import longattn` registers the attention implementation and rebuilds the kinds).
+
     Args:
-        model: A longattn model (any head).
+        model: A longattn model (any head), or a stock model running longattn's kinds.
         tokenizer: Its tokenizer (or None).
         folder: The output folder (created).
         card: A `huggingface_hub.ModelCard` (see `model_card`), or None.
         state_dict: The weights to save instead of `model.state_dict()` (e.g. gathered from FSDP shards).
 
     Raises:
-        ValueError: `model` is not a longattn model.
+        ValueError: `model` is neither a longattn model nor a stock model running longattn's kinds.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     auto_class = MODEL_AUTO_CLASS.get(type(model).__name__)
+    if auto_class is None and is_stock_longattn(model.config):
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder, state_dict=state_dict)  # config.json keeps attn_implementation="longattn"
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        if card is not None:
+            card.save(folder / "README.md")
+        return folder
     if auto_class is None:
-        raise ValueError(f"{type(model).__name__} is not a longattn model class: expected one of "
-                         f"{sorted(MODEL_AUTO_CLASS)}.")
+        raise ValueError(f"{type(model).__name__} is not a longattn model class ({sorted(MODEL_AUTO_CLASS)}) and "
+                         "its config holds no `longattn` dict: run `longattn.apply_longattn(model, ...)` or "
+                         "`longattn.lengthen(...)` first.")
+    folder.mkdir(parents=True, exist_ok=True)
     config = model.config
     previous_map = getattr(config, "auto_map", None)
     # Instance attributes, not `register_for_auto_class` (which would change the classes for the whole process).
@@ -184,7 +201,10 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
         return [f"no config.json in {folder}"]
     config = json.loads(config_path.read_text())
     auto_map = config.get("auto_map") or {}
-    if "AutoConfig" not in auto_map:
+    stock = config.get("model_type") != "longattn"
+    if stock and config.get("longattn") and config.get("attn_implementation") != "longattn":
+        problems.append("config.json holds a `longattn` dict but not attn_implementation='longattn'")
+    if not stock and "AutoConfig" not in auto_map:
         problems.append("config.json has no auto_map['AutoConfig']")
     for auto, target in auto_map.items():
         module = target.split(".")[0] if isinstance(target, str) else None
@@ -214,6 +234,100 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- model card
+def is_stock_longattn(config) -> bool:
+    """Whether `config` is a stock transformers family's running longattn's kinds (a `longattn` dict)."""
+    return getattr(config, "model_type", None) != "longattn" and bool(getattr(config, "longattn", None))
+
+
+def stock_model_card(config, *, task: str | None = None, metrics: dict[str, float] | None = None,
+                     training_data: str | None = None, command: str | None = None,
+                     datasets: list[str] | None = None, extra: dict[str, Any] | None = None,
+                     base_model: str | None = None, model_name: str | None = None):
+    """A `huggingface_hub.ModelCard` for a stock family running longattn's kinds (a lengthened checkpoint): its
+    attention settings and the note that loading it needs `pip install longattn` and `import longattn` (the
+    folder holds no code; without longattn, transformers refuses the unknown attention implementation).
+
+    Args: as `model_card`; `task` may be None (a lengthened checkpoint not yet fine-tuned), `base_model` the
+        checkpoint it was lengthened from.
+    """
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    from .lengthen import max_tokens
+
+    pipeline_tag, task_name, auto_class = TASKS[task] if task else (None, None, "AutoModel")
+    family = (getattr(config, "architectures", None) or [config.model_type])[0]
+    fields = dict(config.longattn)
+    kinds = fields.get("attention_type", "sliding")
+    unique_kinds = list(dict.fromkeys([kinds] if isinstance(kinds, str) else kinds))
+    model_name = model_name or f"{config.model_type}-longattn-{'-'.join(unique_kinds)}" + (f"-{task}" if task else "")
+    metrics = metrics or {}
+    dataset_label = (datasets[0] if datasets else "local data")
+    eval_results = [
+        EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
+                   metric_type=name.removeprefix("eval_"), metric_value=round(float(value), 6))
+        for name, value in metrics.items()
+    ]
+    card_data = ModelCardData(
+        library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model, datasets=datasets,
+        tags=["longattn", "long-context", *([task] if task else []), *(f"attention-{k}" for k in unique_kinds)],
+        model_name=model_name, eval_results=eval_results or None,
+    )
+    settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in fields.items())
+    metric_rows = "\n".join(f"| {name.removeprefix('eval_')} | {value:.4f} |" for name, value in metrics.items())
+    facts = "\n".join(f"- {name}: {value}" for name, value in (extra or {}).items())
+    body = f"""
+# {model_name}
+
+A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attention kinds
+(`attn_implementation="longattn"`){f", lengthened from `{base_model}`" if base_model else ""}{
+        f", trained for {task_name}" if task else ""}.
+
+## Attention
+
+| field | value |
+|---|---|
+{settings or "| - | - |"}
+
+Cross-attention (encoder-decoder models) stays dense.
+
+## Training data
+
+{training_data or "not recorded"}
+
+## Results
+
+| metric | value |
+|---|---|
+{metric_rows or "| - | - |"}
+
+## Training
+
+{facts or "-"}
+
+```bash
+{redact_command(command) if command else "not recorded"}
+```
+
+## How to load
+
+This folder holds no code: it needs longattn installed.
+
+```bash
+pip install longattn
+```
+
+```python
+import longattn  # registers the "longattn" attention implementation and rebuilds the kinds on load
+from transformers import {auto_class}
+
+model = {auto_class}.from_pretrained("<this folder or repo id>")
+```
+
+Without `import longattn`, transformers refuses the unknown attention implementation `longattn`.
+"""
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+
+
 def _kind_settings(config, layer_idx: int, name: str) -> str:
     from .attention_registry import attention_class
 
@@ -233,7 +347,7 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
     command used and how to load the model.
 
     Args:
-        config: The model's `LongAttnConfig`.
+        config: The model's `LongAttnConfig` (a stock family's config with a `longattn` dict: `stock_model_card`).
         task: A recipe task: "mlm", "classification", "clm" or "seq2seq".
         metrics: `{"eval_accuracy": 0.97, ...}`.
         training_data: One line about the data.
@@ -244,6 +358,9 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+    if is_stock_longattn(config):
+        return stock_model_card(config, task=task, metrics=metrics, training_data=training_data, command=command,
+                                datasets=datasets, extra=extra, model_name=model_name)
     pipeline_tag, task_name, auto_class = TASKS[task]
     kinds = list(config.layer_attention_types)
     unique_kinds = list(dict.fromkeys(kinds))
@@ -366,4 +483,4 @@ if __name__ == "__main__":
 
 
 __all__ = ["AUTO_MAP", "save_hub_folder", "hub_folder_problems", "code_closure", "copy_code", "model_card",
-           "push_folder"]
+           "stock_model_card", "is_stock_longattn", "push_folder"]

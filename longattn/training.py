@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DataCollatorWithPadding
 
 from . import config_overrides
 from .attention_registry import attention_class
@@ -128,7 +129,8 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
     model.add_argument("--config_name", help="a config (Hub id or folder) to train from scratch")
     model.add_argument("--config_overrides",
                        help='override config fields, transformers\' format: "attention_type=sliding,sliding_window=64,'
-                            'hidden_size=128"; a list in brackets: "attention_type=[sliding,full]"')
+                            'hidden_size=128"; a list in brackets: "attention_type=[sliding,full]"; the '
+                            '`longattn` dict of a lengthened stock checkpoint: "longattn.sliding_window=256"')
     model.add_argument("--tokenizer_name", help="a tokenizer (Hub id or folder); default: the model's, else bytes")
     model.add_argument("--trust_remote_code", action="store_true", help="allow custom code from the Hub")
     model.add_argument("--gradient_checkpointing", action="store_true")
@@ -283,6 +285,9 @@ def load_config(args: argparse.Namespace, *, task: str):
 
     Raises:
         RecipeError: an unknown field, an unknown attention name, any value `LongAttnConfig` rejects.
+
+    A stock family's checkpoint (one lengthened by `longattn.lengthen`) keeps its own config class; its `longattn`
+    dict is reached with the dotted form `longattn.sliding_window=256` (see `_stock_config`).
     """
     from transformers import AutoConfig
 
@@ -292,6 +297,9 @@ def load_config(args: argparse.Namespace, *, task: str):
     source = args.model_name_or_path or args.config_name
     try:
         if source is None:
+            # `longattn.sliding_window=256` (the dotted form for a stock model's `longattn` dict) names the same
+            # field as `sliding_window=256` in a longattn config.
+            overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
             known = set(LongAttnConfig().to_dict())
             unknown = sorted(set(overrides) - known)
             if unknown:
@@ -299,6 +307,9 @@ def load_config(args: argparse.Namespace, *, task: str):
             config = LongAttnConfig(**{**overrides, **stack})
         else:
             config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+            if config.model_type != LongAttnConfig.model_type:
+                return _stock_config(config, source, overrides, stack)
+            overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
             unknown = sorted(key for key in overrides if not hasattr(config, key))
             if unknown:
                 raise RecipeError(f"--config_overrides: unknown config field(s) {unknown} for {source!r}.")
@@ -308,6 +319,37 @@ def load_config(args: argparse.Namespace, *, task: str):
                 config.validate_longattn()
     except (ValueError, OSError) as error:
         raise RecipeError(_one_line(error)) from None
+    return config
+
+
+_DICT_PREFIX = "longattn."
+
+
+def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[str, Any]):
+    """A stock family's config (a checkpoint lengthened by `longattn.lengthen`) with --config_overrides applied:
+    `longattn.FIELD=value` sets a field of its `longattn` dict, other keys set config fields; the dict is then
+    validated like `LongAttnConfig`.
+
+    Raises:
+        RecipeError: an unknown field, a value the kinds reject, or a task the family cannot run.
+    """
+    from .integration_transformers import kind_config
+
+    dotted = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items() if key.startswith(_DICT_PREFIX)}
+    plain = {key: value for key, value in overrides.items() if not key.startswith(_DICT_PREFIX)}
+    unknown = sorted(key for key in plain if not hasattr(config, key))
+    if unknown:
+        raise RecipeError(f"--config_overrides: unknown config field(s) {unknown} for {source!r} "
+                          f"(a field of its `longattn` dict is written `longattn.FIELD=value`).")
+    for key, value in plain.items():
+        setattr(config, key, value)
+    if stack and stack["is_encoder_decoder"] != bool(getattr(config, "is_encoder_decoder", False)):
+        raise RecipeError(f"{source!r} is a {config.model_type} model, which is "
+                          f"{'' if config.is_encoder_decoder else 'not '}an encoder-decoder: use the recipe for it.")
+    if dotted or getattr(config, "longattn", None):
+        config.longattn = {**(getattr(config, "longattn", None) or {}), **dotted}
+        for stack_name in ("encoder", "decoder") if config.is_encoder_decoder else ("self",):
+            kind_config(config, stack_name, is_causal=stack_name == "decoder")
     return config
 
 
@@ -332,12 +374,18 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
     Raises:
         RecipeError: the requested length exceeds `max_position_embeddings`.
     """
-    limit = getattr(config, "max_position_embeddings", None) or default_cap
+    from .lengthen import max_tokens
+
+    limit = max_tokens(config) or default_cap  # RoBERTa's table holds pad_token_id + 1 rows before the first token
     value = getattr(args, flag)
     if value is None:
         tokenizer_limit = getattr(tokenizer, "model_max_length", None) or limit
         value = min(limit, tokenizer_limit, default_cap)
     elif value > limit:
+        if not is_longattn(config):
+            raise RecipeError(f"--{flag} {value} exceeds the {limit} tokens the model reads (max_position_embeddings="
+                              f"{config.max_position_embeddings}): pass at most {limit}, or lengthen the checkpoint "
+                              f"first: longattn-lengthen SRC OUT --max_length {value}.")
         raise RecipeError(f"--{flag} {value} exceeds the model's limit max_position_embeddings={limit}: pass at most "
                           f"{limit}, or train from scratch with --config_overrides max_position_embeddings={value}.")
     setattr(args, flag, value)
@@ -347,11 +395,37 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
 def length_multiple(config, *, decoder: bool = False) -> int:
     """The length every batch is padded to a multiple of: the least common multiple of what each layer's attention
     kind asks for (`LongAttnAttention.length_multiple`) in the encoder stack, or the decoder stack with `decoder`."""
+    if config.model_type != LongAttnConfig.model_type:
+        if not getattr(config, "longattn", None):
+            return 1  # a stock model under its own attention
+        config = _stock_kind_config(config, decoder=decoder)
+        decoder = False
     names = config.decoder_layer_attention_types if decoder else config.layer_attention_types
     multiple = 1
     for layer_idx, name in enumerate(names):
         multiple = math.lcm(multiple, attention_class(name).length_multiple(config, layer_idx=layer_idx))
     return multiple
+
+
+def _stock_kind_config(config, *, decoder: bool = False) -> LongAttnConfig:
+    """The `LongAttnConfig` of a stock model's kinds (its `longattn` dict with its geometry): the encoder's or the
+    one stack's, or an encoder-decoder's decoder self-attention with `decoder`."""
+    from .integration_transformers import kind_config
+
+    stack = "decoder" if decoder else ("encoder" if getattr(config, "is_encoder_decoder", False) else "self")
+    causal = decoder or bool(getattr(config, "is_decoder", False)) or config.model_type not in _ENCODER_MODEL_TYPES
+    return kind_config(config, stack, is_causal=causal and stack != "encoder")
+
+
+# Stock families whose one stack is bidirectional (the others of the supported families are causal decoders).
+_ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+
+
+def attention_types(config) -> list[str]:
+    """The attention kind of each layer (of the encoder, or the one stack), longattn or stock model."""
+    if config.model_type != LongAttnConfig.model_type:
+        return list(_stock_kind_config(config).layer_attention_types) if getattr(config, "longattn", None) else []
+    return list(config.layer_attention_types)
 
 
 # ---------------------------------------------------------------------------------------------- accelerate / data
@@ -603,6 +677,48 @@ class PadCollator:
         return batch
 
 
+class DataCollatorWithGlobalAttention(DataCollatorWithPadding):
+    """transformers' `DataCollatorWithPadding` that also hands the model its global tokens: a ragged
+    `global_attention_mask` of the features is padded with 0 (on the tokenizer's padding side), and with
+    `global_first_token` a batch without one gets the first real token of each row as its global token.
+
+    With `transformers.Trainer`, `global_first_token=True` is how global tokens reach the model under the default
+    `remove_unused_columns=True`: Trainer drops every dataset column that `forward` does not name, and a stock
+    model's `forward` takes `global_attention_mask` through `**kwargs` only. A per-example column needs
+    `TrainingArguments(remove_unused_columns=False)` (and a dataset holding only model inputs).
+
+        collator = DataCollatorWithGlobalAttention(tokenizer, global_first_token=True, pad_to_multiple_of=64)
+        Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
+
+    Args (besides `DataCollatorWithPadding`'s):
+        global_first_token: Make the first real token of each row global when the features have no
+            `global_attention_mask` (Longformer's classification convention: `<s>` / `[CLS]` sees everything).
+    """
+
+    def __init__(self, tokenizer, *, global_first_token: bool = False, **kwargs: Any):
+        super().__init__(tokenizer, **kwargs)
+        self.global_first_token = global_first_token
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = [feature.get("global_attention_mask") for feature in features]
+        features = [{k: v for k, v in feature.items() if k != "global_attention_mask"} for feature in features]
+        batch = super().__call__(features)
+        real = batch["attention_mask"].bool()  # [b, n]
+        if any(row is not None for row in rows):
+            if any(row is None for row in rows):
+                raise ValueError("`global_attention_mask` is in some features of the batch but not in others.")
+            lengths = real.sum(-1).tolist()
+            padded = torch.zeros(real.shape, dtype=torch.long)  # [b, n]
+            for i, row in enumerate(rows):
+                row = torch.as_tensor(row, dtype=torch.long)[: lengths[i]]
+                padded[i, real[i].nonzero()[: len(row), 0]] = row  # the real positions, whichever side pads
+            batch["global_attention_mask"] = padded
+        elif self.global_first_token:
+            first = real.long().argmax(-1)  # [b]: the first real token (left padding included)
+            batch["global_attention_mask"] = torch.nn.functional.one_hot(first, real.shape[1]) * real
+        return batch
+
+
 def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
     out = torch.full((len(rows), length), value, dtype=torch.long)
     for i, row in enumerate(rows):
@@ -682,9 +798,13 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
         config.vocab_size = len(tokenizer)
     try:
         if args.model_name_or_path:
+            # A stock model running longattn's kinds (its config holds a `longattn` dict) is built with the
+            # "longattn" implementation, which attaches the kinds and loads their parameters.
+            stock = {"attn_implementation": "longattn"} if config.model_type != LongAttnConfig.model_type and \
+                getattr(config, "longattn", None) else {}
             model = auto_class.from_pretrained(args.model_name_or_path, config=config,
                                                trust_remote_code=args.trust_remote_code,
-                                               ignore_mismatched_sizes=args.task == "classification")
+                                               ignore_mismatched_sizes=args.task == "classification", **stock)
         else:
             model = auto_class.from_config(config, trust_remote_code=args.trust_remote_code)
     except (ValueError, OSError) as error:
@@ -697,8 +817,10 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
     return model
 
 
-def is_longattn(model) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == LongAttnConfig.model_type
+def is_longattn(model_or_config) -> bool:
+    """Whether a model (or config) is one of longattn's own classes, not a stock family running its kinds."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "model_type", None) == LongAttnConfig.model_type
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -1096,7 +1218,7 @@ def train(
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "global_batch_size": global_batch_size,
         "max_seq_length": args.max_seq_length,
-        "attention_types": list(getattr(config, "layer_attention_types", [])),
+        "attention_types": attention_types(config),
         "resumed_from": recorded_path(resume_path, args.output_dir) if resume_path is not None else None,
         "seed": args.seed,
     }
@@ -1213,7 +1335,8 @@ def run_recipe(main: Callable[[list[str] | None], Any], argv: list[str] | None =
 __all__ = [
     "RecipeError", "recipe_parser", "parse_args", "parse_config_overrides", "load_config", "load_tokenizer",
     "resolve_max_seq_length", "length_multiple", "make_accelerator", "load_raw_datasets", "require_columns",
-    "group_texts", "PadCollator", "pad_token_id", "mask_tokens", "progress_bar", "batch_generator", "load_model", "is_longattn", "list_checkpoints",
+    "group_texts", "PadCollator", "DataCollatorWithGlobalAttention", "attention_types", "pad_token_id",
+    "mask_tokens", "progress_bar", "batch_generator", "load_model", "is_longattn", "list_checkpoints",
     "save_checkpoint", "resume", "run_settings", "recorded_args", "recorded_path", "count_loss_items",
     "accumulation_step", "train", "token_stats", "summarize_token_stats", "finish", "describe_data", "run_recipe",
 ]

@@ -3,7 +3,8 @@
 
 The first token (`<s>` with the byte tokenizer) is a global token by default, as in Longformer: it sees the whole
 document and the whole document sees it, whatever the attention of the other tokens (`--global_attention none` turns
-that off). Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes;
+that off); a lengthened stock checkpoint (`longattn-lengthen`, e.g. RoBERTa) gets the same first global token through
+its `global_attention_mask`. Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes;
 numbers such as 1.5 are a regression, with `--problem_type regression` (without it they stop the run with an error).
 
     python -m longattn.data needle --output_dir data/generated/needle
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
         config.label2id = {str(label): i for label, i in label_to_id.items()}
         config.id2label = {i: str(label) for label, i in label_to_id.items()}
 
+    stock = not training.is_longattn(config)  # a lengthened BERT / RoBERTa / ... (--model_name_or_path)
+
     def preprocess(examples):
         texts = (examples[args.text_column],)
         if args.text_pair_column:
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         encoded["labels"] = [float(x) for x in labels] if is_regression else [label_to_id[x] for x in labels]
         if args.global_attention == "none":
             encoded["global_attention_mask"] = [[0] * len(ids) for ids in encoded["input_ids"]]
+        elif stock:  # a stock model's forward has no global default: the mask names the first token
+            encoded["global_attention_mask"] = [[1] + [0] * (len(ids) - 1) for ids in encoded["input_ids"]]
         encoded.pop("token_type_ids", None)
         return encoded
 

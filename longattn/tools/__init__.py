@@ -1,0 +1,1 @@
+"""longattn's command-line tools (console scripts declared in pyproject.toml)."""
