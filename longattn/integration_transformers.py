@@ -4,7 +4,8 @@ Shape legend: b batch, h query heads, h_kv key/value heads, n query length, m ke
 
 `import longattn` registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
 function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config
+holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
 
     model = AutoModel.from_pretrained("roberta-base")
     longattn.apply_longattn(model, attention_type="sliding", sliding_window=256)
@@ -39,10 +40,10 @@ native stack).
 
 Not supported (each a `ValueError` naming the family or kind and why): families whose layers never call the
 registered function (DeBERTa-v2), attentions that add a dense bias to the scores (T5's `position_bias`), families
-outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` (it needs the layer's hidden states,
-which the interface does not pass), the dense and factorized-dense synthesizer (same reason), `lsh` (shared queries and keys: a stock model has separate q and k
-projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse kind, packed documents
-(restarting `position_ids`).
+outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` and the dense and factorized-dense synthesizer (they
+need the layer's hidden states, which the interface does not pass), `lsh` (shared queries and keys: a stock model
+has separate q and k projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse
+kind, packed documents (restarting `position_ids`).
 """
 
 from __future__ import annotations
@@ -110,9 +111,13 @@ def _check_fields(fields: dict[str, Any]) -> None:
         if field not in allowed:
             close = difflib.get_close_matches(field, allowed, n=3)
             hint = f" Did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-            raise ValueError(f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}")
+            raise ValueError(
+                f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}"
+            )
     names = _kind_names(fields)
-    for name in names & set(REFUSED_KINDS):
+    refused = sorted(names & set(REFUSED_KINDS))
+    if refused:
+        name = refused[0]
         raise ValueError(f"`attention_type`={name!r} cannot run in a stock transformers model: {REFUSED_KINDS[name]}.")
     if "synthesizer" in names and fields.get("synthesizer_mode", "dense") in ("dense", "factorized_dense"):
         raise ValueError(
@@ -132,7 +137,7 @@ def _kind_names(fields: dict[str, Any]) -> set[str]:
     names = set()
     for key in ("attention_type", "decoder_attention_type"):
         value = fields.get(key, [])
-        names.update([value] if isinstance(value, str) else value)
+        names.update(value if isinstance(value, (list, tuple)) else [value])
     return names
 
 

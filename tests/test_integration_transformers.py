@@ -161,7 +161,8 @@ def test_mask_function_returns_the_padding_mask_cut_to_the_cached_keys():
 
 # ------------------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("family", [name for name in FAMILIES if name not in MORE_FAMILIES])
-@pytest.mark.parametrize("fields", [{"attention_type": "full"}, {"attention_type": "sliding", "sliding_window": LENGTH}],
+@pytest.mark.parametrize("fields", [{"attention_type": "full"},
+                                    {"attention_type": "sliding", "sliding_window": LENGTH}],
                          ids=["full", "covering_window"])
 def test_equals_sdpa_with_padding(family, fields):
     """A window covering the sequence (or "full"): outputs and gradients equal the same model under sdpa."""
