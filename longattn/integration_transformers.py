@@ -293,17 +293,10 @@ def _configure_cache(model: nn.Module) -> None:
     (correct, never truncated), so a model's own `sliding_window` (Mistral's default 4096) is cleared.
     """
     config = model.config
-    if not hasattr(config, "sliding_window") and not _is_causal_lm(model):
+    causal = _is_causal_lm(model)
+    if not causal and not hasattr(config, "sliding_window"):
         return
-    window = None
-    if _is_causal_lm(model) and not getattr(config, "is_encoder_decoder", False):
-        kinds = kind_config(config, "self", is_causal=True)
-        dilation = kinds.sliding_dilation
-        windows = kinds.sliding_window if isinstance(kinds.sliding_window, list) else [kinds.sliding_window]
-        if set(kinds.layer_attention_types) == {"sliding"} and len(set(windows)) == 1 and set(
-            dilation if isinstance(dilation, list) else [dilation]
-        ) == {1}:
-            window = windows[0] + 1
+    window = _bounded_cache_window(config) if causal else None
     config.sliding_window = window
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
@@ -314,7 +307,19 @@ def _configure_cache(model: nn.Module) -> None:
         config.use_sliding_window = window is not None
 
 
+def _bounded_cache_window(config: Any) -> int | None:
+    """transformers' `sliding_window` for a causal stack whose every layer is one plain window, else None."""
+    kinds = kind_config(config, "self", is_causal=True)
+    windows = {kinds.per_layer("sliding_window", i) for i in range(kinds.num_hidden_layers)}
+    dilation = kinds.sliding_dilation
+    dilations = set(dilation) if isinstance(dilation, (list, tuple)) else {dilation}
+    if set(kinds.layer_attention_types) == {"sliding"} and len(windows) == 1 and dilations == {1}:
+        return windows.pop() + 1
+    return None
+
+
 def _is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only model (or BERT-like decoder): its one stack of self-attention is causal."""
     return any(getattr(m, "is_causal", False) and _role(m) == "self" for m in _self_attention_modules(model))
 
 

@@ -259,6 +259,8 @@ def test_plain_causal_window_bounds_the_cache_and_the_dict_wins_over_mistral_win
     batch = inputs("mistral", length=30)
     model(**batch, cache=cache, use_cache=True)
     assert cache.layers[0].keys.shape[2] == 6  # transformers keeps window - 1 keys between steps
+    apply_longattn(model, attention_type="sliding", sliding_window=[6, 4])  # one window per layer: full layers
+    assert model.config.sliding_window is None
     apply_longattn(model, attention_type="sliding", sliding_window=6, sliding_dilation=2)
     assert model.config.sliding_window is None
     cache = DynamicCache(config=model.config)
