@@ -4,7 +4,8 @@ Shape legend: b batch, h query heads, h_kv key/value heads, n query length, m ke
 
 `import longattn` registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
 function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config
+holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
 
     model = AutoModel.from_pretrained("roberta-base")
     longattn.apply_longattn(model, attention_type="sliding", sliding_window=256)
@@ -39,10 +40,10 @@ native stack).
 
 Not supported (each a `ValueError` naming the family or kind and why): families whose layers never call the
 registered function (DeBERTa-v2), attentions that add a dense bias to the scores (T5's `position_bias`), families
-outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` (it needs the layer's hidden states,
-which the interface does not pass), the dense and factorized-dense synthesizer (same reason), `lsh` (shared queries and keys: a stock model has separate q and k
-projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse kind, packed documents
-(restarting `position_ids`).
+outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` and the dense and factorized-dense synthesizer (they
+need the layer's hidden states, which the interface does not pass), `lsh` (shared queries and keys: a stock model
+has separate q and k projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse
+kind, packed documents (restarting `position_ids`).
 """
 
 from __future__ import annotations
@@ -110,9 +111,13 @@ def _check_fields(fields: dict[str, Any]) -> None:
         if field not in allowed:
             close = difflib.get_close_matches(field, allowed, n=3)
             hint = f" Did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-            raise ValueError(f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}")
+            raise ValueError(
+                f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}"
+            )
     names = _kind_names(fields)
-    for name in names & set(REFUSED_KINDS):
+    refused = sorted(names & set(REFUSED_KINDS))
+    if refused:
+        name = refused[0]
         raise ValueError(f"`attention_type`={name!r} cannot run in a stock transformers model: {REFUSED_KINDS[name]}.")
     if "synthesizer" in names and fields.get("synthesizer_mode", "dense") in ("dense", "factorized_dense"):
         raise ValueError(
@@ -132,7 +137,7 @@ def _kind_names(fields: dict[str, Any]) -> set[str]:
     names = set()
     for key in ("attention_type", "decoder_attention_type"):
         value = fields.get(key, [])
-        names.update([value] if isinstance(value, str) else value)
+        names.update(value if isinstance(value, (list, tuple)) else [value])
     return names
 
 
@@ -288,17 +293,10 @@ def _configure_cache(model: nn.Module) -> None:
     (correct, never truncated), so a model's own `sliding_window` (Mistral's default 4096) is cleared.
     """
     config = model.config
-    if not hasattr(config, "sliding_window") and not _is_causal_lm(model):
+    causal = _is_causal_lm(model)
+    if not causal and not hasattr(config, "sliding_window"):
         return
-    window = None
-    if _is_causal_lm(model) and not getattr(config, "is_encoder_decoder", False):
-        kinds = kind_config(config, "self", is_causal=True)
-        dilation = kinds.sliding_dilation
-        windows = kinds.sliding_window if isinstance(kinds.sliding_window, list) else [kinds.sliding_window]
-        if set(kinds.layer_attention_types) == {"sliding"} and len(set(windows)) == 1 and set(
-            dilation if isinstance(dilation, list) else [dilation]
-        ) == {1}:
-            window = windows[0] + 1
+    window = _bounded_cache_window(config) if causal else None
     config.sliding_window = window
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
@@ -309,7 +307,19 @@ def _configure_cache(model: nn.Module) -> None:
         config.use_sliding_window = window is not None
 
 
+def _bounded_cache_window(config: Any) -> int | None:
+    """transformers' `sliding_window` for a causal stack whose every layer is one plain window, else None."""
+    kinds = kind_config(config, "self", is_causal=True)
+    windows = {kinds.per_layer("sliding_window", i) for i in range(kinds.num_hidden_layers)}
+    dilation = kinds.sliding_dilation
+    dilations = set(dilation) if isinstance(dilation, (list, tuple)) else {dilation}
+    if set(kinds.layer_attention_types) == {"sliding"} and len(windows) == 1 and dilations == {1}:
+        return windows.pop() + 1
+    return None
+
+
 def _is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only model (or BERT-like decoder): its one stack of self-attention is causal."""
     return any(getattr(m, "is_causal", False) and _role(m) == "self" for m in _self_attention_modules(model))
 
 

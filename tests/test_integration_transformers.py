@@ -161,7 +161,8 @@ def test_mask_function_returns_the_padding_mask_cut_to_the_cached_keys():
 
 # ------------------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("family", [name for name in FAMILIES if name not in MORE_FAMILIES])
-@pytest.mark.parametrize("fields", [{"attention_type": "full"}, {"attention_type": "sliding", "sliding_window": LENGTH}],
+@pytest.mark.parametrize("fields", [{"attention_type": "full"},
+                                    {"attention_type": "sliding", "sliding_window": LENGTH}],
                          ids=["full", "covering_window"])
 def test_equals_sdpa_with_padding(family, fields):
     """A window covering the sequence (or "full"): outputs and gradients equal the same model under sdpa."""
@@ -258,6 +259,8 @@ def test_plain_causal_window_bounds_the_cache_and_the_dict_wins_over_mistral_win
     batch = inputs("mistral", length=30)
     model(**batch, cache=cache, use_cache=True)
     assert cache.layers[0].keys.shape[2] == 6  # transformers keeps window - 1 keys between steps
+    apply_longattn(model, attention_type="sliding", sliding_window=[6, 4])  # one window per layer: full layers
+    assert model.config.sliding_window is None
     apply_longattn(model, attention_type="sliding", sliding_window=6, sliding_dilation=2)
     assert model.config.sliding_window is None
     cache = DynamicCache(config=model.config)
