@@ -284,6 +284,8 @@ def adaptive_span_reference(
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]

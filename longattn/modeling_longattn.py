@@ -294,8 +294,8 @@ def _is_integer(tensor: torch.Tensor) -> bool:
 def _check_range(name: str, tensor: torch.Tensor, limit: int, what: str) -> None:
     """Raise `ValueError` unless every value of an integer tensor is in [0, limit) (`what` names the limit).
 
-    One `aminmax` and one host sync in eager mode. Skipped while `torch.compile` traces: reading the values would
-    break the graph, and the eager run of the same model has checked the same code path.
+    One `aminmax` and one host sync in eager mode. Skipped while `torch.compile` or `torch.export` traces: reading
+    the values there would break the graph (a compiled model with a bad id fails in the embedding lookup instead).
     """
     if tensor.numel() == 0 or torch.compiler.is_compiling():
         return

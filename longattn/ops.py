@@ -158,7 +158,8 @@ def full_attention(
     """Dense attention over every (visible) key through torch's `scaled_dot_product_attention`: the baseline.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
+        q: Queries `[b, h, n_q, d]` (causal: n_q <= n_k, the last n_q positions; else any n_q, as in
+            cross-attention).
         k: Keys `[b, h, n_k, d]`.
         v: Values `[b, h, n_k, d_v]`.
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
@@ -178,8 +179,9 @@ def full_attention(
             bool `[b, n_k]`, `causal` is not a bool, `scale` is not finite, `dropout_p` is outside [0, 1), or
             `backend` is unknown or cannot run this call (the message says why).
     """
-    b, h, n_q, n_k = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
+    # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
+    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal)
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
