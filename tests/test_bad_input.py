@@ -204,6 +204,11 @@ def test_full_attention_takes_more_queries_than_keys_unless_causal():
     q, k, v = _tensors(generator, n_q=N + 3)
     k, v = k[:, :, :N], v[:, :, :N]
     torch.testing.assert_close(ops.full_attention(q, k, v), ops.reference_attention(q, k, v, None))
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, :2] = False
+    for backend in ("auto", "reference"):
+        torch.testing.assert_close(ops.full_attention(q, k, v, key_padding_mask=keep, backend=backend),
+                                   ops.reference_attention(q, k, v, keep[:, None, None, :]))
     with pytest.raises(ValueError, match=r"\bq has more positions"):
         ops.full_attention(q, k, v, causal=True)
 
@@ -503,3 +508,13 @@ def test_kind_functions_refuse_non_bool_masks_and_take_empty_inputs(function):
             assert out.shape == (b, -(-n // 2), 2, H, D)
         else:
             assert out.shape == (b, H, n, D)
+
+
+def test_seq2seq_decoder_longer_than_its_encoder_input():
+    """Cross-attention has more queries than keys when the target is longer than the source (it used to be refused
+    as if queries had to be the last keys)."""
+    model = _tiny_models("full")[-1]
+    assert isinstance(model, longattn.LongAttnForSeq2SeqLM)
+    logits = model(input_ids=torch.ones(2, 4, dtype=torch.long), decoder_input_ids=torch.ones(2, 9, dtype=torch.long),
+                   attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])).logits
+    assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()
