@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field, check_number
+from .ops_checks import check_token_mask, empty_attention, is_empty
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
 # waste fewer gathered keys per query but compute more masked-out scores at the band's edges; 64 balances both for
@@ -106,10 +107,16 @@ def adaptive_span_attention(
         block_size: Queries per block c.
 
     Returns:
-        `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros.
+        `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros; empty for batch or length 0.
+
+    Raises:
+        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape.
@@ -270,9 +277,15 @@ def adaptive_span_reference(
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
+
+    Raises:
+        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]

@@ -278,8 +278,8 @@ def test_invalid_shapes_are_reported():
     q, k, v = _qkv(2, 2, 10)
     with pytest.raises(ValueError, match="k must have shape"):
         ops.sliding_window_attention(q, k[:, :1], v, window=2)
-    with pytest.raises(ValueError, match="q has more positions"):
-        ops.full_attention(q, k[:, :, :5], v[:, :, :5])
+    with pytest.raises(ValueError, match="q has more positions"):  # causal queries are the last key positions
+        ops.full_attention(q, k[:, :, :5], v[:, :, :5], causal=True)
     with pytest.raises(ValueError, match="key_padding_mask"):
         ops.full_attention(q, k, v, key_padding_mask=torch.ones(2, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match="q_len"):
