@@ -71,6 +71,18 @@ class _Workspace:
         return buffer[:size].view(*shape)
 
 
+def _row_strides(t: Tensor) -> tuple[int, int, int] | None:
+    """Strides of t `[b, h, n, d]` in rows of d, or None when its layout is not row-addressable (see `_rows`).
+
+    Decided from the shape and strides alone (no data pointers), so that `torch.compile` traces it without a break.
+    """
+    d = t.shape[3]
+    strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
+    if d == 0 or (d > 1 and strides[3] != 1) or any(stride % d for stride in strides[:3]):
+        return None
+    return strides[0] // d, strides[1] // d, strides[2] // d
+
+
 def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
     """A `[rows, d]` view of t `[b, h, n, d]` without copying, for gathering and scatter-adding whole rows.
 
@@ -82,11 +94,11 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
         base `[b·h]`.
     """
     b, h, n, d = t.shape
-    strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
-    if d == 0 or (d > 1 and strides[3] != 1) or any(stride % d for stride in strides[:3]):
+    row_strides = _row_strides(t)
+    if row_strides is None:
         t = t.contiguous()
-        strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
-    s0, s1, s2 = (stride // d for stride in strides[:3])
+        row_strides = _row_strides(t)
+    s0, s1, s2 = row_strides
     rows = (b - 1) * s0 + (h - 1) * s1 + (n - 1) * s2 + 1
     flat = t.as_strided((rows, d), (d, 1))
     base = (torch.arange(b, device=t.device).view(b, 1) * s0 + torch.arange(h, device=t.device).view(1, h) * s1)
@@ -94,14 +106,16 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
 
 
 def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor, int]]:
-    """Zeros shaped like `like`, in its layout when that is row-addressable (so gradients of transposed views
-    come back as the same views), and their `_rows` view."""
+    """Zeros shaped like `like`, in its layout when that is row-addressable without gaps (so gradients of
+    transposed views come back as the same views), and their `_rows` view."""
     zeros = torch.zeros_like(like, dtype=dtype)
-    rows = _rows(zeros)
-    if rows[0].data_ptr() != zeros.data_ptr() or rows[0].numel() != zeros.numel():
+    b, h, n, _ = zeros.shape
+    row_strides = _row_strides(zeros)
+    # A gap (or an overlap) between rows would make the `[rows, d]` view cover other memory than `zeros`.
+    span = None if row_strides is None else sum((size - 1) * stride for size, stride in zip((b, h, n), row_strides)) + 1
+    if span != b * h * n:
         zeros = torch.zeros(like.shape, dtype=dtype, device=like.device)
-        rows = _rows(zeros)
-    return zeros, rows
+    return zeros, _rows(zeros)
 
 
 def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -155,7 +169,8 @@ class _BlockAttention(torch.autograd.Function):
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                 probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
-            torch.mul(chunk.view5(chunk_out), has_key[:, :, start:stop], out=out[:, :, start:stop])
+            # An assignment, not `out=`: `out` is a strided view, which `torch.compile` cannot write through `out=`.
+            out[:, :, start:stop] = chunk.view5(chunk_out) * has_key[:, :, start:stop]
 
         ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
@@ -205,7 +220,7 @@ class _BlockAttention(torch.autograd.Function):
             grad_values = torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape))
             grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
             grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
-            torch.mul(chunk.view5(grad_q_chunk), scale, out=grad_q[:, :, start:stop])
+            grad_q[:, :, start:stop] = chunk.view5(grad_q_chunk) * scale  # a strided view: no `out=` (see forward)
             if kv_index is None:
                 grad_k.add_(grad_keys.view(b, h, -1, d))
                 grad_v.add_(grad_values.view(b, h, -1, d_v))
@@ -520,7 +535,9 @@ def band_layout(
 def global_token_index(global_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Positions of the global tokens of each batch row, padded to the row with the most.
 
-    Reads the largest count back to the host once (one device sync): the number of global slots is a shape.
+    The number of global slots g is a shape read from the data: eagerly one device sync. Under `torch.compile` and
+    `torch.export` a value read back would break the graph, so g is the sequence length there (every position could
+    be global; the extra slots are invalid): the global part then costs as much as dense attention.
 
     Args:
         global_mask: Bool `[b, n]`, True = global token.
@@ -529,7 +546,10 @@ def global_token_index(global_mask: Tensor) -> tuple[Tensor, Tensor]:
         `(index, valid)`: long `[b, g]` positions in increasing order (padding slots hold 0) and bool `[b, g]`.
     """
     counts = global_mask.sum(dim=1)  # [b]
-    g = int(counts.max()) if global_mask.numel() else 0
+    if torch.compiler.is_compiling():
+        g = global_mask.shape[1]
+    else:
+        g = int(counts.max()) if global_mask.numel() else 0
     # A stable sort of "not global" puts the global positions first, in order.
     order = torch.sort((~global_mask).to(torch.uint8), dim=1, stable=True).indices[:, :g]  # [b, g]
     valid = torch.arange(g, device=global_mask.device).view(1, g) < counts.view(-1, 1)
