@@ -117,3 +117,28 @@ def test_export_sliding_with_global_tokens_matches_eager():
         torch.testing.assert_close(
             exported.module()(input_ids, **inputs)["last_hidden_state"], model(input_ids, **inputs).last_hidden_state
         )
+
+
+def test_log_lines_go_above_the_progress_bar_not_into_it():
+    """The recipes' handler: the back-end line logged on the first forward pass must not land inside the bar."""
+    import io
+
+    from tqdm import tqdm
+
+    from longattn.training import TqdmLoggingHandler
+
+    stream = io.StringIO()
+    handler = TqdmLoggingHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("longattn.test_progress")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with tqdm(total=2, desc="train", file=stream) as progress:
+            progress.update(1)
+            logger.warning("attention back end 'torch'")
+            progress.update(1)
+    finally:
+        logger.removeHandler(handler)
+    segments = [segment for line in stream.getvalue().split("\n") for segment in line.split("\r")]
+    assert "attention back end 'torch'" in segments, stream.getvalue()
