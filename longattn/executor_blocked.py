@@ -169,8 +169,7 @@ class _BlockAttention(torch.autograd.Function):
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                 probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
-            # An assignment, not `out=`: `out` is a strided view, which `torch.compile` cannot write through `out=`.
-            out[:, :, start:stop] = chunk.view5(chunk_out) * has_key[:, :, start:stop]
+            torch.mul(chunk.view5(chunk_out), has_key[:, :, start:stop], out=out[:, :, start:stop])
 
         ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
@@ -220,7 +219,7 @@ class _BlockAttention(torch.autograd.Function):
             grad_values = torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape))
             grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
             grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
-            grad_q[:, :, start:stop] = chunk.view5(grad_q_chunk) * scale  # a strided view: no `out=` (see forward)
+            torch.mul(chunk.view5(grad_q_chunk), scale, out=grad_q[:, :, start:stop])
             if kv_index is None:
                 grad_k.add_(grad_keys.view(b, h, -1, d))
                 grad_v.add_(grad_values.view(b, h, -1, d_v))
@@ -361,8 +360,33 @@ def attend_blocks(
         raise ValueError(f"mask must have shape [{b} or 1, {h} or 1, {nb}, {c}, {m}], got {tuple(mask.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if torch.compiler.is_compiling():
+        return _attend_blocks_traceable(q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p)
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
     return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed)
+
+
+def _attend_blocks_traceable(
+    q_blocks: Tensor, k: Tensor, v: Tensor, *, kv_index: Tensor | None, mask: Tensor, scale: float, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
+
+    The eager kernel's chunk loop, reused workspaces and `out=` writes into strided views are host-side memory
+    management: a compiler plans memory itself, and `out=` into strided views neither traces without graph breaks
+    nor lowers to inductor. Here autograd derives the backward, and the compiler fuses mask, softmax and products.
+    """
+    dtype = _compute_dtype(q_blocks.dtype)
+    if kv_index is None:
+        keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h, 1, n_k, d]
+    else:
+        keys, values = k.to(dtype)[:, :, kv_index], v.to(dtype)[:, :, kv_index]  # [b, h, nb, m, d]
+    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2)  # [b, h, nb, c, m]
+    scores = scores + (~mask).to(dtype) * _HIDDEN
+    has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
+    probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
+    out = (probs @ values) * has_key[..., None]  # [b, h, nb, c, d_v]
+    return out.to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
 
 
 def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
