@@ -450,7 +450,9 @@ def evaluate_block_mask(
     m = kv_pos.shape[2]
     batch_index = torch.arange(batch, device=q_pos.device).view(batch, 1, 1, 1, 1)
     head_index = heads.view(1, -1, 1, 1, 1)
-    step = _blocks_per_chunk(c, m, nb)
+    # Compiled: one chunk. The compiler fuses the predicate (no int64 intermediates are kept), and chunks written into
+    # `result` miscompile in inductor's CPU code for bool masks (torch 2.13).
+    step = nb if torch.compiler.is_compiling() else _blocks_per_chunk(c, m, nb)
     result = None
     for start in range(0, nb, step):
         stop = min(nb, start + step)
@@ -464,6 +466,8 @@ def evaluate_block_mask(
             kv_valid_slice = kv_valid if kv_valid.shape[1] == 1 else kv_valid[:, start:stop]
             chunk = chunk & kv_valid_slice[:, None, :, None, :]
         chunk = chunk.reshape((1,) * (5 - chunk.dim()) + tuple(chunk.shape))
+        if stop - start == nb:
+            return chunk
         if result is None:
             result = torch.empty(
                 chunk.shape[0], chunk.shape[1], nb, c, m, dtype=torch.bool, device=q_pos.device
