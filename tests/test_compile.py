@@ -9,6 +9,7 @@ are not covered.
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -140,3 +141,29 @@ def test_log_lines_go_above_the_progress_bar_not_into_it():
         logger.removeHandler(handler)
     segments = [segment for line in stream.getvalue().split("\n") for segment in line.split("\r")]
     assert "attention back end 'torch'" in segments, stream.getvalue()
+
+
+def test_benchmark_compile_option_times_eager_and_compiled_side_by_side(monkeypatch, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("longattn_benchmark_compile", script)
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look the module up
+    spec.loader.exec_module(benchmark)
+    calls = []
+
+    def fake_run_one(args, impl, length, mode, compiled=False):  # no worker process: the report is under test
+        calls.append((impl, compiled))
+        return {"impl": impl, "length": length, "mode": mode, "time_s": 0.1 if compiled else 0.3, "other_load": 0.0,
+                "peak_rss_mb": 10.0, "tensor_peak_mb": None}
+
+    monkeypatch.setattr(benchmark, "run_one", fake_run_one)
+    out = tmp_path / "report.md"
+    benchmark.main(["--impls", "full", "sliding", "--lengths", "64", "--mode", "fwd", "--baseline", "full",
+                    "--compile", "--out", str(out)])
+    assert calls == [("full", False), ("full", True), ("sliding", False), ("sliding", True)]
+    report = out.read_text()
+    assert "## torch.compile" in report
+    assert "| sliding | 64 | fwd | 0.300 | 0.100 | 3.00x |" in report
