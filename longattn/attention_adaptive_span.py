@@ -15,7 +15,8 @@ paper's setting); in an encoder x = |i - j| on both sides.
 A key at distance x >= R + z has weight 0, so only keys within the current largest span, reach = min(S, max_i z_i + R),
 are computed: a banded executor (`adaptive_span_attention`) gathers, for each block of c queries, the c + reach
 (causal) or c + 2·reach keys around it, costing O(n · (c + reach)) instead of O(n²). The reach is read back to the
-host once per call (one device sync), as the paper's implementation trims its memory: it is a shape.
+host once per call (one device sync), as the paper's implementation trims its memory: it is a shape. Under
+`torch.compile` or `torch.export` the band is S wide instead (a value read back would break the graph).
 
 z is stored as the fraction `span_fraction` = z / S (initialised at 0 as in the paper's code, so spans grow from R):
 a step of the optimiser then moves z by a fraction of S whatever S is. The paper clamps the parameter into [0, 1]
@@ -119,8 +120,10 @@ def adaptive_span_attention(
         return empty_attention(q, k, v)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q_offset = n_k - n_q
-    # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape.
-    reach = min(max_span, int(math.floor(float(span.detach().max()))) + ramp, max(n_k - 1, 0))
+    # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
+    # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
+    largest = max_span if torch.compiler.is_compiling() else int(math.floor(float(span.detach().max()))) + ramp
+    reach = min(max_span, largest, max(n_k - 1, 0))
     left, right = reach, 0 if causal else reach
     c = max(1, min(block_size, n_q))
     nb = -(-n_q // c)

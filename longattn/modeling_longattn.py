@@ -244,7 +244,8 @@ class LongAttnStack(nn.Module):
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         """Sum of the attention kinds' auxiliary losses (e.g. adaptive span's penalty), None when none has one."""
-        losses = [loss for layer in self.layers if (loss := layer.self_attn.auxiliary_loss()) is not None]
+        losses = [layer.self_attn.auxiliary_loss() for layer in self.layers]  # no walrus: torch.compile breaks on it
+        losses = [loss for loss in losses if loss is not None]
         return torch.stack(losses).sum() if losses else None
 
 

@@ -466,7 +466,9 @@ def fixed_attention(
                 summary_per_head=summary_per_head, causal=causal, scale=scale, dropout_p=dropout_p,
             )
 
-    if first is None or not bool(first.any()):
+    # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
+    # would break a `torch.compile` graph, so compiled code always rolls.
+    if first is None or (not torch.compiler.is_compiling() and not bool(first.any())):
         return execute(q, k, v, None)
     # The pattern's blocks start at each row's first real token; the executors' blocks start at 0.
     return _run_rolled(execute, q, k, v, first)

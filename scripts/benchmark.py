@@ -456,6 +456,9 @@ def worker(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
     torch.manual_seed(0)
     layer = IMPLS[args.impl].build(args)
+    module = layer.module
+    if args.compiled:
+        layer = torch.compile(layer)  # inductor; the warm-up run below compiles, untimed
     hidden_states = torch.randn(args.batch, args.length, args.hidden, requires_grad=args.mode == "fwdbwd")
     grad = torch.randn(args.batch, args.length, args.hidden) if args.mode == "fwdbwd" else None
 
@@ -466,7 +469,7 @@ def worker(args: argparse.Namespace) -> dict:
             return
         layer(hidden_states).backward(grad)
         hidden_states.grad = None
-        for parameter in layer.module.parameters():
+        for parameter in module.parameters():
             parameter.grad = None
 
     rss_before = _rss_mb()
@@ -523,13 +526,14 @@ ALLOCATORS = {
 }
 
 
-def run_one(args: argparse.Namespace, impl: str, length: int, mode: str) -> dict:
+def run_one(args: argparse.Namespace, impl: str, length: int, mode: str, compiled: bool = False) -> dict:
     command = [
         sys.executable, __file__, "--worker", "--impl", impl, "--length", str(length), "--mode", mode,
         "--batch", str(args.batch), "--hidden", str(args.hidden), "--heads", str(args.heads),
         "--window", str(args.window), "--global-tokens", str(args.global_tokens), "--repeats", str(args.repeats),
         "--wait-idle", str(args.wait_idle), "--timeout", str(args.timeout),
     ] + (["--no-tensor-memory"] if not args.tensor_memory else []) + [f"--set={item}" for item in args.set]
+    command += ["--compiled"] if compiled else []
     result = {"impl": impl, "length": length, "mode": mode}
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     try:
@@ -554,7 +558,7 @@ def _format(value, pattern):
 def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     import torch
 
-    by_key = {(r["impl"], r["length"], r["mode"]): r for r in results}
+    by_key = {(r["impl"], r["length"], r["mode"]): r for r in results if not r.get("compiled")}
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -627,6 +631,27 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
                 growth.append(f"`{impl}` {large['time_s'] / small['time_s']:.2f}x")
         if growth:
             lines += ["", f"Time growth from 8K to 32K tokens (4x the length): {', '.join(growth)}."]
+    if args.compile:
+        lines += [
+            "",
+            "## torch.compile",
+            "",
+            "The same layers under `torch.compile` (inductor, default mode), each in its own worker; compilation happens "
+            "in the untimed warm-up run. Speed-up = eager time / compiled time.",
+            "",
+            "| impl | length | mode | eager (s) | compiled (s) | speed-up |",
+            "|---|---:|---|---:|---:|---:|",
+        ]
+        for r in results:
+            eager = by_key.get((r["impl"], r["length"], r["mode"]))
+            if not r.get("compiled") or eager is None:
+                continue
+            if "error" in r or "error" in eager:
+                lines.append(f"| {r['impl']} | {r['length']} | {r['mode']} | {r.get('error') or eager['error']} | | |")
+                continue
+            noisy = " *" if max(r.get("other_load", 0.0), eager.get("other_load", 0.0)) > NOISY else ""
+            lines.append(f"| {r['impl']} | {r['length']} | {r['mode']} | {eager['time_s']:.3f} | {r['time_s']:.3f}{noisy} "
+                         f"| {eager['time_s'] / r['time_s']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -681,11 +706,16 @@ def main(argv: list[str] | None = None) -> None:
         "peers ignore it; values as in the recipes' --config_overrides), e.g. --set fixed_num_summary=1 "
         "--set sliding_dilation=[1,2,4,8]",
     )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="also time every implementation under torch.compile, side by side with eager (compiled speed-up table)",
+    )
     parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false",
                         help="skip the profiled run that measures the tensor MB column")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -706,20 +736,21 @@ def main(argv: list[str] | None = None) -> None:
         max_length[impl] = int(value)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = []
+    runs = [(impl, compiled) for impl in args.impls for compiled in ((False, True) if args.compile else (False,))]
     for length in args.lengths:
         for mode in args.mode:
-            for impl in args.impls:
+            for impl, compiled in runs:
                 if length > max_length.get(impl, length):
                     result = {"impl": impl, "length": length, "mode": mode, "error": f"skipped (> {max_length[impl]})"}
                 else:
-                    result = run_one(args, impl, length, mode)
-                results.append(result)
+                    result = run_one(args, impl, length, mode, compiled)
+                results.append({**result, "compiled": compiled})
                 shown = result.get("error") or (
                     f"{result['time_s']:.3f} s, peak {result['peak_rss_mb']:.0f} MB RSS, "
                     f"{_format(result.get('tensor_peak_mb'), '{:.0f}')} MB tensors, "
                     f"other load {result['other_load']:.0%}"
                 )
-                print(f"{impl:>16} {length:>6} {mode:>6}: {shown}", flush=True)
+                print(f"{impl + (' (compiled)' if compiled else ''):>16} {length:>6} {mode:>6}: {shown}", flush=True)
     text = report(args, results, command)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
