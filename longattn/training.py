@@ -422,8 +422,9 @@ _ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra"
 
 
 def attention_types(config) -> list[str]:
-    """The attention kind of each layer (of the encoder, or the one stack), longattn or stock model."""
-    if config.model_type != LongAttnConfig.model_type:
+    """The attention kind of each layer (of the encoder, or the one stack), longattn or stock model (none for a
+    model that is neither, e.g. a plain `nn.Module` with a bare config)."""
+    if getattr(config, "model_type", None) != LongAttnConfig.model_type:
         return list(_stock_kind_config(config).layer_attention_types) if getattr(config, "longattn", None) else []
     return list(config.layer_attention_types)
 
