@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loading import load_script
 from test_integration_transformers import build, inputs
 from transformers import (
     AutoModel,
@@ -208,7 +209,7 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     load_model = training.load_model
     monkeypatch.setattr(training, "load_model", lambda *a, **k: (m := load_model(*a, **k), seen.append(
         _record_global_masks(m)))[0])
-    recipe = _load_recipe("classification")
+    recipe = load_script("recipes/run_classification.py", "recipe_classification")
     out = tmp_path / "run"
     results = recipe.main(["--model_name_or_path", str(lengthened_roberta),
                            "--train_file", str(tmp_path / "train.jsonl"),
@@ -222,10 +223,3 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     assert reloaded.config._attn_implementation == "longattn" and reloaded.config.longattn["sliding_window"] == 4
 
 
-def _load_recipe(recipe: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", REPO / "recipes" / f"run_{recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from script_loading import load_script
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
@@ -234,10 +234,7 @@ def test_resume_refuses_a_different_global_batch(datasets_dir, tmp_path_factory,
 
 # ---------------------------------------------------------------------------------------------- bad arguments
 def _load_recipe(recipe: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", RECIPES / f"run_{recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
 
 
 @pytest.mark.parametrize(
