@@ -547,7 +547,7 @@ def longattn_attention_forward(
         out, weights = kind.attend_synthesized(
             query if kind.mix else None, key, value, attention_mask=attention_mask, hidden_states=None, query_length=n
         )
-        weights = weights.expand(query.shape[0], -1, -1, -1) if kwargs.get("output_attentions") else None
+        weights = weights if kwargs.get("output_attentions") else None  # already [b, h, n, m]
     elif kwargs.get("output_attentions") or n != m or kind.backend == "reference":
         out, weights = kind.attend_dense(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)
     else:

@@ -678,8 +678,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
             output_attentions=bool(output_attentions if output_attentions is not None
                                    else self.config.output_attentions),
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return outputs if return_dict else outputs.to_tuple()
+        return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
     def _seq2seq_forward(self, *, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
                          decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, encoder_outputs,
