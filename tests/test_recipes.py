@@ -246,7 +246,7 @@ def _load_recipe(recipe: str):
         ("mlm", {"--config_overrides": "attention_type=[sliding,bogus],num_hidden_layers=2"}, "bogus"),
         ("seq2seq", {"--max_seq_length": "100000"}, "exceeds the model's limit max_position_embeddings=256"),
         ("seq2seq", {"--max_target_length": "300"}, "exceeds the model's limit"),
-        ("classification", {"--config_overrides": TINY + ",hiden_size=8"}, "hiden_size"),
+        ("classification", {"--config_overrides": TINY + ",hiden_size=8"}, "'hiden_size' (did you mean hidden_size"),
         ("mlm", {"--checkpointing_steps": "often"}, "--checkpointing_steps"),
         ("clm", {"--resume_from_checkpoint": "nowhere"}, "not a complete checkpoint"),
         ("classification", {"--max_target_length": "8"}, "unrecognized arguments: --max_target_length 8"),
