@@ -64,7 +64,7 @@ from transformers import DataCollatorWithPadding
 from . import config_overrides
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig, check_override_fields
-from .hub import REDACTED, is_secret_flag, redact_argv
+from .hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
 from .tokenization_longattn import byte_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ def load_config(args: argparse.Namespace, *, task: str):
             config = LongAttnConfig(**{**overrides, **stack})
         else:
             config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-            if config.model_type != LongAttnConfig.model_type:
+            if not is_longattn(config):
                 return _stock_config(config, source, overrides, stack)
             overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
             check_override_fields(overrides, _settable_fields(config, overrides), where="--config_overrides",
@@ -395,8 +395,8 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
 def length_multiple(config, *, decoder: bool = False) -> int:
     """The length every batch is padded to a multiple of: the least common multiple of what each layer's attention
     kind asks for (`LongAttnAttention.length_multiple`) in the encoder stack, or the decoder stack with `decoder`."""
-    if config.model_type != LongAttnConfig.model_type:
-        if not getattr(config, "longattn", None):
+    if not is_longattn(config):
+        if not is_stock_longattn(config):
             return 1  # a stock model under its own attention
         config = _stock_kind_config(config, decoder=decoder)
         decoder = False
@@ -423,8 +423,8 @@ _ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra"
 
 def attention_types(config) -> list[str]:
     """The attention kind of each layer (of the encoder, or the one stack), longattn or stock model."""
-    if config.model_type != LongAttnConfig.model_type:
-        return list(_stock_kind_config(config).layer_attention_types) if getattr(config, "longattn", None) else []
+    if not is_longattn(config):
+        return list(_stock_kind_config(config).layer_attention_types) if is_stock_longattn(config) else []
     return list(config.layer_attention_types)
 
 
@@ -814,8 +814,7 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
         if args.model_name_or_path:
             # A stock model running longattn's kinds (its config holds a `longattn` dict) is built with the
             # "longattn" implementation, which attaches the kinds and loads their parameters.
-            stock = {"attn_implementation": "longattn"} if config.model_type != LongAttnConfig.model_type and \
-                getattr(config, "longattn", None) else {}
+            stock = {"attn_implementation": "longattn"} if is_stock_longattn(config) else {}
             model = auto_class.from_pretrained(args.model_name_or_path, config=config,
                                                trust_remote_code=args.trust_remote_code,
                                                ignore_mismatched_sizes=args.task == "classification", **stock)
