@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
 
@@ -424,14 +425,6 @@ def register_build_hooks() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the implementation
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """`[b, h_kv, m, d]` -> `[b, h_kv * groups, m, d]`."""
-    if groups == 1:
-        return x
-    b, h_kv, m, d = x.shape
-    return x[:, :, None].expand(b, h_kv, groups, m, d).reshape(b, h_kv * groups, m, d)
-
-
 def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, family: str) -> None:
     """Refuse packed documents: real tokens' positions must count up by one within each row."""
     n = position_ids.shape[-1]
@@ -498,7 +491,7 @@ def longattn_attention_forward(
     role = _role(module)
     four_d = attention_mask is not None and attention_mask.dim() == 4
     groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [b, h, m, d]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
     # Grouped-query attention repeats k/v to the query heads here; executors that read groups in place come later.
     if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
         if four_d:
