@@ -48,7 +48,6 @@ kind, packed documents (restarting `position_ids`).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 from typing import Any
@@ -62,7 +61,7 @@ from transformers.monkey_patching import get_patch_mapping, register_patch_mappi
 
 from .attention_base import LongAttnAttention
 from .attention_registry import ATTENTION_CLASSES, attention_class
-from .configuration_longattn import LongAttnConfig
+from .configuration_longattn import LongAttnConfig, check_override_fields
 from .ops import full_attention
 
 logger = logging.getLogger(__name__)
@@ -107,14 +106,8 @@ def allowed_fields() -> list[str]:
 
 # ------------------------------------------------------------------------------------------ config of the kinds
 def _check_fields(fields: dict[str, Any]) -> None:
-    allowed = allowed_fields()
-    for field in fields:
-        if field not in allowed:
-            close = difflib.get_close_matches(field, allowed, n=3)
-            hint = f" Did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-            raise ValueError(
-                f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}"
-            )
+    check_override_fields(fields, allowed_fields(), where="`longattn` dict",
+                          hint=" (LongAttnConfig's fields: `longattn.integration_transformers.allowed_fields()`)")
     names = _kind_names(fields)
     refused = sorted(names & set(REFUSED_KINDS))
     if refused:
