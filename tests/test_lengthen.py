@@ -107,7 +107,7 @@ def lengthened_roberta(tmp_path_factory) -> Path:
     return root / "out"
 
 
-def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta):
+def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta, capsys):
     tokenizer_config = json.loads((lengthened_roberta / "tokenizer_config.json").read_text())
     assert tokenizer_config["model_max_length"] == NEW_TOKENS
     config = json.loads((lengthened_roberta / "config.json").read_text())
@@ -119,6 +119,7 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta):
     assert hub.hub_folder_problems(lengthened_roberta) == []
     with pytest.raises(SystemExit):  # a field the longattn dict does not have
         lengthen_main([str(lengthened_roberta), "x", "--max_length", "400", "--sliding_windw", "8"])
+    assert "'sliding_windw' (did you mean sliding_window" in capsys.readouterr().err
 
 
 def test_without_longattn_the_folder_fails_to_load(lengthened_roberta):
