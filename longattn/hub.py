@@ -239,7 +239,7 @@ def _card_data(*, task: str | None, unique_kinds: list[str], metrics: dict[str, 
     """The card's metadata: library, task, tags with the attention kinds, datasets and evaluation results."""
     from huggingface_hub import EvalResult, ModelCardData
 
-    pipeline_tag = TASKS[task][0] if task else None
+    pipeline_tag = _task(task)[0] if task else None
     dataset_label = (datasets[0] if datasets else "local data")
     eval_results = [
         EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
@@ -277,6 +277,17 @@ def _card_training_sections(*, training_data: str | None, metrics: dict[str, flo
 ```"""
 
 
+def _task(task: str) -> tuple[str, str, str]:
+    """(pipeline tag, task name, Auto class) of a recipe task.
+
+    Raises:
+        ValueError: `task` is not one of `TASKS`.
+    """
+    if task not in TASKS:
+        raise ValueError(f"`task`={task!r} is unknown: expected one of {list(TASKS)}.")
+    return TASKS[task]
+
+
 def is_stock_longattn(config) -> bool:
     """Whether `config` is a stock transformers family's running longattn's kinds (a `longattn` dict)."""
     return getattr(config, "model_type", None) != "longattn" and bool(getattr(config, "longattn", None))
@@ -297,7 +308,7 @@ def stock_model_card(config, *, task: str | None = None, metrics: dict[str, floa
 
     from .lengthen import max_tokens
 
-    _, task_name, auto_class = TASKS[task] if task else (None, None, "AutoModel")
+    _, task_name, auto_class = _task(task) if task else (None, None, "AutoModel")
     family = (getattr(config, "architectures", None) or [config.model_type])[0]
     fields = dict(config.longattn)
     kinds = fields.get("attention_type", "sliding")
@@ -377,7 +388,7 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
     if is_stock_longattn(config):
         return stock_model_card(config, task=task, metrics=metrics, training_data=training_data, command=command,
                                 datasets=datasets, extra=extra, model_name=model_name)
-    _, task_name, auto_class = TASKS[task]
+    _, task_name, auto_class = _task(task)
     kinds = list(config.layer_attention_types)
     unique_kinds = list(dict.fromkeys(kinds))
     model_name = model_name or f"longattn-{'-'.join(unique_kinds)}-{task}"
