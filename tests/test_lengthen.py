@@ -26,7 +26,7 @@ from transformers import (
 
 import longattn  # noqa: F401  (registers the implementation)
 from longattn import hub, training
-from longattn.lengthen import lengthen, max_tokens
+from longattn.lengthen import lengthen, max_tokens, save_lengthened
 from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools.lengthen import main as lengthen_main
 
@@ -85,8 +85,11 @@ def test_lengthen_refusals(tmp_path):
         lengthen(build("gpt2"), NEW_TOKENS, rope_type="linear")
     with pytest.raises(ValueError, match="rope_type.*expected one of"):
         lengthen(build("qwen2"), NEW_TOKENS, rope_type="ntk")
-    with pytest.raises(ValueError, match="max_length"):
-        lengthen(build("bert"), 0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="max_length"):
+            lengthen(build("bert"), bad)
+    with pytest.raises(ValueError, match="BertModel is not a lengthened stock model"):
+        save_lengthened(build("bert"), tmp_path / "out")
 
 
 # ------------------------------------------------------------------------------------------ RoBERTa, end to end
