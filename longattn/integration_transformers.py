@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
@@ -338,9 +338,12 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
         `model`, modified in place.
 
     Raises:
-        ValueError: an unknown, refused or invalid field (the same messages as `LongAttnConfig`), or a family that
-            cannot run a kind (named, with the reason).
+        ValueError: `model` is not a built transformers model, an unknown, refused or invalid field (the same
+            messages as `LongAttnConfig`), or a family that cannot run a kind (named, with the reason).
     """
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"`model` must be a built transformers model (a PreTrainedModel), got "
+                         f"{type(model).__name__}: load it first, e.g. `AutoModel.from_pretrained(...)`.")
     config = model.config
     fields = dict(fields) if fields else dict(getattr(config, "longattn", None) or {})
     modules = _self_attention_modules(model)

@@ -398,6 +398,8 @@ def test_fields_are_validated_like_longattn_config():
         apply_longattn(model, attention_type="sliding", sliding_windw=4)
     with pytest.raises(ValueError, match="has 3 entries"):
         apply_longattn(model, attention_type=["sliding", "full", "full"])
+    with pytest.raises(ValueError, match="`model` must be a built transformers model .* got str"):
+        apply_longattn("bert-base-uncased", attention_type="sliding")
     assert model.config._attn_implementation == "sdpa" and getattr(model.config, "longattn", None) is None
 
 
