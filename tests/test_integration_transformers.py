@@ -394,7 +394,8 @@ def test_fields_are_validated_like_longattn_config():
     with pytest.raises(ValueError) as stock:
         apply_longattn(model, attention_type="sliding", sliding_window=0)
     assert str(stock.value) == str(native.value)
-    with pytest.raises(ValueError, match=r"`longattn` dict: unknown config field\(s\) 'sliding_windw' \(did you mean sliding_window"):
+    with pytest.raises(ValueError,
+                       match=r"`longattn` dict: unknown config field\(s\) 'sliding_windw' \(did you mean sliding_window"):
         apply_longattn(model, attention_type="sliding", sliding_windw=4)
     with pytest.raises(ValueError, match="has 3 entries"):
         apply_longattn(model, attention_type=["sliding", "full", "full"])
