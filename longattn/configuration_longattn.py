@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedConfig
@@ -333,6 +335,30 @@ def _check_near_misses(kwargs: dict[str, Any]) -> None:
             raise ValueError(message)
 
 
+def check_override_fields(keys: Iterable[str], known: Iterable[str], *, where: str, hint: str = "") -> None:
+    """Refuse config overrides (`--config_overrides`, `--set`) that name no field: a config keeps an unknown key as
+    an unused attribute, so a misspelt field would silently leave its default in place.
+
+    Args:
+        keys: The override keys.
+        known: The fields that may be set.
+        where: The flag, for the message (e.g. "--config_overrides").
+        hint: Appended to the message.
+
+    Raises:
+        ValueError: naming every unknown key and, for each, the closest fields.
+    """
+    known = set(known)
+    unknown = sorted(key for key in set(keys) if key not in known)
+    if not unknown:
+        return
+    described = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=3)
+        described.append(repr(key) + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    raise ValueError(f"{where}: unknown config field(s) {', '.join(described)}{hint}.")
+
+
 def _expand(value: str | list[str], num_layers: int) -> list[str]:
     return list(value) if isinstance(value, (list, tuple)) else [value] * num_layers
 
@@ -352,4 +378,4 @@ def _validated_types(field: str, value: Any, num_layers: int) -> list[str]:
     return names
 
 
-__all__ = ["LongAttnConfig"]
+__all__ = ["LongAttnConfig", "check_override_fields"]

@@ -234,6 +234,60 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- model card
+def _card_data(*, task: str | None, unique_kinds: list[str], metrics: dict[str, float], datasets, model_name: str,
+               tags: list[str], base_model: str | None = None):
+    """The card's metadata: library, task, tags with the attention kinds, datasets and evaluation results."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    pipeline_tag = _task(task)[0] if task else None
+    dataset_label = (datasets[0] if datasets else "local data")
+    eval_results = [
+        EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
+                   metric_type=name.removeprefix("eval_"), metric_value=round(float(value), 6))
+        for name, value in metrics.items()
+    ]
+    return ModelCardData(
+        library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model, datasets=datasets,
+        tags=["longattn", "long-context", *tags, *([task] if task else []), *(f"attention-{k}" for k in unique_kinds)],
+        model_name=model_name, eval_results=eval_results or None,
+    )
+
+
+def _card_training_sections(*, training_data: str | None, metrics: dict[str, float], extra: dict[str, Any] | None,
+                            command: str | None) -> str:
+    """The card's "Training data", "Results" and "Training" sections (secret flags in `command` redacted)."""
+    metric_rows = "\n".join(f"| {name.removeprefix('eval_')} | {value:.4f} |" for name, value in metrics.items())
+    facts = "\n".join(f"- {name}: {value}" for name, value in (extra or {}).items())
+    return f"""## Training data
+
+{training_data or "not recorded"}
+
+## Results
+
+| metric | value |
+|---|---|
+{metric_rows or "| - | - |"}
+
+## Training
+
+{facts or "-"}
+
+```bash
+{redact_command(command) if command else "not recorded"}
+```"""
+
+
+def _task(task: str) -> tuple[str, str, str]:
+    """(pipeline tag, task name, Auto class) of a recipe task.
+
+    Raises:
+        ValueError: `task` is not one of `TASKS`.
+    """
+    if task not in TASKS:
+        raise ValueError(f"`task`={task!r} is unknown: expected one of {list(TASKS)}.")
+    return TASKS[task]
+
+
 def is_stock_longattn(config) -> bool:
     """Whether `config` is a stock transformers family's running longattn's kinds (a `longattn` dict)."""
     return getattr(config, "model_type", None) != "longattn" and bool(getattr(config, "longattn", None))
@@ -250,31 +304,20 @@ def stock_model_card(config, *, task: str | None = None, metrics: dict[str, floa
     Args: as `model_card`; `task` may be None (a lengthened checkpoint not yet fine-tuned), `base_model` the
         checkpoint it was lengthened from.
     """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     from .lengthen import max_tokens
 
-    pipeline_tag, task_name, auto_class = TASKS[task] if task else (None, None, "AutoModel")
+    _, task_name, auto_class = _task(task) if task else (None, None, "AutoModel")
     family = (getattr(config, "architectures", None) or [config.model_type])[0]
     fields = dict(config.longattn)
     kinds = fields.get("attention_type", "sliding")
     unique_kinds = list(dict.fromkeys([kinds] if isinstance(kinds, str) else kinds))
     model_name = model_name or f"{config.model_type}-longattn-{'-'.join(unique_kinds)}" + (f"-{task}" if task else "")
     metrics = metrics or {}
-    dataset_label = (datasets[0] if datasets else "local data")
-    eval_results = [
-        EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
-                   metric_type=name.removeprefix("eval_"), metric_value=round(float(value), 6))
-        for name, value in metrics.items()
-    ]
-    card_data = ModelCardData(
-        library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model, datasets=datasets,
-        tags=["longattn", "long-context", *([task] if task else []), *(f"attention-{k}" for k in unique_kinds)],
-        model_name=model_name, eval_results=eval_results or None,
-    )
+    card_data = _card_data(task=task, unique_kinds=unique_kinds, metrics=metrics, datasets=datasets,
+                           model_name=model_name, tags=[], base_model=base_model)
     settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in fields.items())
-    metric_rows = "\n".join(f"| {name.removeprefix('eval_')} | {value:.4f} |" for name, value in metrics.items())
-    facts = "\n".join(f"- {name}: {value}" for name, value in (extra or {}).items())
     body = f"""
 # {model_name}
 
@@ -290,23 +333,7 @@ A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attent
 
 Cross-attention (encoder-decoder models) stays dense.
 
-## Training data
-
-{training_data or "not recorded"}
-
-## Results
-
-| metric | value |
-|---|---|
-{metric_rows or "| - | - |"}
-
-## Training
-
-{facts or "-"}
-
-```bash
-{redact_command(command) if command else "not recorded"}
-```
+{_card_training_sections(training_data=training_data, metrics=metrics, extra=extra, command=command)}
 
 ## How to load
 
@@ -356,36 +383,22 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
         extra: More `{name: value}` facts for the training section (steps, batch size, ...).
         model_name: The title (default: "longattn <attention kinds> <task>").
     """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     if is_stock_longattn(config):
         return stock_model_card(config, task=task, metrics=metrics, training_data=training_data, command=command,
                                 datasets=datasets, extra=extra, model_name=model_name)
-    pipeline_tag, task_name, auto_class = TASKS[task]
+    _, task_name, auto_class = _task(task)
     kinds = list(config.layer_attention_types)
     unique_kinds = list(dict.fromkeys(kinds))
     model_name = model_name or f"longattn-{'-'.join(unique_kinds)}-{task}"
     metrics = metrics or {}
-    dataset_label = (datasets[0] if datasets else "local data")
-    eval_results = [
-        EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
-                   metric_type=name.removeprefix("eval_"), metric_value=round(float(value), 6))
-        for name, value in metrics.items()
-    ]
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag=pipeline_tag,
-        tags=["longattn", "long-context", "custom_code", task, *(f"attention-{kind}" for kind in unique_kinds)],
-        datasets=datasets,
-        model_name=model_name,
-        eval_results=eval_results or None,
-    )
+    card_data = _card_data(task=task, unique_kinds=unique_kinds, metrics=metrics, datasets=datasets,
+                           model_name=model_name, tags=["custom_code"])
     layers = "\n".join(f"| {i} | `{name}` | {_kind_settings(config, i, name)} |" for i, name in enumerate(kinds))
     if getattr(config, "is_encoder_decoder", False):
         decoder_kinds = ", ".join(f"`{k}`" for k in config.decoder_layer_attention_types)
         layers += f"\n\nDecoder self-attention per layer: {decoder_kinds}; cross-attention is dense."
-    metric_rows = "\n".join(f"| {name.removeprefix('eval_')} | {value:.4f} |" for name, value in metrics.items())
-    facts = "\n".join(f"- {name}: {value}" for name, value in (extra or {}).items())
     body = f"""
 # {model_name}
 
@@ -399,23 +412,7 @@ positions), vocabulary of {config.vocab_size}.
 |---|---|---|
 {layers}
 
-## Training data
-
-{training_data or "not recorded"}
-
-## Results
-
-| metric | value |
-|---|---|
-{metric_rows or "| - | - |"}
-
-## Training
-
-{facts or "-"}
-
-```bash
-{redact_command(command) if command else "not recorded"}
-```
+{_card_training_sections(training_data=training_data, metrics=metrics, extra=extra, command=command)}
 
 ## How to load
 

@@ -48,20 +48,20 @@ kind, packed documents (restarting `position_ids`).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
 
 from .attention_base import LongAttnAttention
 from .attention_registry import ATTENTION_CLASSES, attention_class
-from .configuration_longattn import LongAttnConfig
+from .configuration_longattn import LongAttnConfig, check_override_fields
 from .ops import full_attention
 
 logger = logging.getLogger(__name__)
@@ -106,14 +106,8 @@ def allowed_fields() -> list[str]:
 
 # ------------------------------------------------------------------------------------------ config of the kinds
 def _check_fields(fields: dict[str, Any]) -> None:
-    allowed = allowed_fields()
-    for field in fields:
-        if field not in allowed:
-            close = difflib.get_close_matches(field, allowed, n=3)
-            hint = f" Did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-            raise ValueError(
-                f"`longattn` field {field!r} is unknown: expected fields of LongAttnConfig ({allowed}).{hint}"
-            )
+    check_override_fields(fields, allowed_fields(), where="`longattn` dict",
+                          hint=" (LongAttnConfig's fields: `longattn.integration_transformers.allowed_fields()`)")
     names = _kind_names(fields)
     refused = sorted(names & set(REFUSED_KINDS))
     if refused:
@@ -344,9 +338,12 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
         `model`, modified in place.
 
     Raises:
-        ValueError: an unknown, refused or invalid field (the same messages as `LongAttnConfig`), or a family that
-            cannot run a kind (named, with the reason).
+        ValueError: `model` is not a built transformers model, an unknown, refused or invalid field (the same
+            messages as `LongAttnConfig`), or a family that cannot run a kind (named, with the reason).
     """
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"`model` must be a built transformers model (a PreTrainedModel), got "
+                         f"{type(model).__name__}: load it first, e.g. `AutoModel.from_pretrained(...)`.")
     config = model.config
     fields = dict(fields) if fields else dict(getattr(config, "longattn", None) or {})
     modules = _self_attention_modules(model)
@@ -424,14 +421,6 @@ def register_build_hooks() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the implementation
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """`[b, h_kv, m, d]` -> `[b, h_kv * groups, m, d]`."""
-    if groups == 1:
-        return x
-    b, h_kv, m, d = x.shape
-    return x[:, :, None].expand(b, h_kv, groups, m, d).reshape(b, h_kv * groups, m, d)
-
-
 def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, family: str) -> None:
     """Refuse packed documents: real tokens' positions must count up by one within each row."""
     n = position_ids.shape[-1]
@@ -498,7 +487,7 @@ def longattn_attention_forward(
     role = _role(module)
     four_d = attention_mask is not None and attention_mask.dim() == 4
     groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [b, h, m, d]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
     # Grouped-query attention repeats k/v to the query heads here; executors that read groups in place come later.
     if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
         if four_d:
@@ -547,7 +536,7 @@ def longattn_attention_forward(
         out, weights = kind.attend_synthesized(
             query if kind.mix else None, key, value, attention_mask=attention_mask, hidden_states=None, query_length=n
         )
-        weights = weights.expand(query.shape[0], -1, -1, -1) if kwargs.get("output_attentions") else None
+        weights = weights if kwargs.get("output_attentions") else None  # already [b, h, n, m]
     elif kwargs.get("output_attentions") or n != m or kind.backend == "reference":
         out, weights = kind.attend_dense(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)
     else:

@@ -151,7 +151,7 @@ def lengthen(model_or_path: nn.Module | str | Path, max_length: int, *, rope_typ
         ValueError: `max_length` < 1 or shorter than a learned table, `rope_type` unknown or given to a model
             without rotary positions, or any `apply_longattn` refusal (field, kind or family).
     """
-    if not isinstance(max_length, int) or max_length < 1:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"`max_length`={max_length!r} must be a positive number of tokens.")
     model = model_or_path if isinstance(model_or_path, nn.Module) else _load(model_or_path)
     rotary = getattr(model.config, "rope_parameters", None) is not None
@@ -178,9 +178,15 @@ def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None,
         tokenizer: Its tokenizer, or None.
         source: The checkpoint it was lengthened from, for the card: a Hub id becomes its `base_model`, a local
             folder is recorded by its name only (the card is published with the folder).
-    """
-    from .hub import save_hub_folder, stock_model_card
 
+    Raises:
+        ValueError: `model` is not a stock model running longattn's kinds (no `longattn` dict in its config).
+    """
+    from .hub import is_stock_longattn, save_hub_folder, stock_model_card
+
+    if not is_stock_longattn(model.config):
+        raise ValueError(f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "
+                         "dict): pass what `longattn.lengthen` returns.")
     limit = max_tokens(model.config)
     if tokenizer is not None and limit is not None:
         tokenizer.model_max_length = limit

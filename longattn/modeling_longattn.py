@@ -313,10 +313,12 @@ def _check_token_inputs(
     inputs_embeds: torch.Tensor | None,
     *,
     prefix: str = "",
+    check_values: bool = True,
 ) -> tuple[int, int]:
     """Check the token inputs of one stack and return (b, n): exactly one of `input_ids` `[b, n]` (integer ids in
     [0, vocab_size)) and `inputs_embeds` `[b, n, D]` (floating point, in the embedding table's dtype unless autocast
-    is on). `prefix` is "decoder_" for the seq2seq decoder, whose arguments are named so.
+    is on). `prefix` is "decoder_" for the seq2seq decoder, whose arguments are named so. `check_values=False` checks
+    types and shapes only (no host sync), for a head that reads the shapes before the backbone checks the ids.
 
     Raises:
         ValueError: naming the argument, its shape, dtype or offending value, and what is allowed.
@@ -332,7 +334,8 @@ def _check_token_inputs(
         if not _is_integer(input_ids):
             raise ValueError(f"`{ids_name}` has dtype {input_ids.dtype}: {ids_name} must be integer token ids "
                              f"(torch.long); pass vectors as `{embeds_name}`.")
-        _check_range(ids_name, input_ids, config.vocab_size, "vocab_size")
+        if check_values:
+            _check_range(ids_name, input_ids, config.vocab_size, "vocab_size")
         return input_ids.shape[0], input_ids.shape[1]
     hidden = config.hidden_size
     if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
@@ -675,8 +678,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
             output_attentions=bool(output_attentions if output_attentions is not None
                                    else self.config.output_attentions),
         )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        return outputs if return_dict else outputs.to_tuple()
+        return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
     def _seq2seq_forward(self, *, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
                          decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, encoder_outputs,
@@ -834,7 +836,9 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> SequenceClassifierOutput | tuple:
-        batch, length = _check_token_inputs(self.config, self.longattn.embeddings, input_ids, inputs_embeds)
+        # Shapes only: the backbone checks the ids' values (one host sync per forward, not two).
+        batch, length = _check_token_inputs(self.config, self.longattn.embeddings, input_ids, inputs_embeds,
+                                            check_values=False)
         if length == 0:
             raise ValueError("`input_ids` has length 0: sequence classification reads the first token's state, so "
                              "pass at least one token.")

@@ -63,8 +63,8 @@ from transformers import DataCollatorWithPadding
 
 from . import config_overrides
 from .attention_registry import attention_class
-from .configuration_longattn import LongAttnConfig
-from .hub import REDACTED, is_secret_flag, redact_argv
+from .configuration_longattn import LongAttnConfig, check_override_fields
+from .hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
 from .tokenization_longattn import byte_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -300,19 +300,15 @@ def load_config(args: argparse.Namespace, *, task: str):
             # `longattn.sliding_window=256` (the dotted form for a stock model's `longattn` dict) names the same
             # field as `sliding_window=256` in a longattn config.
             overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
-            known = set(LongAttnConfig().to_dict())
-            unknown = sorted(set(overrides) - known)
-            if unknown:
-                raise RecipeError(f"--config_overrides: unknown config field(s) {unknown}.")
+            check_override_fields(overrides, LongAttnConfig().to_dict(), where="--config_overrides")
             config = LongAttnConfig(**{**overrides, **stack})
         else:
             config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-            if config.model_type != LongAttnConfig.model_type:
+            if not is_longattn(config):
                 return _stock_config(config, source, overrides, stack)
             overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
-            unknown = sorted(key for key in overrides if not hasattr(config, key))
-            if unknown:
-                raise RecipeError(f"--config_overrides: unknown config field(s) {unknown} for {source!r}.")
+            check_override_fields(overrides, _settable_fields(config, overrides), where="--config_overrides",
+                                  hint=f" for {source!r}")
             for key, value in {**overrides, **stack}.items():
                 setattr(config, key, value)
             if hasattr(config, "validate_longattn"):
@@ -323,6 +319,12 @@ def load_config(args: argparse.Namespace, *, task: str):
 
 
 _DICT_PREFIX = "longattn."
+
+
+def _settable_fields(config, keys) -> set[str]:
+    """The fields of a loaded `config` (its attributes: `num_labels` is a property) among `keys`, and the rest of
+    its fields (the names a typo is compared with)."""
+    return {key for key in keys if hasattr(config, key)} | set(config.to_dict())
 
 
 def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[str, Any]):
@@ -337,10 +339,8 @@ def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[st
 
     dotted = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items() if key.startswith(_DICT_PREFIX)}
     plain = {key: value for key, value in overrides.items() if not key.startswith(_DICT_PREFIX)}
-    unknown = sorted(key for key in plain if not hasattr(config, key))
-    if unknown:
-        raise RecipeError(f"--config_overrides: unknown config field(s) {unknown} for {source!r} "
-                          f"(a field of its `longattn` dict is written `longattn.FIELD=value`).")
+    check_override_fields(plain, _settable_fields(config, plain), where="--config_overrides",
+                          hint=f" for {source!r} (a field of its `longattn` dict is written `longattn.FIELD=value`)")
     for key, value in plain.items():
         setattr(config, key, value)
     if stack and stack["is_encoder_decoder"] != bool(getattr(config, "is_encoder_decoder", False)):
@@ -395,8 +395,8 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
 def length_multiple(config, *, decoder: bool = False) -> int:
     """The length every batch is padded to a multiple of: the least common multiple of what each layer's attention
     kind asks for (`LongAttnAttention.length_multiple`) in the encoder stack, or the decoder stack with `decoder`."""
-    if config.model_type != LongAttnConfig.model_type:
-        if not getattr(config, "longattn", None):
+    if not is_longattn(config):
+        if not is_stock_longattn(config):
             return 1  # a stock model under its own attention
         config = _stock_kind_config(config, decoder=decoder)
         decoder = False
@@ -424,8 +424,8 @@ _ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra"
 def attention_types(config) -> list[str]:
     """The attention kind of each layer (of the encoder, or the one stack), longattn or stock model (none for a
     model that is neither, e.g. a plain `nn.Module` with a bare config)."""
-    if getattr(config, "model_type", None) != LongAttnConfig.model_type:
-        return list(_stock_kind_config(config).layer_attention_types) if getattr(config, "longattn", None) else []
+    if not is_longattn(config):
+        return list(_stock_kind_config(config).layer_attention_types) if is_stock_longattn(config) else []
     return list(config.layer_attention_types)
 
 
@@ -815,8 +815,7 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
         if args.model_name_or_path:
             # A stock model running longattn's kinds (its config holds a `longattn` dict) is built with the
             # "longattn" implementation, which attaches the kinds and loads their parameters.
-            stock = {"attn_implementation": "longattn"} if config.model_type != LongAttnConfig.model_type and \
-                getattr(config, "longattn", None) else {}
+            stock = {"attn_implementation": "longattn"} if is_stock_longattn(config) else {}
             model = auto_class.from_pretrained(args.model_name_or_path, config=config,
                                                trust_remote_code=args.trust_remote_code,
                                                ignore_mismatched_sizes=args.task == "classification", **stock)

@@ -99,7 +99,14 @@ def draw_pattern(pattern: torch.Tensor, path: str | Path, *, title: str = "") ->
 
 def picture_config(attention_type: str, overrides: dict | None = None, *, length: int = 64, heads: int = 2,
                    causal: bool = False) -> LongAttnConfig:
-    """A one-layer config of `attention_type` for a picture: `PICTURE_SETTINGS[attention_type]` under `overrides`."""
+    """A one-layer config of `attention_type` for a picture: `PICTURE_SETTINGS[attention_type]` under `overrides`.
+
+    Raises:
+        ValueError: `length` or `heads` below 1, or a config field `LongAttnConfig` refuses.
+    """
+    for name, value in (("length", length), ("heads", heads)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
     settings = {
         "attention_type": attention_type, "num_attention_heads": heads, "hidden_size": 16 * heads,
         "num_hidden_layers": 1, "intermediate_size": 32, "max_position_embeddings": max(length, 128),
@@ -126,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides = parse_config_overrides(args.config_overrides)
         config = picture_config(args.attention_type, overrides, length=args.length, heads=args.heads,
                                 causal=args.causal)
+        outside = [position for position in args.global_tokens if not 0 <= position < args.length]
+        if outside:
+            raise ValueError(f"--global_tokens {outside} lie outside the {args.length} positions [0, {args.length})")
     except ValueError as error:
         parser.error(str(error))
 

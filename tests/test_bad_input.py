@@ -415,6 +415,19 @@ def test_model_forward_bad_input_names_the_argument(kind):
                      else {}))
 
 
+def test_every_head_reads_the_token_ids_once_per_forward(monkeypatch):
+    """The range check of the ids is one host sync (`torch.aminmax`): a head that reads the shapes first (sequence
+    classification, for its default global token) must not check the values a second time."""
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda tensor: calls.append(tensor.shape) or aminmax(tensor))
+    for model in _tiny_models("full"):
+        calls.clear()
+        decoder = {"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if model.config.is_encoder_decoder else {}
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), **decoder)
+        assert len(calls) == 1 + bool(decoder), (type(model).__name__, calls)
+
+
 def test_learned_positions_out_of_range_are_refused():
     """With learned absolute positions `position_ids` index a table: values outside it are a ValueError, not an
     IndexError."""

@@ -8,17 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loading import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("longattn_benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/benchmark.py", "longattn_benchmark_script")
 
 
 def test_overrides_are_parsed_in_the_recipes_grammar(benchmark):

@@ -144,14 +144,9 @@ def test_log_lines_go_above_the_progress_bar_not_into_it():
 
 
 def test_benchmark_compile_option_times_eager_and_compiled_side_by_side(monkeypatch, tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from script_loading import load_script
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
-    spec = importlib.util.spec_from_file_location("longattn_benchmark_compile", script)
-    benchmark = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look the module up
-    spec.loader.exec_module(benchmark)
+    benchmark = load_script("scripts/benchmark.py", "longattn_benchmark_compile")
     calls = []
 
     def fake_run_one(args, impl, length, mode, compiled=False):  # no worker process: the report is under test

@@ -89,6 +89,20 @@ def test_a_misspelt_field_is_refused_with_the_field_it_resembles():
         tiny(num_hiden_layers=3)
 
 
+def test_the_recipes_overrides_of_a_saved_config_name_the_close_field(tmp_path):
+    """`--config_overrides` on a saved longattn config: the misspelt key and the field it resembles, one error."""
+    from longattn import training
+
+    tiny().save_pretrained(tmp_path)
+    args = training.recipe_parser(None, task="mlm").parse_args(
+        ["--train_file", __file__, "--output_dir", str(tmp_path / "out"), "--config_name", str(tmp_path),
+         "--config_overrides", "num_labels=3,slidingwindow=4"])
+    with pytest.raises(training.RecipeError, match=r"'slidingwindow' \(did you mean sliding_window.*\) for "):
+        training.load_config(args, task="mlm")
+    args.config_overrides = "num_labels=3,sliding_window=4"
+    assert training.load_config(args, task="mlm").sliding_window == 4
+
+
 def test_unknown_keys_far_from_any_field_and_transformers_keys_are_kept():
     config = tiny(my_note="kept", cls_token_id=3, sep_token_id=4, tokenizer_class="ByteTokenizer", num_labels=4)
     assert config.my_note == "kept" and config.cls_token_id == 3 and config.num_labels == 4

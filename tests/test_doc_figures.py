@@ -2,25 +2,19 @@
 figure names a figure set and field the script produces, every set is quoted, and each recipe set runs exactly the
 command recipes/README.md shows for its row."""
 
-import importlib.util
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
+from script_loading import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "regenerate_doc_figures.py"
 
 
 @pytest.fixture(scope="module")
 def figures():
-    spec = importlib.util.spec_from_file_location("longattn_regenerate_doc_figures", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/regenerate_doc_figures.py", "longattn_regenerate_doc_figures")
 
 
 def test_markers_and_figure_sets_agree(figures):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from kind_configs import KIND_OVERRIDES
-from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig
 
 import longattn
 from longattn import LongAttnConfig, hub
@@ -116,6 +116,14 @@ def test_saved_folder_is_complete_and_leaves_the_classes_untouched(tmp_path):
     assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {"accuracy": 0.5, "loss": 1.25}
     assert "| 0 | `sliding` | sliding_window=4" in card.text and "| 1 | `full` |" in card.text
     assert "python recipes/run_x.py --flag" in card.text and "tiny test data" in card.text
+
+
+def test_an_unknown_task_is_refused_naming_the_tasks():
+    stock = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    stock.longattn = {"attention_type": "sliding"}
+    for config in (LongAttnConfig(**TINY), stock):
+        with pytest.raises(ValueError, match=r"`task`='summarize' is unknown: expected one of \['mlm'"):
+            hub.model_card(config, task="summarize")
 
 
 def test_folder_problems_are_reported(tmp_path):

@@ -394,10 +394,13 @@ def test_fields_are_validated_like_longattn_config():
     with pytest.raises(ValueError) as stock:
         apply_longattn(model, attention_type="sliding", sliding_window=0)
     assert str(stock.value) == str(native.value)
-    with pytest.raises(ValueError, match="'sliding_windw' is unknown.*Did you mean 'sliding_window'"):
+    with pytest.raises(ValueError,
+                       match=r"`longattn` dict: unknown config field\(s\) 'sliding_windw' \(did you mean sliding_window"):
         apply_longattn(model, attention_type="sliding", sliding_windw=4)
     with pytest.raises(ValueError, match="has 3 entries"):
         apply_longattn(model, attention_type=["sliding", "full", "full"])
+    with pytest.raises(ValueError, match="`model` must be a built transformers model .* got str"):
+        apply_longattn("bert-base-uncased", attention_type="sliding")
     assert model.config._attn_implementation == "sdpa" and getattr(model.config, "longattn", None) is None
 
 

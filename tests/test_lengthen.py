@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loading import load_script
 from test_integration_transformers import build, inputs
 from transformers import (
     AutoModel,
@@ -25,7 +26,7 @@ from transformers import (
 
 import longattn  # noqa: F401  (registers the implementation)
 from longattn import hub, training
-from longattn.lengthen import lengthen, max_tokens
+from longattn.lengthen import lengthen, max_tokens, save_lengthened
 from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools.lengthen import main as lengthen_main
 
@@ -84,8 +85,11 @@ def test_lengthen_refusals(tmp_path):
         lengthen(build("gpt2"), NEW_TOKENS, rope_type="linear")
     with pytest.raises(ValueError, match="rope_type.*expected one of"):
         lengthen(build("qwen2"), NEW_TOKENS, rope_type="ntk")
-    with pytest.raises(ValueError, match="max_length"):
-        lengthen(build("bert"), 0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="max_length"):
+            lengthen(build("bert"), bad)
+    with pytest.raises(ValueError, match="BertModel is not a lengthened stock model"):
+        save_lengthened(build("bert"), tmp_path / "out")
 
 
 # ------------------------------------------------------------------------------------------ RoBERTa, end to end
@@ -106,7 +110,7 @@ def lengthened_roberta(tmp_path_factory) -> Path:
     return root / "out"
 
 
-def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta):
+def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta, capsys):
     tokenizer_config = json.loads((lengthened_roberta / "tokenizer_config.json").read_text())
     assert tokenizer_config["model_max_length"] == NEW_TOKENS
     config = json.loads((lengthened_roberta / "config.json").read_text())
@@ -118,6 +122,7 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta):
     assert hub.hub_folder_problems(lengthened_roberta) == []
     with pytest.raises(SystemExit):  # a field the longattn dict does not have
         lengthen_main([str(lengthened_roberta), "x", "--max_length", "400", "--sliding_windw", "8"])
+    assert "'sliding_windw' (did you mean sliding_window" in capsys.readouterr().err
 
 
 def test_without_longattn_the_folder_fails_to_load(lengthened_roberta):
@@ -208,7 +213,7 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     load_model = training.load_model
     monkeypatch.setattr(training, "load_model", lambda *a, **k: (m := load_model(*a, **k), seen.append(
         _record_global_masks(m)))[0])
-    recipe = _load_recipe("classification")
+    recipe = load_script("recipes/run_classification.py", "recipe_classification")
     out = tmp_path / "run"
     results = recipe.main(["--model_name_or_path", str(lengthened_roberta),
                            "--train_file", str(tmp_path / "train.jsonl"),
@@ -222,10 +227,3 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     assert reloaded.config._attn_implementation == "longattn" and reloaded.config.longattn["sliding_window"] == 4
 
 
-def _load_recipe(recipe: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", REPO / "recipes" / f"run_{recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

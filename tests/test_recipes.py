@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from script_loading import load_script
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
@@ -234,10 +234,7 @@ def test_resume_refuses_a_different_global_batch(datasets_dir, tmp_path_factory,
 
 # ---------------------------------------------------------------------------------------------- bad arguments
 def _load_recipe(recipe: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{recipe}", RECIPES / f"run_{recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
 
 
 @pytest.mark.parametrize(
@@ -249,7 +246,7 @@ def _load_recipe(recipe: str):
         ("mlm", {"--config_overrides": "attention_type=[sliding,bogus],num_hidden_layers=2"}, "bogus"),
         ("seq2seq", {"--max_seq_length": "100000"}, "exceeds the model's limit max_position_embeddings=256"),
         ("seq2seq", {"--max_target_length": "300"}, "exceeds the model's limit"),
-        ("classification", {"--config_overrides": TINY + ",hiden_size=8"}, "hiden_size"),
+        ("classification", {"--config_overrides": TINY + ",hiden_size=8"}, "'hiden_size' (did you mean hidden_size"),
         ("mlm", {"--checkpointing_steps": "often"}, "--checkpointing_steps"),
         ("clm", {"--resume_from_checkpoint": "nowhere"}, "not a complete checkpoint"),
         ("classification", {"--max_target_length": "8"}, "unrecognized arguments: --max_target_length 8"),

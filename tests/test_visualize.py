@@ -60,6 +60,18 @@ def test_json_overrides_are_a_usage_error_naming_the_grammar(drawn, capsys):
     assert "--config_overrides" in error and "key=value" in error
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--global_tokens", "0", "64"], "--global_tokens [64] lie outside the 64 positions"),
+    (["--length", "0"], "--length must be >= 1"),
+    (["--heads", "0"], "--heads must be >= 1"),
+])
+def test_bad_sizes_are_a_usage_error_naming_the_flag(drawn, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and drawn == []
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", longattn.available_attention_types())
 def test_default_picture_shows_the_pattern(drawn, kind):
     # The config defaults (e.g. a window of 256 keys each side) would cover a 64-token picture entirely.

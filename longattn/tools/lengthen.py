@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..configuration_longattn import check_override_fields
 from ..integration_transformers import allowed_fields
 from ..lengthen import ROPE_TYPES, lengthen, save_lengthened
 
@@ -37,9 +38,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
             if not rest or rest[0].startswith("--"):
                 parser.error(f"--{name} needs a value")
             value = rest.pop(0)
-        if name not in allowed_fields():
-            parser.error(f"--{name} is neither a flag of longattn-lengthen nor a `longattn` field "
-                         f"({', '.join(allowed_fields())})")
+        try:
+            check_override_fields([name], allowed_fields(), where=f"--{name}", hint=" and not a flag of the tool")
+        except ValueError as error:
+            parser.error(str(error))
         pairs.append(f"{name}={value}")
     return args, parse_config_overrides(",".join(pairs))
 
