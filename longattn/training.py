@@ -523,6 +523,7 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         columns: `{flag: column}` the recipe reads (`{"text_column": "text"}`), checked before any split so that an
             error names the file and the row as they are there (`require_columns`).
     """
+    import datasets
     from datasets import DatasetDict, load_dataset
 
     try:
@@ -532,7 +533,16 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
             data_files = {"train": args.train_file}
             if args.validation_file:
                 data_files["validation"] = args.validation_file
-            raw = load_dataset(DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files)
+            # Local files convert in moments; their "Generating split" bars would only stand between a bad
+            # argument and its one-line error (Hub data sets keep their download bars).
+            quiet = not datasets.utils.are_progress_bars_disabled()
+            if quiet:
+                datasets.utils.disable_progress_bars()
+            try:
+                raw = load_dataset(DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files)
+            finally:
+                if quiet:
+                    datasets.utils.enable_progress_bars()
     except Exception as error:  # datasets raises many types for unreadable data; all are user errors here
         raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
     if "train" not in raw:
