@@ -77,6 +77,39 @@ def test_sliding_window_equals_reference(batch, heads, length, window, dilation,
     assert_all_close(actual, expected)
 
 
+GROUPED_CASES = [
+    # (batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens)
+    pytest.param(2, 4, 2, 37, 5, 1, False, True, False, id="n37-pad"),
+    pytest.param(2, 4, 1, 37, 5, 1, True, True, False, id="n37-causal-pad-one-kv-head"),
+    pytest.param(3, 6, 2, 101, 7, 1, False, True, True, id="n101-pad-global"),
+    pytest.param(3, 4, 2, 101, 7, 1, True, True, True, id="n101-causal-pad-global"),
+    pytest.param(2, 4, 2, 67, 4, [1, 2, 1, 3], False, True, True, id="n67-dilation-per-head-global"),
+    pytest.param(2, 4, 2, 67, 4, 2, True, False, False, id="n67-dilation2-causal"),
+    pytest.param(2, 4, 2, 30, 40, 1, False, True, False, id="n30-window>length"),
+]
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens",
+                         GROUPED_CASES)
+def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length, window, dilation, causal, padding,
+                                                 global_tokens):
+    """Grouped-query attention: k, v with fewer heads give what k, v repeated to the query heads give (float64,
+    outputs and gradients; the gradient of a shared key/value head sums its group's)."""
+    q, _, _ = _qkv(batch, heads, length, seed=length)
+    _, k, v = _qkv(batch, kv_heads, length, seed=length + 1)
+    key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
+    pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    groups = heads // kv_heads
+
+    def repeated(q, k, v):
+        return ops.sliding_window_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern)
+
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    assert_all_close(actual, outputs_and_grads(repeated, q, k, v))
+    with_reference = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern), q, k, v)
+    assert_all_close(actual, with_reference)
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
 @pytest.mark.parametrize("dilation", [1, [2, 3]])
 def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
@@ -276,7 +309,10 @@ def test_invalid_arguments_name_the_field(kwargs, field):
 
 def test_invalid_shapes_are_reported():
     q, k, v = _qkv(2, 2, 10)
-    with pytest.raises(ValueError, match="k must have shape"):
+    q3, k3, v3 = _qkv(2, 3, 10)
+    with pytest.raises(ValueError, match="k must have shape"):  # 2 key/value heads do not divide 3 query heads
+        ops.sliding_window_attention(q3, k3[:, :2], v3[:, :2], window=2)
+    with pytest.raises(ValueError, match="v must have shape"):
         ops.sliding_window_attention(q, k[:, :1], v, window=2)
     with pytest.raises(ValueError, match="q has more positions"):
         ops.full_attention(q, k[:, :, :5], v[:, :, :5])
