@@ -105,6 +105,16 @@ def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Te
     return zeros, rows
 
 
+def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: int) -> Tensor:
+    """Flat row numbers `[b·h_kv·n_blk·m]` of the keys blocks `start:stop` gather, for `_rows` views.
+
+    kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row; base `[b·h_kv]` (see `_rows`)."""
+    if kv_index.dim() == 2:
+        return (base.view(-1, 1) + kv_index[start:stop].reshape(1, -1) * step).view(-1)
+    b = kv_index.shape[0]
+    return (base.view(b, -1, 1) + kv_index[:, start:stop].reshape(b, 1, -1) * step).view(-1)
+
+
 def _split_heads(t: Tensor, h_kv: int) -> Tensor:
     """`[b, h|1, ...]` -> `[b, h_kv|1, h / h_kv|1, ...]` (a view): query heads grouped by the key/value head they read."""
     return t.unsqueeze(2) if t.shape[1] == 1 else t.unflatten(1, (h_kv, t.shape[1] // h_kv))
@@ -220,9 +230,8 @@ class _BlockAttention(torch.autograd.Function):
                 grad_k.add_(grad_keys.view(b, h_kv, -1, d))
                 grad_v.add_(grad_values.view(b, h_kv, -1, d_v))
             else:
-                positions = kv_index[start:stop].reshape(1, -1)  # [1, n_blk·m]
-                grad_k_rows.index_add_(0, (grad_k_base.view(-1, 1) + positions * grad_k_step).view(-1), grad_keys.view(-1, d))
-                grad_v_rows.index_add_(0, (grad_v_base.view(-1, 1) + positions * grad_v_step).view(-1), grad_values.view(-1, d_v))
+                grad_k_rows.index_add_(0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.view(-1, d))
+                grad_v_rows.index_add_(0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.view(-1, d_v))
 
         return (
             grad_q.to(q_blocks.dtype),
@@ -278,7 +287,7 @@ def _chunks(
     b, h, nb, c, d = q_blocks.shape
     h_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     group = h // h_kv
-    m = n_k if kv_index is None else kv_index.shape[1]
+    m = n_k if kv_index is None else kv_index.shape[-1]
     step = _blocks_per_chunk(b * h * c, m, nb)
     if kv_index is None:
         all_keys, all_values = k.reshape(b * h_kv, n_k, d), v.reshape(b * h_kv, n_k, d_v)  # views, usual layouts
@@ -300,13 +309,12 @@ def _chunks(
         q_scaled = workspace.get("q", (b, h_kv, n_blk, group, c, d))
         torch.mul(q_chunk, scale, out=q_scaled.transpose(2, 3))
         # Flat rows of (batch·head, block, key): a dim-0 index_select is ~4x faster than one on dim 2.
-        positions = kv_index[start:stop].reshape(1, -1)  # [1, n_blk·m]
         count = b * h_kv * n_blk * m
         keys = torch.index_select(
-            k_rows, 0, (k_base.view(-1, 1) + positions * k_step).view(-1), out=workspace.get("keys", (count, d))
+            k_rows, 0, _gather_rows(k_base, k_step, kv_index, start, stop), out=workspace.get("keys", (count, d))
         )
         values = torch.index_select(
-            v_rows, 0, (v_base.view(-1, 1) + positions * v_step).view(-1), out=workspace.get("values", (count, d_v))
+            v_rows, 0, _gather_rows(v_base, v_step, kv_index, start, stop), out=workspace.get("values", (count, d_v))
         )
         yield _Chunk(
             start, stop, q_scaled.view(b * h_kv * n_blk, group * c, d), keys.view(b * h_kv * n_blk, m, d),
@@ -335,7 +343,7 @@ def attend_blocks(
             i // (h / h_kv), without repeating k); the usual `[b, n, h_kv, d]`-backed views are read without a copy.
         v: Values `[b, h_kv, n_k, d_v]`, likewise.
         kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
-            entries). None: every block attends to all `n_k` keys (m = n_k) without gathering them.
+            entries); `[b, nb, m]`: one key set per batch row. None: every block attends to all `n_k` keys (m = n_k) without gathering them.
         mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
@@ -358,8 +366,9 @@ def attend_blocks(
         raise ValueError(f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     m = k.shape[2] if kv_index is None else kv_index.shape[-1]
-    if kv_index is not None and (kv_index.dim() != 2 or kv_index.shape[0] != nb):
-        raise ValueError(f"kv_index must have shape [nb={nb}, m], got {tuple(kv_index.shape)}")
+    if kv_index is not None and (kv_index.dim() not in (2, 3) or kv_index.shape[-2] != nb
+                                 or (kv_index.dim() == 3 and kv_index.shape[0] != b)):
+        raise ValueError(f"kv_index must have shape [nb={nb}, m] or [b={b}, nb={nb}, m], got {tuple(kv_index.shape)}")
     if (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
@@ -595,7 +604,7 @@ def banded_attention(
 
     Local part: for each head group sharing a dilation, `attend_blocks` over a `band_layout`; the block masks come
     from `mask_fn` evaluated on original positions, with the band copies of global keys hidden. Global keys: every
-    query block also attends to the gathered global keys, merged by log-sum-exp. Global queries: a dense row over
+    query block gathers its batch row's global keys after its band keys, in the same softmax. Global queries: a dense row over
     all keys, O(g · n), written over the local result. `mask_fn` decides visibility everywhere; the geometry
     arguments only say where visible keys can be, so they must cover `mask_fn`'s local part.
 
@@ -669,12 +678,12 @@ def banded_attention(
             q_valid=layout.q_valid[None],
             kv_valid=layout.kv_valid[None],
         )
-        partials = [attend_blocks(q_blocks, k_g, v_g, kv_index=layout.kv_pos, mask=local_mask, scale=scale, dropout_p=dropout_p)]
+        kv_index = layout.kv_pos  # [nb, m]
         if global_index is not None:
+            # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
+            # second pass to merge. [b, nb, m + g]
             g = global_index.shape[1]
-            gather_index = global_index.view(b, 1, g, 1)
-            k_global = k_g.gather(2, gather_index.expand(b, k_g.shape[1], g, k_g.shape[3]))  # [b, hg|h_kv, g, d]
-            v_global = v_g.gather(2, gather_index.expand(b, v_g.shape[1], g, v_g.shape[3]))  # [b, hg|h_kv, g, d_v]
+            kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
             global_key_mask = evaluate_block_mask(
                 mask_fn,
                 batch=b,
@@ -683,11 +692,12 @@ def banded_attention(
                 kv_pos=global_index[:, None, :],
                 q_valid=layout.q_valid[None],
                 kv_valid=global_valid[:, None, :],
-            )
-            partials.append(
-                attend_blocks(q_blocks, k_global, v_global, kv_index=None, mask=global_key_mask, scale=scale, dropout_p=dropout_p)
-            )
-        out_blocks, _ = merge_attention(partials)  # [b, hg, nb, c, d_v]
+            )  # [b, 1|hg, nb, c, g]
+            heads_dim = max(local_mask.shape[1], global_key_mask.shape[1])
+            local_mask = torch.cat([local_mask.expand(b, heads_dim, -1, -1, -1),
+                                    global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4)  # [b, 1|hg, nb, c, m + g]
+        out_blocks, _ = attend_blocks(q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale,
+                                      dropout_p=dropout_p)  # [b, hg, nb, c, d_v]
         out_g = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
         out_g = out_g[:, :, :n_q] if layout.slot_of_query is None else out_g.index_select(2, layout.slot_of_query)
         group_outputs.append(out_g)

@@ -214,6 +214,43 @@ def test_fully_padded_rows_give_zeros_not_nan_in_half_precision(dtype, attention
             assert (out[0, :, : 37 // 3] == 0).all()
 
 
+def test_attend_blocks_takes_one_key_set_per_batch_row():
+    """kv_index `[b, nb, m]` (the band plus each row's global keys, in one softmax) equals each row run with its
+    own `[nb, m]` index, outputs and gradients, with grouped key/value heads."""
+    q, _, _ = _qkv(2, 4, 24)
+    _, k, v = _qkv(2, 2, 24, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    kv_index = torch.randint(0, 24, (2, 3, 10), generator=generator)  # [b, nb, m]
+    mask = torch.rand(2, 4, 3, 8, 10, generator=generator) > 0.3
+
+    def per_batch(q, k, v):
+        return attend_blocks(q.view(2, 4, 3, 8, 8), k, v, kv_index=kv_index, mask=mask, scale=0.3)[0]
+
+    def row_by_row(q, k, v):
+        rows = [attend_blocks(q[i : i + 1].reshape(1, 4, 3, 8, 8), k[i : i + 1], v[i : i + 1], kv_index=kv_index[i],
+                              mask=mask[i : i + 1], scale=0.3)[0] for i in range(2)]
+        return torch.cat(rows)
+
+    assert_all_close(outputs_and_grads(per_batch, q, k, v), outputs_and_grads(row_by_row, q, k, v))
+
+
+def test_global_keys_join_the_band_in_one_pass(monkeypatch):
+    """With global tokens, the band and the global keys are one `attend_blocks` call (no merge), plus one for the
+    global queries' dense rows."""
+    import longattn.executor_blocked as executor
+
+    calls = []
+    original = executor.attend_blocks
+    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw))
+    monkeypatch.setattr(executor, "merge_attention", lambda partials: pytest.fail("merged partial attentions"))
+    q, k, v = _qkv(2, 2, 100)
+    _, global_mask = _token_masks(2, 100, padding=False, global_tokens=True)
+    pattern = dict(window=5, global_mask=global_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    assert len(calls) == 2 and calls[0].dim() == 3 and calls[0].shape[0] == 2 and calls[1] is None  # [b, nb, m + g]
+    assert_all_close(actual, outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v))
+
+
 def test_half_precision_matches_float64_reference():
     q, k, v = _qkv(2, 2, 90, dtype=torch.bfloat16)
     key_padding_mask, global_mask = _token_masks(2, 90, padding=True, global_tokens=True)
