@@ -15,7 +15,8 @@ paper's setting); in an encoder x = |i - j| on both sides.
 A key at distance x >= R + z has weight 0, so only keys within the current largest span, reach = min(S, max_i z_i + R),
 are computed: a banded executor (`adaptive_span_attention`) gathers, for each block of c queries, the c + reach
 (causal) or c + 2·reach keys around it, costing O(n · (c + reach)) instead of O(n²). The reach is read back to the
-host once per call (one device sync), as the paper's implementation trims its memory: it is a shape.
+host once per call (one device sync), as the paper's implementation trims its memory: it is a shape. Under
+`torch.compile` or `torch.export` the band is S wide instead (a value read back would break the graph).
 
 z is stored as the fraction `span_fraction` = z / S (initialised at 0 as in the paper's code, so spans grow from R):
 a step of the optimiser then moves z by a fraction of S whatever S is. The paper clamps the parameter into [0, 1]
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field, check_number
+from .ops_checks import check_token_mask, empty_attention, is_empty
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
 # waste fewer gathered keys per query but compute more masked-out scores at the band's edges; 64 balances both for
@@ -106,14 +108,22 @@ def adaptive_span_attention(
         block_size: Queries per block c.
 
     Returns:
-        `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros.
+        `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros; empty for batch or length 0.
+
+    Raises:
+        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q_offset = n_k - n_q
-    # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape.
-    reach = min(max_span, int(math.floor(float(span.detach().max()))) + ramp, max(n_k - 1, 0))
+    # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
+    # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
+    largest = max_span if torch.compiler.is_compiling() else int(math.floor(float(span.detach().max()))) + ramp
+    reach = min(max_span, largest, max(n_k - 1, 0))
     left, right = reach, 0 if causal else reach
     c = max(1, min(block_size, n_q))
     nb = -(-n_q // c)
@@ -270,9 +280,15 @@ def adaptive_span_reference(
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
+
+    Raises:
+        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]

@@ -83,4 +83,4 @@ class CrossAttention(nn.Module):
             out = full_attention(q, k, v, key_padding_mask=encoder_attention_mask, dropout_p=dropout_p)
             weights = None
         b, _, n, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), weights
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)), weights

@@ -136,7 +136,8 @@ class LinformerAttention(LongAttnAttention):
             # Positions counted over real tokens (as the model's position ids): left padding selects the same rows.
             positions = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)  # [b, n]
             rows = table[positions]  # [b, n, H·k]
-        return rows.view(rows.shape[0], n, -1, self.proj_len)
+        # Sizes spelled out (no -1): a view of an empty tensor (batch or length 0) cannot infer one.
+        return rows.view(rows.shape[0], n, table.shape[1] // self.proj_len, self.proj_len)
 
     @staticmethod
     def _project(tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ class LinformerAttention(LongAttnAttention):
         if rows.shape[2] == 1:
             # One E for every head: a single [k, n] @ [n, h·d] product per batch row, no per-head copies of E.
             projected = rows[:, :, 0].transpose(1, 2) @ tokens.reshape(b, n, h * d)  # [b, k, h·d]
-            return projected.view(b, -1, h, d).transpose(1, 2)
+            return projected.view(b, rows.shape[3], h, d).transpose(1, 2)
         return torch.einsum("bnhk,bnhd->bhkd", rows, tokens)
 
     def _project_linear(
@@ -162,7 +163,7 @@ class LinformerAttention(LongAttnAttention):
         mixed = e_rows.transpose(1, 2) @ x  # [b, k, D]
         row_sums = e_rows.sum(dim=1) if keep is None else (e_rows * keep).sum(dim=1)  # [b|1, k]
         out = nn.functional.linear(mixed, linear.weight) + row_sums[..., None] * linear.bias  # [b, k, D]
-        return out.view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        return out.view(b, e_rows.shape[-1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def _tokens(self, linear: nn.Linear, hidden_states: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         b, n, _ = hidden_states.shape

@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention_base import LongAttnAttention, check_int_field, rotate_half
 from .ops import full_attention, reference_attention
+from .ops_checks import check_token_mask
 
 
 def pack_groups(
@@ -41,8 +42,12 @@ def pack_groups(
     Returns:
         `(groups, group_valid)`: groups `[b, g, R, ...]`; group_valid bool `[b, g]` (a group holds a real token), or
         None when every group of every row does.
+
+    Raises:
+        ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on x's device.
     """
     b, n = x.shape[:2]
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n, device=x.device)
     g = -(-n // ratio)
     if key_padding_mask is None:
         padded = nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, g * ratio - n))
@@ -108,7 +113,8 @@ class ReductionAttention(LongAttnAttention):
         """SR(x) = LayerNorm(Reshape(x, R) W_S): `[b, n, D]` -> (`[b, g, D]`, group_valid `[b, g]` or None)."""
         groups, group_valid = pack_groups(hidden_states, key_padding_mask, self.ratio)  # [b, g, R, D]
         b, g = groups.shape[:2]
-        return self.reduction_norm(self.reduction_proj(groups.reshape(b, g, -1))), group_valid
+        # [b, g, R·D], sizes spelled out: a reshape of an empty tensor (batch or length 0) cannot infer a -1.
+        return self.reduction_norm(self.reduction_proj(groups.reshape(b, g, groups.shape[2:].numel()))), group_valid
 
     def forward(
         self,

@@ -42,6 +42,7 @@ from .attention_base import LongAttnAttention, check_int_field
 from .backends import AttentionRequest, select_backend
 from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
+from .ops_checks import check_token_mask, empty_attention, is_empty
 
 __all__ = [
     "RoutingAttention",
@@ -187,6 +188,12 @@ def _statistics(*members: tuple[Tensor, Tensor], clusters: int) -> tuple[Tensor,
     return sums[:-1].view(h, clusters, d), counts[:-1].view(h, clusters)
 
 
+def _empty_statistics(x: Tensor, clusters: int) -> tuple[Tensor, Tensor]:
+    """The statistics of no member: zero sums `[h, C, d]` and counts `[h, C]` (batch or length 0)."""
+    h, d = x.shape[1], x.shape[-1]
+    return x.new_zeros(h, clusters, d, dtype=torch.float32), x.new_zeros(h, clusters, dtype=torch.float32)
+
+
 def _member_statistics(x: Tensor, top: Tensor, used: Tensor) -> tuple[Tensor, Tensor]:
     """Sums `[h, C, d]` and counts `[h, C]` of the unit vectors of the members each centroid took (balanced clusters:
     `top [b, h, C, k]`, `used [b, 1, 1, k]`), for x `[b, h, n, d]`.
@@ -222,15 +229,20 @@ def cluster_statistics(
 
     Returns:
         `(sums [h, C, d], counts [h, C])` in float32.
+
+    Raises:
+        ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device.
     """
     clusters = centroids.shape[1]
+    valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if is_empty(q, k):
+        return _empty_statistics(q, clusters)
     if causal:
         parts = [(_unit(x), _nearest(x, centroids)) for x in (q, k)]
-        if key_padding_mask is not None:
-            parts = [(unit, cluster.masked_fill(~key_padding_mask.bool()[:, None, :], -1)) for unit, cluster in parts]
+        if valid is not None:
+            parts = [(unit, cluster.masked_fill(~valid[:, None, :], -1)) for unit, cluster in parts]
         return _statistics(*parts, clusters=clusters)
     size = -(-q.shape[2] // clusters)
-    valid = None if key_padding_mask is None else key_padding_mask.bool()
     sums, counts = 0, 0
     for x in (q, k):
         part_sums, part_counts = _member_statistics(x, *_balanced_members(x, centroids, valid, size))
@@ -271,10 +283,17 @@ def routing_attention(
             until it is measured on a GPU.
 
     Returns:
-        Output `[b, h, n, d_v]` (zeros for a query that sees no key), and `(sums, counts)` when asked.
+        Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
+        `(sums, counts)` when asked.
+
+    Raises:
+        ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device, or `backend` cannot run it.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    valid = None if key_padding_mask is None else key_padding_mask.bool()
+    valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if is_empty(q, k):
+        out = empty_attention(q, k, v)
+        return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
     choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
@@ -457,12 +476,18 @@ def routing_attention_dense(
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
+
+    Raises:
+        ValueError: `key_padding_mask` is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n, d = q.shape
     m = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
+    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     if causal:
         key_cluster = _nearest(k, centroids)  # [b, h, m]
@@ -608,7 +633,7 @@ class RoutingAttention(LongAttnAttention):
                 near = near & (k_pos <= q_pos)
             mask = near[None, None]
             if key_padding_mask is not None:
-                mask = mask & key_padding_mask.bool()[:, None, None, :]
+                mask = mask & key_padding_mask[:, None, None, :]  # bool: checked by routing_attention_dense
             local, local_weights = _masked_attention(q_l, k_l, v_l, mask, self.scale, dropout_p)
             out = torch.cat([out, local], dim=1)
             weights = torch.cat([weights, local_weights], dim=1)

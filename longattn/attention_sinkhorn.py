@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from .attention_base import LongAttnAttention, check_int_field, check_number
 from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
+from .ops_checks import check_token_mask, empty_attention, is_empty
 from .ops_lsh import attend_windows
 
 __all__ = [
@@ -176,7 +177,7 @@ def _take(x: Tensor, index: Tensor) -> Tensor:
 def _prepare(q, k, v, key_padding_mask, block):
     """Rotate left padding away, pad to whole blocks, zero padded keys and values (they enter block means)."""
     b, h, n, _ = q.shape
-    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     rotation = None
     if key_padding_mask is not None:
         rotation = _left_aligned(valid)
@@ -424,10 +425,14 @@ def sinkhorn_attention(
         `[b, h, n, d_v]`.
 
     Raises:
-        ValueError: Causal SortCut, or a back end that cannot run this call (the message says why).
+        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device, or a
+            back end that cannot run this call (the message says why).
     """
     if causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
     choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
         q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
@@ -564,13 +569,19 @@ def sinkhorn_attention_dense(
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
+
+    Raises:
+        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
     b, h, n, d = q.shape
     m = k.shape[2]
     s = block_size
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
+    valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     rotation = _left_aligned(valid)
     # Keys in the blocked layout (rotated, padded) and the layout position of every original key position.
     k_l, v_l = _take(k.to(dtype), rotation), _take(v.to(dtype), rotation)

@@ -332,7 +332,8 @@ def select_backend(name: str, request: AttentionRequest) -> str:
         backend = BACKENDS[candidate]
         reasons = backend.reasons_not_supported(request) + backend.auto_reasons(request)
         if not reasons:
-            _log_choice(candidate, request, passed_over)
+            if not torch.compiler.is_compiling():  # a side effect: `torch.compile` would break the graph here
+                _log_choice(candidate, request, passed_over)
             return candidate
         passed_over.append(f"{candidate}: " + "; ".join(reasons))
     raise AssertionError("the 'torch' back end serves every request")  # pragma: no cover

@@ -72,6 +72,18 @@ class _Workspace:
         return buffer[:size].view(*shape)
 
 
+def _row_strides(t: Tensor) -> tuple[int, int, int] | None:
+    """Strides of t `[b, h, n, d]` in rows of d, or None when its layout is not row-addressable (see `_rows`).
+
+    Decided from the shape and strides alone (no data pointers), so that `torch.compile` traces it without a break.
+    """
+    d = t.shape[3]
+    strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
+    if d == 0 or (d > 1 and strides[3] != 1) or any(stride % d for stride in strides[:3]):
+        return None
+    return strides[0] // d, strides[1] // d, strides[2] // d
+
+
 def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
     """A `[rows, d]` view of t `[b, h, n, d]` without copying, for gathering and scatter-adding whole rows.
 
@@ -83,11 +95,11 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
         base `[b·h]`.
     """
     b, h, n, d = t.shape
-    strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
-    if d == 0 or (d > 1 and strides[3] != 1) or any(stride % d for stride in strides[:3]):
+    row_strides = _row_strides(t)
+    if row_strides is None:
         t = t.contiguous()
-        strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
-    s0, s1, s2 = (stride // d for stride in strides[:3])
+        row_strides = _row_strides(t)
+    s0, s1, s2 = row_strides
     rows = (b - 1) * s0 + (h - 1) * s1 + (n - 1) * s2 + 1
     flat = t.as_strided((rows, d), (d, 1))
     base = (torch.arange(b, device=t.device).view(b, 1) * s0 + torch.arange(h, device=t.device).view(1, h) * s1)
@@ -95,14 +107,16 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
 
 
 def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor, int]]:
-    """Zeros shaped like `like`, in its layout when that is row-addressable (so gradients of transposed views
-    come back as the same views), and their `_rows` view."""
+    """Zeros shaped like `like`, in its layout when that is row-addressable without gaps (so gradients of
+    transposed views come back as the same views), and their `_rows` view."""
     zeros = torch.zeros_like(like, dtype=dtype)
-    rows = _rows(zeros)
-    if rows[0].data_ptr() != zeros.data_ptr() or rows[0].numel() != zeros.numel():
+    b, h, n, _ = zeros.shape
+    row_strides = _row_strides(zeros)
+    # A gap (or an overlap) between rows would make the `[rows, d]` view cover other memory than `zeros`.
+    span = None if row_strides is None else sum((size - 1) * stride for size, stride in zip((b, h, n), row_strides)) + 1
+    if span != b * h * n:
         zeros = torch.zeros(like.shape, dtype=dtype, device=like.device)
-        rows = _rows(zeros)
-    return zeros, rows
+    return zeros, _rows(zeros)
 
 
 def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: int) -> Tensor:
@@ -378,8 +392,38 @@ def attend_blocks(
         raise ValueError(f"mask must have shape [{b} or 1, {h} or 1, {nb}, {c}, {m}], got {tuple(mask.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if torch.compiler.is_compiling():
+        return _attend_blocks_traceable(q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p)
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
     return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed)
+
+
+def _attend_blocks_traceable(
+    q_blocks: Tensor, k: Tensor, v: Tensor, *, kv_index: Tensor | None, mask: Tensor, scale: float, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
+
+    The eager kernel's chunk loop, reused workspaces and `out=` writes into strided views are host-side memory
+    management: a compiler plans memory itself, and `out=` into strided views neither traces without graph breaks
+    nor lowers to inductor. Here autograd derives the backward, and the compiler fuses mask, softmax and products.
+    """
+    dtype = _compute_dtype(q_blocks.dtype)
+    b, h_kv = k.shape[:2]
+    if kv_index is None:
+        keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
+    else:
+        rows = torch.arange(b, device=k.device).view(b, 1, 1)
+        index = kv_index.expand(b, *kv_index.shape[-2:])  # [b, nb, m]
+        # [b, nb, m, h_kv, d] -> [b, h_kv, nb, m, d]
+        keys, values = (t.to(dtype).transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4) for t in (k, v))
+    keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
+    scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
+    scores = scores.flatten(1, 2) + (~mask).to(dtype) * _HIDDEN  # [b, h, nb, c, m]
+    has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
+    probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
+    out = (_split_heads(probs, h_kv) @ values).flatten(1, 2) * has_key[..., None]  # [b, h, nb, c, d_v]
+    return out.to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
 
 
 def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -443,7 +487,9 @@ def evaluate_block_mask(
     m = kv_pos.shape[2]
     batch_index = torch.arange(batch, device=q_pos.device).view(batch, 1, 1, 1, 1)
     head_index = heads.view(1, -1, 1, 1, 1)
-    step = _blocks_per_chunk(c, m, nb)
+    # Compiled: one chunk. The compiler fuses the predicate (no int64 intermediates are kept), and chunks written into
+    # `result` miscompile in inductor's CPU code for bool masks (torch 2.13).
+    step = nb if torch.compiler.is_compiling() else _blocks_per_chunk(c, m, nb)
     result = None
     for start in range(0, nb, step):
         stop = min(nb, start + step)
@@ -457,6 +503,8 @@ def evaluate_block_mask(
             kv_valid_slice = kv_valid if kv_valid.shape[1] == 1 else kv_valid[:, start:stop]
             chunk = chunk & kv_valid_slice[:, None, :, None, :]
         chunk = chunk.reshape((1,) * (5 - chunk.dim()) + tuple(chunk.shape))
+        if stop - start == nb:
+            return chunk
         if result is None:
             result = torch.empty(
                 chunk.shape[0], chunk.shape[1], nb, c, m, dtype=torch.bool, device=q_pos.device
@@ -552,7 +600,9 @@ def band_layout(
 def global_token_index(global_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Positions of the global tokens of each batch row, padded to the row with the most.
 
-    Reads the largest count back to the host once (one device sync): the number of global slots is a shape.
+    The number of global slots g is a shape read from the data: eagerly one device sync. Under `torch.compile` and
+    `torch.export` a value read back would break the graph, so g is the sequence length there (every position could
+    be global; the extra slots are invalid): the global part then costs as much as dense attention.
 
     Args:
         global_mask: Bool `[b, n]`, True = global token.
@@ -561,7 +611,10 @@ def global_token_index(global_mask: Tensor) -> tuple[Tensor, Tensor]:
         `(index, valid)`: long `[b, g]` positions in increasing order (padding slots hold 0) and bool `[b, g]`.
     """
     counts = global_mask.sum(dim=1)  # [b]
-    g = int(counts.max()) if global_mask.numel() else 0
+    if torch.compiler.is_compiling():
+        g = global_mask.shape[1]
+    else:
+        g = int(counts.max()) if global_mask.numel() else 0
     # A stable sort of "not global" puts the global positions first, in order.
     order = torch.sort((~global_mask).to(torch.uint8), dim=1, stable=True).indices[:, :g]  # [b, g]
     valid = torch.arange(g, device=global_mask.device).view(1, g) < counts.view(-1, 1)

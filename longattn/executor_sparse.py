@@ -220,7 +220,18 @@ def _fixed_summary_positions(n_k: int, block_size: int, num_summary: int, group:
     first_cell = block_size - (group + 1) * num_summary
     positions = (torch.arange(blocks, device=device).view(blocks, 1) * block_size + first_cell
                  + torch.arange(num_summary, device=device).view(1, num_summary)).reshape(-1)
-    return positions[positions < n_k]
+    return positions[:_fixed_summary_count(n_k, block_size, num_summary, group)]
+
+
+def _fixed_summary_count(limit: int, block_size: int, num_summary: int, group: int) -> int:
+    """How many summary cells of head group `group` lie before position `limit` (a prefix of the sorted positions).
+
+    Counted from the geometry, not from the positions tensor: a count read back from a tensor would be a host sync
+    and break `torch.compile`'s graph. Every block before `limit // l` holds all c cells; block `limit // l` holds
+    those of its cells `[l − (g + 1)·c, l − g·c)` that start before `limit`.
+    """
+    first_cell = block_size - (group + 1) * num_summary
+    return (limit // block_size) * num_summary + min(num_summary, max(0, limit % block_size - first_cell))
 
 
 def fixed_blocked_attention(
@@ -323,7 +334,7 @@ def fixed_blocked_attention(
             n_blocks = (stop - start) * subs
             if causal:
                 # The last query block of the group sees summary cells of earlier blocks only.
-                keys = int((positions < (first_block + stop - 1) * block_size).sum())
+                keys = _fixed_summary_count((first_block + stop - 1) * block_size, block_size, num_summary, group)
             else:
                 keys = positions.shape[0]
             if keys == 0:

@@ -244,21 +244,26 @@ class LongAttnStack(nn.Module):
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         """Sum of the attention kinds' auxiliary losses (e.g. adaptive span's penalty), None when none has one."""
-        losses = [loss for layer in self.layers if (loss := layer.self_attn.auxiliary_loss()) is not None]
+        losses = [layer.self_attn.auxiliary_loss() for layer in self.layers]  # no walrus: torch.compile breaks on it
+        losses = [loss for loss in losses if loss is not None]
         return torch.stack(losses).sum() if losses else None
 
 
-def _as_bool_mask(mask: torch.Tensor | None, *, name: str, batch: int, length: int) -> torch.Tensor | None:
+def _as_bool_mask(
+    mask: torch.Tensor | None, *, name: str, batch: int, length: int, device: torch.device
+) -> torch.Tensor | None:
     """Check a `[b, length]` mask of 1 (keep) and 0 (padding), bool, integer or float as in transformers, and return
     it as bool (None stays None).
 
     Raises:
-        ValueError: another shape (a 4-D `[b, 1, n, m]` mask included: which keys a query sees is the attention
-            kind's pattern, which such a mask cannot express), or a float mask with values other than 0 and 1 (an
-            additive mask, 0 keep / -inf drop, would be read the other way round).
+        ValueError: not a tensor on `device` (the inputs' device), another shape (a 4-D `[b, 1, n, m]` mask
+            included: which keys a query sees is the attention kind's pattern, which such a mask cannot express), or
+            a float mask with values other than 0 and 1 (an additive mask, 0 keep / -inf drop, would be read the
+            other way round).
     """
     if mask is None:
         return None
+    _check_tensor_on(name, mask, device)
     if mask.dim() == 4:
         raise ValueError(
             f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
@@ -273,6 +278,111 @@ def _as_bool_mask(mask: torch.Tensor | None, *, name: str, batch: int, length: i
             "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
         )
     return mask.bool()
+
+
+def _check_tensor_on(name: str, value: Any, device: torch.device) -> None:
+    """Raise `ValueError` unless `value` is a tensor on `device` (the device of the token inputs)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}.")
+    if value.device != device:
+        raise ValueError(f"`{name}` is on {value.device} but the token inputs are on {device}: move it there.")
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _check_range(name: str, tensor: torch.Tensor, limit: int, what: str) -> None:
+    """Raise `ValueError` unless every value of an integer tensor is in [0, limit) (`what` names the limit).
+
+    One `aminmax` and one host sync in eager mode. Skipped while `torch.compile` or `torch.export` traces: reading
+    the values there would break the graph (a compiled model with a bad id fails in the embedding lookup instead).
+    """
+    if tensor.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = (int(value) for value in torch.aminmax(tensor))
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise ValueError(f"`{name}` holds {bad}: expected values in [0, {limit}) ({what}={limit}).")
+
+
+def _check_token_inputs(
+    config: LongAttnConfig,
+    embeddings: LongAttnEmbeddings,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    *,
+    prefix: str = "",
+) -> tuple[int, int]:
+    """Check the token inputs of one stack and return (b, n): exactly one of `input_ids` `[b, n]` (integer ids in
+    [0, vocab_size)) and `inputs_embeds` `[b, n, D]` (floating point, in the embedding table's dtype unless autocast
+    is on). `prefix` is "decoder_" for the seq2seq decoder, whose arguments are named so.
+
+    Raises:
+        ValueError: naming the argument, its shape, dtype or offending value, and what is allowed.
+    """
+    ids_name, embeds_name = f"{prefix}input_ids", f"{prefix}inputs_embeds"
+    if (input_ids is None) == (inputs_embeds is None):
+        made_from = " (or `labels`, from which the decoder inputs are made)" if prefix else ""
+        raise ValueError(f"Pass exactly one of `{ids_name}` and `{embeds_name}`{made_from}.")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"`{ids_name}` has shape {shape}: expected a tensor [batch, length].")
+        if not _is_integer(input_ids):
+            raise ValueError(f"`{ids_name}` has dtype {input_ids.dtype}: {ids_name} must be integer token ids "
+                             f"(torch.long); pass vectors as `{embeds_name}`.")
+        _check_range(ids_name, input_ids, config.vocab_size, "vocab_size")
+        return input_ids.shape[0], input_ids.shape[1]
+    hidden = config.hidden_size
+    if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
+        shape = list(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+        raise ValueError(f"`{embeds_name}` has shape {shape}: expected [batch, length, hidden_size={hidden}].")
+    table_dtype = embeddings.word_embeddings.weight.dtype
+    # Under autocast the layers cast their inputs themselves; otherwise LayerNorm and the linear layers need the
+    # model's dtype.
+    autocast = torch.is_autocast_enabled(inputs_embeds.device.type)
+    if not inputs_embeds.is_floating_point() or (inputs_embeds.dtype != table_dtype and not autocast):
+        raise ValueError(f"`{embeds_name}` has dtype {inputs_embeds.dtype}: expected the model's {table_dtype} "
+                         f"(e.g. `{embeds_name}.to({table_dtype})`).")
+    return inputs_embeds.shape[0], inputs_embeds.shape[1]
+
+
+def _check_position_ids(
+    position_ids: torch.Tensor | None, config: LongAttnConfig, *, batch: int, length: int, device: torch.device
+) -> None:
+    """`position_ids`, when given: integer `[b, n]` or `[1, n]` on the inputs' device; with learned positions, in
+    [0, max_position_embeddings) (they index a table).
+
+    Raises:
+        ValueError: naming `position_ids`, its shape, dtype, device or offending value.
+    """
+    if position_ids is None:
+        return
+    _check_tensor_on("position_ids", position_ids, device)
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
+                         f"[{batch}, {length}] (or [1, {length}]).")
+    if not _is_integer(position_ids):
+        raise ValueError(f"`position_ids` has dtype {position_ids.dtype}: expected integer positions (torch.long).")
+    if config.position_embedding_type == "learned":
+        _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
+
+
+def _check_labels(
+    name: str, labels: torch.Tensor | None, shapes: list[tuple[int, ...]], *, integer: bool = True
+) -> None:
+    """Raise `ValueError` unless `labels` (when given) is a tensor of one of `shapes`, of an integer dtype when
+    `integer` (class ids; -100 = ignored)."""
+    if labels is None:
+        return
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(labels).__name__}.")
+    if tuple(labels.shape) not in [tuple(shape) for shape in shapes]:
+        expected = " or ".join(str(list(shape)) for shape in shapes)
+        raise ValueError(f"`{name}` has shape {list(labels.shape)}: expected {expected}.")
+    if integer and not _is_integer(labels):
+        raise ValueError(f"`{name}` has dtype {labels.dtype}: expected integer class ids (torch.long; -100 = ignored).")
 
 
 def _position_ids(attention_mask: torch.Tensor | None, *, batch: int, past: int, length: int, device) -> torch.Tensor:
@@ -384,28 +494,30 @@ def _run_backbone(
     encoder_attention_mask: torch.Tensor | None = None,
     output_hidden_states: bool,
     output_attentions: bool,
+    prefix: str = "",
 ) -> BaseModelOutputWithPastAndCrossAttentions:
-    """Validate inputs, embed, add positions, and run `stack`: the shared body of every model."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+    """Validate inputs, embed, add positions, and run `stack`: the shared body of every model (`prefix`: the
+    arguments' prefix in error messages, "decoder_" for the seq2seq decoder)."""
+    batch, length = _check_token_inputs(config, embeddings, input_ids, inputs_embeds, prefix=prefix)
+    device = (input_ids if input_ids is not None else inputs_embeds).device
+    _check_position_ids(position_ids, config, batch=batch, length=length, device=device)
     if inputs_embeds is None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` has shape {list(input_ids.shape)}: expected [batch, length].")
         inputs_embeds = embeddings.word_embeddings(input_ids)
-    batch, length = inputs_embeds.shape[:2]
     past = past_key_values.get_seq_length() if past_key_values is not None else 0
     if past + length > config.max_position_embeddings:
         raise ValueError(
             f"sequence length {past + length} exceeds `max_position_embeddings`={config.max_position_embeddings}: "
             f"pass at most {config.max_position_embeddings} tokens or build the model with a larger limit."
         )
-    attention_mask = _as_bool_mask(attention_mask, name="attention_mask", batch=batch, length=past + length)
+    attention_mask = _as_bool_mask(attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length,
+                                   device=device)
     global_attention_mask = _as_bool_mask(
-        global_attention_mask, name="global_attention_mask", batch=batch, length=past + length
+        global_attention_mask, name="global_attention_mask", batch=batch, length=past + length, device=device
     )
     if encoder_hidden_states is not None:
         encoder_attention_mask = _as_bool_mask(
-            encoder_attention_mask, name="encoder_attention_mask", batch=batch, length=encoder_hidden_states.shape[1]
+            encoder_attention_mask, name="encoder_attention_mask", batch=batch, length=encoder_hidden_states.shape[1],
+            device=device,
         )
     if position_ids is None:
         position_ids = _position_ids(attention_mask, batch=batch, past=past, length=length,
@@ -687,6 +799,7 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
+        _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
         if labels is not None:
             loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
@@ -721,9 +834,13 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> SequenceClassifierOutput | tuple:
+        batch, length = _check_token_inputs(self.config, self.longattn.embeddings, input_ids, inputs_embeds)
+        if length == 0:
+            raise ValueError("`input_ids` has length 0: sequence classification reads the first token's state, so "
+                             "pass at least one token.")
         if global_attention_mask is None:
-            reference = input_ids if input_ids is not None else inputs_embeds[..., 0]
-            global_attention_mask = torch.zeros(reference.shape[:2], dtype=torch.bool, device=reference.device)
+            device = (input_ids if input_ids is not None else inputs_embeds).device
+            global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
         outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
                                 inputs_embeds=inputs_embeds, position_ids=position_ids,
@@ -761,6 +878,13 @@ def _classification_loss(
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
+    batch, num_labels = logits.shape
+    if config.problem_type == "single_label_classification":
+        _check_labels("labels", labels, [(batch,), (batch, 1)])
+    elif config.problem_type == "regression":
+        _check_labels("labels", labels, [(batch, num_labels)] + ([(batch,)] if num_labels == 1 else []), integer=False)
+    else:
+        _check_labels("labels", labels, [(batch, num_labels)], integer=False)
     if config.problem_type == "single_label_classification":
         return fixed_cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1), num_items_in_batch)
     reduction = "mean" if num_items_in_batch is None else "sum"
@@ -790,6 +914,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
+        _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
         if labels is not None:
             loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
@@ -822,6 +947,9 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
+        batch = start_logits.shape[0]
+        _check_labels("start_positions", start_positions, [(batch,), (batch, 1)])
+        _check_labels("end_positions", end_positions, [(batch,), (batch, 1)])
         loss = None
         if start_positions is not None and end_positions is not None:
             length = start_logits.shape[1]
@@ -868,6 +996,8 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         hidden_states = outputs.last_hidden_state
+        _check_labels("labels", labels, [hidden_states.shape[:2]])
+        _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)  # [b, n, V]
@@ -904,7 +1034,7 @@ class LongAttnDecoder(nn.Module):
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             global_attention_mask=None, position_ids=None, past_key_values=past_key_values,
             encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions, prefix="decoder_",
         )
 
 
@@ -965,7 +1095,8 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                                 past_key_values=past_key_values, use_cache=use_cache,
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
-        logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
+        logits = self.lm_head(outputs.last_hidden_state)  # [b, t, V]
+        _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
         if labels is not None:
             # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).

@@ -79,8 +79,10 @@ def _run_pattern(
             q, k, v, mask_fn=mask_fn, scale=scale, per_batch=per_batch, per_head=per_head,
             cache_key=None if per_batch else mask_fn.__name__,
         )
+    # n_q > n_k only in non-causal full attention (cross-attention), whose pattern does not read query positions.
     mask = materialize_mask(
-        mask_fn, batch=b, heads=h if per_head else 1, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q, device=q.device
+        mask_fn, batch=b, heads=h if per_head else 1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0),
+        device=q.device,
     )
     return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
 
@@ -159,7 +161,8 @@ def full_attention(
     """Dense attention over every (visible) key through torch's `scaled_dot_product_attention`: the baseline.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
+        q: Queries `[b, h, n_q, d]` (causal: n_q <= n_k, the last n_q positions; else any n_q, as in
+            cross-attention).
         k: Keys `[b, h, n_k, d]`.
         v: Values `[b, h, n_k, d_v]`.
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
@@ -179,8 +182,9 @@ def full_attention(
             bool `[b, n_k]`, `causal` is not a bool, `scale` is not finite, `dropout_p` is outside [0, 1), or
             `backend` is unknown or cannot run this call (the message says why).
     """
-    b, h, n_q, n_k = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
+    # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
+    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal)
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
@@ -205,8 +209,8 @@ def full_attention(
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
     parts = ([causal_mask()] if causal else []) + ([key_padding_predicate(padding)] if padding is not None else [])
     mask = materialize_mask(
-        and_masks(*parts), batch=b, heads=1, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q, device=q.device
-    )  # [b, 1, n_q, n_k]
+        and_masks(*parts), batch=b, heads=1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
+    )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
     # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=dropout_p, scale=scale)
@@ -465,7 +469,9 @@ def fixed_attention(
                 summary_per_head=summary_per_head, causal=causal, scale=scale, dropout_p=dropout_p,
             )
 
-    if first is None or not bool(first.any()):
+    # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
+    # would break a `torch.compile` graph, so compiled code always rolls.
+    if first is None or (not torch.compiler.is_compiling() and not bool(first.any())):
         return execute(q, k, v, None)
     # The pattern's blocks start at each row's first real token; the executors' blocks start at 0.
     return _run_rolled(execute, q, k, v, first)

@@ -429,6 +429,19 @@ def attention_types(config) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- accelerate / data
+class TqdmLoggingHandler(logging.StreamHandler):
+    """A stderr handler that writes through `tqdm.write`: a line logged while a progress bar is shown (the attention
+    back-end choice on the first forward pass, an evaluation) goes above the bar instead of into its middle."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # as logging.StreamHandler: report, never raise from a log call
+            self.handleError(record)
+
+
 def make_accelerator(args: argparse.Namespace):
     """The Accelerator, with the seedable sampler (shuffling is a function of seed and epoch, so a resumed run sees
     the same order), logging set up for the main process only, and `set_seed(args.seed)`."""
@@ -455,7 +468,8 @@ def make_accelerator(args: argparse.Namespace):
             f"{accelerator.distributed_type}): on CPU, launch with ACCELERATE_USE_CPU=1 "
             f"(e.g. ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/configs/cpu_2proc.yaml ...).")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR)
+                        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR,
+                        handlers=[TqdmLoggingHandler()])
     requested = requested_num_processes()
     if accelerator.num_processes == 1 and requested > 1:
         logger.warning(

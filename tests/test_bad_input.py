@@ -7,6 +7,7 @@ backward with gradients of the inputs' shapes. Never another exception type, nev
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -127,9 +128,10 @@ def _bad_cases():
 
 def _bad_values(op: str, argument: str, q, k, v) -> list:
     if argument in ("q", "k", "v"):
-        # v may have another head_dim (d_v), and so may LSH's qk; reference attention takes any number of queries.
+        # v may have another head_dim (d_v), and so may LSH's qk; reference attention and non-causal full attention
+        # (cross-attention) take any number of queries (see `test_full_attention_takes_more_queries_than_keys...`).
         head_dim_fixed = argument == "k" or (argument == "q" and op != "lsh_attention")
-        length_fixed = not (argument == "q" and op == "reference_attention")
+        length_fixed = not (argument == "q" and op in ("reference_attention", "full_attention"))
         return _bad_tensor_values({"q": q, "k": k, "v": v}[argument], head_dim_fixed=head_dim_fixed,
                                   length_fixed=length_fixed)
     if argument in ("key_padding_mask", "global_mask"):
@@ -193,6 +195,22 @@ def test_reference_attention_refuses_a_float_mask_and_checks_its_shape():
         ops.reference_attention(q, k, v, visible[:, :-1])
     torch.testing.assert_close(ops.reference_attention(q, k, v, additive == 0),
                                ops.full_attention(q, k, v, causal=True))
+
+
+def test_full_attention_takes_more_queries_than_keys_unless_causal():
+    """Cross-attention (a seq2seq decoder longer than its encoder input) has more queries than keys; causal
+    attention aligns queries with the last keys, so there it is refused."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = _tensors(generator, n_q=N + 3)
+    k, v = k[:, :, :N], v[:, :, :N]
+    torch.testing.assert_close(ops.full_attention(q, k, v), ops.reference_attention(q, k, v, None))
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, :2] = False
+    for backend in ("auto", "reference"):
+        torch.testing.assert_close(ops.full_attention(q, k, v, key_padding_mask=keep, backend=backend),
+                                   ops.reference_attention(q, k, v, keep[:, None, None, :]))
+    with pytest.raises(ValueError, match=r"\bq has more positions"):
+        ops.full_attention(q, k, v, causal=True)
 
 
 EMPTY_SHAPES = [  # (b, h, n_q, n_k)
@@ -288,3 +306,215 @@ def test_model_forward_bad_shapes_and_empty_inputs(kind):
         model(input_ids=ids[0])
     for empty in (ids[:0], ids[:, :0]):
         assert model(input_ids=empty).last_hidden_state.shape == (*empty.shape, 16)
+
+
+# ---------------------------------------------------------------------------------------------- model forwards
+VOCAB, HIDDEN, MAX_POSITIONS = 64, 16, 32
+HEADS = [
+    longattn.LongAttnModel,
+    longattn.LongAttnForMaskedLM,
+    longattn.LongAttnForSequenceClassification,
+    longattn.LongAttnForTokenClassification,
+    longattn.LongAttnForQuestionAnswering,
+    longattn.LongAttnForCausalLM,
+    longattn.LongAttnForSeq2SeqLM,
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_models(kind: str, **config_overrides) -> tuple:
+    """One tiny model per head class for `kind` (heads whose decoder the kind cannot be are left out); built once,
+    shared by the tests (they run the models in eval mode and change no weight)."""
+    from kind_configs import KIND_OVERRIDES
+
+    models = []
+    for head in HEADS:
+        config = longattn.LongAttnConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=MAX_POSITIONS, attention_type=kind, **KIND_OVERRIDES.get(kind, {}),
+            **config_overrides,
+        )
+        try:
+            models.append(head(config).eval())
+        except ValueError:  # e.g. Linformer or reduction as a causal decoder: refused by the config, by design
+            assert head is longattn.LongAttnForCausalLM
+    return tuple(models)
+
+
+def _label_arguments(model, b: int, n: int) -> dict:
+    """Labels of a wrong shape for `model`'s head (one token or one class too many), by argument name."""
+    wrong = torch.zeros(b, n + 1, dtype=torch.long)
+    if isinstance(model, longattn.LongAttnForSequenceClassification):
+        return {"labels": torch.zeros(b, 3, dtype=torch.long)}
+    if isinstance(model, longattn.LongAttnForQuestionAnswering):
+        return {"start_positions": wrong, "end_positions": torch.zeros(b, dtype=torch.long)}
+    if isinstance(model, longattn.LongAttnModel):
+        return {}
+    return {"labels": wrong}
+
+
+def _bad_model_inputs(model, b: int = 2, n: int = 8) -> list[tuple[str, dict]]:
+    """(argument the message must name, keyword arguments) for `model`'s forward; none of these was a ValueError
+    naming its argument before (float ids, out-of-range ids, wrong embeddings, masks that are not tensors or on
+    another device, positions of the wrong shape or dtype, labels of the wrong shape, missing decoder inputs)."""
+    ids = torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(b, n, dtype=torch.long)
+    seq2seq = isinstance(model, longattn.LongAttnForSeq2SeqLM) or model.config.is_encoder_decoder
+    decoder = {"decoder_input_ids": ids[:, :5]} if seq2seq else {}
+    cases = [
+        ("input_ids", {"input_ids": ids.float()}),
+        ("input_ids", {"input_ids": ids.masked_fill(ids == ids[0, 0], VOCAB)}),  # == vocab_size
+        ("input_ids", {"input_ids": ids.masked_fill(ids == ids[0, 0], -1)}),
+        ("inputs_embeds", {"inputs_embeds": torch.randn(b, n, HIDDEN + 1)}),
+        ("inputs_embeds", {"inputs_embeds": torch.ones(b, n, HIDDEN, dtype=torch.long)}),
+        ("inputs_embeds", {"inputs_embeds": torch.randn(b, n, HIDDEN, dtype=torch.float64)}),
+        ("attention_mask", {"input_ids": ids, "attention_mask": mask.tolist()}),
+        ("attention_mask", {"input_ids": ids, "attention_mask": mask.to("meta")}),
+        ("global_attention_mask", {"input_ids": ids, "global_attention_mask": mask.tolist()}),
+    ]
+    if not isinstance(model, longattn.LongAttnForSeq2SeqLM):  # the seq2seq head takes no position_ids
+        cases += [
+            ("position_ids", {"input_ids": ids, "position_ids": torch.arange(n - 1).expand(b, n - 1)}),
+            ("position_ids", {"input_ids": ids, "position_ids": torch.arange(n).expand(b, n).float()}),
+            ("position_ids", {"input_ids": ids, "position_ids": torch.arange(n).expand(b, n).tolist()}),
+        ]
+    cases = [(name, {**decoder, **arguments}) for name, arguments in cases]
+    if seq2seq:
+        cases += [
+            ("decoder_input_ids", {"input_ids": ids}),  # neither decoder inputs nor labels
+            ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5].float()}),
+            ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5] + VOCAB}),
+            ("decoder_inputs_embeds", {"input_ids": ids, "decoder_inputs_embeds": torch.randn(b, 5, HIDDEN - 1)}),
+            ("decoder_attention_mask", {"input_ids": ids, **decoder, "decoder_attention_mask": mask[:, :5].tolist()}),
+        ]
+    for name, labels in _label_arguments(model, b, 5 if seq2seq else n).items():
+        if labels.shape[-1] != b or name != "end_positions":
+            cases.append((name, {"input_ids": ids, **decoder, name: labels}))
+    return cases
+
+
+@pytest.mark.parametrize("kind", longattn.available_attention_types())
+def test_model_forward_bad_input_names_the_argument(kind):
+    """Every kind, every head: bad token ids, embeddings, positions, masks, labels and decoder inputs are refused
+    with a ValueError naming the argument (before: RuntimeError, IndexError, AttributeError or silent acceptance)."""
+    for model in _tiny_models(kind):
+        for argument, arguments in _bad_model_inputs(model):
+            with pytest.raises(ValueError) as raised:
+                model(**arguments)
+            message = str(raised.value)
+            assert _name_in(argument, message), (kind, type(model).__name__, argument, message)
+        # Out-of-range ids: the message gives the offending value and the vocabulary size.
+        with pytest.raises(ValueError, match=rf"`input_ids` holds {VOCAB + 3}: .*vocab_size={VOCAB}"):
+            model(input_ids=torch.full((1, 4), VOCAB + 3), **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)}
+                                                               if model.config.is_encoder_decoder else {}))
+        # A sequence longer than the limit: the message gives the length and the limit.
+        with pytest.raises(ValueError, match=rf"length {MAX_POSITIONS + 1} exceeds `max_position_embeddings`="
+                                             rf"{MAX_POSITIONS}"):
+            model(input_ids=torch.ones(1, MAX_POSITIONS + 1, dtype=torch.long),
+                  **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if model.config.is_encoder_decoder
+                     else {}))
+
+
+def test_learned_positions_out_of_range_are_refused():
+    """With learned absolute positions `position_ids` index a table: values outside it are a ValueError, not an
+    IndexError."""
+    model = _tiny_models("full", position_embedding_type="learned")[0]
+    ids = torch.ones(1, 4, dtype=torch.long)
+    for positions in (torch.tensor([[0, 1, 2, MAX_POSITIONS]]), torch.tensor([[-1, 0, 1, 2]])):
+        with pytest.raises(ValueError, match=rf"`position_ids` holds .*max_position_embeddings={MAX_POSITIONS}"):
+            model(input_ids=ids, position_ids=positions)
+
+
+def _main_output(model, outputs) -> torch.Tensor:
+    if isinstance(model, longattn.LongAttnForQuestionAnswering):
+        return outputs.start_logits
+    return outputs.last_hidden_state if isinstance(model, longattn.LongAttnModel) else outputs.logits
+
+
+@pytest.mark.parametrize("kind", longattn.available_attention_types())
+def test_model_forward_empty_batch_or_length_gives_empty_outputs(kind):
+    """Batch 0 or length 0 through every head: outputs of the right shape, no NaN (before: 6 kinds crashed)."""
+    for model in _tiny_models(kind):
+        config = model.config
+        for b, n in ((0, 8), (2, 0)):
+            arguments = {"input_ids": torch.ones(b, n, dtype=torch.long)}
+            if config.is_encoder_decoder:
+                arguments["decoder_input_ids"] = torch.ones(b, 3, dtype=torch.long)
+            if isinstance(model, longattn.LongAttnForSequenceClassification) and n == 0:
+                with pytest.raises(ValueError, match="input_ids"):  # no first token to classify from
+                    model(**arguments)
+                continue
+            out = _main_output(model, model(**arguments))
+            expected = {
+                longattn.LongAttnModel: (b, 3 if config.is_encoder_decoder else n, HIDDEN),
+                longattn.LongAttnForMaskedLM: (b, n, VOCAB),
+                longattn.LongAttnForSequenceClassification: (b, config.num_labels),
+                longattn.LongAttnForTokenClassification: (b, n, config.num_labels),
+                longattn.LongAttnForQuestionAnswering: (b, n),
+                longattn.LongAttnForCausalLM: (b, n, VOCAB),
+                longattn.LongAttnForSeq2SeqLM: (b, 3, VOCAB),
+            }[type(model)]
+            assert out.shape == expected, (kind, type(model).__name__, b, n)
+            assert not out.isnan().any(), (kind, type(model).__name__, b, n)
+
+
+def _kind_functions(h: int = H, d: int = D) -> dict:
+    """The public functions of the content-based and reduced kinds that take a `key_padding_mask`, called on q, k, v."""
+    from longattn.attention_adaptive_span import adaptive_span_attention, adaptive_span_reference
+    from longattn.attention_reduction import pack_groups
+    from longattn.attention_routing import cluster_statistics, routing_attention, routing_attention_dense
+    from longattn.attention_sinkhorn import sinkhorn_attention, sinkhorn_attention_dense
+
+    centroids = torch.nn.functional.normalize(torch.randn(h, 2, d, generator=torch.Generator().manual_seed(7)), dim=-1)
+    routing = {"centroids": centroids, "causal": False, "causal_window": 4}
+    sinkhorn = {"sort_weight": torch.eye(d), "block_size": 2, "iterations": 2, "temperature": 0.75}
+    span = {"span": torch.full((h,), 3.0), "max_span": 4, "ramp": 2, "causal": False}
+    return {
+        "routing_attention": lambda q, k, v, mask: routing_attention(q, k, v, key_padding_mask=mask, **routing),
+        "routing_attention_dense": lambda q, k, v, mask: routing_attention_dense(q, k, v, key_padding_mask=mask,
+                                                                                 **routing)[0],
+        "cluster_statistics": lambda q, k, v, mask: cluster_statistics(q, k, centroids, causal=False,
+                                                                       key_padding_mask=mask),
+        "sinkhorn_attention": lambda q, k, v, mask: sinkhorn_attention(q, k, v, key_padding_mask=mask, **sinkhorn),
+        "sinkhorn_attention_dense": lambda q, k, v, mask: sinkhorn_attention_dense(q, k, v, key_padding_mask=mask,
+                                                                                   **sinkhorn)[0],
+        "adaptive_span_attention": lambda q, k, v, mask: adaptive_span_attention(q, k, v, key_padding_mask=mask,
+                                                                                 **span),
+        "adaptive_span_reference": lambda q, k, v, mask: adaptive_span_reference(q, k, v, key_padding_mask=mask,
+                                                                                 **span)[0],
+        "pack_groups": lambda q, k, v, mask: pack_groups(q.transpose(1, 2), mask, 2)[0],
+    }
+
+
+@pytest.mark.parametrize("function", list(_kind_functions()))
+def test_kind_functions_refuse_non_bool_masks_and_take_empty_inputs(function):
+    """The kinds' own functions used to call `.bool()` on their masks, reading an additive float mask (0 keep,
+    -inf drop) inverted; they now refuse non-bool masks as the ops do. Batch or length 0 gives empty outputs."""
+    call = _kind_functions()[function]
+    q, k, v = _tensors(torch.Generator().manual_seed(8))
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, :2] = False
+    for mask in (torch.zeros(B, N).masked_fill(~keep, -math.inf), keep.float(), keep.long(), keep[:, :-1],
+                 keep.to("meta")):
+        with pytest.raises(ValueError, match=r"\bkey_padding_mask\b"):
+            call(q, k, v, mask)
+    assert call(q, k, v, keep) is not None
+    for b, n in ((0, N), (B, 0)):
+        q, k, v = _tensors(torch.Generator().manual_seed(9), b=b, n_q=n, n_k=n)
+        out = call(q, k, v, torch.ones(b, n, dtype=torch.bool))
+        if function == "cluster_statistics":  # (sums, counts) of no member
+            assert out[0].shape == (H, 2, D) and not out[0].any() and not out[1].any()
+        elif function == "pack_groups":  # [b, groups, ratio, h, d]
+            assert out.shape == (b, -(-n // 2), 2, H, D)
+        else:
+            assert out.shape == (b, H, n, D)
+
+
+def test_seq2seq_decoder_longer_than_its_encoder_input():
+    """Cross-attention has more queries than keys when the target is longer than the source (it used to be refused
+    as if queries had to be the last keys)."""
+    model = _tiny_models("full")[-1]
+    assert isinstance(model, longattn.LongAttnForSeq2SeqLM)
+    logits = model(input_ids=torch.ones(2, 4, dtype=torch.long), decoder_input_ids=torch.ones(2, 9, dtype=torch.long),
+                   attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])).logits
+    assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()

@@ -59,7 +59,7 @@ def _record_runs(benchmark, monkeypatch) -> list[str]:
     """Replace the measuring subprocess by a stub; return the list the implementations asked for go into."""
     measured = []
 
-    def run_one(args, impl, length, mode):
+    def run_one(args, impl, length, mode, compiled=False):
         measured.append(impl)
         return {"impl": impl, "length": length, "mode": mode, "error": "not run"}
 

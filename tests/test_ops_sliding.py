@@ -234,6 +234,28 @@ def test_attend_blocks_takes_one_key_set_per_batch_row():
     assert_all_close(outputs_and_grads(per_batch, q, k, v), outputs_and_grads(row_by_row, q, k, v))
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+def test_traceable_blocks_equal_the_eager_kernel_with_grouped_heads(per_row):
+    """The plain-ops form used under torch.compile reads grouped key/value heads and per-row key sets like the eager
+    kernel (outputs and gradients)."""
+    from longattn.executor_blocked import _attend_blocks_traceable
+
+    q, _, _ = _qkv(2, 4, 24)
+    _, k, v = _qkv(2, 2, 24, seed=3)
+    generator = torch.Generator().manual_seed(5)
+    kv_index = torch.randint(0, 24, (2, 3, 10) if per_row else (3, 10), generator=generator)
+    mask = torch.rand(2, 1, 3, 8, 10, generator=generator) > 0.3
+    kwargs = dict(kv_index=kv_index, mask=mask, scale=0.3)
+
+    def eager(q, k, v):
+        return attend_blocks(q.view(2, 4, 3, 8, 8), k, v, **kwargs)[0]
+
+    def traceable(q, k, v):
+        return _attend_blocks_traceable(q.view(2, 4, 3, 8, 8), k, v, dropout_p=0.0, **kwargs)[0]
+
+    assert_all_close(outputs_and_grads(traceable, q, k, v), outputs_and_grads(eager, q, k, v))
+
+
 def test_global_keys_join_the_band_in_one_pass(monkeypatch):
     """With global tokens, the band and the global keys are one `attend_blocks` call (no merge), plus one for the
     global queries' dense rows."""
@@ -351,8 +373,8 @@ def test_invalid_shapes_are_reported():
         ops.sliding_window_attention(q3, k3[:, :2], v3[:, :2], window=2)
     with pytest.raises(ValueError, match="v must have shape"):
         ops.sliding_window_attention(q, k[:, :1], v, window=2)
-    with pytest.raises(ValueError, match="q has more positions"):
-        ops.full_attention(q, k[:, :, :5], v[:, :, :5])
+    with pytest.raises(ValueError, match="q has more positions"):  # causal queries are the last key positions
+        ops.full_attention(q, k[:, :, :5], v[:, :, :5], causal=True)
     with pytest.raises(ValueError, match="key_padding_mask"):
         ops.full_attention(q, k, v, key_padding_mask=torch.ones(2, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match="q_len"):
