@@ -1,6 +1,7 @@
 """Blocked attention on plain PyTorch: each block of queries attends to its own gathered set of keys.
 
-Shape legend: b batch, h heads, n length (n_q queries, n_k keys), nb query blocks, c queries per block, m keys
+Shape legend: b batch, h heads, h_kv key/value heads (grouped-query attention: h_kv divides h, query head i reads
+key/value head i // (h / h_kv)), n length (n_q queries, n_k keys), nb query blocks, c queries per block, m keys
 gathered per block, g global tokens (the most any batch row has), d head dim (d_v for values).
 
 Three layers, each usable on its own:
@@ -118,6 +119,21 @@ def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Te
     return zeros, _rows(zeros)
 
 
+def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: int) -> Tensor:
+    """Flat row numbers `[b·h_kv·n_blk·m]` of the keys blocks `start:stop` gather, for `_rows` views.
+
+    kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row; base `[b·h_kv]` (see `_rows`)."""
+    if kv_index.dim() == 2:
+        return (base.view(-1, 1) + kv_index[start:stop].reshape(1, -1) * step).view(-1)
+    b = kv_index.shape[0]
+    return (base.view(b, -1, 1) + kv_index[:, start:stop].reshape(b, 1, -1) * step).view(-1)
+
+
+def _split_heads(t: Tensor, h_kv: int) -> Tensor:
+    """`[b, h|1, ...]` -> `[b, h_kv|1, h / h_kv|1, ...]` (a view): query heads grouped by the key/value head they read."""
+    return t.unsqueeze(2) if t.shape[1] == 1 else t.unflatten(1, (h_kv, t.shape[1] // h_kv))
+
+
 def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -145,13 +161,15 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed):
         b, h, nb, c, _ = q_blocks.shape
-        d_v = v.shape[3]
+        h_kv, d_v = v.shape[1], v.shape[3]
         dtype = _compute_dtype(q_blocks.dtype)
         device = q_blocks.device
         has_key = mask.any(dim=-1, keepdim=True)  # [b|1, h|1, nb, c, 1]
         # [b, nb, c, h, d_v] memory seen as [b, h, nb, c, d_v]: merging the heads afterwards is then a view.
         out = torch.empty(b, nb, c, h, d_v, dtype=dtype, device=device).permute(0, 3, 1, 2, 4)
         lse = torch.empty(b, h, nb, c, dtype=dtype, device=device)
+        # Grouped views [b, h_kv, group, nb, c, ...] of the per-query-head tensors, matching `_Chunk.view6`.
+        out6, lse6, has_key6 = (_split_heads(t, h_kv) for t in (out, lse, has_key))
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
 
@@ -159,17 +177,17 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view5(probs).add_(chunk.hidden, alpha=_HIDDEN)
-            score_max = chunk.view5(probs).amax(dim=-1)  # [b, h, n_blk, c]
+            chunk.view6(probs).add_(chunk.hidden, alpha=_HIDDEN)
+            score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
-            row_lse = score_max - chunk.view5(probs).amax(dim=-1).log()
-            lse[:, :, start:stop] = row_lse.masked_fill(~has_key[:, :, start:stop, :, 0], -math.inf)
+            row_lse = score_max - chunk.view6(probs).amax(dim=-1).log()
+            lse6[:, :, :, start:stop] = row_lse.masked_fill(~has_key6[:, :, :, start:stop, :, 0], -math.inf)
             if generator is not None:
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                 probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
-            torch.mul(chunk.view5(chunk_out), has_key[:, :, start:stop], out=out[:, :, start:stop])
+            torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
         ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
@@ -182,12 +200,14 @@ class _BlockAttention(torch.autograd.Function):
         q_blocks, k, v, kv_index, mask, has_key = ctx.saved_tensors
         scale, dropout_p = ctx.scale, ctx.dropout_p
         b, h, nb, c, d = q_blocks.shape
-        d_v = v.shape[3]
+        h_kv, d_v = v.shape[1], v.shape[3]
         dtype = _compute_dtype(q_blocks.dtype)
         device = q_blocks.device
         if grad_lse is not None:
-            grad_lse = (grad_lse.to(dtype) * has_key[..., 0]).unsqueeze(-1)  # [b, h, nb, c, 1]
+            grad_lse = _split_heads((grad_lse.to(dtype) * has_key[..., 0]).unsqueeze(-1), h_kv)  # [.., nb, c, 1]
         grad_q = torch.empty_like(q_blocks, dtype=dtype)
+        grad_q6, has_key6 = _split_heads(grad_q, h_kv), _split_heads(has_key, h_kv)
+        grad_out6 = None if grad_out is None else _split_heads(grad_out, h_kv)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
         grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
         workspace = _Workspace(dtype, device)
@@ -197,14 +217,14 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view5(probs).add_(chunk.hidden, alpha=_HIDDEN)
+            chunk.view6(probs).add_(chunk.hidden, alpha=_HIDDEN)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = workspace.get("grad_out", chunk.out_shape)
             if grad_out is None:
                 grad_out_chunk.zero_()
             else:
                 # Rows without a visible key had their output zeroed: their probabilities get no gradient.
-                torch.mul(grad_out[:, :, start:stop], has_key[:, :, start:stop], out=chunk.view5(grad_out_chunk))
+                torch.mul(grad_out6[:, :, :, start:stop], has_key6[:, :, :, start:stop], out=chunk.view6(grad_out_chunk))
             grad_scores = workspace.get("grad_scores", chunk.scores_shape)
             torch.bmm(grad_out_chunk, chunk.values.transpose(1, 2), out=grad_scores)  # dP
             if generator is not None:
@@ -213,20 +233,19 @@ class _BlockAttention(torch.autograd.Function):
             # P ∘ (dP − rowsum(P ∘ dP)); with dropout rowsum(P ∘ dP) is still rowsum(dO ∘ O).
             torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, dtype, grad_input=grad_scores)
             if grad_lse is not None:
-                chunk.view5(grad_scores).addcmul_(chunk.view5(probs), grad_lse[:, :, start:stop])
+                chunk.view6(grad_scores).addcmul_(chunk.view6(probs), grad_lse[:, :, :, start:stop])
             if generator is not None:
                 probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
             grad_values = torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape))
             grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
             grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
-            torch.mul(chunk.view5(grad_q_chunk), scale, out=grad_q[:, :, start:stop])
+            torch.mul(chunk.view6(grad_q_chunk), scale, out=grad_q6[:, :, :, start:stop])
             if kv_index is None:
-                grad_k.add_(grad_keys.view(b, h, -1, d))
-                grad_v.add_(grad_values.view(b, h, -1, d_v))
+                grad_k.add_(grad_keys.view(b, h_kv, -1, d))
+                grad_v.add_(grad_values.view(b, h_kv, -1, d_v))
             else:
-                positions = kv_index[start:stop].reshape(1, -1)  # [1, n_blk·m]
-                grad_k_rows.index_add_(0, (grad_k_base.view(-1, 1) + positions * grad_k_step).view(-1), grad_keys.view(-1, d))
-                grad_v_rows.index_add_(0, (grad_v_base.view(-1, 1) + positions * grad_v_step).view(-1), grad_values.view(-1, d_v))
+                grad_k_rows.index_add_(0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.view(-1, d))
+                grad_v_rows.index_add_(0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.view(-1, d_v))
 
         return (
             grad_q.to(q_blocks.dtype),
@@ -242,11 +261,13 @@ class _BlockAttention(torch.autograd.Function):
 
 @dataclass
 class _Chunk:
-    """One chunk of query blocks, laid out for `bmm`.
+    """One chunk of query blocks, laid out for `bmm`; a group of query heads shares one key/value head's rows.
 
-    Gathered keys: q `[b·h·n_blk, c, d]`, keys `[b·h·n_blk, m, d]`, values `[b·h·n_blk, m, d_v]`. All keys: q
-    `[b·h, n_blk·c, d]` against keys `[b·h, n_k, d]`. q is already multiplied by the scale (cheaper on [c, d]
-    than on the scores); `hidden` is the negated mask of the chunk, `[b|1, h|1, n_blk, c, m]`.
+    Gathered keys: q `[b·h_kv·n_blk, group·c, d]`, keys `[b·h_kv·n_blk, m, d]`, values `[b·h_kv·n_blk, m, d_v]`.
+    All keys: q `[b·h_kv, group·n_blk·c, d]` against keys `[b·h_kv, n_k, d]`. Keys are thus gathered (and their
+    gradients scatter-added) once per key/value head, never repeated per query head. q is already multiplied by
+    the scale (cheaper on [c, d] than on the scores); `hidden` is the negated mask of the chunk,
+    `[b|1, h_kv|1, group|1, n_blk, c, m]`.
     """
 
     start: int
@@ -255,7 +276,7 @@ class _Chunk:
     keys: Tensor
     values: Tensor
     hidden: Tensor
-    shape5: tuple[int, int, int, int]  # (b, h, n_blk, c)
+    shape6: tuple[int, int, int, int, int]  # (b, h_kv, group, n_blk, c)
 
     @property
     def scores_shape(self) -> tuple[int, int, int]:
@@ -265,8 +286,12 @@ class _Chunk:
     def out_shape(self) -> tuple[int, int, int]:
         return (self.q.shape[0], self.q.shape[1], self.values.shape[2])
 
-    def view5(self, tensor: Tensor) -> Tensor:
-        return tensor.view(*self.shape5, tensor.shape[-1])  # [b, h, n_blk, c, last]
+    def view6(self, tensor: Tensor) -> Tensor:
+        """A bmm result `[rows, queries, last]` as `[b, h_kv, group, n_blk, c, last]` (a view)."""
+        b, h_kv, group, n_blk, c = self.shape6
+        if self.q.shape[0] == b * h_kv:  # all keys: the group is outside the blocks
+            return tensor.view(b, h_kv, group, n_blk, c, tensor.shape[-1])
+        return tensor.view(b, h_kv, n_blk, group, c, tensor.shape[-1]).transpose(2, 3)
 
 
 def _chunks(
@@ -274,36 +299,40 @@ def _chunks(
 ):
     """Yield a `_Chunk` per group of query blocks small enough for the workspace budget."""
     b, h, nb, c, d = q_blocks.shape
-    n_k, d_v = k.shape[2], v.shape[3]
-    m = n_k if kv_index is None else kv_index.shape[1]
+    h_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    group = h // h_kv
+    m = n_k if kv_index is None else kv_index.shape[-1]
     step = _blocks_per_chunk(b * h * c, m, nb)
     if kv_index is None:
-        all_keys, all_values = k.reshape(b * h, n_k, d), v.reshape(b * h, n_k, d_v)  # views for the usual layouts
+        all_keys, all_values = k.reshape(b * h_kv, n_k, d), v.reshape(b * h_kv, n_k, d_v)  # views, usual layouts
     else:
         k_rows, k_base, k_step = _rows(k)
         v_rows, v_base, v_step = _rows(v)
     for start in range(0, nb, step):
         stop = min(nb, start + step)
         n_blk = stop - start
-        q_scaled = workspace.get("q", (b, h, n_blk, c, d))
-        torch.mul(q_blocks[:, :, start:stop], scale, out=q_scaled)
-        mask_chunk = mask[:, :, start:stop]
+        shape6 = (b, h_kv, group, n_blk, c)
+        q_chunk = _split_heads(q_blocks[:, :, start:stop], h_kv)  # [b, h_kv, group, n_blk, c, d]
+        mask_chunk = _split_heads(mask[:, :, start:stop], h_kv)
         hidden = torch.logical_not(mask_chunk, out=workspace.get("hidden", mask_chunk.shape, torch.bool))
         if kv_index is None:
-            yield _Chunk(start, stop, q_scaled.view(b * h, n_blk * c, d), all_keys, all_values, hidden, (b, h, n_blk, c))
+            q_scaled = torch.mul(q_chunk, scale, out=workspace.get("q", (b, h_kv, group, n_blk, c, d)))
+            yield _Chunk(start, stop, q_scaled.view(b * h_kv, group * n_blk * c, d), all_keys, all_values, hidden, shape6)
             continue
+        # Each block's queries of one group side by side: [b, h_kv, n_blk, group, c, d] memory.
+        q_scaled = workspace.get("q", (b, h_kv, n_blk, group, c, d))
+        torch.mul(q_chunk, scale, out=q_scaled.transpose(2, 3))
         # Flat rows of (batch·head, block, key): a dim-0 index_select is ~4x faster than one on dim 2.
-        positions = kv_index[start:stop].reshape(1, -1)  # [1, n_blk·m]
-        count = b * h * n_blk * m
+        count = b * h_kv * n_blk * m
         keys = torch.index_select(
-            k_rows, 0, (k_base.view(-1, 1) + positions * k_step).view(-1), out=workspace.get("keys", (count, d))
+            k_rows, 0, _gather_rows(k_base, k_step, kv_index, start, stop), out=workspace.get("keys", (count, d))
         )
         values = torch.index_select(
-            v_rows, 0, (v_base.view(-1, 1) + positions * v_step).view(-1), out=workspace.get("values", (count, d_v))
+            v_rows, 0, _gather_rows(v_base, v_step, kv_index, start, stop), out=workspace.get("values", (count, d_v))
         )
         yield _Chunk(
-            start, stop, q_scaled.view(b * h * n_blk, c, d), keys.view(b * h * n_blk, m, d),
-            values.view(b * h * n_blk, m, d_v), hidden, (b, h, n_blk, c),
+            start, stop, q_scaled.view(b * h_kv * n_blk, group * c, d), keys.view(b * h_kv * n_blk, m, d),
+            values.view(b * h_kv * n_blk, m, d_v), hidden, shape6,
         )
 
 
@@ -324,10 +353,11 @@ def attend_blocks(
 
     Args:
         q_blocks: Queries `[b, h, nb, c, d]` (any layout, e.g. `q.view(b, h, nb, c, d)` of a transposed view).
-        k: Keys `[b, h, n_k, d]`; the usual `[b, n, h, d]`-backed views are read without a copy.
-        v: Values `[b, h, n_k, d_v]`, likewise.
+        k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h (grouped-query attention: query head i reads key head
+            i // (h / h_kv), without repeating k); the usual `[b, n, h_kv, d]`-backed views are read without a copy.
+        v: Values `[b, h_kv, n_k, d_v]`, likewise.
         kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
-            entries). None: every block attends to all `n_k` keys (m = n_k) without gathering them.
+            entries); `[b, nb, m]`: one key set per batch row. None: every block attends to all `n_k` keys (m = n_k) without gathering them.
         mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
@@ -342,15 +372,17 @@ def attend_blocks(
     """
     if q_blocks.dim() != 5 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
-            f"q_blocks must be [b, h, nb, c, d] and k, v [b, h, n_k, d]; got {tuple(q_blocks.shape)}, "
+            f"q_blocks must be [b, h, nb, c, d] and k, v [b, h_kv, n_k, d]; got {tuple(q_blocks.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     b, h, nb, c, d = q_blocks.shape
-    if k.shape[:2] != (b, h) or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-        raise ValueError(f"k, v must be [{b}, {h}, n_k, {d}] to match q_blocks; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[1] == 0 or h % k.shape[1] or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
+        raise ValueError(f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     m = k.shape[2] if kv_index is None else kv_index.shape[-1]
-    if kv_index is not None and (kv_index.dim() != 2 or kv_index.shape[0] != nb):
-        raise ValueError(f"kv_index must have shape [nb={nb}, m], got {tuple(kv_index.shape)}")
+    if kv_index is not None and (kv_index.dim() not in (2, 3) or kv_index.shape[-2] != nb
+                                 or (kv_index.dim() == 3 and kv_index.shape[0] != b)):
+        raise ValueError(f"kv_index must have shape [nb={nb}, m] or [b={b}, nb={nb}, m], got {tuple(kv_index.shape)}")
     if (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
@@ -376,16 +408,21 @@ def _attend_blocks_traceable(
     nor lowers to inductor. Here autograd derives the backward, and the compiler fuses mask, softmax and products.
     """
     dtype = _compute_dtype(q_blocks.dtype)
+    b, h_kv = k.shape[:2]
     if kv_index is None:
-        keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h, 1, n_k, d]
+        keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
     else:
-        keys, values = k.to(dtype)[:, :, kv_index], v.to(dtype)[:, :, kv_index]  # [b, h, nb, m, d]
-    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2)  # [b, h, nb, c, m]
-    scores = scores + (~mask).to(dtype) * _HIDDEN
+        rows = torch.arange(b, device=k.device).view(b, 1, 1)
+        index = kv_index.expand(b, *kv_index.shape[-2:])  # [b, nb, m]
+        # [b, nb, m, h_kv, d] -> [b, h_kv, nb, m, d]
+        keys, values = (t.to(dtype).transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4) for t in (k, v))
+    keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
+    scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
+    scores = scores.flatten(1, 2) + (~mask).to(dtype) * _HIDDEN  # [b, h, nb, c, m]
     has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
     probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
-    out = (probs @ values) * has_key[..., None]  # [b, h, nb, c, d_v]
+    out = (_split_heads(probs, h_kv) @ values).flatten(1, 2) * has_key[..., None]  # [b, h, nb, c, d_v]
     return out.to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
 
 
@@ -620,14 +657,14 @@ def banded_attention(
 
     Local part: for each head group sharing a dilation, `attend_blocks` over a `band_layout`; the block masks come
     from `mask_fn` evaluated on original positions, with the band copies of global keys hidden. Global keys: every
-    query block also attends to the gathered global keys, merged by log-sum-exp. Global queries: a dense row over
+    query block gathers its batch row's global keys after its band keys, in the same softmax. Global queries: a dense row over
     all keys, O(g · n), written over the local result. `mask_fn` decides visibility everywhere; the geometry
     arguments only say where visible keys can be, so they must cover `mask_fn`'s local part.
 
     Args:
         q: Queries `[b, h, n_q, d]`, the last n_q positions when `n_q < n_k`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h (grouped-query attention, read without repeating k).
+        v: Values `[b, h_kv, n_k, d_v]`.
         mask_fn: The pattern predicate (e.g. `patterns.sliding_window_pattern(...)`).
         window_left: Dilated steps of the band before each query (>= 0).
         window_right: Dilated steps of the band after each query (>= 0).
@@ -657,8 +694,11 @@ def banded_attention(
             global_index = None
     local_fn = mask_fn if global_index is None else and_masks(mask_fn, _not_global_key(global_mask))
 
+    groups = _head_groups(dilation, h)
+    if len(groups) > 1 and k.shape[1] != h:  # per-head dilations split the heads across key/value groups
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     group_outputs, group_heads = [], []
-    for d, heads in _head_groups(dilation, h):
+    for d, heads in groups:
         heads_t = torch.tensor(heads, device=device)
         if len(heads) == h:
             q_g, k_g, v_g = q, k, v
@@ -691,12 +731,12 @@ def banded_attention(
             q_valid=layout.q_valid[None],
             kv_valid=layout.kv_valid[None],
         )
-        partials = [attend_blocks(q_blocks, k_g, v_g, kv_index=layout.kv_pos, mask=local_mask, scale=scale, dropout_p=dropout_p)]
+        kv_index = layout.kv_pos  # [nb, m]
         if global_index is not None:
+            # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
+            # second pass to merge. [b, nb, m + g]
             g = global_index.shape[1]
-            gather_index = global_index.view(b, 1, g, 1)
-            k_global = k_g.gather(2, gather_index.expand(b, hg, g, k_g.shape[3]))  # [b, hg, g, d]
-            v_global = v_g.gather(2, gather_index.expand(b, hg, g, v_g.shape[3]))  # [b, hg, g, d_v]
+            kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
             global_key_mask = evaluate_block_mask(
                 mask_fn,
                 batch=b,
@@ -705,11 +745,12 @@ def banded_attention(
                 kv_pos=global_index[:, None, :],
                 q_valid=layout.q_valid[None],
                 kv_valid=global_valid[:, None, :],
-            )
-            partials.append(
-                attend_blocks(q_blocks, k_global, v_global, kv_index=None, mask=global_key_mask, scale=scale, dropout_p=dropout_p)
-            )
-        out_blocks, _ = merge_attention(partials)  # [b, hg, nb, c, d_v]
+            )  # [b, 1|hg, nb, c, g]
+            heads_dim = max(local_mask.shape[1], global_key_mask.shape[1])
+            local_mask = torch.cat([local_mask.expand(b, heads_dim, -1, -1, -1),
+                                    global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4)  # [b, 1|hg, nb, c, m + g]
+        out_blocks, _ = attend_blocks(q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale,
+                                      dropout_p=dropout_p)  # [b, hg, nb, c, d_v]
         out_g = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
         out_g = out_g[:, :, :n_q] if layout.slot_of_query is None else out_g.index_select(2, layout.slot_of_query)
         group_outputs.append(out_g)

@@ -421,6 +421,10 @@ def register_build_hooks() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the implementation
+GROUPED_KINDS = ("sliding",)
+"""Kinds whose fast path reads grouped-query key/value heads without repeating them."""
+
+
 def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, family: str) -> None:
     """Refuse packed documents: real tokens' positions must count up by one within each row."""
     n = position_ids.shape[-1]
@@ -487,15 +491,21 @@ def longattn_attention_forward(
     role = _role(module)
     four_d = attention_mask is not None and attention_mask.dim() == 4
     groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
-    # Grouped-query attention repeats k/v to the query heads here; executors that read groups in place come later.
+    kind: LongAttnAttention | None = module._modules.get(_KIND_MODULE_NAME)
+    # Grouped-query attention: the sliding kinds' fast path reads each key/value head in place for its group of
+    # query heads (`ops.sliding_window_attention`); every other path gets k/v repeated to the query heads.
+    grouped_fast_path = (
+        role != "cross" and kind is not None and kind.attention_type in GROUPED_KINDS and not four_d
+        and query.shape[2] == key.shape[2] and kind.backend != "reference" and not kwargs.get("output_attentions")
+    )
+    if not grouped_fast_path:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
     if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
         if four_d:
             out = _dense(query, key, value, attention_mask, dropout=dropout, scaling=scaling)
         else:
             out = full_attention(query, key, value, key_padding_mask=attention_mask, scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2).contiguous(), None
-    kind: LongAttnAttention | None = module._modules.get(_KIND_MODULE_NAME)
     if kind is None:
         raise ValueError(
             f"{family} has no longattn kind attached, so its parameters would be missing: build the model with "

@@ -239,8 +239,9 @@ def sliding_window_attention(
 
     Args:
         q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h: grouped-query attention, each key/value head read by its
+            group of h / h_kv query heads (the blocked executor reads it in place; other back ends repeat it).
+        v: Values `[b, h_kv, n_k, d_v]`.
         window: Keys on each side of a query (>= 1); a causal query sees `window` earlier keys and itself.
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
@@ -260,7 +261,7 @@ def sliding_window_attention(
             shapes, dtype and device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is
             unknown or cannot run this call (the message says why).
     """
-    b, h, n_q, n_k = check_qkv(q, k, v)
+    b, h, n_q, n_k = check_qkv(q, k, v, grouped=True)
     window = check_window(window)
     dilation = check_dilation(dilation, heads=h)
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
@@ -280,6 +281,8 @@ def sliding_window_attention(
         q, k, v, pattern="sliding", dropout_p=dropout_p, causal=causal, key_padding=padding is not None,
         global_tokens=global_tokens is not None, dilation=dilation,
     ))
+    if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
     if choice == "xformers":
         return xformers_sliding_window_attention(
             q, k, v, window=window, dilation=dilation, causal=causal, global_mask=global_tokens,

@@ -54,7 +54,8 @@ def check_backend_support(backend: str, *, attention: str, supported: tuple[str,
 
 
 def check_qkv(
-    q: Tensor, k: Tensor, v: Tensor, *, names: tuple[str, str, str] = ("q", "k", "v"), queries_last: bool = True
+    q: Tensor, k: Tensor, v: Tensor, *, names: tuple[str, str, str] = ("q", "k", "v"), queries_last: bool = True,
+    grouped: bool = False,
 ) -> tuple[int, int, int, int]:
     """Check q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]`; return (b, h, n_q, n_k).
 
@@ -64,6 +65,7 @@ def check_qkv(
         v: Values.
         names: The arguments' names in messages (e.g. `("qk", "qk", "v")` for shared-QK attention).
         queries_last: The queries are the last n_q key positions (cached decoding), so n_q <= n_k is required.
+        grouped: k and v may have fewer heads h_kv than q, h_kv dividing h (grouped-query attention).
 
     Raises:
         ValueError: A tensor is not a 4-d floating-point tensor, the three differ in dtype or device, the shapes
@@ -89,8 +91,10 @@ def check_qkv(
                              f"{v_name} must be on one device")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    if k.shape[:2] != (b, h) or k.shape[3] != d:
-        raise ValueError(f"{k_name} must have shape [{b}, {h}, n_k, {d}] to match {q_name} {tuple(q.shape)}, "
+    heads_ok = k.shape[1] == h or (grouped and k.shape[1] > 0 and h % k.shape[1] == 0)
+    if k.shape[0] != b or not heads_ok or k.shape[3] != d:
+        heads = f"h_kv dividing {h}" if grouped else str(h)
+        raise ValueError(f"{k_name} must have shape [{b}, {heads}, n_k, {d}] to match {q_name} {tuple(q.shape)}, "
                          f"got {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"{v_name} must have shape [{b}, {h}, {n_k}, d_v] to match {k_name} {tuple(k.shape)}, "

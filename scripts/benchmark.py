@@ -7,6 +7,8 @@ Examples:
     python scripts/benchmark.py --lengths 1024 4096 16384 --impls full sliding hf-longformer local-attention \\
         --mode fwd fwdbwd --out docs/benchmarks.md
     python scripts/benchmark.py --lengths 16384 --impls sliding --mode fwdbwd        # print only
+    python scripts/benchmark.py --models roberta-4k      # whole stock models: LongformerModel, sdpa, floor, longattn
+    python scripts/benchmark.py --models llama-16k --model-length 8192 --new-tokens 64
 
 The peer packages (local-attention, linformer, reformer-pytorch, routing-transformer, sinkhorn-transformer) are not
 installed by scripts/setup.sh; the default run includes a peer only when it is importable. They come with the `bench`
@@ -550,21 +552,255 @@ def run_one(args: argparse.Namespace, impl: str, length: int, mode: str, compile
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+# ------------------------------------------------------------------------------------------------ whole models
+# `--models SET`: stock transformers models, every row of a set in its own subprocess, side by side with ratios.
+@dataclass(frozen=True)
+class ModelSet:
+    """Whole stock models measured side by side (`--models NAME`).
+
+    Attributes:
+        description: One line for the report.
+        family: "roberta" (encoder) or "llama" (causal decoder).
+        length: Tokens per sequence (`--lengths` overrides it).
+        window: longattn's keys on each side of a query (causal: earlier keys only).
+        rows: Row names, of MODEL_ROWS.
+    """
+
+    description: str
+    family: str
+    length: int
+    window: int
+    rows: tuple[str, ...]
+
+
+MODEL_SETS = {
+    "roberta-4k": ModelSet(
+        "RoBERTa-base geometry (12 layers x 768, 12 heads, intermediate 3072), random weights, batch 1, forward + "
+        "backward, no dropout", "roberta", 4096, 256, ("longformer", "sdpa", "floor", "longattn")),
+    "llama-16k": ModelSet(
+        "Llama geometry (4 layers x 1024, 16 heads, 4 key/value heads, intermediate 2816), random weights, batch 1, "
+        "causal, forward + backward; generation: greedy, batch 1", "llama", 16384, 512,
+        ("sdpa", "floor", "longattn", "generate-sdpa", "generate-longattn")),
+}
+MODEL_ROWS = {
+    "longformer": "transformers' LongformerModel, longformer-base-4096's geometry: attention_window 512 (256 per "
+                  "side), global first token",
+    "sdpa": "the stock model under `sdpa` (dense attention)",
+    "floor": "attention replaced by a zero-cost stand-in (returns v): the floor; slightly optimistic, no gradient "
+             "reaches the q/k projections",
+    "longattn": "the stock model with `longattn.apply_longattn(attention_type='sliding', sliding_window=W)`, global "
+                "first token for the encoder",
+    "generate-sdpa": "`generate()` under `sdpa`, the full dynamic cache",
+    "generate-longattn": "`generate()` with longattn's sliding window (bounded cache of W + 1 keys per layer)",
+}
+FLOOR = "longattn-benchmark-floor"
+
+
+def _register_floor() -> None:
+    """A zero-cost attention (the value, unchanged): what the model costs without any attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def floor_attention(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // value.shape[1]
+        return value.repeat_interleave(groups, dim=1).transpose(1, 2), None  # [b, n, h, d]
+
+    AttentionInterface.register(FLOOR, floor_attention)
+    AttentionMaskInterface.register(FLOOR, lambda *args, **kwargs: None)
+
+
+def _stock_model(model_set: ModelSet, row: str, length: int):
+    """The model of one row, in training mode (dropout 0) or eval mode for generation; random weights."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(REPO))
+    import longattn
+
+    _register_floor()
+    implementation = {"floor": FLOOR}.get(row, "sdpa")
+    if model_set.family == "roberta":
+        geometry = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        if row == "longformer":
+            config = transformers.LongformerConfig(**geometry, attention_window=2 * model_set.window,
+                                                   max_position_embeddings=length + 2)
+            return transformers.LongformerModel(config)
+        config = transformers.RobertaConfig(**geometry, max_position_embeddings=length + 2)
+        model = transformers.RobertaModel(config, add_pooling_layer=False)
+    else:
+        config = transformers.LlamaConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                          num_key_value_heads=4, intermediate_size=2816,
+                                          max_position_embeddings=length + 512, attention_dropout=0.0)
+        cls = transformers.LlamaForCausalLM if row.startswith("generate") else transformers.LlamaModel
+        model = cls(config)
+    model.set_attn_implementation(implementation)
+    if row.endswith("longattn"):
+        longattn.apply_longattn(model, attention_type="sliding", sliding_window=model_set.window)
+    return model.eval() if row.startswith("generate") else model.train()
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of every key/value tensor a transformers cache holds."""
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def model_worker(args: argparse.Namespace) -> dict:
+    """One row of a model set: time and peak memory of forward + backward, or of greedy generation."""
+    import torch
+
+    torch.manual_seed(0)
+    model_set = MODEL_SETS[args.models]
+    model = _stock_model(model_set, args.impl, args.length)
+    input_ids = torch.randint(5, model.config.vocab_size, (1, args.length))
+    result = {"impl": args.impl, "length": args.length, "mode": "fwdbwd", "threads": torch.get_num_threads()}
+    rss_before = _rss_mb()
+    if args.impl.startswith("generate"):
+        return {**result, "mode": "generate", **_measure_generation(model, input_ids, args.new_tokens), "peak_rss_mb":
+                _max_rss_mb() - rss_before}
+    kwargs = {}
+    if model_set.family == "roberta" and args.impl in ("longformer", "longattn"):
+        kwargs["global_attention_mask"] = torch.zeros_like(input_ids).index_fill_(1, torch.tensor([0]), 1)
+    grad = torch.randn(1, args.length, model.config.hidden_size)
+
+    def step():
+        model(input_ids, **kwargs).last_hidden_state.backward(grad)
+        model.zero_grad(set_to_none=True)
+
+    times = []
+    for _ in range(args.repeats + 1):  # the first run is the warm-up
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {**result, "time_s": min(times[1:]), "times_s": times, "peak_rss_mb": _max_rss_mb() - rss_before}
+
+
+def _measure_generation(model, input_ids, new_tokens: int) -> dict:
+    """Greedy `generate()` of exactly `new_tokens` tokens: prefill and decode timed apart, the cache's bytes."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):  # `put` gets the prompt, then each new token as it is chosen
+        def __init__(self):
+            self.stamps = []
+
+        def put(self, value):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            self.stamps.append(time.perf_counter())
+
+    clock = Clock()
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=clock, return_dict_in_generate=True, pad_token_id=0)
+    prefill = clock.stamps[1] - start  # the first new token comes from the prefill's logits
+    decode = clock.stamps[-1] - clock.stamps[1]
+    return {"prefill_s": prefill, "decode_s": decode, "decode_tokens_per_s": (new_tokens - 1) / decode,
+            "cache_bytes": _cache_bytes(out.past_key_values), "time_s": clock.stamps[-1] - start}
+
+
+def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
+    command = [sys.executable, __file__, "--worker", "--models", args.models, "--impl", row, "--length", str(length),
+               "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)]
+    env = {**os.environ, **ALLOCATORS[args.allocator]}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env)
+    if completed.returncode != 0:
+        lines = completed.stderr.strip().splitlines()
+        reason = "killed (out of memory?)" if completed.returncode in (-9, 137) else (lines[-1] if lines else "failed")
+        return {"impl": row, "length": length, "error": reason[:200]}
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def ideal_fraction(model_set: ModelSet, length: int) -> float:
+    """The sliding window's share of dense attention's work: keys per query over dense's (causal: its average)."""
+    if model_set.family == "llama":
+        return min(1.0, model_set.window / (length / 2))
+    return min(1.0, 2 * model_set.window / length)
+
+
+def model_report(args: argparse.Namespace, results: list[dict], command: str) -> str:
+    """The markdown section of one model set: each row's time and memory, attention cost against its ideal."""
+    model_set = MODEL_SETS[args.models]
+    by_row = {r["impl"]: r for r in results if "error" not in r}
+    length = results[0]["length"]
+    fraction = ideal_fraction(model_set, length)
+    sdpa, floor = by_row.get("sdpa"), by_row.get("floor")
+    ideal = (sdpa["time_s"] - floor["time_s"]) * fraction if sdpa and floor else None
+    lines = [
+        f"### `{args.models}`: {length} tokens",
+        "",
+        f"{model_set.description}; longattn sliding window {model_set.window} "
+        + ("earlier keys per query (causal)." if model_set.family == "llama" else "per side."),
+        "",
+        f"- command: `{command}`",
+        f"- machine: {_cpu_name()}, {os.cpu_count()} CPU cores, torch threads {results[0].get('threads', '?')}",
+        f"- time: best of {args.repeats} runs after a warm-up run; peak MB: resident-set high-water mark minus the "
+        "resident set before the first run. Attention cost = time - floor's time; its ideal = (sdpa - floor) x "
+        f"{fraction:.4g} (the window's keys per query over dense attention's"
+        + (", causal average n/2)." if model_set.family == "llama" else ")."),
+        "",
+        "| row | time (s) | peak MB | attention cost (s) | cost / ideal | speed-up vs longformer | memory vs sdpa |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in model_set.rows:
+        r = next((r for r in results if r["impl"] == row), None)
+        if r is None or row.startswith("generate"):
+            continue
+        if "error" in r:
+            lines.append(f"| {row} | {r['error']} | | | | | |")
+            continue
+        cost = r["time_s"] - floor["time_s"] if floor else None
+        ratio = cost / ideal if cost is not None and ideal and row in ("longattn", "longformer") else None
+        longformer = by_row.get("longformer")
+        speedup = longformer["time_s"] / r["time_s"] if longformer else None
+        memory = r["peak_rss_mb"] / sdpa["peak_rss_mb"] if sdpa else None
+        lines.append(f"| {row} | {r['time_s']:.1f} | {r['peak_rss_mb']:.0f} | {_format(cost, '{:.1f}')} | "
+                     f"{_format(ratio, '{:.2f}x')} | {_format(speedup, '{:.2f}x')} | {_format(memory, '{:.2f}')} |")
+    lines += ["", f"Ideal attention cost: {_format(ideal, '{:.2f}')} s."]
+    generated = [r for r in results if r["impl"].startswith("generate")]
+    if generated:
+        full = by_row.get("generate-sdpa")
+        lines += [
+            "",
+            f"Generation: greedy, batch 1, {args.new_tokens} new tokens after a {length}-token prompt; decode "
+            "tokens/s excludes the prefill (the first new token); cache bytes: every key/value tensor of the cache "
+            "after generation.",
+            "",
+            "| row | prefill (s) | decode tokens/s | cache MB | cache vs full | decode speed vs full |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in generated:
+            if "error" in r:
+                lines.append(f"| {r['impl']} | {r['error']} | | | | |")
+                continue
+            cache = r["cache_bytes"] / full["cache_bytes"] if full else None
+            speed = r["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else None
+            lines.append(f"| {r['impl']} | {r['prefill_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
+                         f"{r['cache_bytes'] / 2**20:.1f} | {_format(cache, '{:.4f}')} | {_format(speed, '{:.2f}x')} |")
+    lines += ["", "Rows:", ""] + [f"- `{row}`: {MODEL_ROWS[row]}" for row in model_set.rows]
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ the report
 def _format(value, pattern):
     return "—" if value is None else pattern.format(value)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     import torch
 
     by_key = {(r["impl"], r["length"], r["mode"]): r for r in results if not r.get("compiled")}
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = _cpu_name()
     lines = [
         "# Benchmarks",
         "",
@@ -655,6 +891,30 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """`--models SET`: each row in a fresh subprocess (the worker runs one row), then the report."""
+    if args.worker:
+        print(json.dumps(model_worker(args)))
+        return
+    model_set = MODEL_SETS[args.models]
+    length = args.model_length or model_set.length
+    rows = args.rows or model_set.rows
+    command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = []
+    for row in rows:
+        result = run_model_row(args, row, length)
+        results.append(result)
+        print(f"{row:>18} {length:>6}: {json.dumps(result)}", flush=True)
+    text = model_report(args, results, command)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` shows every default, except for on/off flags (their default is their absence)."""
 
@@ -714,6 +974,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the profiled run that measures the tensor MB column")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--models", choices=sorted(MODEL_SETS),
+                        help="measure whole stock models instead of one layer: every row of the set side by side "
+                        "(" + "; ".join(f"{name}: {s.description}" for name, s in MODEL_SETS.items()) + "); "
+                        "uses --model-length, --new-tokens, --rows, --repeats, --allocator, --out, --json")
+    parser.add_argument("--model-length", type=int, help="tokens per sequence for --models (default: the set's length)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated by the generation rows of --models")
+    parser.add_argument("--rows", nargs="+", metavar="ROW", help=f"only these rows of --models, of: {', '.join(MODEL_ROWS)}")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
@@ -721,10 +988,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config_overrides(args.set)
-        check_installed([args.impl] if args.worker else [*args.impls, args.baseline])
+        if not args.models:
+            check_installed([args.impl] if args.worker else [*args.impls, args.baseline])
     except ValueError as error:
         parser.error(str(error))
 
+    if args.models:
+        run_models(args, argv)
+        return
     if args.worker:
         args.mode = args.mode[0] if isinstance(args.mode, list) else args.mode
         print(json.dumps(worker(args)))

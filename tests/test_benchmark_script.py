@@ -99,3 +99,16 @@ def test_help_shows_defaults_and_how_to_install_the_peers():
     assert "keys on each side of a query (default: 256)" in text
     assert "(default: hf-longformer)" in text and "(default: [1024, 4096, 16384])" in text
     assert 'pip install torch==2.13.0 && pip install -e ".[bench]"' in text
+
+
+def test_model_report_compares_attention_cost_with_its_ideal(benchmark):
+    """`--models`: attention cost = time - floor, ideal = (sdpa - floor) x window share (causal: over n/2 keys)."""
+    assert benchmark.ideal_fraction(benchmark.MODEL_SETS["roberta-4k"], 4096) == 512 / 4096
+    assert benchmark.ideal_fraction(benchmark.MODEL_SETS["llama-16k"], 16384) == 512 / 8192
+    args = benchmark.argparse.Namespace(models="roberta-4k", repeats=1, new_tokens=256)
+    results = [{"impl": impl, "length": 4096, "time_s": t, "peak_rss_mb": mb, "threads": 2}
+               for impl, t, mb in (("longformer", 40.0, 9000), ("sdpa", 28.0, 4000), ("floor", 12.0, 3800),
+                                   ("longattn", 15.0, 3900))]
+    text = benchmark.model_report(args, results, "python scripts/benchmark.py --models roberta-4k")
+    assert "| longattn | 15.0 | 3900 | 3.0 | 1.50x | 2.67x | 0.97 |" in text  # ideal (28 - 12) / 8 = 2 s
+    assert "Ideal attention cost: 2.00 s." in text

@@ -503,3 +503,33 @@ def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
         monkeypatch.setattr(target, refuse)
     batch = inputs("roberta")
     model(**batch, global_attention_mask=batch["attention_mask"].bool() & (torch.arange(LENGTH) == 0))
+
+
+@pytest.mark.parametrize("global_tokens", [False, True])
+def test_grouped_query_sliding_reads_kv_heads_in_place_and_equals_repeated(global_tokens, monkeypatch):
+    """Llama with 4 query heads over 2 key/value heads: the sliding kind gets k, v with 2 heads (never repeated) and
+    gives the outputs and gradients of the repeated path (float64, padding, causal window shorter than the rows)."""
+    import longattn.attention_longformer as sliding_module
+    import longattn.integration_transformers as integration
+
+    model = build("llama").double()
+    apply_longattn(model, attention_type="sliding", sliding_window=5).train()
+    batch = inputs("llama", length=37)
+    kwargs = {}
+    if global_tokens:
+        kwargs["global_attention_mask"] = torch.zeros(2, 37, dtype=torch.long).index_fill_(1, torch.tensor([15]), 1)
+    seen_heads = []
+    original = sliding_module.sliding_window_attention
+
+    def spy(q, k, v, **fields):
+        seen_heads.append((q.shape[1], k.shape[1], v.shape[1]))
+        return original(q, k, v, **fields)
+
+    monkeypatch.setattr(sliding_module, "sliding_window_attention", spy)
+    grouped = outputs_and_grads("llama", model, batch, **kwargs)
+    assert seen_heads and set(seen_heads) == {(4, 2, 2)}
+    monkeypatch.setattr(integration, "GROUPED_KINDS", ())
+    seen_heads.clear()
+    repeated = outputs_and_grads("llama", model, batch, **kwargs)
+    assert set(seen_heads) == {(4, 4, 4)}
+    assert_same(grouped, repeated, atol=1e-10, rtol=1e-10)

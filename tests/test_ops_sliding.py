@@ -77,6 +77,39 @@ def test_sliding_window_equals_reference(batch, heads, length, window, dilation,
     assert_all_close(actual, expected)
 
 
+GROUPED_CASES = [
+    # (batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens)
+    pytest.param(2, 4, 2, 37, 5, 1, False, True, False, id="n37-pad"),
+    pytest.param(2, 4, 1, 37, 5, 1, True, True, False, id="n37-causal-pad-one-kv-head"),
+    pytest.param(3, 6, 2, 101, 7, 1, False, True, True, id="n101-pad-global"),
+    pytest.param(3, 4, 2, 101, 7, 1, True, True, True, id="n101-causal-pad-global"),
+    pytest.param(2, 4, 2, 67, 4, [1, 2, 1, 3], False, True, True, id="n67-dilation-per-head-global"),
+    pytest.param(2, 4, 2, 67, 4, 2, True, False, False, id="n67-dilation2-causal"),
+    pytest.param(2, 4, 2, 30, 40, 1, False, True, False, id="n30-window>length"),
+]
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens",
+                         GROUPED_CASES)
+def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length, window, dilation, causal, padding,
+                                                 global_tokens):
+    """Grouped-query attention: k, v with fewer heads give what k, v repeated to the query heads give (float64,
+    outputs and gradients; the gradient of a shared key/value head sums its group's)."""
+    q, _, _ = _qkv(batch, heads, length, seed=length)
+    _, k, v = _qkv(batch, kv_heads, length, seed=length + 1)
+    key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
+    pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    groups = heads // kv_heads
+
+    def repeated(q, k, v):
+        return ops.sliding_window_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern)
+
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    assert_all_close(actual, outputs_and_grads(repeated, q, k, v))
+    with_reference = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern), q, k, v)
+    assert_all_close(actual, with_reference)
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
 @pytest.mark.parametrize("dilation", [1, [2, 3]])
 def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
@@ -181,6 +214,65 @@ def test_fully_padded_rows_give_zeros_not_nan_in_half_precision(dtype, attention
             assert (out[0, :, : 37 // 3] == 0).all()
 
 
+def test_attend_blocks_takes_one_key_set_per_batch_row():
+    """kv_index `[b, nb, m]` (the band plus each row's global keys, in one softmax) equals each row run with its
+    own `[nb, m]` index, outputs and gradients, with grouped key/value heads."""
+    q, _, _ = _qkv(2, 4, 24)
+    _, k, v = _qkv(2, 2, 24, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    kv_index = torch.randint(0, 24, (2, 3, 10), generator=generator)  # [b, nb, m]
+    mask = torch.rand(2, 4, 3, 8, 10, generator=generator) > 0.3
+
+    def per_batch(q, k, v):
+        return attend_blocks(q.view(2, 4, 3, 8, 8), k, v, kv_index=kv_index, mask=mask, scale=0.3)[0]
+
+    def row_by_row(q, k, v):
+        rows = [attend_blocks(q[i : i + 1].reshape(1, 4, 3, 8, 8), k[i : i + 1], v[i : i + 1], kv_index=kv_index[i],
+                              mask=mask[i : i + 1], scale=0.3)[0] for i in range(2)]
+        return torch.cat(rows)
+
+    assert_all_close(outputs_and_grads(per_batch, q, k, v), outputs_and_grads(row_by_row, q, k, v))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_traceable_blocks_equal_the_eager_kernel_with_grouped_heads(per_row):
+    """The plain-ops form used under torch.compile reads grouped key/value heads and per-row key sets like the eager
+    kernel (outputs and gradients)."""
+    from longattn.executor_blocked import _attend_blocks_traceable
+
+    q, _, _ = _qkv(2, 4, 24)
+    _, k, v = _qkv(2, 2, 24, seed=3)
+    generator = torch.Generator().manual_seed(5)
+    kv_index = torch.randint(0, 24, (2, 3, 10) if per_row else (3, 10), generator=generator)
+    mask = torch.rand(2, 1, 3, 8, 10, generator=generator) > 0.3
+    kwargs = dict(kv_index=kv_index, mask=mask, scale=0.3)
+
+    def eager(q, k, v):
+        return attend_blocks(q.view(2, 4, 3, 8, 8), k, v, **kwargs)[0]
+
+    def traceable(q, k, v):
+        return _attend_blocks_traceable(q.view(2, 4, 3, 8, 8), k, v, dropout_p=0.0, **kwargs)[0]
+
+    assert_all_close(outputs_and_grads(traceable, q, k, v), outputs_and_grads(eager, q, k, v))
+
+
+def test_global_keys_join_the_band_in_one_pass(monkeypatch):
+    """With global tokens, the band and the global keys are one `attend_blocks` call (no merge), plus one for the
+    global queries' dense rows."""
+    import longattn.executor_blocked as executor
+
+    calls = []
+    original = executor.attend_blocks
+    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw))
+    monkeypatch.setattr(executor, "merge_attention", lambda partials: pytest.fail("merged partial attentions"))
+    q, k, v = _qkv(2, 2, 100)
+    _, global_mask = _token_masks(2, 100, padding=False, global_tokens=True)
+    pattern = dict(window=5, global_mask=global_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    assert len(calls) == 2 and calls[0].dim() == 3 and calls[0].shape[0] == 2 and calls[1] is None  # [b, nb, m + g]
+    assert_all_close(actual, outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v))
+
+
 def test_half_precision_matches_float64_reference():
     q, k, v = _qkv(2, 2, 90, dtype=torch.bfloat16)
     key_padding_mask, global_mask = _token_masks(2, 90, padding=True, global_tokens=True)
@@ -276,7 +368,10 @@ def test_invalid_arguments_name_the_field(kwargs, field):
 
 def test_invalid_shapes_are_reported():
     q, k, v = _qkv(2, 2, 10)
-    with pytest.raises(ValueError, match="k must have shape"):
+    q3, k3, v3 = _qkv(2, 3, 10)
+    with pytest.raises(ValueError, match="k must have shape"):  # 2 key/value heads do not divide 3 query heads
+        ops.sliding_window_attention(q3, k3[:, :2], v3[:, :2], window=2)
+    with pytest.raises(ValueError, match="v must have shape"):
         ops.sliding_window_attention(q, k[:, :1], v, window=2)
     with pytest.raises(ValueError, match="q has more positions"):  # causal queries are the last key positions
         ops.full_attention(q, k[:, :, :5], v[:, :, :5], causal=True)
