@@ -35,6 +35,19 @@ PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_class
 _LOADING = contextvars.ContextVar("longattn_config_loading", default=False)
 
 
+# Stock families whose learned position table holds `pad_token_id + 1` rows before the first token's row.
+PADDING_OFFSET_MODEL_TYPES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer")
+
+
+def max_tokens(config: Any) -> int | None:
+    """The number of tokens a model of any family with `config` reads (RoBERTa: `max_position_embeddings -
+    pad_token_id - 1`); None when the config states no limit."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and getattr(config, "model_type", None) in PADDING_OFFSET_MODEL_TYPES:
+        limit -= config.pad_token_id + 1
+    return limit
+
+
 class LongAttnConfig(PreTrainedConfig):
     r"""Configuration of a longattn encoder, decoder or encoder-decoder.
 

@@ -306,7 +306,7 @@ def stock_model_card(config, *, task: str | None = None, metrics: dict[str, floa
     """
     from huggingface_hub import ModelCard
 
-    from .lengthen import max_tokens
+    from .configuration_longattn import max_tokens
 
     _, task_name, auto_class = _task(task) if task else (None, None, "AutoModel")
     family = (getattr(config, "architectures", None) or [config.model_type])[0]

@@ -30,23 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .configuration_longattn import max_tokens
 from .integration_transformers import apply_longattn
 
 ROPE_TYPES = ("linear", "dynamic", "yarn")
 """The rotary scalings `lengthen(..., rope_type=...)` writes into `rope_parameters`."""
-
-# Families whose position ids start after the padding id (their config's `max_position_embeddings` counts the
-# `pad_token_id + 1` rows in front of the first real position).
-PADDING_OFFSET_MODEL_TYPES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "longformer")
-
-
-def max_tokens(config: Any) -> int | None:
-    """The number of tokens a model with `config` reads (RoBERTa: `max_position_embeddings - pad_token_id - 1`);
-    None when the config states no limit."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and getattr(config, "model_type", None) in PADDING_OFFSET_MODEL_TYPES:
-        limit -= config.pad_token_id + 1
-    return limit
 
 
 def _position_tables(model: nn.Module) -> list[tuple[nn.Module, str, int, bool]]:

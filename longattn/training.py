@@ -374,7 +374,7 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
     Raises:
         RecipeError: the requested length exceeds `max_position_embeddings`.
     """
-    from .lengthen import max_tokens
+    from .configuration_longattn import max_tokens
 
     limit = max_tokens(config) or default_cap  # RoBERTa's table holds pad_token_id + 1 rows before the first token
     value = getattr(args, flag)
