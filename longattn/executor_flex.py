@@ -25,6 +25,7 @@ here; `executor_xformers` permutes such patterns into dense bands instead.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -42,14 +43,13 @@ BLOCK_SIZE = 128
 _BLOCK_MASKS: OrderedDict[Hashable, object] = OrderedDict()
 
 
-@functools.lru_cache(maxsize=None)
+# Read once at import (a search, not an import): `torch.compile` then reads a constant instead of tracing a check.
+_FLEX_FOUND = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
 def unavailable_reasons() -> list[str]:
     """Why FlexAttention cannot be used with this torch (empty when it can)."""
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401, PLC0415
-    except ImportError as error:
-        return [f"torch {torch.__version__} has no FlexAttention ({error})"]
-    return []
+    return [] if _FLEX_FOUND else [f"torch {torch.__version__} has no FlexAttention (torch.nn.attention.flex_attention)"]
 
 
 def _flex():

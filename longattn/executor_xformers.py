@@ -930,12 +930,13 @@ def bucketed_attention(q: Tensor, k: Tensor, v: Tensor, *, buckets: Tensor, caus
 
 
 # ----------------------------------------------------------------------------------------------- capabilities
-@functools.lru_cache(maxsize=None)
+# Read once at import (a search, not an import): `torch.compile` then reads a constant instead of tracing a check.
+_XFORMERS_FOUND = importlib.util.find_spec("xformers") is not None
+
+
 def unavailable_reasons() -> list[str]:
     """Why xformers cannot be used at all in this environment (empty when its package is installed)."""
-    if importlib.util.find_spec("xformers") is None:
-        return ["xformers is not installed (pip install 'longattn[xformers]')"]
-    return []
+    return [] if _XFORMERS_FOUND else ["xformers is not installed (pip install 'longattn[xformers]')"]
 
 
 def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> bool:
