@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import importlib.util
 import json
 import os
@@ -137,20 +136,14 @@ def config_overrides(items: list[str]) -> dict:
     sys.path.insert(0, str(REPO))
     from longattn import LongAttnConfig
     from longattn.config_overrides import parse_config_overrides
+    from longattn.configuration_longattn import check_override_fields
 
     overrides = {}
     for item in items:
         overrides.update(parse_config_overrides(item, flag="--set"))
     # The config keeps unknown keyword arguments as attributes, so a misspelt field would silently measure the
     # registered setting: refuse it here.
-    known = LongAttnConfig().to_dict()
-    for field in overrides:
-        if field not in known:
-            close = difflib.get_close_matches(field, known, n=3)
-            raise ValueError(
-                f"`--set` field {field!r} is not a LongAttnConfig field"
-                + (f": did you mean {', '.join(close)}?" if close else " (see LongAttnConfig)")
-            )
+    check_override_fields(overrides, LongAttnConfig().to_dict(), where="--set")
     return overrides
 
 
