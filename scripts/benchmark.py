@@ -884,6 +884,17 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_outputs(args: argparse.Namespace, results: list[dict], text: str) -> None:
+    """The report to `--out` (else stdout) and the raw results to `--json`."""
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+
+
 def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
     """`--models SET`: each row in a fresh subprocess (the worker runs one row), then the report."""
     if args.worker:
@@ -899,13 +910,7 @@ def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
         results.append(result)
         print(f"{row:>18} {length:>6}: {json.dumps(result)}", flush=True)
     text = model_report(args, results, command)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+    write_outputs(args, results, text)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1016,13 +1021,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 print(f"{impl + (' (compiled)' if compiled else ''):>16} {length:>6} {mode:>6}: {shown}", flush=True)
     text = report(args, results, command)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
+    write_outputs(args, results, text)
 
 
 if __name__ == "__main__":
