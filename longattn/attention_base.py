@@ -23,22 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .numerics import apply_rotary, rotate_half  # noqa: F401  (re-exported: kinds import them from here)
 from .ops import reference_attention
 from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding (Su et al. 2021) of q `[b, h, n, d]` and k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
-    cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # [b, 1, n, d]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 # ---------------------------------------------------------------------------------------------- config checks

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .numerics import HIDDEN_LOGIT, compute_dtype, head_groups, merge_attention
 from .patterns import MaskFn, and_masks
 
 __all__ = [
@@ -47,11 +48,6 @@ __all__ = [
 # a 2-core CPU (16K tokens, 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a
 # bmm writing into a fresh large tensor instead of a reused buffer was 2x slower (page faults on first touch).
 _CHUNK_ELEMENTS = 2**20
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision scores lose too much in exp/sum; accumulate in float32, keep float64 for exact tests.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
@@ -140,10 +136,8 @@ def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-# Added to the scores of hidden keys. Finite on purpose: a row whose keys are all hidden stays finite through
-# softmax (it is zeroed afterwards), where -inf would give NaN. 1e30 dwarfs any real score yet s - 1e30 cannot
-# overflow float32. (An additive mask is also ~10x faster than masked_fill_ with a bool mask on CPU.)
-_HIDDEN = -1e30
+# Hidden keys get HIDDEN_LOGIT added to their scores (see `numerics`): an additive mask is also ~10x faster than
+# masked_fill_ with a bool mask on CPU.
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -162,7 +156,7 @@ class _BlockAttention(torch.autograd.Function):
     def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed):
         b, h, nb, c, _ = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
-        dtype = _compute_dtype(q_blocks.dtype)
+        dtype = compute_dtype(q_blocks.dtype)
         device = q_blocks.device
         has_key = mask.any(dim=-1, keepdim=True)  # [b|1, h|1, nb, c, 1]
         # [b, nb, c, h, d_v] memory seen as [b, h, nb, c, d_v]: merging the heads afterwards is then a view.
@@ -177,7 +171,7 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view6(probs).add_(chunk.hidden, alpha=_HIDDEN)
+            chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
@@ -201,7 +195,7 @@ class _BlockAttention(torch.autograd.Function):
         scale, dropout_p = ctx.scale, ctx.dropout_p
         b, h, nb, c, d = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
-        dtype = _compute_dtype(q_blocks.dtype)
+        dtype = compute_dtype(q_blocks.dtype)
         device = q_blocks.device
         if grad_lse is not None:
             grad_lse = _split_heads((grad_lse.to(dtype) * has_key[..., 0]).unsqueeze(-1), h_kv)  # [.., nb, c, 1]
@@ -217,7 +211,7 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view6(probs).add_(chunk.hidden, alpha=_HIDDEN)
+            chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = workspace.get("grad_out", chunk.out_shape)
             if grad_out is None:
@@ -407,7 +401,7 @@ def _attend_blocks_traceable(
     management: a compiler plans memory itself, and `out=` into strided views neither traces without graph breaks
     nor lowers to inductor. Here autograd derives the backward, and the compiler fuses mask, softmax and products.
     """
-    dtype = _compute_dtype(q_blocks.dtype)
+    dtype = compute_dtype(q_blocks.dtype)
     b, h_kv = k.shape[:2]
     if kv_index is None:
         keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
@@ -418,43 +412,12 @@ def _attend_blocks_traceable(
         keys, values = (t.to(dtype).transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4) for t in (k, v))
     keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
     scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
-    scores = scores.flatten(1, 2) + (~mask).to(dtype) * _HIDDEN  # [b, h, nb, c, m]
+    scores = scores.flatten(1, 2) + (~mask).to(dtype) * HIDDEN_LOGIT  # [b, h, nb, c, m]
     has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
     probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
     out = (_split_heads(probs, h_kv) @ values).flatten(1, 2) * has_key[..., None]  # [b, h, nb, c, d_v]
     return out.to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
-
-
-def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Merge attentions of the same queries over disjoint key sets into the attention over their union.
-
-    With partial outputs O_i and log-normalisers L_i, the union has L = log Σ exp(L_i) and O = Σ exp(L_i − L) O_i.
-    Rows that see no key in any part stay zero with lse = -inf, and their gradients stay finite.
-
-    Args:
-        partials: `(out, lse)` pairs, out `[..., d_v]`, lse `[...]` (as returned by `attend_blocks`).
-
-    Returns:
-        `(out, lse)` of the union, out in the dtype of the first partial output.
-    """
-    if len(partials) == 1:
-        return partials[0]
-    lses = torch.stack([lse for _, lse in partials])  # [parts, ...]
-    # The shift only guards exp() against overflow and cancels exactly, so it carries no gradient.
-    shift = lses.detach().amax(dim=0)
-    shift = shift.masked_fill(shift == -math.inf, 0.0)
-    weights = (lses - shift).exp()  # [parts, ...]
-    total = weights.sum(dim=0)
-    visible = total > 0
-    safe_total = torch.where(visible, total, torch.ones_like(total))
-    lse = torch.where(visible, shift + safe_total.log(), torch.full_like(total, -math.inf))
-    # Summed in the lse dtype (float32 for half inputs) so that merging adds no rounding of its own.
-    out = sum(
-        (weight / safe_total).unsqueeze(-1) * part.to(weight.dtype)
-        for weight, (part, _) in zip(weights, partials, strict=True)
-    )
-    return out.to(partials[0][0].dtype), lse
 
 
 def evaluate_block_mask(
@@ -630,15 +593,6 @@ def _not_global_key(is_global: Tensor) -> MaskFn:
     return not_global_key
 
 
-def _head_groups(dilation: int | Sequence[int], heads: int) -> list[tuple[int, list[int]]]:
-    if isinstance(dilation, int):
-        return [(dilation, list(range(heads)))]
-    groups: dict[int, list[int]] = {}
-    for head, value in enumerate(dilation):
-        groups.setdefault(value, []).append(head)
-    return list(groups.items())
-
-
 def banded_attention(
     q: Tensor,
     k: Tensor,
@@ -694,7 +648,7 @@ def banded_attention(
             global_index = None
     local_fn = mask_fn if global_index is None else and_masks(mask_fn, _not_global_key(global_mask))
 
-    groups = _head_groups(dilation, h)
+    groups = head_groups(dilation, h)
     if len(groups) > 1 and k.shape[1] != h:  # per-head dilations split the heads across key/value groups
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     group_outputs, group_heads = [], []

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .executor_blocked import global_token_index
+from .numerics import HALF_HIDDEN_PENALTY, head_groups
 
 __all__ = [
     "HIDDEN_PENALTY",
@@ -79,10 +80,9 @@ __all__ = [
     "probe_reasons",
 ]
 
-HIDDEN_PENALTY = 1e4
-"""Score drop of a hidden key (and the additive bias of a masked entry of a dense part bias). exp(-1e4) is 0 in
-float32, so hidden keys weigh exactly nothing; a row whose log-sum-exp is below -HIDDEN_PENALTY / 2 saw only hidden
-keys and is zeroed."""
+HIDDEN_PENALTY = HALF_HIDDEN_PENALTY
+"""Score drop of a hidden key (and the additive bias of a masked entry of a dense part bias): `numerics`'
+HALF_HIDDEN_PENALTY. A row whose log-sum-exp is below -HIDDEN_PENALTY / 2 saw only hidden keys and is zeroed."""
 
 _MAX_HEAD_DIM = 256
 
@@ -326,15 +326,6 @@ def _hidden_keys(hidden: Tensor | None, k_pos: Tensor | None, batch: int) -> Ten
     return hidden[:, k_pos].reshape(batch * k_pos.shape[0], k_pos.shape[1])
 
 
-def _head_groups(dilation: int | Sequence[int], heads: int) -> list[tuple[int, list[int]]]:
-    if isinstance(dilation, int):
-        return [(dilation, list(range(heads)))]
-    groups: dict[int, list[int]] = {}
-    for head, value in enumerate(dilation):
-        groups.setdefault(value, []).append(head)
-    return list(groups.items())
-
-
 def _token_flags(key_padding_mask: Tensor | None, extra: Tensor | None = None) -> Tensor | None:
     hidden = None if key_padding_mask is None else ~key_padding_mask.bool()
     if extra is not None:
@@ -386,7 +377,7 @@ def sliding_window_layout(
             global_index = global_mask = None
     hidden = _token_flags(key_padding_mask, None if global_mask is None else global_mask.bool())
     parts = []
-    for d, head_list in _head_groups(dilation, heads):
+    for d, head_list in head_groups(dilation, heads):
         head_index = None if len(head_list) == heads else torch.tensor(head_list, device=device)
         for q_pos, k_pos in residue_classes(q_len, kv_len, d, device=device):
             n_class = k_pos.shape[1]

@@ -40,6 +40,7 @@ from .attention_base import LongAttnAttention
 from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
+from .numerics import rotary_inverse_frequencies
 
 logger = logging.get_logger(__name__)
 
@@ -68,7 +69,7 @@ class LongAttnRotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        return rotary_inverse_frequencies(self.head_dim, self.theta)
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,139 @@
+"""The numerical rules every attention kind and executor shares; nothing else in the package defines them.
+
+- `default_scale(d)`: the multiplier of q·k when none is given, 1/sqrt(d) (Vaswani et al. 2017).
+- `compute_dtype(dtype)`: the dtype scores, softmax and log-sum-exp are computed in. Half-precision inputs (float16,
+  bfloat16) are promoted to float32: their exp() and sums lose too much; float32 and float64 stay as they are, so the
+  float64 reference tests compare in float64.
+- Masked-logit constants, one per context, and the rule that picks each:
+
+  | context | constant | why this value |
+  | --- | --- | --- |
+  | additive mask on logits in `compute_dtype` (float32 / float64) | `HIDDEN_LOGIT` = -1e30 | finite, so a row whose keys are all hidden stays finite through softmax (it is zeroed afterwards), where -inf gives NaN; dwarfs any real score, yet s - 1e30 cannot overflow float32 |
+  | additive bias of a fused kernel that may run in float16 (xformers) | `HALF_HIDDEN_PENALTY` = 1e4 | representable in float16 (max 65504) and exp(-1e4) is exactly 0 in float32; a row whose log-sum-exp is below -1e4 / 2 saw only hidden keys |
+  | log-space iterations (Sinkhorn normalisation) | `LOG_SPACE_HIDDEN` = -1e9 | large enough to vanish after exp(), small enough that repeated row / column log-sum-exp subtractions stay far from float32 overflow |
+  | `masked_fill` of logits whose dtype is only known at run time | `hidden_logit(dtype)` = `finfo(dtype).min` | the most negative finite value of that dtype, never -inf |
+
+  `hidden_logit_for(dtype)` states the rule: `HIDDEN_LOGIT` for logits computed in float32 / float64, `finfo.min`
+  otherwise.
+- `merge_attention`: exact log-sum-exp merge of partial attentions over disjoint key sets.
+- `head_groups`: query heads grouped by their dilation, so each group runs as one batched call.
+- `rotate_half`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021, RoFormer),
+  one implementation for the model and every executor.
+
+This module imports only torch: configuration, executors and kinds all stand on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HALF_HIDDEN_PENALTY",
+    "HIDDEN_LOGIT",
+    "LOG_SPACE_HIDDEN",
+    "apply_rotary",
+    "compute_dtype",
+    "default_scale",
+    "head_groups",
+    "hidden_logit",
+    "hidden_logit_for",
+    "merge_attention",
+    "rotary_inverse_frequencies",
+    "rotate_half",
+]
+
+HIDDEN_LOGIT = -1e30
+"""Added to (or filled into) the logits of hidden keys when logits are float32 / float64 (see the module table)."""
+
+HALF_HIDDEN_PENALTY = 1e4
+"""Score drop of a hidden key in a fused kernel's additive bias that may be float16 (see the module table)."""
+
+LOG_SPACE_HIDDEN = -1e9
+"""Log-space value of a forbidden entry during Sinkhorn's iterative normalisation (see the module table)."""
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def default_scale(head_dim: int) -> float:
+    """1/sqrt(head_dim): the softmax temperature of scaled dot-product attention (Vaswani et al. 2017)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which scores, softmax and log-sum-exp are computed for inputs of `dtype` (halves -> float32)."""
+    return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
+def hidden_logit(dtype: torch.dtype) -> float:
+    """The most negative finite value of `dtype`: a `masked_fill` value that never becomes -inf or NaN."""
+    return torch.finfo(dtype).min
+
+
+def hidden_logit_for(dtype: torch.dtype) -> float:
+    """The masked logit for logits of `dtype`: `HIDDEN_LOGIT` in float32 / float64, `hidden_logit(dtype)` otherwise."""
+    return HIDDEN_LOGIT if dtype in (torch.float32, torch.float64) else hidden_logit(dtype)
+
+
+def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Merge attentions of the same queries over disjoint key sets into the attention over their union.
+
+    With partial outputs O_i and log-normalisers L_i, the union has L = log Σ exp(L_i) and O = Σ exp(L_i − L) O_i.
+    Rows that see no key in any part stay zero with lse = -inf, and their gradients stay finite.
+
+    Args:
+        partials: `(out, lse)` pairs, out `[..., d_v]`, lse `[...]` (as returned by `attend_blocks`).
+
+    Returns:
+        `(out, lse)` of the union, out in the dtype of the first partial output.
+    """
+    if len(partials) == 1:
+        return partials[0]
+    lses = torch.stack([lse for _, lse in partials])  # [parts, ...]
+    # The shift only guards exp() against overflow and cancels exactly, so it carries no gradient.
+    shift = lses.detach().amax(dim=0)
+    shift = shift.masked_fill(shift == -math.inf, 0.0)
+    weights = (lses - shift).exp()  # [parts, ...]
+    total = weights.sum(dim=0)
+    visible = total > 0
+    safe_total = torch.where(visible, total, torch.ones_like(total))
+    lse = torch.where(visible, shift + safe_total.log(), torch.full_like(total, -math.inf))
+    # Summed in the lse dtype (float32 for half inputs) so that merging adds no rounding of its own.
+    out = sum(
+        (weight / safe_total).unsqueeze(-1) * part.to(weight.dtype)
+        for weight, (part, _) in zip(weights, partials, strict=True)
+    )
+    return out.to(partials[0][0].dtype), lse
+
+
+def head_groups(dilation: int | Sequence[int], heads: int) -> list[tuple[int, list[int]]]:
+    """Group the query heads by dilation: `[(dilation, [head, ...]), ...]` in order of first appearance.
+
+    `dilation` is one value for every head or one per head (Longformer's per-head dilation).
+    """
+    if isinstance(dilation, int):
+        return [(dilation, list(range(heads)))]
+    groups: dict[int, list[int]] = {}
+    for head, value in enumerate(dilation):
+        groups.setdefault(value, []).append(head)
+    return list(groups.items())
+
+
+def rotary_inverse_frequencies(head_dim: int, theta: float) -> Tensor:
+    """Rotary frequencies theta^(-2i/d) for i < d/2, float32 `[d/2]` (Su et al. 2021, eq. 15)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """`[x1, x2] -> [-x2, x1]` on the last dim: the rotation by 90 degrees of each (x1_i, x2_i) pair."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding (Su et al. 2021) of q `[b, h, n, d]` and k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
+    cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # [b, 1, n, d]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
