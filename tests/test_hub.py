@@ -18,7 +18,8 @@ from kind_configs import KIND_OVERRIDES
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig
 
 import longattn
-from longattn import LongAttnConfig, hub
+from longattn import LongAttnConfig
+from longattn.tools import hub
 from longattn.attention_registry import ATTENTION_CLASSES
 from longattn.tokenization_longattn import byte_tokenizer
 

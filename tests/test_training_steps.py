@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from longattn import LongAttnConfig, LongAttnForCausalLM
-from longattn import training
+from longattn.train import training
 
 STEP_FUNCTIONS = ("build_optimizer", "prepare_training", "begin_run", "train_step", "run_evaluation", "train_epoch",
                   "save_checkpoint", "resume", "summarize", "train")

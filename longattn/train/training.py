@@ -60,18 +60,18 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DataCollatorWithPadding
 
-from . import config_overrides
-from .attention_registry import attention_class
-from .configuration_longattn import LongAttnConfig, check_override_fields
-from .hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
-from .tokenization_longattn import byte_tokenizer
+from .. import config_overrides
+from ..attention_registry import attention_class
+from ..configuration_longattn import LongAttnConfig, check_override_fields
+from ..tokenization_longattn import byte_tokenizer
+from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def recorded_args(args: argparse.Namespace) -> dict[str, int | float | str | boo
 # ---------------------------------------------------------------------------------------------- config / tokenizer
 def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
     """`"a=1,b=x,c=[sliding,full]"` -> `{"a": 1, "b": "x", "c": ["sliding", "full"]}`: the grammar of
-    `longattn.config_overrides` (shared with `python -m longattn.visualize`), a malformed item a `RecipeError`."""
+    `longattn.config_overrides` (shared with `longattn-visualize`), a malformed item a `RecipeError`."""
     try:
         return config_overrides.parse_config_overrides(overrides)
     except ValueError as error:
@@ -341,7 +341,7 @@ def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[st
     Raises:
         RecipeError: an unknown field, a value the kinds reject, or a task the family cannot run.
     """
-    from .integration_transformers import kind_config
+    from ..integration_transformers import kind_config
 
     dotted = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items() if key.startswith(_DICT_PREFIX)}
     plain = {key: value for key, value in overrides.items() if not key.startswith(_DICT_PREFIX)}
@@ -380,7 +380,7 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
     Raises:
         RecipeError: the requested length exceeds `max_position_embeddings`.
     """
-    from .configuration_longattn import max_tokens
+    from ..configuration_longattn import max_tokens
 
     limit = max_tokens(config) or default_cap  # RoBERTa's table holds pad_token_id + 1 rows before the first token
     value = getattr(args, flag)
@@ -416,7 +416,7 @@ def length_multiple(config, *, decoder: bool = False) -> int:
 def _stock_kind_config(config, *, decoder: bool = False) -> LongAttnConfig:
     """The `LongAttnConfig` of a stock model's kinds (its `longattn` dict with its geometry): the encoder's or the
     one stack's, or an encoder-decoder's decoder self-attention with `decoder`."""
-    from .integration_transformers import kind_config
+    from ..integration_transformers import kind_config
 
     stack = "decoder" if decoder else ("encoder" if getattr(config, "is_encoder_decoder", False) else "self")
     causal = decoder or bool(getattr(config, "is_decoder", False)) or config.model_type not in _ENCODER_MODEL_TYPES
@@ -652,156 +652,6 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     total = (len(concatenated["input_ids"]) // block_size) * block_size
     return {key: [values[i:i + block_size] for i in range(0, total, block_size)]
             for key, values in concatenated.items()}
-
-
-class PadCollator:
-    """Pads `input_ids` / `attention_mask` to the longest in the batch rounded up to `pad_to_multiple_of`, or to
-    `max_length` when given. Sequence `labels` are padded with -100: to the input length when `align_labels` (causal
-    LM), else to their own longest rounded up to `labels_multiple`, with a `decoder_attention_mask` (seq2seq). Other
-    per-token fields (`global_attention_mask`) are padded with 0; scalar fields become tensors.
-
-    Args:
-        pad_token_id: The padding id of the inputs.
-        pad_to_multiple_of: The attention's block multiple (`length_multiple`).
-        labels_multiple: The multiple for seq2seq `labels` (the decoder's).
-        max_length: Pad the inputs to exactly this length (`--pad_to_max_length`).
-        align_labels: Labels are per input token (causal LM).
-    """
-
-    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, labels_multiple: int = 1,
-                 max_length: int | None = None, align_labels: bool = False):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.labels_multiple = labels_multiple
-        self.max_length = max_length
-        self.align_labels = align_labels
-
-    @staticmethod
-    def _target_length(lengths: Iterable[int], multiple: int, fixed: int | None) -> int:
-        if fixed is not None:
-            return fixed
-        longest = max(lengths)
-        return -(-longest // multiple) * multiple
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch: dict[str, torch.Tensor] = {}
-        length = self._target_length((len(f["input_ids"]) for f in features), self.pad_to_multiple_of,
-                                     self.max_length)
-        batch["input_ids"] = _pad([f["input_ids"] for f in features], length, self.pad_token_id)
-        batch["attention_mask"] = _pad([[1] * len(f["input_ids"]) for f in features], length, 0)
-        if "labels" in features[0]:
-            labels = [f["labels"] for f in features]
-            if isinstance(labels[0], list) and self.align_labels:
-                batch["labels"] = _pad(labels, length, -100)
-            elif isinstance(labels[0], list):
-                label_length = self._target_length((len(x) for x in labels), self.labels_multiple, None)
-                batch["labels"] = _pad(labels, label_length, -100)
-                batch["decoder_attention_mask"] = _pad([[1] * len(x) for x in labels], label_length, 0)
-            else:
-                batch["labels"] = torch.tensor(labels)
-        for key in features[0]:
-            if key in batch or key in ("input_ids", "attention_mask", "labels", "token_type_ids"):
-                continue
-            values = [f[key] for f in features]
-            # Per-token fields (global_attention_mask, ...) are padded with 0 like the attention mask.
-            batch[key] = _pad(values, length, 0) if isinstance(values[0], list) else torch.tensor(values)
-        return batch
-
-
-class DataCollatorWithGlobalAttention(DataCollatorWithPadding):
-    """transformers' `DataCollatorWithPadding` that also hands the model its global tokens: a ragged
-    `global_attention_mask` of the features is padded with 0 (on the tokenizer's padding side), and with
-    `global_first_token` a batch without one gets the first real token of each row as its global token.
-
-    With `transformers.Trainer`, `global_first_token=True` is how global tokens reach the model under the default
-    `remove_unused_columns=True`: Trainer drops every dataset column that `forward` does not name, and a stock
-    model's `forward` takes `global_attention_mask` through `**kwargs` only. A per-example column needs
-    `TrainingArguments(remove_unused_columns=False)` (and a dataset holding only model inputs).
-
-        collator = DataCollatorWithGlobalAttention(tokenizer, global_first_token=True, pad_to_multiple_of=64)
-        Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
-
-    Args (besides `DataCollatorWithPadding`'s):
-        global_first_token: Make the first real token of each row global when the features have no
-            `global_attention_mask` (Longformer's classification convention: `<s>` / `[CLS]` sees everything).
-    """
-
-    def __init__(self, tokenizer, *, global_first_token: bool = False, **kwargs: Any):
-        super().__init__(tokenizer, **kwargs)
-        self.global_first_token = global_first_token
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        rows = [feature.get("global_attention_mask") for feature in features]
-        features = [{k: v for k, v in feature.items() if k != "global_attention_mask"} for feature in features]
-        batch = super().__call__(features)
-        real = batch["attention_mask"].bool()  # [b, n]
-        if any(row is not None for row in rows):
-            if any(row is None for row in rows):
-                raise ValueError("`global_attention_mask` is in some features of the batch but not in others.")
-            lengths = real.sum(-1).tolist()
-            padded = torch.zeros(real.shape, dtype=torch.long)  # [b, n]
-            for i, row in enumerate(rows):
-                row = torch.as_tensor(row, dtype=torch.long)[: lengths[i]]
-                padded[i, real[i].nonzero()[: len(row), 0]] = row  # the real positions, whichever side pads
-            batch["global_attention_mask"] = padded
-        elif self.global_first_token:
-            first = real.long().argmax(-1)  # [b]: the first real token (left padding included)
-            batch["global_attention_mask"] = torch.nn.functional.one_hot(first, real.shape[1]) * real
-        return batch
-
-
-def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
-    out = torch.full((len(rows), length), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        row = row[:length]
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's padding id, else its end-of-sequence id, else 0 (GPT-2-like tokenizers have no pad token)."""
-    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if value is not None:
-            return value
-    return 0
-
-
-def mask_tokens(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    draws: torch.Tensor,
-    special_ids: torch.Tensor,
-    mask_token_id: int,
-    vocab_size: int,
-    probability: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT's masking: each real, non-special token is picked with `probability`; a picked token becomes the mask
-    token 80% of the time, a random token 10% (kept when the draw is a special id), itself 10%.
-
-    Args:
-        input_ids / attention_mask: `[b, n]`.
-        draws: `[3, b, n]` uniform numbers in [0, 1) (pick, replacement kind, random id): the caller owns the
-            randomness, so masks can be a function of the batch position (training) or of the example (evaluation).
-        special_ids: 1-D tensor of ids never masked.
-        mask_token_id / vocab_size / probability: As named.
-
-    Returns:
-        (masked input_ids `[b, n]`, labels `[b, n]` with -100 where nothing was picked). At least one token of the
-        batch is picked, so the loss is always defined.
-    """
-    maskable = attention_mask.bool() & ~torch.isin(input_ids, special_ids)  # [b, n]
-    picked = (draws[0] < probability) & maskable
-    if not picked.any() and maskable.any():
-        first = maskable.flatten().nonzero()[0]
-        picked.view(-1)[first] = True
-    labels = input_ids.masked_fill(~picked, -100)
-    masked = input_ids.clone()
-    masked[picked & (draws[1] < 0.8)] = mask_token_id
-    random_ids = (draws[2] * vocab_size).long().clamp_max(vocab_size - 1)
-    randomize = picked & (draws[1] >= 0.8) & (draws[1] < 0.9) & ~torch.isin(random_ids, special_ids)
-    masked[randomize] = random_ids[randomize]
-    return masked, labels
 
 
 def progress_bar(iterable, accelerator, desc: str):
@@ -1406,7 +1256,7 @@ def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dic
            dataset_description: str | None = None) -> None:
     """Write `all_results.json` and the Hub-ready folder (model, tokenizer, code, model card) in --output_dir, check
     the folder, and push it with --push_to_hub."""
-    from . import hub
+    from ..tools import hub
 
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
@@ -1440,7 +1290,7 @@ def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dic
 
 def describe_data(args: argparse.Namespace) -> str:
     """A line for the model card: the dataset or files, with the generator's parameters when `info.json` is next to
-    the training file (written by `python -m longattn.data`)."""
+    the training file (written by `longattn-data`)."""
     if args.dataset_name:
         return f"`{args.dataset_name}`" + (f" ({args.dataset_config_name})" if args.dataset_config_name else "")
     text = f"local files `{Path(args.train_file).name}`" + (
@@ -1449,7 +1299,7 @@ def describe_data(args: argparse.Namespace) -> str:
     if info.is_file():
         try:
             details = json.loads(info.read_text())
-            text += (f", generated by `python -m longattn.data {details.get('task')}` with "
+            text += (f", generated by `longattn-data {details.get('task')}` with "
                      + ", ".join(f"{k}={v}" for k, v in details.items() if k not in ("task", "columns")))
         except (ValueError, OSError):
             pass
