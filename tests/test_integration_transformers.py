@@ -499,6 +499,7 @@ def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
         raise AssertionError("a dense [n, m] mask was built")
 
     for target in ("longattn.ops.materialize_mask", "longattn.attention_base.materialize_mask",
+                   "longattn.executor_reference.materialize_mask", "longattn.executor_reference.reference_attention",
                    "longattn.ops.reference_attention", "longattn.attention_base.reference_attention"):
         monkeypatch.setattr(target, refuse)
     batch = inputs("roberta")
