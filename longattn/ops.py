@@ -10,6 +10,19 @@ an additive bias, 0 = keep, so converting it with `.bool()` would invert it: pas
 fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything. An empty
 batch or sequence gives an empty output of the right shape, as SDPA does; bad input raises `ValueError` naming the
 argument (the checks are in `longattn.ops_checks`).
+
+Arguments every pattern function takes, besides its pattern's own:
+
+- `q` `[b, h, n_q, d]`, `k` `[b, h, n_k, d]`, `v` `[b, h, n_k, d_v]`.
+- `key_padding_mask`: bool `[b, n_k]`, True = real token; None = no padding.
+- `scale`: multiplier of q·k; default 1/sqrt(d).
+- `dropout_p`: dropout on the attention probabilities.
+- `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
+  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
+
+Each returns the output `[b, h, n_q, d_v]` and raises `ValueError` for q, k, v that are not floating-point tensors
+of matching shapes, dtype and device, a mask that is not bool `[b, n_k]`, a non-finite `scale`, `dropout_p` outside
+[0, 1), or a `backend` that is unknown or cannot run the call (the message says why).
 """
 
 from __future__ import annotations
@@ -124,24 +137,14 @@ def full_attention(
     Args:
         q: Queries `[b, h, n_q, d]` (causal: n_q <= n_k, the last n_q positions; else any n_q, as in
             cross-attention).
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default), `"torch"` (SDPA), `"flex"`, `"xformers"` or `"reference"`; see
-            `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring);
+            `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
 
     Raises:
-        ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, a mask is not
-            bool `[b, n_k]`, `causal` is not a bool, `scale` is not finite, `dropout_p` is outside [0, 1), or
-            `backend` is unknown or cannot run this call (the message says why).
+        ValueError: For a non-bool `causal`, or a shared argument that is invalid (module docstring).
     """
     causal = check_flag("causal", causal)
     # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
@@ -201,20 +204,11 @@ def sliding_window_attention(
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
         global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it.
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
-            `causal`, masks that are not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching
-            shapes, dtype and device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is
-            unknown or cannot run this call (the message says why).
+            `causal`, or a shared argument that is invalid (module docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v, grouped=True)
     window = check_window(window)
@@ -279,24 +273,13 @@ def strided_attention(
     the materialised pattern.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
-        ValueError: For a stride below 1, a non-bool `causal`, a mask that is not bool `[b, n_k]`, q/k/v that
-            are not floating-point tensors of matching shapes, dtype and device, a non-finite `scale`, `dropout_p`
-            outside [0, 1), or a `backend` that is unknown or cannot run this call (the message says why).
+        ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
+            docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
@@ -342,28 +325,16 @@ def fixed_attention(
     O(n · (l + c · n / l)) and equals `reference_attention` under the materialised pattern.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         block_size: Block length l (>= 1).
         num_summary: Summary cells per block c, in [1, block_size].
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
-        ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, a mask
-            that is not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching shapes, dtype and
-            device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run
-            this call (the message says why).
+        ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
+            argument that is invalid (module docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
