@@ -523,7 +523,7 @@ def test_an_invalid_decoder_field_changes_nothing():
 
 def test_global_tokens_with_a_cache():
     """Full cache layers (a dilated window): a cached decoding step with global tokens equals the uncached forward
-    (transformers' `generate` does not forward `global_attention_mask`; a forward with a cache does). A bounded
+    (the steps `generate(..., global_attention_mask=...)` takes, one by one). A bounded
     cache (a plain causal window) has dropped the early global keys: refused at the decoding step."""
     ids = inputs("llama", length=13)["input_ids"][:1]
     global_mask = torch.zeros(1, 13, dtype=torch.bool)
