@@ -9,7 +9,8 @@ an additive bias, 0 = keep, so converting it with `.bool()` would invert it: pas
 `mask.bool()` for a 1/0 one). Every function returns zeros, never NaN, for a query that sees no key (e.g. a
 fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything. An empty
 batch or sequence gives an empty output of the right shape, as SDPA does; bad input raises `ValueError` naming the
-argument (the checks are in `longattn.ops_checks`).
+argument (the checks are in `longattn.ops_checks`). `reference_attention`, the dense ground truth, lives in
+`longattn.executor_reference` (the `"reference"` back end) and is re-exported here.
 
 Arguments every pattern function takes, besides its pattern's own:
 
