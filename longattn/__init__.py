@@ -23,7 +23,7 @@ from transformers import (
 from . import _moved, ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
-from .integration_transformers import apply_longattn  # registers the "longattn" attention implementation
+from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
 from .lengthen import lengthen, save_lengthened
 from .modeling_longattn import (
     LongAttnForCausalLM,
@@ -65,6 +65,7 @@ __all__ = [
     "LongAttnForCausalLM",
     "LongAttnForSeq2SeqLM",
     "apply_longattn",
+    "auxiliary_loss",
     "available_attention_types",
     "lengthen",
     "save_lengthened",
