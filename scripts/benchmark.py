@@ -111,7 +111,7 @@ def check_installed(impls: list[str]) -> None:
 
 
 def _longattn_kind(kind: str, **fields):
-    """A longattn attention kind built the way the model builds it: `attention_class(kind)(config, layer_idx=0)`."""
+    """A longattn attention kind built the way the model builds it: the `self_attn` of a `LongAttnLayer(config)`."""
 
     def build(args):
         # Public entry points only (the config and the model file's layer), stable across revisions, so that an
