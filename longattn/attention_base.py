@@ -3,13 +3,17 @@
 Shape legend: b batch, h heads, n query length, m key length, d head dim, D hidden size.
 
 A kind subclasses `LongAttnAttention` and declares:
-- `attention_type`: its registry name;
-- `config_fields`: its own config fields with defaults (flat, prefixed by the kind);
-- `validate_config`: the checks of those fields (called once, from `LongAttnConfig.validate_longattn`);
+- `attention_type`: its registry name, with a row in `attention_fields.KINDS` (its config fields with defaults,
+  their checks and the back ends it runs on: `config_fields`, `validate_config`, `backends` come from there);
 - `attend`: the fast executor for a whole sequence (q, k, v -> out);
 - `pattern`: the mask predicate that defines which keys a query sees, used by the dense path (cached decoding, where
   queries are the last positions, and `output_attentions`) and by pictures of the pattern. Content-based kinds, whose
   pattern depends on the input, override `attend_dense` instead.
+
+There is one `forward` (project, rotary, cache, attend, output projection). A kind that changes which keys exist
+overrides `attention_inputs` (reduction: one key per group of tokens; Linformer: the length projected), and one
+with its own attention over them overrides `attend_inputs` (Linformer's projected keys, the synthesizer's
+synthesised scores).
 
 Parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`) are the same for every kind, so a checkpoint reloads under
 another `attention_type` with only the kind-specific weights reported missing.
@@ -21,7 +25,7 @@ import math
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .attention_fields import KINDS, check_kind_backend, field_defaults, validate_kind
 from .numerics import apply_rotary, rotate_half  # noqa: F401  (re-exported: kinds import them from here)
@@ -94,14 +98,8 @@ class LongAttnAttention(nn.Module):
         return 1
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        key_padding_mask: torch.Tensor | None,
-        global_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None
+    ) -> Tensor:
         """The fast executor: q, k, v `[b, h, n, d]` -> `[b, h, n, d]`."""
         raise NotImplementedError
 
@@ -138,14 +136,8 @@ class LongAttnAttention(nn.Module):
         )
 
     def attend_dense(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        key_padding_mask: torch.Tensor | None,
-        global_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Attention over all m keys for the n queries that are the *last* n positions, masked by `pattern`.
 
         Costs O(n * m): used for cached decoding (n is the number of new tokens) and when attention weights are
@@ -161,12 +153,9 @@ class LongAttnAttention(nn.Module):
         return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
 
     def attention_inputs(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        key_padding_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        self, hidden_states: Tensor, *, key_padding_mask: Tensor | None,
+        position_embeddings: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
         """The queries, and the keys and values they attend to, from the hidden states.
 
         By default one key and value per token, from `project`, rotated with the queries. A kind that changes which
@@ -186,16 +175,9 @@ class LongAttnAttention(nn.Module):
         return q, k, v
 
     def attend_inputs(
-        self,
-        q: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        hidden_states: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-        global_mask: torch.Tensor | None,
-        dense: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, q: Tensor | None, k: Tensor, v: Tensor, *, hidden_states: Tensor, key_padding_mask: Tensor | None,
+        global_mask: Tensor | None, dense: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         """Attention over the keys and values of `attention_inputs` (with the cached ones before them).
 
         By default the fast executor `attend`, or the dense form `attend_dense` when `dense`. A kind with its own
@@ -216,15 +198,10 @@ class LongAttnAttention(nn.Module):
         return self.attend(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask), None
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, hidden_states: Tensor, *, attention_mask: Tensor | None = None,
+        global_attention_mask: Tensor | None = None, position_embeddings: tuple[Tensor, Tensor] | None = None,
+        past_key_values: Any = None, output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
         """Self-attention: the one forward of every kind (they state what differs in `attention_inputs`,
         `attend_inputs`, `attend` and `attend_dense`).
 

@@ -110,9 +110,8 @@ def check_number(
     if not ok:
         low = f"{'(' if exclusive_minimum else '['}{minimum:g}"
         high = "inf)" if maximum == math.inf else f"{maximum:g}{')' if exclusive_maximum else ']'}"
-        raise ValueError(
-            f"`{field}`={value!r} is invalid: expected a finite number in {low}, {high}{' or None' if optional else ''}."
-        )
+        or_none = " or None" if optional else ""
+        raise ValueError(f"`{field}`={value!r} is invalid: expected a finite number in {low}, {high}{or_none}.")
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class LinformerAttention(LongAttnAttention):
     def projection_rows(
         self, n: int, key_padding_mask: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of E and F used by n tokens, each `[b|1, n, H, k]` (the same tensor when keys and values share E)."""
+        """The rows of E and F used by n tokens, each `[b|1, n, H, k]` (one tensor when keys and values share E)."""
         e_table, f_table = self.length_projections()
         e_rows = self._rows(e_table, n, key_padding_mask).to(dtype)
         return e_rows, (e_rows if f_table is e_table else self._rows(f_table, n, key_padding_mask).to(dtype))
@@ -190,14 +190,8 @@ class LinformerAttention(LongAttnAttention):
         return self._attend_projected(q, k, v, f_rows, key_padding_mask, with_weights=dense)
 
     def _attend_projected(
-        self,
-        q: torch.Tensor,
-        k_bar: torch.Tensor,
-        v_bar: torch.Tensor,
-        f_rows: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None,
-        *,
-        with_weights: bool,
+        self, q: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor, f_rows: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None, *, with_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """softmax(Q K̄ᵀ / sqrt(d)) V̄ with q `[b, h, n, d]`, k̄, v̄ `[b, h, k, d]`; optionally the weights `P̄ Fᵀ`.
 
