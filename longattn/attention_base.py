@@ -163,7 +163,9 @@ class LongAttnAttention(nn.Module):
 
         Args:
             hidden_states: `[b, n, D]`.
-            key_padding_mask: `[b, n]` bool, True = real token; None = no padding.
+            key_padding_mask: Bool over all tokens, True = real token: `[b, n]`, or `[b, m]` with a KV cache (cached
+                tokens first; the kinds that read it, reduction and Linformer, have no causal form, so no cache);
+                None = no padding.
             position_embeddings: rotary (cos, sin) `[b, n, d]`, or None with learned absolute positions.
 
         Returns:
