@@ -15,7 +15,7 @@ from longattn import LongAttnConfig, backends
 from longattn.attention_base import LongAttnAttention
 from longattn.attention_fields import KINDS, field_defaults
 from longattn.attention_registry import ATTENTION_CLASSES
-from longattn.hub import code_closure
+from longattn.tools.hub import code_closure
 
 PACKAGE_DIR = Path(longattn.__file__).parent
 
