@@ -212,7 +212,8 @@ def sinkhorn_attention(
     noise: bool = False,
     dropout_p: float = 0.0,
     backend: str = "auto",
-) -> Tensor:
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
     The attention step runs through `executor_blocked.attend_blocks`: query block i gathers its own block and its
@@ -233,18 +234,26 @@ def sinkhorn_attention(
         dropout_p: Dropout on the attention probabilities.
         backend: `"auto"` (default) or `"torch"`: the PyTorch blocked executor; `"xformers"`: the attention step as
             one call of the fused kernel (CUDA; `_attend_on_kernel`), which `"auto"` does not pick yet (not measured
-            on a GPU); `"reference"`: `sinkhorn_attention_dense`.
+            on a GPU); `"reference"`: the dense form, written over all key positions (`_dense_attention`).
+        return_weights: Also return the effective attention weights (`sinkhorn_attention_dense`); needs
+            `backend="reference"`.
 
     Returns:
-        `[b, h, n, d_v]`.
+        `[b, h, n, d_v]`; with `return_weights`, `(out, weights [b, h, n, n])`.
 
     Raises:
-        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device, or a
-            back end that cannot run this call (the message says why).
+        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device,
+            `return_weights` with another back end than `"reference"`, or a back end that cannot run this call (the
+            message says why).
     """
     if causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
+    if return_weights and backend != "reference":
+        raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
+        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
+                                sortcut, scale, noise, dropout_p)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
@@ -252,11 +261,8 @@ def sinkhorn_attention(
         q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
     ))
     if choice == "reference":
-        return sinkhorn_attention_dense(
-            q, k, v, sort_weight, block_size=block_size, iterations=iterations, temperature=temperature,
-            causal=causal, sortcut=sortcut, key_padding_mask=key_padding_mask, scale=scale, noise=noise,
-            dropout_p=dropout_p,
-        )[0]
+        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
+                                sortcut, scale, noise, dropout_p)[0]
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale
@@ -390,40 +396,33 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
 
 
 # ---------------------------------------------------------------------------------------------- dense form
-def sinkhorn_attention_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sort_weight: Tensor,
-    *,
-    block_size: int,
-    iterations: int,
-    temperature: float,
-    causal: bool = False,
-    sortcut: int | None = None,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    noise: bool = False,
-    dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+def sinkhorn_attention_dense(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor,
+                             **settings: Any) -> tuple[Tensor, Tensor]:
     """The same attention as `sinkhorn_attention`, written over all m key positions (with its weights).
 
-    Queries are the last n of the m key positions (cached decoding; n = m for `output_attentions`). The returned
-    weights are the effective mixing weights over the original positions (`out = weights @ v`): for a sorted block,
-    probability times S_ij*; for SortCut, the probabilities of the mixed keys spread over their source blocks by S.
+    `sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)`: the same
+    keyword arguments (`block_size`, `iterations`, `temperature`, `causal`, `sortcut`, `key_padding_mask` `[b, m]`,
+    `scale`, `noise`, `dropout_p`), but `backend`. Queries are the last n of the m key positions (cached decoding;
+    n = m for `output_attentions`). The returned weights are the effective mixing weights over the original
+    positions (`out = weights @ v`): for a sorted block, probability times S_ij*; for SortCut, the probabilities of
+    the mixed keys spread over their source blocks by S.
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
 
     Raises:
-        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
+        ValueError: As `sinkhorn_attention`.
     """
+    return sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)
+
+
+def _dense_attention(q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale,
+                     noise, dropout_p):
+    """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
     b, h, n, d = q.shape
     m = k.shape[2]
-    s = block_size
     scale = default_scale(d) if scale is None else scale
     dtype = compute_dtype(q.dtype)
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
     if is_empty(q, k):
         return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
