@@ -2,6 +2,11 @@
 
 `import longattn` registers `LongAttnConfig` and every model class with transformers' Auto classes, so
 `AutoModel.from_pretrained(folder)` works for any saved longattn model.
+
+Layout: the flat modules are what a Hub folder loaded with `trust_remote_code` carries (the configuration, the model,
+the attention kinds, ops, patterns, executors, numerics, the tokenizer) plus the library's entry points
+(`apply_longattn`, `lengthen`); tooling no saved model needs lives in two subpackages: `longattn.train` (the recipes'
+loop, collators, the offline tasks) and `longattn.tools` (Hub folders and uploads, pictures, the command lines).
 """
 
 from transformers import (
@@ -15,10 +20,10 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from . import ops, patterns
+from . import _moved, ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
-from .integration_transformers import apply_longattn  # registers the "longattn" attention implementation
+from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
 from .lengthen import lengthen, save_lengthened
 from .modeling_longattn import (
     LongAttnForCausalLM,
@@ -43,6 +48,8 @@ AUTO_CLASSES = {
     AutoModelForSeq2SeqLM: LongAttnForSeq2SeqLM,
 }
 
+_moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
+
 AutoConfig.register(LongAttnConfig.model_type, LongAttnConfig, exist_ok=True)
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _auto_class.register(LongAttnConfig, _model_class, exist_ok=True)
@@ -58,6 +65,7 @@ __all__ = [
     "LongAttnForCausalLM",
     "LongAttnForSeq2SeqLM",
     "apply_longattn",
+    "auxiliary_loss",
     "available_attention_types",
     "lengthen",
     "save_lengthened",

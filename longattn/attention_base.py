@@ -161,7 +161,7 @@ class LongAttnAttention(nn.Module):
         """Which keys each query sees, as a predicate over absolute positions (the default: all keys)."""
         fns = [causal_mask()] if self.is_causal else []
         if key_padding_mask is not None:
-            fns.append(patterns.key_padding_mask(key_padding_mask))
+            fns.append(patterns.key_padding_predicate(key_padding_mask))
         return and_masks(*fns)
 
     def reset_kind_parameters(self) -> None:

@@ -4,7 +4,7 @@ Shape legend: b batch, h heads, n length (n_q queries, n_k keys), d head dim (d_
 
 A pattern (`longattn.patterns`) says which keys a query sees; a back end computes it:
 
-- `"reference"`: dense softmax under the materialised mask (`ops.reference_attention`), O(n_q · n_k) memory; the
+- `"reference"`: dense softmax under the materialised mask (`executor_reference`), O(n_q · n_k) memory; the
   ground truth every other back end is tested against. Never chosen by `"auto"`.
 - `"torch"`: the PyTorch executors (`executor_blocked`, SDPA for dense attention); every device, dtype and mode.
 - `"flex"`: `torch.nn.attention.flex_attention` with a block mask built from the same predicate

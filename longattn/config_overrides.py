@@ -3,8 +3,8 @@
     attention_type=sliding,sliding_window=64,hidden_dropout_prob=0.0
     num_hidden_layers=4,attention_type=[sliding,sliding,sliding,full]
 
-transformers' `--config_overrides` format, plus lists in brackets. The recipes (`--config_overrides`), `python -m
-longattn.visualize` (`--config_overrides`) and `scripts/benchmark.py` (`--set`) all read it with this module, which
+transformers' `--config_overrides` format, plus lists in brackets. The recipes (`--config_overrides`),
+`longattn-visualize` (`--config_overrides`) and `scripts/benchmark.py` (`--set`) all read it with this module, which
 imports nothing of longattn, so every layer may use it.
 """
 

@@ -35,7 +35,9 @@ from torch import Tensor
 
 from .patterns import MaskFn, mask_reach
 
-__all__ = ["flex_attention", "block_mask", "banded_block_mask", "clear_block_mask_cache", "unavailable_reasons"]
+__all__ = [
+    "flex_pattern_attention", "block_mask", "banded_block_mask", "clear_block_mask_cache", "unavailable_reasons",
+]
 
 _CACHE_SIZE = 32
 BLOCK_SIZE = 128
@@ -201,7 +203,7 @@ def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     return flags.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
 
-def flex_attention(
+def flex_pattern_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,

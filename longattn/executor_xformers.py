@@ -69,10 +69,10 @@ __all__ = [
     "bucket_order",
     "materialize_layout",
     "run_layout",
-    "sliding_window_attention",
-    "strided_attention",
-    "fixed_attention",
-    "full_attention",
+    "xformers_sliding_window_attention",
+    "xformers_strided_attention",
+    "xformers_fixed_attention",
+    "xformers_full_attention",
     "bucketed_attention",
     "unavailable_reasons",
     "request_reasons",
@@ -665,7 +665,7 @@ def _tables(q, k, v, parts):
 
 
 # ----------------------------------------------------------------------------------------------- executors
-def sliding_window_attention(
+def xformers_sliding_window_attention(
     q: Tensor, k: Tensor, v: Tensor, *, window: int, dilation: int | Sequence[int] = 1, causal: bool = False,
     global_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, scale: float, dropout_p: float = 0.0,
 ) -> Tensor:
@@ -713,8 +713,8 @@ def _dilated_band_on_views(q, k, v, *, window, dilation, causal, scale, dropout_
     return out.permute(0, 3, 2, 1, 4).reshape(b, h, n, v.shape[-1])
 
 
-def strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: bool = True,
-                      key_padding_mask: Tensor | None = None, scale: float) -> Tensor:
+def xformers_strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: bool = True,
+                               key_padding_mask: Tensor | None = None, scale: float) -> Tensor:
     """Strided attention (see `strided_layout`) on xformers kernels; q, k, v `[b, h, n, d]`."""
     b, h, n, _ = q.shape
     layout = strided_layout(batch=b, heads=h, length=n, stride=stride, causal=causal,
@@ -722,9 +722,9 @@ def strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: b
     return run_layout(q, k, v, layout, scale=scale)
 
 
-def fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int, num_summary: int,
-                    summary_per_head: bool = False, causal: bool = True, key_padding_mask: Tensor | None = None,
-                    scale: float) -> Tensor:
+def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int, num_summary: int,
+                             summary_per_head: bool = False, causal: bool = True,
+                             key_padding_mask: Tensor | None = None, scale: float) -> Tensor:
     """Fixed attention (see `fixed_layout`) on xformers kernels; q, k, v `[b, h, n, d]`.
 
     Blocks count from position 0 in every row, padded or not. The pattern of `patterns.fixed_pattern` counts them
@@ -738,8 +738,8 @@ def fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int, num_sum
     return run_layout(q, k, v, layout, scale=scale)
 
 
-def full_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                   scale: float, dropout_p: float = 0.0) -> Tensor:
+def xformers_full_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                            key_padding_mask: Tensor | None = None, scale: float, dropout_p: float = 0.0) -> Tensor:
     """Dense attention on xformers kernels; q `[b, h, n_q, d]` are the last n_q positions."""
     b, h, n_q, _ = q.shape
     layout = full_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], causal=causal,

@@ -30,6 +30,12 @@ They are attached
   constructors apply. The hook returns the stock module itself, its kind attached; models without a `longattn`
   dict are built unchanged.
 
+Generation: `model.generate(input_ids, global_attention_mask=...)` makes those prompt tokens global (`import
+longattn` lets `generate` accept the keyword for models that run the kinds); tokens generated later are not global.
+Switching implementation: `set_attn_implementation` keeps the `attn_implementation` that `save_pretrained` writes
+equal to the one in use, and refuses to leave `"longattn"` while a kind holds parameters. Training: a stock head's
+loss does not include the kinds' auxiliary losses (adaptive span's penalty): add `auxiliary_loss(model)`.
+
 Any other construction (`RobertaModel(config)` on such a config) builds stock modules without kinds; their first
 forward raises a `ValueError` that says what to call, never runs a model whose kind parameters are missing.
 
@@ -48,13 +54,14 @@ kind, packed documents (restarting `position_ids`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
@@ -325,8 +332,8 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
     `save_pretrained`) and makes the cache follow the dict (see `_configure_cache`). Cross-attention stays full;
     an encoder-decoder's decoder self-attention runs `decoder_attention_type` (default "full"). Calling it again
     replaces the kinds. Position tables are not touched (that is lengthening's job). The saved implementation is
-    the plain config attribute `attn_implementation`: after `model.set_attn_implementation(other)`, set
-    `model.config.attn_implementation` too if the saved model should load as `other`.
+    the plain config attribute `attn_implementation`, which `model.set_attn_implementation(other)` keeps equal to
+    the implementation in use (refused when a kind holds parameters that `other` would drop).
 
     Args:
         model: A `PreTrainedModel` whose attention classes are in `SUPPORTED_ATTENTION_CLASSES`.
@@ -365,8 +372,96 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
 
 def _remember_implementation(config: Any) -> None:
     # `save_pretrained` drops the internal `_attn_implementation`; a plain attribute of that name is written to
-    # config.json, which `from_pretrained` reads back as the implementation to use.
+    # config.json, which `from_pretrained` reads back as the implementation to use. `set_attn_implementation`
+    # keeps it equal to the current implementation (`_follow_implementation_switches`).
     config.attn_implementation = ATTN_IMPLEMENTATION
+
+
+def _runs_longattn(config: Any) -> bool:
+    """The model of `config` runs longattn's kinds (a `longattn` dict and the `"longattn"` implementation)."""
+    return bool(getattr(config, "longattn", None)) and config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def _attached_kinds(model: nn.Module) -> list[LongAttnAttention]:
+    """The kinds attached to the self-attention modules of a stock model (`<attention>.longattn`)."""
+    return [kind for module in model.modules()
+            if isinstance(kind := module._modules.get(_KIND_MODULE_NAME), LongAttnAttention)]
+
+
+def auxiliary_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the auxiliary losses of a stock model's kinds (adaptive span's span penalty), or None.
+
+    longattn's own models add it to the loss they return; a stock model's head computes its loss without knowing
+    the kinds, so add it yourself in training: `loss = outputs.loss + longattn.auxiliary_loss(model)` (when not
+    None). Like the native heads, add it once per optimizer step's worth of data: with gradient accumulation over
+    g micro-batches, add `auxiliary_loss(model) / g` to each.
+
+    Args:
+        model: A stock transformers model with kinds attached (`apply_longattn`, `lengthen`, or loaded after
+            `import longattn`).
+
+    Returns:
+        A scalar tensor (differentiable in the kinds' parameters), or None when no kind has an auxiliary loss.
+    """
+    losses = [loss for kind in _attached_kinds(model) if (loss := kind.auxiliary_loss()) is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+# ------------------------------------------------------------------------------------------ transformers hooks
+def _follow_implementation_switches() -> None:
+    """Make `set_attn_implementation` on a longattn model keep its saved implementation current.
+
+    `save_pretrained` writes the plain `attn_implementation` attribute that `apply_longattn` / the build hook set.
+    After a switch it follows the new implementation, so the saved config.json says what the model runs. Switching
+    away is refused when a kind holds parameters or buffers (projections, spans, centroids): saved under another
+    implementation they would come back UNEXPECTED and be dropped. Models that do not run longattn are untouched.
+    """
+    original = PreTrainedModel.set_attn_implementation
+    if getattr(original, "_longattn_hook", False):
+        return
+
+    @functools.wraps(original)
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        requested = (attn_implementation.get("", self.config._attn_implementation)
+                     if isinstance(attn_implementation, dict) else attn_implementation)
+        if requested != ATTN_IMPLEMENTATION and _runs_longattn(self.config):
+            holding = sorted({kind.attention_type for kind in _attached_kinds(self) if kind.state_dict()})
+            if holding:
+                raise ValueError(
+                    f"`attn_implementation`={requested!r}: {_family(self)} runs the longattn kinds {holding}, whose "
+                    "trained parameters a model under another implementation neither uses nor reloads. Keep "
+                    "'longattn', or load a separate copy with `from_pretrained(folder, attn_implementation="
+                    f"{requested!r})` to compare."
+                )
+        result = original(self, attn_implementation, *args, **kwargs)
+        if "attn_implementation" in vars(self.config) and isinstance(self.config._attn_implementation, str):
+            self.config.attn_implementation = self.config._attn_implementation
+        return result
+
+    set_attn_implementation._longattn_hook = True
+    PreTrainedModel.set_attn_implementation = set_attn_implementation
+
+
+def _accept_global_attention_mask_in_generate() -> None:
+    """Let `generate(..., global_attention_mask=...)` through on a model that runs longattn's kinds.
+
+    `generate` refuses model kwargs that neither `prepare_inputs_for_generation` nor `forward` name, although a
+    stock forward hands its `**kwargs` to the attention function, where the kinds read `global_attention_mask`;
+    `prepare_inputs_for_generation` then passes it to every step unchanged (`[b, prompt length]`), and the
+    attention treats the generated tokens (keys past its end) as not global. Other models still refuse it.
+    """
+    original = GenerationMixin._validate_model_kwargs
+    if getattr(original, "_longattn_hook", False):
+        return
+
+    @functools.wraps(original)
+    def _validate_model_kwargs(self, model_kwargs):
+        if _runs_longattn(self.config) and "global_attention_mask" in model_kwargs:
+            model_kwargs = {key: value for key, value in model_kwargs.items() if key != "global_attention_mask"}
+        return original(self, model_kwargs)
+
+    _validate_model_kwargs._longattn_hook = True
+    GenerationMixin._validate_model_kwargs = _validate_model_kwargs
 
 
 # ------------------------------------------------------------------------------------------ build hook
@@ -590,6 +685,8 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, longattn_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, longattn_mask)
     register_build_hooks()
+    _follow_implementation_switches()
+    _accept_global_attention_mask_in_generate()
 
 
 register()
@@ -599,6 +696,7 @@ __all__ = [
     "SUPPORTED_ATTENTION_CLASSES",
     "allowed_fields",
     "apply_longattn",
+    "auxiliary_loss",
     "kind_config",
     "longattn_attention_forward",
     "longattn_mask",

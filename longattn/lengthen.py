@@ -170,7 +170,7 @@ def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None,
     Raises:
         ValueError: `model` is not a stock model running longattn's kinds (no `longattn` dict in its config).
     """
-    from .hub import is_stock_longattn, save_hub_folder, stock_model_card
+    from .tools.hub import is_stock_longattn, save_hub_folder, stock_model_card
 
     if not is_stock_longattn(model.config):
         raise ValueError(f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "

@@ -1,4 +1,4 @@
-"""Functional attention: `(q, k, v) -> out`, one function per pattern family, plus the dense reference.
+"""Functional attention: `(q, k, v) -> out`, one function per pattern family, each dispatched to a back end.
 
 Shape legend: b batch, h heads, n length (n_q queries, n_k keys), d head dim (d_v for values).
 
@@ -9,12 +9,27 @@ an additive bias, 0 = keep, so converting it with `.bool()` would invert it: pas
 `mask.bool()` for a 1/0 one). Every function returns zeros, never NaN, for a query that sees no key (e.g. a
 fully padded row), in every dtype and in the gradients. Lengths need not be multiples of anything. An empty
 batch or sequence gives an empty output of the right shape, as SDPA does; bad input raises `ValueError` naming the
-argument (the checks are in `longattn.ops_checks`).
+argument (the checks are in `longattn.ops_checks`). `reference_attention`, the dense ground truth, lives in
+`longattn.executor_reference` (the `"reference"` back end) and is re-exported here.
+
+Arguments every pattern function takes, besides its pattern's own:
+
+- `q` `[b, h, n_q, d]`, `k` `[b, h, n_k, d]`, `v` `[b, h, n_k, d_v]`.
+- `key_padding_mask`: bool `[b, n_k]`, True = real token; None = no padding.
+- `scale`: multiplier of q·k; default 1/sqrt(d).
+- `dropout_p`: dropout on the attention probabilities.
+- `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
+  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
+
+Each returns the output `[b, h, n_q, d_v]` and raises `ValueError` for q, k, v that are not floating-point tensors
+of matching shapes, dtype and device, a mask that is not bool `[b, n_k]`, a non-finite `scale`, `dropout_p` outside
+[0, 1), or a `backend` that is unknown or cannot run the call (the message says why).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,25 +37,20 @@ from torch import Tensor
 
 from .backends import AttentionRequest, check_backend_name, select_backend
 from .executor_blocked import banded_attention
-from .executor_flex import flex_attention as flex_pattern_attention
-from .executor_xformers import fixed_attention as xformers_fixed_attention
-from .executor_xformers import full_attention as xformers_full_attention
-from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
-from .executor_xformers import strided_attention as xformers_strided_attention
+from .executor_flex import flex_pattern_attention
+from .executor_reference import reference_attention, reference_pattern_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
-from .ops_checks import (
-    check_bool_mask,
-    check_dropout,
-    check_flag,
-    check_qkv,
-    check_scale,
-    check_token_mask,
-    empty_attention,
-    is_empty,
+from .executor_xformers import (
+    xformers_fixed_attention,
+    xformers_full_attention,
+    xformers_sliding_window_attention,
+    xformers_strided_attention,
 )
+from .ops_checks import check_dropout, check_flag, check_qkv, check_scale, check_token_mask, empty_attention, is_empty
 from .ops_linear import efficient_attention
 from .ops_lsh import lsh_attention
 from .patterns import (
+    MaskFn,
     and_masks,
     causal_mask,
     check_dilation,
@@ -49,7 +59,7 @@ from .patterns import (
     check_window,
     first_real_token,
     fixed_pattern,
-    key_padding_mask as key_padding_predicate,
+    key_padding_predicate,
     materialize_mask,
     sliding_window_pattern,
     strided_pattern,
@@ -66,84 +76,49 @@ __all__ = [
 ]
 
 
-def _run_pattern(
-    backend: str, q: Tensor, k: Tensor, v: Tensor, *, mask_fn, scale: float, dropout_p: float, per_batch: bool,
-    per_head: bool,
-) -> Tensor:
-    """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
-    b, h, n_q, _ = q.shape
-    n_k = k.shape[2]
-    if backend == "flex":
-        # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
-        return flex_pattern_attention(
-            q, k, v, mask_fn=mask_fn, scale=scale, per_batch=per_batch, per_head=per_head,
-            cache_key=None if per_batch else mask_fn.__name__,
-        )
-    # n_q > n_k only in non-causal full attention (cross-attention), whose pattern does not read query positions.
-    mask = materialize_mask(
-        mask_fn, batch=b, heads=h if per_head else 1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0),
-        device=q.device,
-    )
-    return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+class _Checked(NamedTuple):
+    """The arguments every pattern function shares, validated once."""
+
+    padding: Tensor | None  # bool [b, n_k], True = real token
+    global_tokens: Tensor | None  # bool [b, n_k], True = global token
+    scale: float
+    dropout_p: float
+    backend: str
 
 
-def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    *,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Dense softmax attention under an explicit mask: the readable reference every executor is tested against.
-
-    Costs O(n_q · n_k) memory; use it for tests and short sequences.
-
-    Args:
-        q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
-        mask: Bool broadcastable to `[b, h, n_q, n_k]`, True = visible (e.g. from `patterns.materialize_mask`);
-            None = every key visible.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        return_weights: Also return the probabilities the output was computed from (after dropout, as
-            transformers' eager attention returns them).
-
-    Returns:
-        Output `[b, h, n_q, d_v]`, or `(output, probs)` with probs `[b, h, n_q, n_k]` when `return_weights`.
-
-    Raises:
-        ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, `mask` is not a
-            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `scale` is not finite, or `dropout_p`
-            is outside [0, 1).
-    """
-    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=False)
-    mask = check_bool_mask("mask", mask, device=q.device)
-    if mask is not None:
-        try:
-            if mask.dim() > 4 or torch.broadcast_shapes(mask.shape, (b, h, n_q, n_k)) != (b, h, n_q, n_k):
-                raise RuntimeError
-        except RuntimeError:
-            raise ValueError(
-                f"mask must be broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {tuple(mask.shape)}"
-            ) from None
+def _check_shared(
+    q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None = None,
+    scale: float | None, dropout_p: float, backend: str,
+) -> _Checked:
+    """Validate the masks, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`."""
+    b, n_k = q.shape[0], k.shape[2]
+    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
-    return_weights = check_flag("return_weights", return_weights)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n_q, n_k]
-    if mask is not None:
-        # A finite fill (not -inf) keeps rows without visible keys finite; they are zeroed just below.
-        scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        probs = probs * mask
-    dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
-    out = torch.matmul(dropped, v.to(dtype)).to(q.dtype)
-    return (out, dropped.to(q.dtype)) if return_weights else out
+    return _Checked(padding, global_tokens, scale, dropout_p, check_backend_name(backend))
+
+
+def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
+    """The back end that runs this call (`backends.select_backend` on its request)."""
+    return select_backend(call.backend, AttentionRequest.for_inputs(
+        q, k, v, pattern=pattern, dropout_p=call.dropout_p, causal=causal, key_padding=call.padding is not None,
+        global_tokens=call.global_tokens is not None, **fields,
+    ))
+
+
+def _run_pattern(backend: str, q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, mask_fn: MaskFn,
+                 per_head: bool) -> Tensor:
+    """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
+    if backend == "reference":
+        return reference_pattern_attention(q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p,
+                                           per_head=per_head)
+    # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
+    per_batch = call.padding is not None or call.global_tokens is not None
+    return flex_pattern_attention(
+        q, k, v, mask_fn=mask_fn, scale=call.scale, per_batch=per_batch, per_head=per_head,
+        cache_key=None if per_batch else mask_fn.__name__,
+    )
 
 
 def full_attention(
@@ -163,57 +138,41 @@ def full_attention(
     Args:
         q: Queries `[b, h, n_q, d]` (causal: n_q <= n_k, the last n_q positions; else any n_q, as in
             cross-attention).
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default), `"torch"` (SDPA), `"flex"`, `"xformers"` or `"reference"`; see
-            `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring);
+            `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
 
     Raises:
-        ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, a mask is not
-            bool `[b, n_k]`, `causal` is not a bool, `scale` is not finite, `dropout_p` is outside [0, 1), or
-            `backend` is unknown or cannot run this call (the message says why).
+        ValueError: For a non-bool `causal`, or a shared argument that is invalid (module docstring).
     """
     causal = check_flag("causal", causal)
     # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
     b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
-    dropout_p = check_dropout(dropout_p)
-    scale = check_scale(scale, q.shape[-1])
-    check_backend_name(backend)
+    check_token_mask("global_mask", global_mask, b, n_k, device=q.device)  # checked only: it adds no key
+    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    choice = select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="full", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
-    ))
+    choice = _select(q, k, v, call, pattern="full", causal=causal)
     if choice == "xformers":
         return xformers_full_attention(
-            q, k, v, causal=causal, key_padding_mask=padding, scale=scale, dropout_p=dropout_p
+            q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p
         )
+    if choice == "torch" and call.padding is None and (not causal or n_q == n_k):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, is_causal=causal, scale=call.scale)
+    parts = [causal_mask()] if causal else []
+    if call.padding is not None:
+        parts.append(key_padding_predicate(call.padding))
     if choice != "torch":
-        parts = ([causal_mask()] if causal else []) + ([key_padding_predicate(padding)] if padding is not None else [])
-        return _run_pattern(
-            choice, q, k, v, mask_fn=and_masks(*parts), scale=scale, dropout_p=dropout_p,
-            per_batch=padding is not None, per_head=False,
-        )
-    if padding is None and (not causal or n_q == n_k):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
-    parts = ([causal_mask()] if causal else []) + ([key_padding_predicate(padding)] if padding is not None else [])
+        return _run_pattern(choice, q, k, v, call, mask_fn=and_masks(*parts), per_head=False)
     mask = materialize_mask(
         and_masks(*parts), batch=b, heads=1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
     )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
     # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=dropout_p, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=call.dropout_p,
+                                         scale=call.scale)
     return out.masked_fill(~sees_a_key, 0.0)
 
 
@@ -246,20 +205,11 @@ def sliding_window_attention(
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
         global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it.
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
-            `causal`, masks that are not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching
-            shapes, dtype and device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is
-            unknown or cannot run this call (the message says why).
+            `causal`, or a shared argument that is invalid (module docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v, grouped=True)
     window = check_window(window)
@@ -267,37 +217,28 @@ def sliding_window_attention(
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
         dilation = dilation[0]  # one group of heads, and a mask without a head dimension
     causal = check_flag("causal", causal)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
-    dropout_p = check_dropout(dropout_p)
-    scale = check_scale(scale, q.shape[-1])
-    check_backend_name(backend)
+    call = _check_shared(q, k, key_padding_mask=key_padding_mask, global_mask=global_mask, scale=scale,
+                         dropout_p=dropout_p, backend=backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     mask_fn = sliding_window_pattern(
-        window=window, dilation=dilation, causal=causal, global_mask=global_tokens, key_padding_mask=padding
+        window=window, dilation=dilation, causal=causal, global_mask=call.global_tokens, key_padding_mask=call.padding
     )
-    choice = select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="sliding", dropout_p=dropout_p, causal=causal, key_padding=padding is not None,
-        global_tokens=global_tokens is not None, dilation=dilation,
-    ))
+    choice = _select(q, k, v, call, pattern="sliding", causal=causal, dilation=dilation)
     if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
     if choice == "xformers":
         return xformers_sliding_window_attention(
-            q, k, v, window=window, dilation=dilation, causal=causal, global_mask=global_tokens,
-            key_padding_mask=padding, scale=scale, dropout_p=dropout_p,
+            q, k, v, window=window, dilation=dilation, causal=causal, global_mask=call.global_tokens,
+            key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p,
         )
     if choice != "torch":
-        return _run_pattern(
-            choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p,
-            per_batch=padding is not None or global_tokens is not None, per_head=not isinstance(dilation, int),
-        )
+        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=not isinstance(dilation, int))
     if dilation == 1 and window >= n_k - 1:
         # The window reaches every key, so the pattern is exactly (causal) full attention: global tokens add no
         # key. SDPA computes it without the blocked executor's per-block overhead, which dominates short inputs.
-        return full_attention(q, k, v, causal=causal, key_padding_mask=padding, scale=scale, dropout_p=dropout_p,
-                              backend="torch")
+        return full_attention(q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale,
+                              dropout_p=call.dropout_p, backend="torch")
     return banded_attention(
         q,
         k,
@@ -306,9 +247,9 @@ def sliding_window_attention(
         window_left=window,
         window_right=0 if causal else window,
         dilation=dilation,
-        global_mask=global_tokens,
-        scale=scale,
-        dropout_p=dropout_p,
+        global_mask=call.global_tokens,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
     )
 
 
@@ -333,50 +274,31 @@ def strided_attention(
     the materialised pattern.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
-        ValueError: For a stride below 1, a non-bool `causal`, a mask that is not bool `[b, n_k]`, q/k/v that
-            are not floating-point tensors of matching shapes, dtype and device, a non-finite `scale`, `dropout_p`
-            outside [0, 1), or a `backend` that is unknown or cannot run this call (the message says why).
+        ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
+            docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = check_flag("causal", causal)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    dropout_p = check_dropout(dropout_p)
-    scale = check_scale(scale, q.shape[-1])
-    check_backend_name(backend)
+    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=padding)
-    choice = select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="strided", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
-    ))
+    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding)
+    choice = _select(q, k, v, call, pattern="strided", causal=causal)
     if choice == "xformers":
         # The dispatcher admits xformers without dropout and with n_q == n_k only (its layout's requirements).
         return xformers_strided_attention(
-            q, k, v, stride=stride, causal=causal, key_padding_mask=padding, scale=scale
+            q, k, v, stride=stride, causal=causal, key_padding_mask=call.padding, scale=call.scale
         )
     if choice != "torch":
-        return _run_pattern(
-            choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p, per_batch=padding is not None,
-            per_head=False,
-        )
+        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=False)
     return strided_blocked_attention(
-        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, scale=scale, dropout_p=dropout_p
+        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, scale=call.scale, dropout_p=call.dropout_p
     )
 
 
@@ -404,51 +326,32 @@ def fixed_attention(
     O(n · (l + c · n / l)) and equals `reference_attention` under the materialised pattern.
 
     Args:
-        q: Queries `[b, h, n_q, d]`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
         block_size: Block length l (>= 1).
         num_summary: Summary cells per block c, in [1, block_size].
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        key_padding_mask: Bool `[b, n_k]`, True = real token.
-        scale: Multiplier of q·k; default 1/sqrt(d).
-        dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default: xformers, then FlexAttention on CUDA, else the blocked executor), `"torch"`
-            (the blocked executor), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
-
-    Returns:
-        Output `[b, h, n_q, d_v]`.
+        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
-        ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, a mask
-            that is not bool `[b, n_k]`, q/k/v that are not floating-point tensors of matching shapes, dtype and
-            device, a non-finite `scale`, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run
-            this call (the message says why).
+        ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
+            argument that is invalid (module docstring).
     """
     b, h, n_q, n_k = check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    dropout_p = check_dropout(dropout_p)
-    scale = check_scale(scale, q.shape[-1])
-    check_backend_name(backend)
+    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    padding = call.padding
     mask_fn = fixed_pattern(
         block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
         key_padding_mask=padding,
     )
-    choice = select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="fixed", dropout_p=dropout_p, causal=causal, key_padding=padding is not None
-    ))
+    choice = _select(q, k, v, call, pattern="fixed", causal=causal)
     if choice in ("flex", "reference"):
-        return _run_pattern(
-            choice, q, k, v, mask_fn=mask_fn, scale=scale, dropout_p=dropout_p, per_batch=padding is not None,
-            per_head=summary_per_head,
-        )
+        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=summary_per_head)
     first = None if padding is None else first_real_token(padding)  # [b]
     if choice == "xformers":
         # The dispatcher admits xformers without dropout, with n_q == n_k, and without causality under padding: in
@@ -458,7 +361,7 @@ def fixed_attention(
             return xformers_fixed_attention(
                 q, k, v, block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head,
                 causal=causal, key_padding_mask=padding if rolled_index is None else padding.gather(1, rolled_index),
-                scale=scale,
+                scale=call.scale,
             )
     else:
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
@@ -466,7 +369,7 @@ def fixed_attention(
             rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
             return fixed_blocked_attention(
                 q, k, v, mask_fn=rolled_mask_fn, block_size=block_size, num_summary=num_summary,
-                summary_per_head=summary_per_head, causal=causal, scale=scale, dropout_p=dropout_p,
+                summary_per_head=summary_per_head, causal=causal, scale=call.scale, dropout_p=call.dropout_p,
             )
 
     # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which

@@ -23,7 +23,7 @@ __all__ = [
     "MaskFn",
     "causal_mask",
     "sliding_window_mask",
-    "key_padding_mask",
+    "key_padding_predicate",
     "global_token_mask",
     "and_masks",
     "or_masks",
@@ -187,7 +187,7 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
                   reach=window * max(dilation))
 
 
-def key_padding_mask(key_padding_mask: Tensor) -> MaskFn:
+def key_padding_predicate(key_padding_mask: Tensor) -> MaskFn:
     """Keys that are real tokens (not padding) are visible.
 
     Args:
@@ -209,10 +209,6 @@ def key_padding_mask(key_padding_mask: Tensor) -> MaskFn:
         return padding[b, kv_idx]
 
     return _named(key_padding, "key_padding")
-
-
-# `sliding_window_pattern` takes a keyword argument with the same name as the function above.
-_key_padding_predicate = key_padding_mask
 
 
 def global_token_mask(global_mask: Tensor) -> MaskFn:
@@ -312,7 +308,7 @@ def sliding_window_pattern(
     if causal:
         parts.append(causal_mask())
     if key_padding_mask is not None:
-        parts.append(_key_padding_predicate(key_padding_mask))
+        parts.append(key_padding_predicate(key_padding_mask))
     return parts[0] if len(parts) == 1 else and_masks(*parts)
 
 
@@ -568,7 +564,7 @@ def strided_pattern(*, stride: int, causal: bool = False, key_padding_mask: Tens
     """
     parts = [strided_mask(stride, causal)]
     if key_padding_mask is not None:
-        parts.append(_key_padding_predicate(key_padding_mask))
+        parts.append(key_padding_predicate(key_padding_mask))
     return parts[0] if len(parts) == 1 else and_masks(*parts)
 
 
@@ -604,5 +600,5 @@ def fixed_pattern(
     if causal:
         parts.append(causal_mask())
     if key_padding_mask is not None:
-        parts.append(_key_padding_predicate(key_padding_mask))
+        parts.append(key_padding_predicate(key_padding_mask))
     return parts[0] if len(parts) == 1 else and_masks(*parts)

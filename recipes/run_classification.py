@@ -7,7 +7,7 @@ that off); a lengthened stock checkpoint (`longattn-lengthen`, e.g. RoBERTa) get
 its `global_attention_mask`. Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes;
 numbers such as 1.5 are a regression, with `--problem_type regression` (without it they stop the run with an error).
 
-    python -m longattn.data needle --output_dir data/generated/needle
+    longattn-data needle --output_dir data/generated/needle
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_classification.py \\
         --train_file data/generated/needle/train.jsonl --validation_file data/generated/needle/validation.jsonl \\
         --config_overrides "attention_type=sliding,sliding_window=16,hidden_size=64,num_hidden_layers=2" \\
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 import longattn  # noqa: F401  (registers the longattn Auto classes)
-from longattn import training
+from longattn.train import training
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,7 +7,7 @@ into `--max_seq_length` blocks (or kept one per example with `--line_by_line`); 
 given to `generate()` is continued rather than ended.
 Evaluation reports loss, perplexity and next-token accuracy.
 
-    python -m longattn.data listops --output_dir data/generated/listops --min_length 100 --max_length 300
+    longattn-data listops --output_dir data/generated/listops --min_length 100 --max_length 300
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_clm.py \\
         --train_file data/generated/listops/train.jsonl --validation_file data/generated/listops/validation.jsonl \\
         --config_overrides "attention_type=sliding,sliding_window=32,hidden_size=64,num_hidden_layers=2" \\
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import longattn  # noqa: F401  (registers the longattn Auto classes)
-from longattn import training
+from longattn.train import training
 
 
 def tokenize_texts(tokenizer, texts: list[str], *, max_length: int | None = None) -> list[list[int]]:

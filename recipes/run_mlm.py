@@ -6,7 +6,7 @@ per example with `--line_by_line`); 15% of the tokens are picked for prediction,
 batch are a function of its position in the run (so a resumed run repeats them), those of an evaluation example a
 function of the example (so every evaluation, with any number of processes, scores the same masks).
 
-    python -m longattn.data listops --output_dir data/generated/listops --min_length 100 --max_length 300
+    longattn-data listops --output_dir data/generated/listops --min_length 100 --max_length 300
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_mlm.py \\
         --train_file data/generated/listops/train.jsonl --validation_file data/generated/listops/validation.jsonl \\
         --config_overrides "attention_type=sliding,sliding_window=32,hidden_size=64,num_hidden_layers=2" \\
@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForMaskedLM
 
 import longattn  # noqa: F401  (registers the longattn Auto classes)
-from longattn import training
+from longattn.train import training
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,7 +7,7 @@ The encoder holds the configured attention (`attention_type`, long inputs), the 
 (`--source_column`, `--target_column`). Evaluation reports the loss, then generates for every validation example
 (greedy, or `--num_beams`) and scores exact match and ROUGE-L F1 (longest common subsequence of words).
 
-    python -m longattn.data needles --output_dir data/generated/needles
+    longattn-data needles --output_dir data/generated/needles
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_seq2seq.py \\
         --train_file data/generated/needles/train.jsonl --validation_file data/generated/needles/validation.jsonl \\
         --config_overrides "attention_type=sliding,sliding_window=16,hidden_size=64,num_hidden_layers=2" \\
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM
 
 import longattn  # noqa: F401  (registers the longattn Auto classes)
-from longattn import training
+from longattn.train import training
 
 
 def rouge_l(prediction: str, reference: str) -> float:

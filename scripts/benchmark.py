@@ -7,6 +7,7 @@ Examples:
     python scripts/benchmark.py --lengths 1024 4096 16384 --impls full sliding hf-longformer local-attention \\
         --mode fwd fwdbwd --out docs/benchmarks.md
     python scripts/benchmark.py --lengths 16384 --impls sliding --mode fwdbwd        # print only
+    python scripts/benchmark.py --lengths 1024 4096 --impls full sliding hf-longformer --against main~20
     python scripts/benchmark.py --models roberta-4k      # whole stock models: LongformerModel, sdpa, floor, longattn
     python scripts/benchmark.py --models llama-16k --model-length 8192 --new-tokens 64
 
@@ -22,6 +23,13 @@ Method (also written into the report):
   allocation of the step (tensors, allocator slack, library buffers), not only torch tensors.
 - tensor MB: peak of (allocated - freed) torch CPU tensor bytes during one extra, untimed run, from the allocation
   events of `torch.profiler(profile_memory=True)`; "n/a" if this torch build does not expose them.
+- `--against REV` (before vs after in one run, so machine noise hits both alike): the tree of git revision REV is
+  exported to a temporary folder (`git archive`, removed at the end) and every longattn kind of `--impls` is also
+  measured as a row `IMPL@REV` (short hash), just before `IMPL` at each length and mode. Its worker is this script
+  with the exported `longattn` package first on `sys.path` (`BENCHMARK_PACKAGE_ROOT`); the parent checks the
+  `longattn.__file__` each worker reports. Peers are measured once. Each mode gains an "after vs before" table: time,
+  peak RSS and tensor MB of this checkout over REV's, per kind and length, and the geometric mean of the time ratio.
+  A kind or config field that REV lacks is a row error, not a crash.
 """
 
 from __future__ import annotations
@@ -30,17 +38,23 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The folder whose `longattn` package this process imports: this checkout, or in an `--against` worker the export of
+# the old revision (the parent sets the variable; the worker script itself is always the current one).
+PACKAGE_ROOT_VARIABLE = "BENCHMARK_PACKAGE_ROOT"
+PACKAGE_ROOT = Path(os.environ.get(PACKAGE_ROOT_VARIABLE, REPO))
 BASELINE = "hf-longformer"
 NOISY = 0.1  # a timing taken while other processes used more than this share of the CPUs is marked with *
 INSTALL_PEERS = 'pip install torch==2.13.0 && pip install -e ".[bench]"'  # torch first: pip keeps the CPU build
@@ -97,14 +111,23 @@ def check_installed(impls: list[str]) -> None:
 
 
 def _longattn_kind(kind: str, **fields):
-    """A longattn attention kind built the way the model builds it: `attention_class(kind)(config, layer_idx=0)`."""
+    """A longattn attention kind built the way the model builds it: the `self_attn` of a `LongAttnLayer(config)`."""
 
     def build(args):
-        from longattn import LongAttnConfig
-        from longattn.attention_registry import attention_class
+        # Public entry points only (the config and the model file's layer), stable across revisions, so that an
+        # `--against` worker builds the old tree's kind the same way.
+        from longattn import LongAttnConfig, available_attention_types
+        from longattn.modeling_longattn import LongAttnLayer
 
         settings = {"max_position_embeddings": max(args.length, 4096), **fields}  # Linformer sizes E/F by it
         settings.update(config_overrides(args.set))  # `--set`: the user's settings win over the registry's
+        # An older revision may lack the kind, or a field (the config would keep it as an unused attribute and the
+        # row would silently measure another setting): say so instead.
+        if kind not in available_attention_types():
+            raise ValueError(f"kind {kind!r} does not exist in this revision of longattn")
+        unknown = sorted(set(settings) - set(LongAttnConfig().to_dict()))
+        if unknown:
+            raise ValueError(f"config field(s) {', '.join(unknown)} do not exist in this revision of longattn")
         config = LongAttnConfig(
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
@@ -112,7 +135,8 @@ def _longattn_kind(kind: str, **fields):
             attention_probs_dropout_prob=0.0,
             **settings,
         )
-        module = attention_class(kind)(config, layer_idx=0, is_causal=False)
+        layer_kwargs = {"layer_idx": 0, "attention_type": kind, "is_causal": False, "has_cross_attention": False}
+        module = LongAttnLayer(config, **layer_kwargs).self_attn
         global_mask = _global_mask(args)
 
         def layer(hidden_states):
@@ -133,7 +157,7 @@ def config_overrides(items: list[str]) -> dict:
     if not items:
         return {}
     # Imported here: `--help` and a run without `--set` need no longattn (nor torch) in the parent process.
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(PACKAGE_ROOT))
     from longattn import LongAttnConfig
     from longattn.config_overrides import parse_config_overrides
     from longattn.configuration_longattn import check_override_fields
@@ -205,6 +229,11 @@ def _build_adaptive_span(args):
     # A fresh layer starts with z = 0 (only the ramp's keys); a trained one may use its whole span.
     layer.module.span_fraction.data.fill_(1.0)
     return layer
+
+
+# Every implementation registered above is a longattn kind (built by `_longattn_kind`): `--against REV` measures
+# these on the old revision too. Peers and transformers' layers, registered below, are measured once.
+LONGATTN_IMPLS = frozenset(IMPLS)
 
 
 @register("hf-lsh", "transformers `LSHSelfAttention` (Reformer): chunk 64, 2 hashes, one chunk before + output proj")
@@ -448,9 +477,10 @@ def _tensor_peak_mb(step) -> float | None:
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(PACKAGE_ROOT))
     torch.manual_seed(0)
     layer = IMPLS[args.impl].build(args)
+    longattn = sys.modules.get("longattn")  # the parent checks that it came from the intended tree
     module = layer.module
     if args.compiled:
         layer = torch.compile(layer)  # inductor; the warm-up run below compiles, untimed
@@ -507,6 +537,7 @@ def worker(args: argparse.Namespace) -> dict:
         "peak_rss_mb": peak_rss,
         "tensor_peak_mb": tensor_peak,
         "threads": torch.get_num_threads(),
+        "longattn_file": getattr(longattn, "__file__", None),
     }
 
 
@@ -521,16 +552,72 @@ ALLOCATORS = {
 }
 
 
-def run_one(args: argparse.Namespace, impl: str, length: int, mode: str, compiled: bool = False) -> dict:
+def export_revision(revision: str, folder: Path) -> str:
+    """Export the tree of git `revision` of this checkout into `folder` (`git archive | tar -x`).
+
+    Returns:
+        The revision's short commit hash.
+
+    Raises:
+        ValueError: `revision` names no commit of this repository.
+    """
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--short", f"{revision}^{{commit}}"],
+        capture_output=True, text=True,
+    )
+    if found.returncode != 0:
+        raise ValueError(f"--against: {revision!r} is not a git revision of {REPO} (e.g. main~20 or a commit hash)")
+    short = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", short], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return short
+
+
+def describe_checkout() -> str:
+    """This checkout's commit (short hash), and whether its `longattn/` has uncommitted changes."""
+    def git(*words):
+        return subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "longattn")
+    return f"working tree at {git('rev-parse', '--short', 'HEAD') or 'unknown commit'}" + (
+        " with uncommitted changes to longattn/" if dirty else ""
+    )
+
+
+def measured_rows(args: argparse.Namespace) -> list[str]:
+    """The report's rows in measuring order. With `--against`, each longattn kind's old row `IMPL@REV` comes just
+    before `IMPL`, so a drift in machine load hits before and after alike; peers are measured once."""
+    rows = []
+    for impl in args.impls:
+        if getattr(args, "against", None) and impl in LONGATTN_IMPLS:
+            rows.append(f"{impl}@{args.against_hash}")
+        rows.append(impl)
+    return rows
+
+
+def worker_launch(
+    args: argparse.Namespace, row: str, length: int, mode: str, compiled: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of the worker that measures `row` (an implementation, or `IMPL@REV`: the
+    implementation with the `longattn` package of the `--against` export, `args.against_tree`)."""
+    impl, _, revision = row.partition("@")
     command = [
-        sys.executable, __file__, "--worker", "--impl", impl, "--length", str(length), "--mode", mode,
+        sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--length", str(length),
+        "--mode", mode,
         "--batch", str(args.batch), "--hidden", str(args.hidden), "--heads", str(args.heads),
         "--window", str(args.window), "--global-tokens", str(args.global_tokens), "--repeats", str(args.repeats),
         "--wait-idle", str(args.wait_idle), "--timeout", str(args.timeout),
     ] + (["--no-tensor-memory"] if not args.tensor_memory else []) + [f"--set={item}" for item in args.set]
     command += ["--compiled"] if compiled else []
-    result = {"impl": impl, "length": length, "mode": mode}
     env = {**os.environ, **ALLOCATORS[args.allocator]}
+    env[PACKAGE_ROOT_VARIABLE] = str(args.against_tree if revision else REPO)
+    return command, env
+
+
+def run_one(args: argparse.Namespace, impl: str, length: int, mode: str, compiled: bool = False) -> dict:
+    """Measure row `impl` (see `worker_launch`) in a fresh worker; a failure is a result with an "error"."""
+    command, env = worker_launch(args, impl, length, mode, compiled)
+    result = {"impl": impl, "length": length, "mode": mode}
     try:
         # The worker gives up by itself when one run exceeds --timeout; this bound only catches a hung worker.
         limit = 2 * args.wait_idle + (args.repeats + 2) * args.timeout
@@ -542,7 +629,14 @@ def run_one(args: argparse.Namespace, impl: str, length: int, mode: str, compile
         lines = completed.stderr.strip().splitlines()
         reason = "killed (out of memory?)" if completed.returncode in (-9, 137) else (lines[-1] if lines else "failed")
         return {**result, "error": reason[:120]}
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    result = {**json.loads(completed.stdout.strip().splitlines()[-1]), "impl": impl}
+    # An `IMPL@REV` row is worth something only if the worker imported the old tree's package, not this checkout's
+    # (an installed or editable longattn could win on sys.path).
+    root = Path(env[PACKAGE_ROOT_VARIABLE]).resolve()
+    imported = result.get("longattn_file")
+    if impl.partition("@")[0] in LONGATTN_IMPLS and not (imported and Path(imported).resolve().is_relative_to(root)):
+        return {**result, "error": f"imported longattn from {imported}, not from {root}"}
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ whole models
@@ -821,6 +915,9 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         "",
     ]
     lines += [f"- `{name}`: {IMPLS[name].description}" for name in args.impls]
+    if getattr(args, "against", None):
+        lines += [f"- `IMPL@{args.against_hash}`: the same kind with the longattn package of `{args.against}` "
+                  f"({args.against_hash}), exported from git; each such worker checked that it imported that package"]
     if args.set:
         lines += ["", "Config fields set for every longattn kind (`--set`, over the settings above): "
                   + ", ".join(f"`{item}`" for item in args.set)]
@@ -833,7 +930,7 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for length in args.lengths:
-            for impl in args.impls:
+            for impl in measured_rows(args):
                 r = by_key.get((impl, length, mode))
                 if r is None:
                     continue
@@ -854,12 +951,14 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         if any(r.get("other_load", 0.0) > NOISY for r in results if r["mode"] == mode):
             lines += ["", f"\\* other processes used more than {NOISY:.0%} of the CPUs during this measurement."]
         growth = []
-        for impl in args.impls:
+        for impl in measured_rows(args):
             small, large = by_key.get((impl, 8192, mode)), by_key.get((impl, 32768, mode))
             if small and large and "error" not in small and "error" not in large:
                 growth.append(f"`{impl}` {large['time_s'] / small['time_s']:.2f}x")
         if growth:
             lines += ["", f"Time growth from 8K to 32K tokens (4x the length): {', '.join(growth)}."]
+        if getattr(args, "against", None):
+            lines += after_vs_before(args, by_key, mode)
     if args.compile:
         lines += [
             "",
@@ -882,6 +981,50 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
             lines.append(f"| {r['impl']} | {r['length']} | {r['mode']} | {eager['time_s']:.3f} | {r['time_s']:.3f}{noisy} "
                          f"| {eager['time_s'] / r['time_s']:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def after_vs_before(args: argparse.Namespace, by_key: dict, mode: str) -> list[str]:
+    """The `--against` section of one mode: per longattn kind and length, after (this checkout) over before (the old
+    revision) for time, peak RSS and tensor MB, and the geometric mean of the time ratio over the lengths."""
+    before_name = f"`{args.against}` ({args.against_hash})" if args.against != args.against_hash else args.against_hash
+    lines = [
+        "",
+        f"### after vs before ({mode})",
+        "",
+        f"After: {args.after}; before: {before_name}. Measured in the same run, each before row just before its after "
+        "row. Ratios are after / before: below 1 is faster or smaller after.",
+        "",
+        "| impl | length | time before (s) | time after (s) | time after/before | peak MB before | peak MB after "
+        "| peak after/before | tensor MB after/before |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    time_ratios: dict[str, list[float]] = {}
+    for length in args.lengths:
+        for impl in (impl for impl in args.impls if impl in LONGATTN_IMPLS):
+            before, after = by_key.get((f"{impl}@{args.against_hash}", length, mode)), by_key.get((impl, length, mode))
+            if before is None or after is None:
+                continue
+            if "error" in before or "error" in after:
+                reason = "; ".join(f"{side}: {r['error']}" for side, r in (("before", before), ("after", after))
+                                   if "error" in r)
+                lines.append(f"| {impl} | {length} | {reason} | | | | | | |")
+                continue
+            noisy = " *" if max(before.get("other_load", 0.0), after.get("other_load", 0.0)) > NOISY else ""
+            time_ratio = after["time_s"] / before["time_s"]
+            time_ratios.setdefault(impl, []).append(time_ratio)
+            peak = after["peak_rss_mb"] / before["peak_rss_mb"] if before["peak_rss_mb"] > 0 else None
+            tensors = (after["tensor_peak_mb"] / before["tensor_peak_mb"]
+                       if after.get("tensor_peak_mb") is not None and before.get("tensor_peak_mb") else None)
+            lines.append(
+                f"| {impl} | {length} | {before['time_s']:.3f} | {after['time_s']:.3f} | {time_ratio:.2f}{noisy} | "
+                f"{before['peak_rss_mb']:.0f} | {after['peak_rss_mb']:.0f} | {_format(peak, '{:.2f}')} | "
+                f"{_format(tensors, '{:.2f}')} |"
+            )
+    if time_ratios:
+        means = [f"`{impl}` {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}"
+                 for impl, ratios in time_ratios.items()]
+        lines += ["", f"Time after/before, geometric mean over the lengths: {', '.join(means)}."]
+    return lines
 
 
 def write_outputs(args: argparse.Namespace, results: list[dict], text: str) -> None:
@@ -968,6 +1111,11 @@ def main(argv: list[str] | None = None) -> None:
         "--compile", action="store_true",
         help="also time every implementation under torch.compile, side by side with eager (compiled speed-up table)",
     )
+    parser.add_argument(
+        "--against", metavar="REV",
+        help="also measure every longattn kind of --impls with the longattn package of git revision REV (exported "
+        "to a temporary folder), as rows IMPL@REV measured just before IMPL; the report adds after-vs-before ratios",
+    )
     parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false",
                         help="skip the profiled run that measures the tensor MB column")
     parser.add_argument("--out", type=Path, help="write the markdown report here")
@@ -990,6 +1138,9 @@ def main(argv: list[str] | None = None) -> None:
             check_installed([args.impl] if args.worker else [*args.impls, args.baseline])
     except ValueError as error:
         parser.error(str(error))
+    if args.against and not args.worker and (args.models or not LONGATTN_IMPLS.intersection(args.impls)):
+        parser.error(f"--against {args.against} compares longattn kinds of the per-layer table: give at least one of "
+                     f"{', '.join(sorted(LONGATTN_IMPLS))} in --impls (and no --models)")
 
     if args.models:
         run_models(args, argv)
@@ -999,18 +1150,29 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(args)))
         return
 
+    if args.against:
+        # Lives until main returns (or the interpreter exits after an error), then the folder is removed.
+        export = tempfile.TemporaryDirectory(prefix="benchmark-against-")
+        try:
+            args.against_hash = export_revision(args.against, Path(export.name))
+        except ValueError as error:
+            parser.error(str(error))
+        args.against_tree, args.after = Path(export.name), describe_checkout()
+        print(f"before: {args.against} = {args.against_hash}, exported to {args.against_tree}; after: {args.after}")
     max_length = {}
     for item in args.max_length:
         impl, _, value = item.partition("=")
         max_length[impl] = int(value)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = []
-    runs = [(impl, compiled) for impl in args.impls for compiled in ((False, True) if args.compile else (False,))]
+    compiled_flags = (False, True) if args.compile else (False,)
+    runs = [(row, compiled) for row in measured_rows(args) for compiled in compiled_flags]
     for length in args.lengths:
         for mode in args.mode:
             for impl, compiled in runs:
-                if length > max_length.get(impl, length):
-                    result = {"impl": impl, "length": length, "mode": mode, "error": f"skipped (> {max_length[impl]})"}
+                limit = max_length.get(impl.partition("@")[0], length)  # an `IMPL@REV` row shares IMPL's limit
+                if length > limit:
+                    result = {"impl": impl, "length": length, "mode": mode, "error": f"skipped (> {limit})"}
                 else:
                     result = run_one(args, impl, length, mode, compiled)
                 results.append({**result, "compiled": compiled})

@@ -4,13 +4,13 @@
 
 Fixed patterns show their mask; content-based kinds (LSH, routing, Sinkhorn) show the keys each query attended to on
 a random input of a freshly initialised layer; projection kinds show their effective weights' support. Each kind is
-drawn with its picture settings (`longattn.visualize.PICTURE_SETTINGS`), the defaults of `python -m longattn.visualize`.
+drawn with its picture settings (`longattn.tools.visualize.PICTURE_SETTINGS`), the defaults of `longattn-visualize`.
 """
 
 import argparse
 
 from longattn import available_attention_types
-from longattn.visualize import main as draw
+from longattn.tools.visualize import main as draw
 
 
 def main() -> None:

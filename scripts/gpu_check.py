@@ -161,7 +161,7 @@ def _full_case(name, *, causal, padding):
         key_padding_mask, _ = _masks(b, n, device, padding=padding, global_tokens=False)
         parts = ([patterns.causal_mask()] if causal else [])
         if key_padding_mask is not None:
-            parts.append(patterns.key_padding_mask(key_padding_mask))
+            parts.append(patterns.key_padding_predicate(key_padding_mask))
         return patterns.and_masks(*parts)
 
     def run(backend, q, k, v):

@@ -24,7 +24,7 @@ OUTPUT=${QUICKSTART_OUTPUT:-runs/quickstart-needle}
 STEPS=${QUICKSTART_STEPS:-400}
 PROCESSES=${QUICKSTART_PROCESSES:-1}
 
-python -m longattn.data needle --output_dir "$DATA" --num_train 6000 --num_validation 200 --num_test 500 \
+python -m longattn.train.data needle --output_dir "$DATA" --num_train 6000 --num_validation 200 --num_test 500 \
     --min_length 128 --max_length 256 --seed 0
 
 RECIPE_ARGS=(

@@ -62,7 +62,7 @@ class FigureSet:
     Attributes:
         command: argv run from the repository root (`{output}` is replaced by the run's output folder).
         metrics: field -> (key of the run's `all_results.json`, format).
-        data: the `python -m longattn.data` task the command reads (generated first), if any.
+        data: the `longattn-data` task the command reads (generated first), if any.
         env: extra environment variables (`{output}` replaced as in `command`).
         parse_stdout: fields read from the command's standard output, beyond `metrics`.
         stdout_fields: the names `parse_stdout` returns.
@@ -203,7 +203,7 @@ def run_set(name: str) -> dict[str, str]:
     env.update({key: value.format(output=output) for key, value in spec.env.items()})
     if spec.data:
         task, *knobs = DATA[spec.data]
-        subprocess.run([sys.executable, "-m", "longattn.data", task, "--output_dir", f"data/generated/{spec.data}",
+        subprocess.run([sys.executable, "-m", "longattn.train.data", task, "--output_dir", f"data/generated/{spec.data}",
                         *knobs], cwd=REPO, env=env, check=True)
     command = [part.format(output=output) for part in spec.command]
     print(f"[{name}] {' '.join(command)}", flush=True)

@@ -239,7 +239,7 @@ def test_flex_full_attention_and_block_mask_cache():
     q, k, v = (t.detach() for t in _qkv())
     key_padding_mask, _ = _masks()
     for causal in (False, True):
-        parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
+        parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         expected = _reference_fn(patterns.and_masks(*parts))(q, k, v)
         actual = ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE,
                                     backend="flex")
@@ -309,7 +309,7 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
     for n_q, causal in ((N, False), (N, True), (4, True)):
         layout = executor_xformers.full_layout(batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal,
                                                key_padding_mask=key_padding_mask)
-        parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
+        parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         _assert_layout_is_the_pattern(layout, patterns.and_masks(*parts), n_q=n_q)
     # Buckets sorted into a block-diagonal layout: un-sorted, the blocks are "same bucket".
     buckets = torch.randint(0, 5, (2, 3, 17), generator=torch.Generator().manual_seed(0))
@@ -554,7 +554,7 @@ def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, ca
     key_padding_mask, _ = _masks()
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: executor_xformers.strided_attention(
+    actual = outputs_and_grads(lambda q, k, v: executor_xformers.xformers_strided_attention(
         q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE), q, k, v)
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
@@ -570,8 +570,9 @@ def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, 
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
     expected = outputs_and_grads(_reference_fn(fixed_pattern(**kwargs)), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: executor_xformers.fixed_attention(q, k, v, scale=SCALE, **kwargs),
-                                q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: executor_xformers.xformers_fixed_attention(q, k, v, scale=SCALE, **kwargs), q, k, v
+    )
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -579,7 +580,7 @@ def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, 
 def test_xformers_full_path_equals_the_reference(reference_kernel, n_q, causal):
     q, k, v = _qkv(n_q=n_q)
     key_padding_mask, _ = _masks()
-    parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
+    parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     expected = outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: ops.full_attention(
         q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers"), q, k, v)
@@ -862,3 +863,41 @@ def test_gpu_lsh_and_routing_on_xformers_equal_the_torch_kernel(kind, causal):
     expected = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("torch"), q, k, v))]
     actual = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("xformers"), q, k, v))]
     assert_all_close(actual, expected, rtol=3e-2, atol=3e-2)
+
+
+def _sibling_imports(module: str) -> set[str]:
+    """The longattn modules `longattn/<module>.py` imports (relative imports, any depth of the file)."""
+    import ast
+    from pathlib import Path
+
+    import longattn
+
+    tree = ast.parse((Path(longattn.__file__).parent / f"{module}.py").read_text())
+    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+
+
+def test_ops_dispatch_down_to_leaf_executors():
+    """ops -> backends -> executors -> patterns / numerics: no executor, pattern or back-end table imports the ops
+    (the dense reference is an executor of its own, re-exported by `ops`)."""
+    from longattn import executor_reference
+
+    assert ops.reference_attention is executor_reference.reference_attention
+    assert "executor_reference" in _sibling_imports("ops")
+    for module in ("backends", "patterns", "numerics", "executor_reference", "executor_blocked", "executor_sparse",
+                   "executor_flex", "executor_xformers"):
+        assert not _sibling_imports(module) & {"ops", "ops_linear", "ops_lsh"}, module
+
+
+def test_executor_names_do_not_clash_with_the_ops():
+    """An executor's functions say whose they are: `executor_xformers` exports no `ops` name, and the padding
+    predicate is not named like the `key_padding_mask` argument it takes."""
+    from longattn import executor_reference
+
+    for executor in (executor_xformers, executor_flex, executor_reference):
+        assert not set(executor.__all__) & (set(ops.__all__) - {"reference_attention"}), executor.__name__
+    assert {"xformers_sliding_window_attention", "xformers_strided_attention", "xformers_fixed_attention",
+            "xformers_full_attention"} <= set(executor_xformers.__all__)
+    assert "key_padding_mask" not in patterns.__all__ and not hasattr(patterns, "key_padding_mask")
+    padding = torch.tensor([[True, False, True]])
+    mask = patterns.materialize_mask(patterns.key_padding_predicate(padding), batch=1, heads=1, q_len=2, kv_len=3)
+    assert mask.tolist() == [[[[True, False, True]] * 2]]

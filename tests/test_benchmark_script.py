@@ -1,8 +1,10 @@
 """`scripts/benchmark.py`: its `--set` overrides reach the measured layer, bad items are refused, peer packages are
-measured only where installed (else a one-line error says how to install them), and `--help` shows the defaults."""
+measured only where installed (else a one-line error says how to install them), `--help` shows the defaults, and
+`--against REV` measures the longattn kinds again with the package exported from REV, interleaved, with ratios."""
 
 import importlib.machinery
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +114,110 @@ def test_model_report_compares_attention_cost_with_its_ideal(benchmark):
     text = benchmark.model_report(args, results, "python scripts/benchmark.py --models roberta-4k")
     assert "| longattn | 15.0 | 3900 | 3.0 | 1.50x | 2.67x | 0.97 |" in text  # ideal (28 - 12) / 8 = 2 s
     assert "Ideal attention cost: 2.00 s." in text
+
+
+def test_longattn_rows_are_the_longattn_kinds(benchmark):
+    """`--against` duplicates exactly the longattn kinds (peers and transformers' layers are measured once)."""
+    assert benchmark.LONGATTN_IMPLS == {name for name, impl in benchmark.IMPLS.items()
+                                        if impl.description.startswith("longattn ")}
+
+
+def test_against_interleaves_old_rows_that_import_the_exported_tree(benchmark, monkeypatch):
+    launched = []
+
+    def run_one(args, impl, length, mode, compiled=False):
+        command, env = benchmark.worker_launch(args, impl, length, mode, compiled)
+        root = Path(env[benchmark.PACKAGE_ROOT_VARIABLE])
+        launched.append((impl, command, root, (root / "longattn" / "__init__.py").is_file()))
+        return {"impl": impl, "length": length, "mode": mode, "error": "not run"}
+
+    monkeypatch.setattr(benchmark, "run_one", run_one)
+    benchmark.main(["--lengths", "64", "128", "--mode", "fwd", "--impls", "full", "hf-longformer", "sliding",
+                    "--against", "HEAD"])
+    head = subprocess.run(["git", "-C", str(benchmark.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    rows = [f"full@{head}", "full", "hf-longformer", f"sliding@{head}", "sliding"]
+    assert [impl for impl, *_ in launched] == rows * 2  # old just before new at every length; the peer once
+    exported = {root for impl, _, root, _ in launched if "@" in impl}
+    assert len(exported) == 1
+    (export,) = exported
+    assert not export.is_relative_to(benchmark.REPO)
+    for impl, command, root, has_package in launched:
+        # The worker script is the current one, measuring the plain kind; only the package comes from the export.
+        assert command[1] == str(SCRIPT) and command[command.index("--impl") + 1] == impl.partition("@")[0]
+        assert root == (export if "@" in impl else benchmark.REPO) and has_package
+    assert not export.exists()  # removed when the run ends
+
+
+def test_against_refuses_unknown_revisions_and_runs_without_kinds(benchmark, monkeypatch, capsys):
+    measured = _record_runs(benchmark, monkeypatch)
+    for argv, message in ((["--impls", "full", "--against", "no-such-revision"], "is not a git revision"),
+                          (["--impls", "hf-longformer", "--against", "HEAD"], "give at least one of")):
+        with pytest.raises(SystemExit) as exit_info:
+            benchmark.main(["--lengths", "64", "--mode", "fwd", *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert measured == []
+
+
+def test_worker_that_imported_another_longattn_is_an_error(benchmark, monkeypatch, tmp_path):
+    args = benchmark.argparse.Namespace(
+        batch=1, hidden=32, heads=2, window=16, global_tokens=0, repeats=1, wait_idle=0.0, timeout=60.0,
+        tensor_memory=False, set=[], allocator="glibc", against_tree=tmp_path,
+    )
+    imported = str(benchmark.REPO / "longattn" / "__init__.py")  # this checkout's package, not the export's
+
+    def run(command, **kwargs):
+        result = {"impl": "full", "length": 64, "mode": "fwd", "time_s": 1.0, "longattn_file": imported}
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(result), stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", run)
+    assert "error" not in benchmark.run_one(args, "full", 64, "fwd")
+    old = benchmark.run_one(args, "full@abc1234", 64, "fwd")
+    assert old["impl"] == "full@abc1234" and old["error"] == f"imported longattn from {imported}, not from {tmp_path}"
+
+
+def test_kind_or_field_missing_in_a_revision_is_an_error(benchmark):
+    args = benchmark.argparse.Namespace(length=64, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    with pytest.raises(ValueError, match="kind 'no_such_kind' does not exist in this revision of longattn"):
+        benchmark._longattn_kind("no_such_kind")(args)
+    with pytest.raises(ValueError, match="config field.s. no_such_field do not exist in this revision"):
+        benchmark._longattn_kind("full", no_such_field=1)(args)
+
+
+def test_report_has_after_vs_before_ratios(benchmark):
+    args = benchmark.argparse.Namespace(
+        hidden=32, heads=2, batch=1, window=16, global_tokens=0, repeats=3, allocator="glibc", baseline="full",
+        impls=["full", "sliding", "routing"], mode=["fwd"], lengths=[64, 128], set=[], compile=False,
+        against="main~1", against_hash="abc1234", after="working tree at def5678",
+    )
+
+    def row(impl, length, time_s, peak):
+        return {"impl": impl, "length": length, "mode": "fwd", "time_s": time_s, "peak_rss_mb": peak,
+                "tensor_peak_mb": peak / 2, "other_load": 0.0}
+
+    results = [row("full@abc1234", 64, 2.0, 10), row("full", 64, 1.0, 5), row("full@abc1234", 128, 2.0, 10),
+               row("full", 128, 4.0, 10), row("sliding@abc1234", 64, 1.0, 10), row("sliding", 64, 1.0, 10),
+               {"impl": "routing@abc1234", "length": 64, "mode": "fwd",
+                "error": "ValueError: kind 'routing' does not exist in this revision of longattn"},
+               row("routing", 64, 1.0, 10)]
+    text = benchmark.report(args, results, "python scripts/benchmark.py --against main~1")
+    assert "After: working tree at def5678; before: `main~1` (abc1234)." in text
+    assert "| full | 64 | 2.000 | 1.000 | 0.50 | 10 | 5 | 0.50 | 0.50 |" in text
+    assert "| full | 128 | 2.000 | 4.000 | 2.00 | 10 | 10 | 1.00 | 1.00 |" in text
+    assert "| routing | 64 | before: ValueError: kind 'routing' does not exist in this revision of longattn |" in text
+    assert "geometric mean over the lengths: `full` 1.00, `sliding` 1.00." in text
+    table = text.split("### after vs before")[0]
+    assert table.index("| full@abc1234 | 64 |") < table.index("| full | 64 |") < table.index("| sliding@abc1234 | 64 |")
+
+
+@pytest.mark.slow  # one worker process: imports torch and transformers (about 4 s of CPU)
+def test_real_worker_of_an_old_row_imports_the_export(benchmark, tmp_path):
+    """One real worker (length 64) of `full@HEAD` measures the package exported from git, not this checkout's."""
+    short = benchmark.export_revision("HEAD", tmp_path)
+    args = benchmark.argparse.Namespace(
+        batch=1, hidden=32, heads=2, window=16, global_tokens=0, repeats=1, wait_idle=0.0, timeout=60.0,
+        tensor_memory=False, set=[], allocator="glibc", against_tree=tmp_path,
+    )
+    result = benchmark.run_one(args, f"full@{short}", 64, "fwd")
+    assert "error" not in result, result
+    assert Path(result["longattn_file"]) == tmp_path.resolve() / "longattn" / "__init__.py"

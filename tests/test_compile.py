@@ -124,7 +124,7 @@ def test_log_lines_go_above_the_progress_bar_not_into_it():
 
     from tqdm import tqdm
 
-    from longattn.training import TqdmLoggingHandler
+    from longattn.train.training import TqdmLoggingHandler
 
     stream = io.StringIO()
     handler = TqdmLoggingHandler(stream)

@@ -91,7 +91,7 @@ def test_a_misspelt_field_is_refused_with_the_field_it_resembles():
 
 def test_the_recipes_overrides_of_a_saved_config_name_the_close_field(tmp_path):
     """`--config_overrides` on a saved longattn config: the misspelt key and the field it resembles, one error."""
-    from longattn import training
+    from longattn.train import training
 
     tiny().save_pretrained(tmp_path)
     args = training.recipe_parser(None, task="mlm").parse_args(

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from longattn import data
+from longattn.train import data
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ def test_cli_writes_files_and_reports_bad_knobs_in_one_line(tmp_path, capsys):
     assert "train: " in capsys.readouterr().out
     rows = data.read_jsonl(out / "train.jsonl")
     assert len(rows) == 4 and set(rows[0]) == {"source", "target"}
-    bad = subprocess.run([sys.executable, "-m", "longattn.data", "needle", "--output_dir", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "longattn.train.data", "needle", "--output_dir", str(tmp_path / "x"),
                           "--min_length", "50", "--max_length", "10"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "min_length" in bad.stderr

@@ -65,5 +65,5 @@ def test_recipe_sets_run_the_commands_the_readme_shows(figures):
             continue  # the quickstart runs scripts/quickstart.sh itself
         assert _flags(spec.command) in recipes, name
         task, *knobs = figures.DATA[spec.data]
-        data_command = ["python", "-m", "longattn.data", task, "--output_dir", f"data/generated/{spec.data}", *knobs]
+        data_command = ["python", "-m", "longattn.train.data", task, "--output_dir", f"data/generated/{spec.data}", *knobs]
         assert data_command in shown, name

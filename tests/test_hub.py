@@ -18,7 +18,8 @@ from kind_configs import KIND_OVERRIDES
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig
 
 import longattn
-from longattn import LongAttnConfig, hub
+from longattn import LongAttnConfig
+from longattn.tools import hub
 from longattn.attention_registry import ATTENTION_CLASSES
 from longattn.tokenization_longattn import byte_tokenizer
 
@@ -92,6 +93,9 @@ def test_code_closure_holds_every_registered_kind():
     for kind_class in ATTENTION_CLASSES.values():
         assert Path(sys.modules[kind_class.__module__].__file__).name in closure, kind_class
     assert {"modeling_longattn.py", "configuration_longattn.py", "attention_registry.py"} <= set(closure)
+    # Every executor the ops dispatch to is a flat sibling the walk reaches.
+    assert {"ops.py", "backends.py", "executor_reference.py", "executor_blocked.py", "executor_sparse.py",
+            "executor_flex.py", "executor_xformers.py", "patterns.py", "numerics.py"} <= set(closure)
     assert "__init__.py" not in closure and "training.py" not in closure and "hub.py" not in closure
 
 

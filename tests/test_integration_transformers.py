@@ -247,6 +247,39 @@ def test_cached_generate_equals_uncached(family, kind):
     assert torch.equal(cached, uncached)
 
 
+def _prompt_with_global_first_token(family: str) -> tuple[dict, torch.Tensor]:
+    """Two prompts of 12 tokens, the second left-padded by 3; each row's first real token is global."""
+    batch = inputs(family, length=12)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    batch["attention_mask"][1, :3] = 0
+    global_mask = torch.zeros(2, 12, dtype=torch.long)
+    global_mask[0, 0] = global_mask[1, 3] = 1
+    return batch, global_mask
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_passes_global_tokens_to_the_prompt(family):
+    """`generate(..., global_attention_mask=...)` reaches the attention at the prompt (the first step's scores
+    change) and decodes correctly afterwards: generated tokens are not global, the cache keeps the global keys, so
+    cached generation equals uncached generation."""
+    model = apply_longattn(build(family), attention_type="sliding", sliding_window=2, sliding_dilation=2)
+    batch, global_mask = _prompt_with_global_first_token(family)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(**batch, global_attention_mask=global_mask, **kwargs)
+    uncached = model.generate(**batch, global_attention_mask=global_mask, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores))
+    without = model.generate(**batch, **kwargs)
+    assert not torch.allclose(cached.scores[0], without.scores[0], atol=1e-4)  # the prompt saw its global tokens
+    # a plain causal window bounds the cache, which drops the early global keys: refused, never silently wrong
+    apply_longattn(model, attention_type="sliding", sliding_window=2)
+    with pytest.raises(ValueError, match="cached decoding with global tokens needs a full cache"):
+        model.generate(**batch, global_attention_mask=global_mask, **kwargs)
+    # a model that does not run longattn still refuses the keyword (it would be ignored)
+    with pytest.raises(ValueError, match="not used by the model"):
+        build(family).generate(**batch, global_attention_mask=global_mask, **kwargs)
+
+
 def test_plain_causal_window_bounds_the_cache_and_the_dict_wins_over_mistral_window():
     """Mistral's own `sliding_window` (4096) gives way to the `longattn` dict, for the attention and the cache:
     a plain window w per side is transformers' window w + 1 (it counts the current token); dilated, strided or
@@ -338,6 +371,41 @@ def test_save_reload_round_trip_other_families(family, tmp_path):
     # a second save of the reloaded model keeps the implementation as well
     reloaded.save_pretrained(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["attn_implementation"] == "longattn"
+
+
+def test_saved_implementation_follows_set_attn_implementation(tmp_path):
+    """After `set_attn_implementation`, `save_pretrained` writes the implementation in use; a kind with parameters
+    refuses to be switched off (they would not reload)."""
+    model = apply_longattn(build("llama"), attention_type="sliding", sliding_window=4)
+    model.set_attn_implementation("sdpa")
+    model.save_pretrained(tmp_path / "sdpa")
+    assert json.loads((tmp_path / "sdpa" / "config.json").read_text())["attn_implementation"] == "sdpa"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "sdpa").config._attn_implementation == "sdpa"
+    model.set_attn_implementation("longattn")
+    model.save_pretrained(tmp_path / "longattn")
+    assert json.loads((tmp_path / "longattn" / "config.json").read_text())["attn_implementation"] == "longattn"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "longattn").config._attn_implementation == "longattn"
+    model = apply_longattn(build("bert"), **PARAMETRIZED_KINDS["linformer"])
+    with pytest.raises(ValueError, match=r"`attn_implementation`='sdpa'.*\['linformer'\].*trained parameters"):
+        model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "longattn" and model.config.attn_implementation == "longattn"
+
+
+def test_auxiliary_loss_of_a_stock_model_is_its_kinds_span_penalty():
+    """A stock head's loss does not know the kinds: `longattn.auxiliary_loss(model)` is the sum of adaptive span's
+    per-layer penalties (λ · S · mean fraction), differentiable in the spans; None for kinds without one."""
+    model = apply_longattn(build("bert"), attention_type="adaptive_span", adaptive_span_max=16, adaptive_span_ramp=4,
+                           adaptive_span_loss_coef=0.5)
+    kinds = [module for name, module in model.named_modules() if name.endswith(".longattn")]
+    assert len(kinds) == 2
+    with torch.no_grad():
+        for kind in kinds:
+            kind.span_fraction.fill_(0.25)
+    loss = longattn.auxiliary_loss(model)
+    torch.testing.assert_close(loss, torch.tensor(2 * 0.5 * 16 * 0.25))
+    loss.backward()
+    assert all(bool(kind.span_fraction.grad.ne(0).all()) for kind in kinds)
+    assert longattn.auxiliary_loss(apply_longattn(build("bert"), attention_type="sliding", sliding_window=4)) is None
 
 
 def test_from_config_attaches_the_kinds():
@@ -455,7 +523,7 @@ def test_an_invalid_decoder_field_changes_nothing():
 
 def test_global_tokens_with_a_cache():
     """Full cache layers (a dilated window): a cached decoding step with global tokens equals the uncached forward
-    (transformers' `generate` does not forward `global_attention_mask`; a forward with a cache does). A bounded
+    (the steps `generate(..., global_attention_mask=...)` takes, one by one). A bounded
     cache (a plain causal window) has dropped the early global keys: refused at the decoding step."""
     ids = inputs("llama", length=13)["input_ids"][:1]
     global_mask = torch.zeros(1, 13, dtype=torch.bool)
@@ -499,6 +567,7 @@ def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
         raise AssertionError("a dense [n, m] mask was built")
 
     for target in ("longattn.ops.materialize_mask", "longattn.attention_base.materialize_mask",
+                   "longattn.executor_reference.materialize_mask", "longattn.executor_reference.reference_attention",
                    "longattn.ops.reference_attention", "longattn.attention_base.reference_attention"):
         monkeypatch.setattr(target, refuse)
     batch = inputs("roberta")

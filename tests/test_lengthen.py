@@ -25,7 +25,8 @@ from transformers import (
 )
 
 import longattn  # noqa: F401  (registers the implementation)
-from longattn import hub, training
+from longattn.tools import hub
+from longattn.train import training
 from longattn.lengthen import lengthen, max_tokens, save_lengthened
 from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools.lengthen import main as lengthen_main

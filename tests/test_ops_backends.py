@@ -24,7 +24,7 @@ TIGHT = dict(rtol=1e-10, atol=1e-10)
 
 # Executor names as `longattn.ops` calls them, one per back end of the strided and fixed patterns.
 EXECUTORS = {
-    "reference": "reference_attention",
+    "reference": "reference_pattern_attention",
     "torch-strided": "strided_blocked_attention",
     "torch-fixed": "fixed_blocked_attention",
     "flex": "flex_pattern_attention",

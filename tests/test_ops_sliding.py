@@ -170,7 +170,7 @@ def test_window_at_least_length_equals_full_attention(causal, length):
 def test_full_attention_equals_reference(causal, n_q):
     q, k, v = _qkv(3, 2, n_q, n_k=30)
     key_padding_mask, _ = _token_masks(3, 30, padding=True, global_tokens=False)
-    parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
+    parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     mask = patterns.materialize_mask(patterns.and_masks(*parts), batch=3, heads=2, q_len=n_q, kv_len=30, q_offset=30 - n_q)
     assert_all_close(
         outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), q, k, v),

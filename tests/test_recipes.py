@@ -33,7 +33,8 @@ from transformers import (
 )
 
 import longattn  # noqa: F401
-from longattn import data, hub, training
+from longattn.tools import hub
+from longattn.train import data, training
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -163,7 +164,7 @@ def test_recipe_runs_under_python(recipe, datasets_dir, tmp_path_factory):
     assert any("eval_loss" in record for record in log)
     card = (output_dir / "README.md").read_text()
     assert f"python recipes/run_{recipe}.py --train_file" in card  # the command used
-    assert "python -m longattn.data" in card  # the training data section names the generator
+    assert "longattn-data" in card  # the training data section names the generator
 
 
 # ---------------------------------------------------------------------------------------------- two processes

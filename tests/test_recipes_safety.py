@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from longattn import LongAttnForCausalLM, data, hub, training
+from longattn import LongAttnForCausalLM
+from longattn.tools import hub
+from longattn.train import data, training
 from longattn.tokenization_longattn import byte_tokenizer
 from test_recipes import REPO, TINY, _load_recipe, run
 

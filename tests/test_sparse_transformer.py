@@ -10,7 +10,7 @@ import torch
 import longattn
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads
 from longattn import LongAttnConfig, ops, patterns
-from longattn.visualize import attention_pattern
+from longattn.tools.visualize import attention_pattern
 
 
 def _qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0):

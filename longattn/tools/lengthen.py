@@ -19,7 +19,7 @@ from ..lengthen import ROPE_TYPES, lengthen, save_lengthened
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     """The tool's own flags and the `longattn` fields (`--field value` or `--field=value`; lists in brackets)."""
-    from ..training import parse_config_overrides
+    from ..train.training import parse_config_overrides
 
     parser = argparse.ArgumentParser(prog="longattn-lengthen", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

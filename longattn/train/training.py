@@ -14,6 +14,11 @@ A recipe reads top to bottom like transformers' `run_*_no_trainer.py` examples:
     results = train(args, accelerator, model, train_dataset, eval_dataset, collator, evaluate=..., ...)
     finish(args, accelerator, model, tokenizer, results, task="mlm")   # all_results.json, Hub folder, push
 
+`train` is a handful of steps on one `TrainState` (model, optimizer, scheduler, data loaders, position in the run,
+running loss), each usable alone: `prepare_training` (data loaders, `build_optimizer`, schedule, `accelerator.prepare`),
+`begin_run` (trackers, clean-up, `resume`), `train_epoch` of `train_step`s, `run_evaluation`, `save_checkpoint` and
+`summarize` (the results dict).
+
 Never lose a run: every `--checkpointing_steps` optimizer steps `accelerator.save_state` writes
 `output_dir/checkpoints/.step_N.partial/`, the training position goes into `trainer_state.json`, and only then the
 folder is renamed to `step_N` (an atomic rename): a kill during a save leaves a `.partial` folder that resuming ignores
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -54,18 +60,18 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DataCollatorWithPadding
 
-from . import config_overrides
-from .attention_registry import attention_class
-from .configuration_longattn import LongAttnConfig, check_override_fields
-from .hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
-from .tokenization_longattn import byte_tokenizer
+from .. import config_overrides
+from ..attention_registry import attention_class
+from ..configuration_longattn import LongAttnConfig, check_override_fields
+from ..tokenization_longattn import byte_tokenizer
+from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +278,7 @@ def recorded_args(args: argparse.Namespace) -> dict[str, int | float | str | boo
 # ---------------------------------------------------------------------------------------------- config / tokenizer
 def parse_config_overrides(overrides: str | None) -> dict[str, Any]:
     """`"a=1,b=x,c=[sliding,full]"` -> `{"a": 1, "b": "x", "c": ["sliding", "full"]}`: the grammar of
-    `longattn.config_overrides` (shared with `python -m longattn.visualize`), a malformed item a `RecipeError`."""
+    `longattn.config_overrides` (shared with `longattn-visualize`), a malformed item a `RecipeError`."""
     try:
         return config_overrides.parse_config_overrides(overrides)
     except ValueError as error:
@@ -335,7 +341,7 @@ def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[st
     Raises:
         RecipeError: an unknown field, a value the kinds reject, or a task the family cannot run.
     """
-    from .integration_transformers import kind_config
+    from ..integration_transformers import kind_config
 
     dotted = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items() if key.startswith(_DICT_PREFIX)}
     plain = {key: value for key, value in overrides.items() if not key.startswith(_DICT_PREFIX)}
@@ -374,7 +380,7 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
     Raises:
         RecipeError: the requested length exceeds `max_position_embeddings`.
     """
-    from .configuration_longattn import max_tokens
+    from ..configuration_longattn import max_tokens
 
     limit = max_tokens(config) or default_cap  # RoBERTa's table holds pad_token_id + 1 rows before the first token
     value = getattr(args, flag)
@@ -410,7 +416,7 @@ def length_multiple(config, *, decoder: bool = False) -> int:
 def _stock_kind_config(config, *, decoder: bool = False) -> LongAttnConfig:
     """The `LongAttnConfig` of a stock model's kinds (its `longattn` dict with its geometry): the encoder's or the
     one stack's, or an encoder-decoder's decoder self-attention with `decoder`."""
-    from .integration_transformers import kind_config
+    from ..integration_transformers import kind_config
 
     stack = "decoder" if decoder else ("encoder" if getattr(config, "is_encoder_decoder", False) else "self")
     causal = decoder or bool(getattr(config, "is_decoder", False)) or config.model_type not in _ENCODER_MODEL_TYPES
@@ -648,156 +654,6 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
             for key, values in concatenated.items()}
 
 
-class PadCollator:
-    """Pads `input_ids` / `attention_mask` to the longest in the batch rounded up to `pad_to_multiple_of`, or to
-    `max_length` when given. Sequence `labels` are padded with -100: to the input length when `align_labels` (causal
-    LM), else to their own longest rounded up to `labels_multiple`, with a `decoder_attention_mask` (seq2seq). Other
-    per-token fields (`global_attention_mask`) are padded with 0; scalar fields become tensors.
-
-    Args:
-        pad_token_id: The padding id of the inputs.
-        pad_to_multiple_of: The attention's block multiple (`length_multiple`).
-        labels_multiple: The multiple for seq2seq `labels` (the decoder's).
-        max_length: Pad the inputs to exactly this length (`--pad_to_max_length`).
-        align_labels: Labels are per input token (causal LM).
-    """
-
-    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, labels_multiple: int = 1,
-                 max_length: int | None = None, align_labels: bool = False):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.labels_multiple = labels_multiple
-        self.max_length = max_length
-        self.align_labels = align_labels
-
-    @staticmethod
-    def _target_length(lengths: Iterable[int], multiple: int, fixed: int | None) -> int:
-        if fixed is not None:
-            return fixed
-        longest = max(lengths)
-        return -(-longest // multiple) * multiple
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch: dict[str, torch.Tensor] = {}
-        length = self._target_length((len(f["input_ids"]) for f in features), self.pad_to_multiple_of,
-                                     self.max_length)
-        batch["input_ids"] = _pad([f["input_ids"] for f in features], length, self.pad_token_id)
-        batch["attention_mask"] = _pad([[1] * len(f["input_ids"]) for f in features], length, 0)
-        if "labels" in features[0]:
-            labels = [f["labels"] for f in features]
-            if isinstance(labels[0], list) and self.align_labels:
-                batch["labels"] = _pad(labels, length, -100)
-            elif isinstance(labels[0], list):
-                label_length = self._target_length((len(x) for x in labels), self.labels_multiple, None)
-                batch["labels"] = _pad(labels, label_length, -100)
-                batch["decoder_attention_mask"] = _pad([[1] * len(x) for x in labels], label_length, 0)
-            else:
-                batch["labels"] = torch.tensor(labels)
-        for key in features[0]:
-            if key in batch or key in ("input_ids", "attention_mask", "labels", "token_type_ids"):
-                continue
-            values = [f[key] for f in features]
-            # Per-token fields (global_attention_mask, ...) are padded with 0 like the attention mask.
-            batch[key] = _pad(values, length, 0) if isinstance(values[0], list) else torch.tensor(values)
-        return batch
-
-
-class DataCollatorWithGlobalAttention(DataCollatorWithPadding):
-    """transformers' `DataCollatorWithPadding` that also hands the model its global tokens: a ragged
-    `global_attention_mask` of the features is padded with 0 (on the tokenizer's padding side), and with
-    `global_first_token` a batch without one gets the first real token of each row as its global token.
-
-    With `transformers.Trainer`, `global_first_token=True` is how global tokens reach the model under the default
-    `remove_unused_columns=True`: Trainer drops every dataset column that `forward` does not name, and a stock
-    model's `forward` takes `global_attention_mask` through `**kwargs` only. A per-example column needs
-    `TrainingArguments(remove_unused_columns=False)` (and a dataset holding only model inputs).
-
-        collator = DataCollatorWithGlobalAttention(tokenizer, global_first_token=True, pad_to_multiple_of=64)
-        Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
-
-    Args (besides `DataCollatorWithPadding`'s):
-        global_first_token: Make the first real token of each row global when the features have no
-            `global_attention_mask` (Longformer's classification convention: `<s>` / `[CLS]` sees everything).
-    """
-
-    def __init__(self, tokenizer, *, global_first_token: bool = False, **kwargs: Any):
-        super().__init__(tokenizer, **kwargs)
-        self.global_first_token = global_first_token
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        rows = [feature.get("global_attention_mask") for feature in features]
-        features = [{k: v for k, v in feature.items() if k != "global_attention_mask"} for feature in features]
-        batch = super().__call__(features)
-        real = batch["attention_mask"].bool()  # [b, n]
-        if any(row is not None for row in rows):
-            if any(row is None for row in rows):
-                raise ValueError("`global_attention_mask` is in some features of the batch but not in others.")
-            lengths = real.sum(-1).tolist()
-            padded = torch.zeros(real.shape, dtype=torch.long)  # [b, n]
-            for i, row in enumerate(rows):
-                row = torch.as_tensor(row, dtype=torch.long)[: lengths[i]]
-                padded[i, real[i].nonzero()[: len(row), 0]] = row  # the real positions, whichever side pads
-            batch["global_attention_mask"] = padded
-        elif self.global_first_token:
-            first = real.long().argmax(-1)  # [b]: the first real token (left padding included)
-            batch["global_attention_mask"] = torch.nn.functional.one_hot(first, real.shape[1]) * real
-        return batch
-
-
-def _pad(rows: list[list[int]], length: int, value: int) -> torch.Tensor:
-    out = torch.full((len(rows), length), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        row = row[:length]
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's padding id, else its end-of-sequence id, else 0 (GPT-2-like tokenizers have no pad token)."""
-    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if value is not None:
-            return value
-    return 0
-
-
-def mask_tokens(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    draws: torch.Tensor,
-    special_ids: torch.Tensor,
-    mask_token_id: int,
-    vocab_size: int,
-    probability: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT's masking: each real, non-special token is picked with `probability`; a picked token becomes the mask
-    token 80% of the time, a random token 10% (kept when the draw is a special id), itself 10%.
-
-    Args:
-        input_ids / attention_mask: `[b, n]`.
-        draws: `[3, b, n]` uniform numbers in [0, 1) (pick, replacement kind, random id): the caller owns the
-            randomness, so masks can be a function of the batch position (training) or of the example (evaluation).
-        special_ids: 1-D tensor of ids never masked.
-        mask_token_id / vocab_size / probability: As named.
-
-    Returns:
-        (masked input_ids `[b, n]`, labels `[b, n]` with -100 where nothing was picked). At least one token of the
-        batch is picked, so the loss is always defined.
-    """
-    maskable = attention_mask.bool() & ~torch.isin(input_ids, special_ids)  # [b, n]
-    picked = (draws[0] < probability) & maskable
-    if not picked.any() and maskable.any():
-        first = maskable.flatten().nonzero()[0]
-        picked.view(-1)[first] = True
-    labels = input_ids.masked_fill(~picked, -100)
-    masked = input_ids.clone()
-    masked[picked & (draws[1] < 0.8)] = mask_token_id
-    random_ids = (draws[2] * vocab_size).long().clamp_max(vocab_size - 1)
-    randomize = picked & (draws[1] >= 0.8) & (draws[1] < 0.9) & ~torch.isin(random_ids, special_ids)
-    masked[randomize] = random_ids[randomize]
-    return masked, labels
-
-
 def progress_bar(iterable, accelerator, desc: str):
     """tqdm on the local main process only."""
     from tqdm.auto import tqdm
@@ -847,6 +703,63 @@ def is_longattn(model_or_config) -> bool:
     return getattr(config, "model_type", None) == LongAttnConfig.model_type
 
 
+# ---------------------------------------------------------------------------------------------- the training state
+# The fields of `TrainState` that `trainer_state.json` holds: the position in the run and its running loss, with the
+# batch geometry a resumed run must share to repeat it.
+_POSITION_FIELDS = ("completed_steps", "epoch", "batch_in_epoch", "loss_sum", "loss_count", "last_loss",
+                    "global_batch_size", "num_processes")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a run carries from one optimizer step to the next, and what a checkpoint restores.
+
+    `accelerator.save_state` writes the prepared objects (model, optimizer, scheduler, data loaders) and the random
+    generators of every process; `trainer_state.json` holds the position (`position()`). Randomness inside a step is
+    derived from (`seed`, epoch, batch, `process_index`) (`step_seeds`, `batch_generator`), so the position alone
+    fixes every draw a resumed step makes.
+    """
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    train_dataloader: Any
+    eval_dataloader: Any
+    max_train_steps: int
+    num_epochs: int
+    global_batch_size: int
+    num_processes: int
+    seed: int
+    process_index: int
+    loss_takes_num_items: bool  # the model normalises its loss by `num_items_in_batch` (`accumulation_step`)
+    completed_steps: int = 0  # optimizer steps
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of `epoch` already consumed (skipped on resumption)
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    last_loss: float | None = None
+    run_settings: dict[str, Any] | None = None  # `run_settings`, compared on resumption
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # of the last evaluation (`eval_*`)
+    last_eval_step: int | None = None
+
+    def position(self) -> dict[str, Any]:
+        """What `trainer_state.json` records (with the run's settings, when recorded)."""
+        record = {key: getattr(self, key) for key in _POSITION_FIELDS}
+        if self.run_settings is not None:
+            record["run_settings"] = self.run_settings
+        return record
+
+    def restore_position(self, saved: dict[str, Any]) -> None:
+        """Take the position of a checkpoint's `trainer_state.json` (its settings are compared, not taken)."""
+        for key in _POSITION_FIELDS:
+            if key in saved:
+                setattr(self, key, saved[key])
+
+    def step_seeds(self, epoch: int, first_batch: int, count: int) -> list[int]:
+        """The dropout seeds of `count` micro-batches from batch `first_batch` of `epoch`, in this process."""
+        return [_derived_seed(self.seed, "train", epoch, first_batch + i, self.process_index) for i in range(count)]
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """The complete checkpoints in `directory`, oldest first (a complete one has its `trainer_state.json`)."""
@@ -861,11 +774,12 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(accelerator, args: argparse.Namespace, state: dict[str, Any]) -> Path:
-    """`accelerator.save_state` into a `.partial` folder, then the training position, then an atomic rename.
-    Old checkpoints beyond --checkpoints_total_limit are removed afterwards."""
+def save_checkpoint(accelerator, args: argparse.Namespace, state: TrainState) -> Path:
+    """`accelerator.save_state` (model, optimizer, scheduler, data loaders, random generators) into a `.partial`
+    folder, then the training position (`TrainState.position`), then an atomic rename. Old checkpoints beyond
+    --checkpoints_total_limit are removed afterwards."""
     directory = Path(args.output_dir) / CHECKPOINTS_DIR
-    final = directory / f"step_{state['completed_steps']}"
+    final = directory / f"step_{state.completed_steps}"
     partial = directory / f".{final.name}{_PARTIAL_SUFFIX}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -873,9 +787,9 @@ def save_checkpoint(accelerator, args: argparse.Namespace, state: dict[str, Any]
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
-    _fault_injection("LONGATTN_RECIPE_SIGKILL_IN_SAVE", state["completed_steps"])
+    _fault_injection("LONGATTN_RECIPE_SIGKILL_IN_SAVE", state.completed_steps)
     if accelerator.is_main_process:
-        _write_json(partial / STATE_FILE, state)
+        _write_json(partial / STATE_FILE, state.position())
         if final.exists():  # a checkpoint of the same step from an interrupted, now repeated, stretch
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -885,7 +799,7 @@ def save_checkpoint(accelerator, args: argparse.Namespace, state: dict[str, Any]
     return final
 
 
-def resume(accelerator, args: argparse.Namespace, state: dict[str, Any]) -> Path | None:
+def resume(accelerator, args: argparse.Namespace, state: TrainState) -> Path | None:
     """Load the checkpoint of --resume_from_checkpoint into the prepared objects and `state`; return its folder, or
     None when 'latest' finds no checkpoint (a fresh start).
 
@@ -920,20 +834,20 @@ def resume(accelerator, args: argparse.Namespace, state: dict[str, Any]) -> Path
                 logger.warning("checkpoint %s does not load (%s): falling back to the one before it", shown,
                                _one_line(error)[:300])
             continue
-        _warn_changed_settings(saved.get("run_settings"), state.get("run_settings"), shown)
-        state.update({key: value for key, value in saved.items() if key != "run_settings"})
-        logger.info("resumed from %s: step %d, epoch %d, skipping %d batches", shown, state["completed_steps"],
-                    state["epoch"], state["batch_in_epoch"])
+        _warn_changed_settings(saved.get("run_settings"), state.run_settings, shown)
+        state.restore_position(saved)
+        logger.info("resumed from %s: step %d, epoch %d, skipping %d batches", shown, state.completed_steps,
+                    state.epoch, state.batch_in_epoch)
         return path
     raise RecipeError(f"no checkpoint to resume from loads: {'; '.join(failures)}")
 
 
-def _check_resume_batch(saved: dict[str, Any], state: dict[str, Any], shown: str) -> None:
-    if saved["global_batch_size"] != state["global_batch_size"] or saved["num_processes"] != state["num_processes"]:
+def _check_resume_batch(saved: dict[str, Any], state: TrainState, shown: str) -> None:
+    if saved["global_batch_size"] != state.global_batch_size or saved["num_processes"] != state.num_processes:
         raise RecipeError(
             f"{shown} was written with {saved['num_processes']} processes and a global batch of "
-            f"{saved['global_batch_size']}; resume with the same (now {state['num_processes']} processes, "
-            f"global batch {state['global_batch_size']}) to repeat the run exactly.")
+            f"{saved['global_batch_size']}; resume with the same (now {state.num_processes} processes, "
+            f"global batch {state.global_batch_size}) to repeat the run exactly.")
 
 
 def _warn_changed_settings(saved: dict[str, Any] | None, current: dict[str, Any] | None, shown: str) -> None:
@@ -1072,6 +986,177 @@ def accumulation_step(accelerator, model, group: list[dict[str, torch.Tensor]], 
     return accelerator.reduce(step_loss / len(group), reduction="mean").item()
 
 
+def build_optimizer(args: argparse.Namespace, model) -> torch.optim.Optimizer:
+    """AdamW at --learning_rate with --weight_decay on every parameter but biases and normalisation weights."""
+    no_decay = ("bias", "layer_norm.weight", "LayerNorm.weight", "norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.learning_rate)
+
+
+def prepare_training(args: argparse.Namespace, accelerator, model, train_dataset, eval_dataset, collate_fn: Callable,
+                     eval_collate_fn: Callable | None = None) -> TrainState:
+    """The data loaders, optimizer and learning-rate schedule, prepared by accelerate, in a `TrainState` at step 0."""
+    from torch.utils.data import DataLoader
+    from transformers import get_scheduler
+
+    train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=collate_fn,
+                                  batch_size=args.per_device_train_batch_size)
+    eval_dataloader = DataLoader(eval_dataset, shuffle=False, collate_fn=eval_collate_fn or collate_fn,
+                                 batch_size=args.per_device_eval_batch_size)
+    optimizer = build_optimizer(args, model)
+    # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
+    updates_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
+                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=max_train_steps * accelerator.num_processes)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    return TrainState(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, train_dataloader=train_dataloader,
+        eval_dataloader=eval_dataloader, max_train_steps=max_train_steps,
+        num_epochs=math.ceil(max_train_steps / updates_per_epoch), global_batch_size=global_batch_size,
+        num_processes=accelerator.num_processes, seed=args.seed, process_index=accelerator.process_index,
+        loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)))
+
+
+def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
+    """Start the trackers, clear what an earlier run left (its checkpoints with --overwrite_output_dir, interrupted
+    saves), record the run's settings, resume with --resume_from_checkpoint and restart the log from the resumed step.
+
+    Returns:
+        The checkpoint resumed from, or None for a fresh start.
+    """
+    if args.with_tracking:
+        accelerator.init_trackers(f"longattn-{args.task}", recorded_args(args))
+    checkpoints = Path(args.output_dir) / CHECKPOINTS_DIR
+    if args.overwrite_output_dir and args.resume_from_checkpoint is None and accelerator.is_main_process:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _remove_partial_checkpoints(checkpoints)
+    resuming = args.resume_from_checkpoint is not None
+    if _checkpoint_every(args) or args.checkpointing_steps == "epoch" or resuming:
+        state.run_settings = run_settings(args, accelerator.unwrap_model(state.model).config)
+    resume_path = resume(accelerator, args, state) if resuming else None
+    if accelerator.is_main_process:
+        _restart_log(Path(args.output_dir) / LOG_FILE, state.completed_steps if resume_path is not None else 0)
+    return resume_path
+
+
+def _checkpoint_every(args: argparse.Namespace) -> int | None:
+    """--checkpointing_steps as a number of optimizer steps (None for 'epoch' or no checkpoints)."""
+    return int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
+
+
+def train_step(args: argparse.Namespace, accelerator, state: TrainState, group: list[dict[str, torch.Tensor]], *,
+               epoch: int, first_batch: int,
+               prepare_batch: Callable[[dict[str, torch.Tensor], torch.Generator], dict[str, torch.Tensor]] | None
+               = None) -> float:
+    """One optimizer step over `group`, the micro-batches `first_batch`, ... of `epoch`: forward and backward
+    (`accumulation_step`), clipping, the optimizer and schedule, then the state's position and running loss.
+
+    Returns:
+        The step's loss (all processes).
+    """
+    if prepare_batch is not None:
+        group = [prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i,
+                                                      accelerator.process_index))
+                 for i, batch in enumerate(group)]
+    step_loss = accumulation_step(accelerator, state.model, group, use_num_items=state.loss_takes_num_items,
+                                  shifted_labels=args.task == "clm",
+                                  seeds=state.step_seeds(epoch, first_batch, len(group)))
+    if args.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(state.model.parameters(), args.max_grad_norm)
+    state.optimizer.step()
+    state.lr_scheduler.step()
+    state.optimizer.zero_grad()
+    batch_index = first_batch + len(group)
+    state.completed_steps += 1
+    state.loss_sum += step_loss
+    state.loss_count += 1
+    state.last_loss = step_loss
+    end_of_epoch = batch_index >= len(state.train_dataloader)
+    state.epoch, state.batch_in_epoch = (epoch + 1, 0) if end_of_epoch else (epoch, batch_index)
+    return step_loss
+
+
+def run_evaluation(args: argparse.Namespace, accelerator, state: TrainState,
+                   evaluate: Callable[[Any, Any], dict[str, float]]) -> dict[str, float]:
+    """The recipe's `evaluate(model, eval_dataloader)` without gradients, its metrics prefixed `eval_`, logged and
+    kept in `state.metrics`."""
+    state.model.eval()
+    with torch.no_grad():
+        result = {f"eval_{k}": v for k, v in evaluate(state.model, state.eval_dataloader).items()}
+    state.model.train()
+    _log(accelerator, Path(args.output_dir) / LOG_FILE, {"step": state.completed_steps, **result}, args)
+    logger.info("step %d: %s", state.completed_steps, _fmt(result))
+    state.metrics, state.last_eval_step = result, state.completed_steps
+    return result
+
+
+def train_epoch(args: argparse.Namespace, accelerator, state: TrainState, epoch: int, *, evaluate: Callable,
+                prepare_batch: Callable | None, progress) -> None:
+    """The optimizer steps of `epoch` (from the batches a resumed run has not seen yet) until its end or
+    `max_train_steps`, with the logging, checkpoints and evaluations due after each step."""
+    state.model.train()
+    state.train_dataloader.set_epoch(epoch)
+    skip = state.batch_in_epoch if epoch == state.epoch else 0
+    loader = iter(accelerator.skip_first_batches(state.train_dataloader, skip) if skip else state.train_dataloader)
+    batch_index = skip
+    # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
+    # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
+    while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
+        step_loss = train_step(args, accelerator, state, group, epoch=epoch, first_batch=batch_index,
+                               prepare_batch=prepare_batch)
+        batch_index += len(group)
+        progress.update(1)
+        progress.set_postfix(loss=f"{step_loss:.4f}")
+        step = state.completed_steps
+        if step % args.logging_steps == 0:
+            _log(accelerator, Path(args.output_dir) / LOG_FILE,
+                 {"step": step, "loss": step_loss, "lr": state.lr_scheduler.get_last_lr()[0], "epoch": epoch}, args)
+        if (every := _checkpoint_every(args)) and step % every == 0:
+            save_checkpoint(accelerator, args, state)
+        _fault_injection("LONGATTN_RECIPE_SIGKILL_AT_STEP", step)
+        if args.eval_steps and step % args.eval_steps == 0:
+            run_evaluation(args, accelerator, state, evaluate)
+        if step >= state.max_train_steps:
+            break
+
+
+def summarize(args: argparse.Namespace, accelerator, state: TrainState, *, runtime: float, ranks_seen: list[int],
+              resumed_from: Path | None, train_samples: int, validation_samples: int) -> dict[str, Any]:
+    """The results of a run (see `train`)."""
+    return {
+        **state.metrics,
+        "train_loss": state.loss_sum / max(state.loss_count, 1),
+        "train_last_loss": state.last_loss,
+        "train_runtime": round(runtime, 2),
+        "train_steps": state.completed_steps,
+        "epochs": state.num_epochs,
+        "train_samples": train_samples,
+        "validation_samples": validation_samples,
+        "num_processes": accelerator.num_processes,
+        "ranks_seen": ranks_seen,
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "mixed_precision": accelerator.mixed_precision,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "global_batch_size": state.global_batch_size,
+        "max_seq_length": args.max_seq_length,
+        "attention_types": attention_types(accelerator.unwrap_model(state.model).config),
+        "resumed_from": recorded_path(resumed_from, args.output_dir) if resumed_from is not None else None,
+        "seed": args.seed,
+    }
+
+
 def train(
     args: argparse.Namespace,
     accelerator,
@@ -1103,149 +1188,33 @@ def train(
         `epochs`, `num_processes`, `ranks_seen` (a gather across processes), `global_batch_size`, the model limits
         and `resumed_from` (the checkpoint, relative to the output folder).
     """
-    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
-    from transformers import get_scheduler
 
-    train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=collate_fn,
-                                  batch_size=args.per_device_train_batch_size)
-    eval_dataloader = DataLoader(eval_dataset, shuffle=False, collate_fn=eval_collate_fn or collate_fn,
-                                 batch_size=args.per_device_eval_batch_size)
-    no_decay = ("bias", "layer_norm.weight", "LayerNorm.weight", "norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
-
-    # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
-    updates_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-                                 num_training_steps=max_train_steps * accelerator.num_processes)
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-    num_epochs = math.ceil(max_train_steps / updates_per_epoch)
-    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    checkpoint_every = int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
-    use_num_items = _accepts_loss_kwargs(accelerator.unwrap_model(model))
-
-    if args.with_tracking:
-        accelerator.init_trackers(f"longattn-{args.task}", recorded_args(args))
-    checkpoints = Path(args.output_dir) / CHECKPOINTS_DIR
-    if args.overwrite_output_dir and args.resume_from_checkpoint is None and accelerator.is_main_process:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _remove_partial_checkpoints(checkpoints)
-    state = {"completed_steps": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "loss_count": 0,
-             "last_loss": None, "global_batch_size": global_batch_size, "num_processes": accelerator.num_processes}
-    resuming = args.resume_from_checkpoint is not None
-    if checkpoint_every or args.checkpointing_steps == "epoch" or resuming:
-        state["run_settings"] = run_settings(args, accelerator.unwrap_model(model).config)
-    resume_path = resume(accelerator, args, state) if resuming else None
-    log_path = Path(args.output_dir) / LOG_FILE
-    if accelerator.is_main_process:
-        _restart_log(log_path, state["completed_steps"] if resume_path is not None else 0)
-
+    state = prepare_training(args, accelerator, model, train_dataset, eval_dataset, collate_fn, eval_collate_fn)
+    resumed_from = begin_run(args, accelerator, state)
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
     logger.info("training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
-                len(train_dataset), accelerator.num_processes, ranks_seen, global_batch_size, max_train_steps,
-                num_epochs)
-    progress = tqdm(total=max_train_steps, initial=state["completed_steps"], desc="train",
+                len(train_dataset), accelerator.num_processes, ranks_seen, state.global_batch_size,
+                state.max_train_steps, state.num_epochs)
+    progress = tqdm(total=state.max_train_steps, initial=state.completed_steps, desc="train",
                     disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    metrics: dict[str, float] = {}
     start = time.perf_counter()
-
-    def run_eval() -> dict[str, float]:
-        model.eval()
-        with torch.no_grad():
-            result = {f"eval_{k}": v for k, v in evaluate(model, eval_dataloader).items()}
-        model.train()
-        _log(accelerator, log_path, {"step": state["completed_steps"], **result}, args)
-        logger.info("step %d: %s", state["completed_steps"], _fmt(result))
-        return result
-
-    last_eval_step = None
-    for epoch in range(state["epoch"], num_epochs):
-        if state["completed_steps"] >= max_train_steps:
+    for epoch in range(state.epoch, state.num_epochs):
+        if state.completed_steps >= state.max_train_steps:
             break
-        model.train()
-        train_dataloader.set_epoch(epoch)
-        skip = state["batch_in_epoch"] if epoch == state["epoch"] else 0
-        loader = iter(accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader)
-        batch_index = skip
-        # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
-        # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
-        while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
-            if prepare_batch is not None:
-                group = [prepare_batch(batch, batch_generator(args.seed, "batch", epoch, batch_index + i,
-                                                              accelerator.process_index))
-                         for i, batch in enumerate(group)]
-            step_loss = accumulation_step(accelerator, model, group, use_num_items=use_num_items,
-                                          shifted_labels=args.task == "clm",
-                                          seeds=[_derived_seed(args.seed, "train", epoch, batch_index + i,
-                                                               accelerator.process_index)
-                                                 for i in range(len(group))])
-            if args.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad()
-            batch_index += len(group)
-            state["completed_steps"] += 1
-            state["loss_sum"] += step_loss
-            state["loss_count"] += 1
-            state["last_loss"] = step_loss
-            end_of_epoch = batch_index >= len(train_dataloader)
-            state["epoch"], state["batch_in_epoch"] = (epoch + 1, 0) if end_of_epoch else (epoch, batch_index)
-            progress.update(1)
-            progress.set_postfix(loss=f"{step_loss:.4f}")
-            if state["completed_steps"] % args.logging_steps == 0:
-                _log(accelerator, log_path, {"step": state["completed_steps"], "loss": step_loss,
-                                             "lr": lr_scheduler.get_last_lr()[0], "epoch": epoch}, args)
-            if checkpoint_every and state["completed_steps"] % checkpoint_every == 0:
-                save_checkpoint(accelerator, args, state)
-            _fault_injection("LONGATTN_RECIPE_SIGKILL_AT_STEP", state["completed_steps"])
-            if args.eval_steps and state["completed_steps"] % args.eval_steps == 0:
-                metrics, last_eval_step = run_eval(), state["completed_steps"]
-            if state["completed_steps"] >= max_train_steps:
-                break
+        train_epoch(args, accelerator, state, epoch, evaluate=evaluate, prepare_batch=prepare_batch, progress=progress)
         if args.checkpointing_steps == "epoch":
             save_checkpoint(accelerator, args, state)
-        if last_eval_step != state["completed_steps"]:
-            metrics, last_eval_step = run_eval(), state["completed_steps"]
+        if state.last_eval_step != state.completed_steps:
+            run_evaluation(args, accelerator, state, evaluate)
     progress.close()
-    if last_eval_step is None:  # resumed after the last step: nothing trained, evaluate what was loaded
-        metrics = run_eval()
+    if state.last_eval_step is None:  # resumed after the last step: nothing trained, evaluate what was loaded
+        run_evaluation(args, accelerator, state, evaluate)
     runtime = time.perf_counter() - start
     if args.with_tracking:
         accelerator.end_training()
-    config = accelerator.unwrap_model(model).config
-    return {
-        **metrics,
-        "train_loss": state["loss_sum"] / max(state["loss_count"], 1),
-        "train_last_loss": state["last_loss"],
-        "train_runtime": round(runtime, 2),
-        "train_steps": state["completed_steps"],
-        "epochs": num_epochs,
-        "train_samples": len(train_dataset),
-        "validation_samples": len(eval_dataset),
-        "num_processes": accelerator.num_processes,
-        "ranks_seen": ranks_seen,
-        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
-        "mixed_precision": accelerator.mixed_precision,
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "global_batch_size": global_batch_size,
-        "max_seq_length": args.max_seq_length,
-        "attention_types": attention_types(config),
-        "resumed_from": recorded_path(resume_path, args.output_dir) if resume_path is not None else None,
-        "seed": args.seed,
-    }
+    return summarize(args, accelerator, state, runtime=runtime, ranks_seen=ranks_seen, resumed_from=resumed_from,
+                     train_samples=len(train_dataset), validation_samples=len(eval_dataset))
 
 
 def _log(accelerator, path: Path, record: dict[str, Any], args: argparse.Namespace) -> None:
@@ -1287,7 +1256,7 @@ def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dic
            dataset_description: str | None = None) -> None:
     """Write `all_results.json` and the Hub-ready folder (model, tokenizer, code, model card) in --output_dir, check
     the folder, and push it with --push_to_hub."""
-    from . import hub
+    from ..tools import hub
 
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
@@ -1321,7 +1290,7 @@ def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dic
 
 def describe_data(args: argparse.Namespace) -> str:
     """A line for the model card: the dataset or files, with the generator's parameters when `info.json` is next to
-    the training file (written by `python -m longattn.data`)."""
+    the training file (written by `longattn-data`)."""
     if args.dataset_name:
         return f"`{args.dataset_name}`" + (f" ({args.dataset_config_name})" if args.dataset_config_name else "")
     text = f"local files `{Path(args.train_file).name}`" + (
@@ -1330,7 +1299,7 @@ def describe_data(args: argparse.Namespace) -> str:
     if info.is_file():
         try:
             details = json.loads(info.read_text())
-            text += (f", generated by `python -m longattn.data {details.get('task')}` with "
+            text += (f", generated by `longattn-data {details.get('task')}` with "
                      + ", ".join(f"{k}={v}" for k, v in details.items() if k not in ("task", "columns")))
         except (ValueError, OSError):
             pass
@@ -1362,5 +1331,7 @@ __all__ = [
     "group_texts", "PadCollator", "DataCollatorWithGlobalAttention", "attention_types", "pad_token_id",
     "mask_tokens", "progress_bar", "batch_generator", "load_model", "is_longattn", "list_checkpoints",
     "save_checkpoint", "resume", "run_settings", "recorded_args", "recorded_path", "count_loss_items",
-    "accumulation_step", "train", "token_stats", "summarize_token_stats", "finish", "describe_data", "run_recipe",
+    "accumulation_step", "TrainState", "build_optimizer", "prepare_training", "begin_run", "train_step",
+    "run_evaluation", "train_epoch", "summarize", "train", "token_stats", "summarize_token_stats", "finish",
+    "describe_data", "run_recipe",
 ]

@@ -17,7 +17,7 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
   hidden in a haystack; the target lists them in increasing order (order-free, so the decoder's cross-attention
   needs no absolute positions). A long-document "summarisation" in miniature, evaluated by generation.
 
-CLI: `python -m longattn.data needle --output_dir data/generated/needle --num_train 4000` (see `--help`).
+CLI: `longattn-data needle --output_dir data/generated/needle --num_train 4000` (see `--help`).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ COLUMNS = {"listops": ["text", "label"], "needle": ["text", "label"], "needles":
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m longattn.data",
+        prog="longattn-data",
         description="Generate offline long-range tasks as train/validation/test jsonl files.",
     )
     sub = parser.add_subparsers(dest="task", required=True)

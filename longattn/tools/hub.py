@@ -12,8 +12,8 @@ A stock family running longattn's kinds (a lengthened BERT, RoBERTa, GPT-2, Llam
 config) is saved as transformers saves it, with no code: it loads with `from_pretrained(folder)` after
 `import longattn` only (longattn installed), and its model card (`stock_model_card`) says so.
 
-`push_folder` uploads it with huggingface_hub (`create_repo` + `upload_folder`); `python -m longattn.hub check FOLDER`
-lists what a folder lacks, `python -m longattn.hub push FOLDER REPO_ID` uploads one.
+`push_folder` uploads it with huggingface_hub (`create_repo` + `upload_folder`); `longattn-hub check FOLDER`
+lists what a folder lacks, `longattn-hub push FOLDER REPO_ID` uploads one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the flat package the model files live in
 CODE_ENTRY_POINTS = ("configuration_longattn.py", "modeling_longattn.py")
 
 # Every Auto class a longattn folder answers to, whatever head it was trained with: a masked-LM folder also loads as
@@ -306,7 +306,7 @@ def stock_model_card(config, *, task: str | None = None, metrics: dict[str, floa
     """
     from huggingface_hub import ModelCard
 
-    from .configuration_longattn import max_tokens
+    from ..configuration_longattn import max_tokens
 
     _, task_name, auto_class = _task(task) if task else (None, None, "AutoModel")
     family = (getattr(config, "architectures", None) or [config.model_type])[0]
@@ -356,7 +356,7 @@ Without `import longattn`, transformers refuses the unknown attention implementa
 
 
 def _kind_settings(config, layer_idx: int, name: str) -> str:
-    from .attention_registry import attention_class
+    from ..attention_registry import attention_class
 
     fields = attention_class(name).config_fields
     parts = []
@@ -454,7 +454,7 @@ def push_folder(folder: str | Path, repo_id: str, *, token: str | None = None, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m longattn.hub", description="Check or push a Hub-ready folder.")
+    parser = argparse.ArgumentParser(prog="longattn-hub", description="Check or push a Hub-ready folder.")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="list what keeps a folder from loading anywhere")
     check.add_argument("folder")

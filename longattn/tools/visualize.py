@@ -5,7 +5,7 @@ routing, Sinkhorn, ...) it is the pattern the layer actually produced on the giv
 place: the layer's attention weights (`output_attentions=True`), computed in float64 so that a visible key never
 underflows to a zero weight.
 
-Needs matplotlib (`pip install longattn[plot]`). Command line: `python -m longattn.visualize --help`; its config
+Needs matplotlib (`pip install longattn[plot]`). Command line: `longattn-visualize --help`; its config
 overrides take the recipes' grammar (`--config_overrides "sliding_window=4,sliding_dilation=[1,3]"`).
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .config_overrides import format_config_overrides, parse_config_overrides
-from .configuration_longattn import LongAttnConfig
-from .modeling_longattn import LongAttnModel
+from ..config_overrides import format_config_overrides, parse_config_overrides
+from ..configuration_longattn import LongAttnConfig
+from ..modeling_longattn import LongAttnModel
 
 
 # Each kind's settings for a picture, under the user's overrides: small enough that its structure shows at the
@@ -116,12 +116,13 @@ def picture_config(attention_type: str, overrides: dict | None = None, *, length
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Draw the attention pattern of a configured layer as a PNG.",
+    parser = argparse.ArgumentParser(prog="longattn-visualize",
+                                     description="Draw the attention pattern of a configured layer as a PNG.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--attention_type", default="sliding", help="a registered attention name")
     parser.add_argument("--config_overrides", default="",
                         help="config fields as in the recipes, over the kind's picture settings "
-                        "(longattn.visualize.PICTURE_SETTINGS), e.g. 'sliding_window=4,sliding_dilation=[1,3]'")
+                        "(longattn.tools.visualize.PICTURE_SETTINGS), e.g. 'sliding_window=4,sliding_dilation=[1,3]'")
     parser.add_argument("--length", type=int, default=64, help="tokens of the random input")
     parser.add_argument("--heads", type=int, default=2, help="attention heads (one picture each)")
     parser.add_argument("--causal", action="store_true", help="draw the decoder (causal) form")
