@@ -75,7 +75,7 @@ def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, cau
     Returns:
         S `[..., B, B]` in float32 (float64 for float64 input).
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32  # float32 for halves too
+    dtype = compute_dtype(logits.dtype)
     blocked = None if allowed is None else ~allowed
     x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, LOG_SPACE_HIDDEN)
     for _ in range(iterations):
