@@ -47,9 +47,10 @@ from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
-from .executor_xformers import HIDDEN_PENALTY, current_kernel
+from .executor_blocked import attend_blocks
+from .fused_kernel import current_kernel
+from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
 from .ops_checks import check_token_mask, empty_attention, is_empty
-from .ops_lsh import attend_windows
 
 __all__ = [
     "SinkhornAttention",
@@ -58,11 +59,6 @@ __all__ = [
     "sinkhorn_attention_dense",
     "sinkhorn_sort_matrix",
 ]
-
-# Masked entries of the log-space Sinkhorn matrix: finite, so that a row or column with nothing allowed normalises
-# to finite values (then masked again) instead of NaN, and exp() of it is exactly 0 in float32.
-_MASKED = -1e9
-
 
 # ---------------------------------------------------------------------------------------------- Sinkhorn
 def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, causal: bool) -> Tensor:
@@ -79,17 +75,17 @@ def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, cau
     Returns:
         S `[..., B, B]` in float32 (float64 for float64 input).
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(logits.dtype)
     blocked = None if allowed is None else ~allowed
-    x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, _MASKED)
+    x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, LOG_SPACE_HIDDEN)
     for _ in range(iterations):
         # x - logsumexp(x) is log_softmax(x): one fused pass (and one in backward) instead of six.
         x = x - torch.logcumsumexp(x, dim=-2) if causal else torch.log_softmax(x, dim=-2)
         if blocked is not None:  # re-mask: a row or column with nothing allowed normalised to finite junk
-            x = x.masked_fill(blocked, _MASKED)
+            x = x.masked_fill(blocked, LOG_SPACE_HIDDEN)
         x = torch.log_softmax(x, dim=-1)
         if blocked is not None:
-            x = x.masked_fill(blocked, _MASKED)
+            x = x.masked_fill(blocked, LOG_SPACE_HIDDEN)
     return x.exp() if blocked is None else x.exp() * allowed
 
 
@@ -149,7 +145,7 @@ def sinkhorn_sort_matrix(
         rows = F.pad(summaries[:, :, :-1], (0, 0, 1, 0))  # row i looks from block i - 1
         row_ok = has_tokens & F.pad(has_tokens[:, :-1], (1, 0), value=False)
     scores = torch.einsum("bhid,de,bhje->bhij", rows, sort_weight.to(rows.dtype), summaries)
-    scores = scores / math.sqrt(k.shape[-1])
+    scores = scores * default_scale(k.shape[-1])
     if noise:
         uniform = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
         scores = scores - torch.log(-torch.log(uniform)).to(scores.dtype)  # + Gumbel(0, 1)
@@ -199,193 +195,7 @@ def _restore(out: Tensor, n: int, rotation: Tensor | None) -> Tensor:
     return _take(out, inverse)
 
 
-# ---------------------------------------------------------------------------------------------- executor
-# Score elements per group of blocks (8 MB of float32): a group's scores, gathered keys and values stay near the
-# cache, and the groups are few enough to keep the number of ops (parallel regions) small.
-_GROUP_SCORES = 2**21
-# Added to the scores of hidden keys: finite, so that a row whose keys are all hidden stays finite through the
-# fused softmax (its output is zeroed afterwards); s - 1e30 cannot overflow float32.
-_HIDDEN = -1e30
-
-
-class _OwnAndSortedAttention(torch.autograd.Function):
-    """Each block of queries attends to its own block and to `weight ·` its sorted block; hand-written backward.
-
-    Head by head, groups of blocks gather their keys into small reused buffers (`[G, 2s, d]`: the own block, then
-    the sorted one scaled by w = S_ij*, both times the softmax scale), so nothing sequence-sized is copied: q, k, v
-    are read in place (`bmm` takes the strided per-head blocks of `[b, n, h, d]` memory as they are), the output
-    is written as `[b, n, h, d_v]` memory (merging the heads afterwards is a view) and the gradients come back in
-    that layout too. Saves q, k, v, the sorting indices and weights and the bias; backward recomputes the
-    probabilities. With the sorted keys K_s = w·K_j: dK_j = w·dK_s, dw = Σ dK_s ∘ K_j + Σ dV_s ∘ V_j.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, source, weight, bias, scale, block, dropout_p, seed):
-        b, h, n, _ = q.shape
-        d_v = v.shape[-1]
-        s = block
-        dtype = _compute_dtype(q.dtype)
-        out = torch.empty(b, n, h, d_v, dtype=q.dtype, device=q.device).transpose(1, 2)  # [b, h, n, d_v]
-        has_key = None if bias is None else (bias > _HIDDEN / 2).any(dim=-1, keepdim=True)  # [b, h, B, r, 1]
-        workspace: dict[str, Tensor] = {}
-        generator = _dropout_generator(seed, q.device) if dropout_p > 0 else None
-        for head, rows, group in _groups(b, h, n // s, s):
-            q_g = _per_head(q, head, s, dtype)[rows]
-            keys, values, _, _ = _gather_group(k, v, source, weight, scale, s, head, rows, group, workspace)
-            probs = _group_probs(q_g, keys, bias, head, rows, workspace)
-            if generator is not None:
-                probs.mul_(_dropout_keep(probs, dropout_p, generator, workspace))
-            out_g = torch.bmm(probs, values, out=_buffer(workspace, "out", (group, s, d_v), dtype, q.device))
-            if has_key is not None:
-                out_g.mul_(_head_rows(has_key, head, rows))
-            _per_head(out, head, s)[rows] = out_g  # bmm into a strided `out=` would go matrix by matrix
-        ctx.save_for_backward(q, k, v, source, weight, bias, has_key)
-        ctx.scale, ctx.block, ctx.dropout_p, ctx.seed = scale, block, dropout_p, seed
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, source, weight, bias, has_key = ctx.saved_tensors
-        scale, s, dropout_p = ctx.scale, ctx.block, ctx.dropout_p
-        b, h, n, d = q.shape
-        d_v = v.shape[-1]
-        blocks = n // s
-        dtype, device = _compute_dtype(q.dtype), q.device
-        grads = [torch.empty(b, n, h, x.shape[-1], dtype=x.dtype, device=device).transpose(1, 2) for x in (q, k, v)]
-        grad_weight = torch.empty(h, b * blocks, dtype=dtype, device=device)
-        workspace: dict[str, Tensor] = {}
-        generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
-        for head, rows, group in _groups(b, h, blocks, s):
-            if rows.start == 0:  # per head, the key and value gradients gather in contiguous [b·B, s, d] buffers
-                grad_k_h = _buffer(workspace, "grad_k", (b * blocks, s, d), dtype, device).zero_()
-                grad_v_h = _buffer(workspace, "grad_v", (b * blocks, s, d_v), dtype, device).zero_()
-            q_g = _per_head(q, head, s, dtype)[rows]
-            keys, values, gathered_k, gathered_v = _gather_group(k, v, source, weight, scale, s, head, rows, group,
-                                                                 workspace)
-            probs = _group_probs(q_g, keys, bias, head, rows, workspace)
-            grad_o = _per_head(grad_out, head, s, dtype)[rows]
-            if has_key is not None:  # rows without a visible key had their output zeroed
-                grad_o = torch.mul(grad_o, _head_rows(has_key, head, rows),
-                                   out=_buffer(workspace, "grad_out", (group, s, d_v), dtype, device))
-            grad_scores = torch.bmm(grad_o, values.transpose(1, 2),
-                                    out=_buffer(workspace, "grad_scores", probs.shape, dtype, device))  # dP
-            if generator is not None:
-                keep = _dropout_keep(probs, dropout_p, generator, workspace)
-                grad_scores.mul_(keep)
-            # dS = P ∘ (dP − rowsum(P ∘ dP)); with dropout, rowsum(P ∘ dP) is still rowsum(dO ∘ O).
-            torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, dtype, grad_input=grad_scores)
-            if generator is not None:
-                probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-            grad_values = torch.bmm(probs.transpose(1, 2), grad_o,
-                                    out=_buffer(workspace, "grad_values", values.shape, dtype, device))
-            # The key buffer holds scale·K: dQ = dS (scale·K), and dS^T Q is the gradient of scale·K.
-            grad_keys = torch.bmm(grad_scores.transpose(1, 2), q_g,
-                                  out=_buffer(workspace, "grad_keys", keys.shape, dtype, device))
-            grad_q_g = torch.bmm(grad_scores, keys, out=_buffer(workspace, "grad_q", q_g.shape, dtype, device))
-            _per_head(grads[0], head, s)[rows] = grad_q_g
-            # dw of each block: [1, s·d] x [s·d, 1] products of the sorted half's gradients and the unscaled rows.
-            sorted_keys, sorted_values = grad_keys[:, s:], grad_values[:, s:]
-            dw = torch.bmm(sorted_keys.reshape(group, 1, s * d), gathered_k.view(group, s * d, 1)).mul_(scale)
-            dw += torch.bmm(sorted_values.reshape(group, 1, s * d_v), gathered_v.view(group, s * d_v, 1))
-            grad_weight[head, rows] = dw.view(group)
-            w = weight[:, head].reshape(-1)[rows].view(group, 1, 1)
-            flat_source = _flat_source(source, head, blocks)[rows]
-            grad_k_h[rows].add_(grad_keys[:, :s], alpha=scale)
-            grad_v_h[rows] += grad_values[:, :s]
-            grad_k_h.index_add_(0, flat_source, sorted_keys.mul_(w * scale))
-            grad_v_h.index_add_(0, flat_source, sorted_values.mul_(w))
-            if rows.stop == b * blocks:
-                _per_head(grads[1], head, s).copy_(grad_k_h)
-                _per_head(grads[2], head, s).copy_(grad_v_h)
-        grad_weight = grad_weight.view(h, b, blocks).permute(1, 0, 2).to(weight.dtype)
-        return *grads, None, grad_weight, None, None, None, None, None
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _groups(b: int, h: int, blocks: int, s: int):
-    """(head, slice of its b·B blocks, the slice's length) for every group of blocks, head by head."""
-    step = max(1, _GROUP_SCORES // (2 * s * s))
-    for head in range(h):
-        for start in range(0, b * blocks, step):
-            stop = min(b * blocks, start + step)
-            yield head, slice(start, stop), stop - start
-
-
-def _buffer(workspace: dict[str, Tensor], name: str, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A flat buffer of `workspace` reused by every group, viewed as `shape` (the last group may be smaller)."""
-    size = math.prod(shape)
-    buffer = workspace.get(name)
-    if buffer is None or buffer.numel() < size:
-        buffer = workspace[name] = torch.empty(size, dtype=dtype, device=device)
-    return buffer[:size].view(*shape)
-
-
-def _per_head(x: Tensor, head: int, block: int, dtype: torch.dtype | None = None) -> Tensor:
-    """Head `head` of `x [b, h, n, d]` as blocks `[b·B, s, d]`: a view for the usual layouts (`[b, n, h, d]` memory
-    behind a `split_heads` transpose, or contiguous), a copy of that head otherwise (or in another `dtype`)."""
-    b, _, n, d = x.shape
-    return x[:, head].reshape(b * (n // block), block, d).to(dtype or x.dtype)
-
-
-def _flat_source(source: Tensor, head: int, blocks: int) -> Tensor:
-    """The sorted block of every (batch, block) of `head`, as an index into that head's b·B blocks."""
-    b = source.shape[0]
-    return (source[:, head] + torch.arange(b, device=source.device).view(b, 1) * blocks).reshape(-1)
-
-
-def _head_rows(x: Tensor, head: int, rows: slice) -> Tensor:
-    """`x [b, h|1, B, r, c]` (bias, has_key) of one head, as `[b·B, r, c]`, restricted to a group's rows."""
-    b, heads, blocks, r, c = x.shape
-    return x[:, head if heads > 1 else 0].reshape(b * blocks, r, c)[rows]
-
-
-def _gather_group(k, v, source, weight, scale, s, head, rows, group, workspace):
-    """A group's keys `[G, 2s, d]` (scale · (own block, then w · sorted block)) and values `[G, 2s, d_v]` (own
-    block, then w · sorted block), and the unscaled sorted keys and values `[G, s, d]`, in reused buffers."""
-    dtype, device = _compute_dtype(k.dtype), k.device
-    flat_source = _flat_source(source, head, k.shape[2] // s)[rows]
-    w = weight[:, head].reshape(-1)[rows].view(group, 1, 1).to(dtype)
-    parts = []
-    for name, x, factor in (("keys", k, scale), ("values", v, 1.0)):
-        x_h = _per_head(x, head, s)
-        both = _buffer(workspace, name, (group, 2 * s, x.shape[-1]), dtype, device)
-        torch.mul(x_h[rows], factor, out=both[:, :s])
-        other = _buffer(workspace, "sorted_" + name, (group, s, x.shape[-1]), dtype, device)
-        if x.dtype == dtype:
-            torch.index_select(x_h, 0, flat_source, out=other)
-        else:
-            other.copy_(x_h.index_select(0, flat_source))
-        torch.mul(other, w * factor if factor != 1.0 else w, out=both[:, s:])
-        parts += [both, other]
-    keys, gathered_k, values, gathered_v = parts
-    return keys, values, gathered_k, gathered_v
-
-
-def _group_probs(q_g, keys, bias, head, rows, workspace):
-    """Softmax probabilities `[G, s, 2s]` of a group's queries over its keys, in a reused buffer."""
-    group, s = q_g.shape[:2]
-    probs = torch.bmm(q_g, keys.transpose(1, 2),
-                      out=_buffer(workspace, "probs", (group, s, keys.shape[1]), q_g.dtype, q_g.device))
-    if bias is not None:
-        probs.add_(_head_rows(bias, head, rows))
-    return torch.ops.aten._softmax.out(probs, -1, False, out=probs)
-
-
-def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
-def _dropout_keep(probs, dropout_p, generator, workspace):
-    """A group's dropout multipliers (0 or 1/(1-p)): the same draws in forward and backward (one seed, one order)."""
-    keep = _buffer(workspace, "keep", probs.shape, probs.dtype, probs.device)
-    return keep.bernoulli_(1.0 - dropout_p, generator=generator).mul_(1.0 / (1.0 - dropout_p))
-
-
+# ---------------------------------------------------------------------------------------------- attention
 def sinkhorn_attention(
     q: Tensor,
     k: Tensor,
@@ -402,8 +212,13 @@ def sinkhorn_attention(
     noise: bool = False,
     dropout_p: float = 0.0,
     backend: str = "auto",
-) -> Tensor:
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
+
+    The attention step runs through `executor_blocked.attend_blocks`: query block i gathers its own block and its
+    sorted block (`kv_index`, one key set per head), the sorted one weighted by S_ij* (`kv_weight`, differentiable,
+    so the sorting network learns through it); SortCut's p mixed blocks are keys every query block sees.
 
     Args:
         q, k, v: `[b, h, n, d]` (v: d_v).
@@ -417,20 +232,28 @@ def sinkhorn_attention(
         scale: Multiplier of q·k; default 1/sqrt(d).
         noise: Gumbel noise on the sorting scores (training).
         dropout_p: Dropout on the attention probabilities.
-        backend: `"auto"` (default) or `"torch"`: the PyTorch executor; `"xformers"`: the attention step as one
-            xformers call (CUDA; `_attend_on_kernel`), which `"auto"` does not pick yet (not measured on a GPU);
-            `"reference"`: `sinkhorn_attention_dense`.
+        backend: `"auto"` (default) or `"torch"`: the PyTorch blocked executor; `"xformers"`: the attention step as
+            one call of the fused kernel (CUDA; `_attend_on_kernel`), which `"auto"` does not pick yet (not measured
+            on a GPU); `"reference"`: the dense form, written over all key positions (`_dense_attention`).
+        return_weights: Also return the effective attention weights (`sinkhorn_attention_dense`); needs
+            `backend="reference"`.
 
     Returns:
-        `[b, h, n, d_v]`.
+        `[b, h, n, d_v]`; with `return_weights`, `(out, weights [b, h, n, n])`.
 
     Raises:
-        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device, or a
-            back end that cannot run this call (the message says why).
+        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device,
+            `return_weights` with another back end than `"reference"`, or a back end that cannot run this call (the
+            message says why).
     """
     if causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
+    if return_weights and backend != "reference":
+        raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
+        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
+                                sortcut, scale, noise, dropout_p)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
@@ -438,72 +261,100 @@ def sinkhorn_attention(
         q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
     ))
     if choice == "reference":
-        return sinkhorn_attention_dense(
-            q, k, v, sort_weight, block_size=block_size, iterations=iterations, temperature=temperature,
-            causal=causal, sortcut=sortcut, key_padding_mask=key_padding_mask, scale=scale, noise=noise,
-            dropout_p=dropout_p,
-        )[0]
-    on_kernel = choice == "xformers"
+        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
+                                sortcut, scale, noise, dropout_p)[0]
     b, h, n, d = q.shape
-    d_v = v.shape[-1]
     s = block_size
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(d) if scale is None else scale
     padded = key_padding_mask is not None or n % s != 0
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(k, valid, sort_weight, block_size=s, iterations=iterations,
                                 temperature=temperature, causal=causal, noise=noise, padded=padded)  # [b, h, B, B]
-    bias_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-
     if sortcut:
-        kept = min(sortcut, blocks)
-        k_blocks, v_blocks = k.view(b, h, blocks, s, d), v.view(b, h, blocks, s, d_v)
-        mix = sort[:, :, :kept].to(k.dtype)  # [b, h, p, B]
-        keys = torch.einsum("bhpj,bhjsd->bhpsd", mix, k_blocks)  # the first p sorted blocks, exact soft mixtures
-        values = torch.einsum("bhpj,bhjsd->bhpsd", mix, v_blocks)
-        # A sorted block exists where its row of S is not empty (a real target block).
-        present = (sort[:, :, :kept].sum(-1) > 0)[..., None].expand(b, h, kept, s).reshape(b * h, 1, kept * s)
-        if on_kernel:
-            out = _attend_on_kernel(q, keys.reshape(b, h, kept * s, d), values.reshape(b, h, kept * s, d_v),
-                                    visible=present.view(b, h, 1, 1, kept * s), queries_per_key_block=q.shape[2],
-                                    scale=scale, dropout_p=dropout_p)
+        keys, values, visible = _sortcut_keys(k, v, sort, min(sortcut, blocks), s)
+        if choice == "xformers":  # one key block that all queries share
+            out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=q.shape[2], scale=scale,
+                                    dropout_p=dropout_p)
             return _restore(out, n, rotation)
-        bias = torch.zeros(present.shape, dtype=bias_dtype, device=q.device).masked_fill_(~present, -math.inf)
-        out, _ = attend_windows(q.reshape(b * h, -1, d), keys.reshape(-1, d), values.reshape(-1, d_v), bias,
-                                stride=kept * s, scale=scale, dropout_p=dropout_p)
-        return _restore(out.view(b, h, -1, d_v), n, rotation)
+        kv_index = kv_weight = None
+    else:
+        kv_index, kv_weight, visible = _own_and_sorted_keys(sort, valid, s, causal=causal, padded=padded)
+        kv_weight = kv_weight.to(k.dtype)
+        if choice == "xformers":  # the gathered, weighted keys materialised per block: [b, h, B·2s, d]
+            keys, values = (_gather_blocks(x, kv_index, kv_weight).flatten(2, 3) for x in (k, v))
+            out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=s, scale=scale,
+                                    dropout_p=dropout_p)
+            return _restore(out, n, rotation)
+        keys, values = k, v
+    m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
+    if visible is None:  # every key visible: a broadcast view, nothing allocated
+        visible = torch.ones((), dtype=torch.bool, device=q.device)
+    mask = visible.expand(b, h, blocks, s, m)
+    out, _ = attend_blocks(q.view(b, h, blocks, s, d), keys, values, kv_index=kv_index, mask=mask, scale=scale,
+                           dropout_p=dropout_p, kv_weight=kv_weight)  # [b, h, B, s, d_v]
+    return _restore(out.flatten(2, 3), n, rotation)
 
+
+def _own_and_sorted_keys(sort: Tensor, valid: Tensor, s: int, *, causal: bool,
+                         padded: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Each query block's keys: its own block, then its sorted block j* = argmax_j S_ij, weighted by S_ij*.
+
+    The sorted block is the soft permutation truncated to its largest entry (module docstring): `w · K_j*` and
+    `w · V_j*` with w = S_ij*, through which the sorting network gets its gradient.
+
+    Args:
+        sort: S `[b, h, B, B]`.
+        valid: Bool `[b, B·s]`, True = real token.
+        s: Block size.
+        causal: Own blocks are masked causally (sorted blocks lie entirely in the past).
+        padded: Whether anything can be hidden (padding, an empty row of S); False with `causal` False: None mask.
+
+    Returns:
+        `(kv_index, kv_weight, visible)`: long `[b, h, B, 2s]` key positions, `[b, h, B, 2s]` weights (1 for the
+        own block, S_ij* for the sorted one; differentiable), bool `[b, h, B, 1 or s, 2s]` or None (all visible).
+    """
+    b, h, blocks, _ = sort.shape
     with torch.no_grad():
-        source = sort.argmax(dim=-1)  # [b, h, B], the block sorted into place i
-        has_source = sort.amax(dim=-1) > 0
-    weight = sort.gather(-1, source.unsqueeze(-1)).squeeze(-1).to(k.dtype)  # [b, h, B]: S_ij*, carries the gradient
-    bias = None
-    if padded or causal:  # otherwise every key is visible and every row of S has a block (rows sum to 1)
-        with torch.no_grad():
-            own = valid.view(b, 1, blocks, 1, s).expand(b, h, blocks, 1, s)
-            other = valid.view(b, 1, blocks, s).expand(b, h, blocks, s).gather(
-                2, source.unsqueeze(-1).expand(b, h, blocks, s)) & has_source.unsqueeze(-1)
-            visible = torch.cat([own, other.unsqueeze(3)], dim=-1)  # [b, h, B, 1, 2s]
-            if causal:
-                earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-                visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
-            bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, _HIDDEN)
-    if on_kernel:
-        # Per block: its own keys, then w · the keys of its sorted block (values alike); autograd carries dw.
-        w = weight[..., None, None]  # [b, h, B, 1, 1]
-        k_blocks, v_blocks = k.reshape(b, h, blocks, s, d), v.reshape(b, h, blocks, s, d_v)
-        index = source[..., None, None]
-        sorted_k = torch.take_along_dim(k_blocks, index, dim=2) * w  # [b, h, B, s, d]
-        sorted_v = torch.take_along_dim(v_blocks, index, dim=2) * w
-        keys = torch.cat([k_blocks, sorted_k], dim=3).view(b, h, blocks * 2 * s, d)
-        values = torch.cat([v_blocks, sorted_v], dim=3).view(b, h, blocks * 2 * s, d_v)
-        visible = None if bias is None else bias > _HIDDEN / 2  # [b, h, B, 1 or s, 2s]
-        out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=s, scale=scale,
-                                dropout_p=dropout_p)
-        return _restore(out, n, rotation)
-    seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
-    out = _OwnAndSortedAttention.apply(q, k, v, source, weight, bias, float(scale), s, float(dropout_p), seed)
-    return _restore(out, n, rotation)
+        source = sort.argmax(dim=-1, keepdim=True)  # [b, h, B, 1], the block sorted into place i
+        offsets = torch.arange(s, device=sort.device)
+        own = (torch.arange(blocks, device=sort.device)[:, None] * s + offsets).expand(b, h, blocks, s)
+        kv_index = torch.cat([own, source * s + offsets], dim=-1)  # [b, h, B, 2s]
+    weight = sort.gather(-1, source)  # [b, h, B, 1]: S_ij*, carries the gradient
+    kv_weight = torch.cat([torch.ones_like(weight).expand(b, h, blocks, s), weight.expand(b, h, blocks, s)], dim=-1)
+    if not (padded or causal):  # every key is visible and every row of S has a block (rows sum to 1)
+        return kv_index, kv_weight, None
+    with torch.no_grad():
+        has_source = (weight > 0).expand(b, h, blocks, s)  # an empty row of S (no real or no earlier block)
+        visible = valid.gather(1, kv_index.flatten(1)).view(b, h, blocks, 1, 2 * s)
+        visible = visible & torch.cat([torch.ones_like(has_source), has_source], dim=-1).unsqueeze(3)
+        if causal:
+            earlier = torch.ones(s, s, dtype=torch.bool, device=sort.device).tril()
+            visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
+    return kv_index, kv_weight, visible
+
+
+def _sortcut_keys(k: Tensor, v: Tensor, sort: Tensor, kept: int, s: int) -> tuple[Tensor, Tensor, Tensor]:
+    """SortCut's keys: the first p sorted blocks as exact soft mixtures `Σ_j S_pj K_j` (values alike).
+
+    Returns:
+        `(keys [b, h, p·s, d], values [b, h, p·s, d_v], visible [b, h, 1, 1, p·s])`: a mixed block exists where
+        its row of S is not empty (a real target block).
+    """
+    b, h, n, d = k.shape
+    blocks = n // s
+    mix = sort[:, :, :kept].to(k.dtype)  # [b, h, p, B]
+    keys = torch.einsum("bhpj,bhjsd->bhpsd", mix, k.view(b, h, blocks, s, d)).reshape(b, h, kept * s, d)
+    values = torch.einsum("bhpj,bhjsd->bhpsd", mix, v.view(b, h, blocks, s, -1)).reshape(b, h, kept * s, -1)
+    present = (sort[:, :, :kept].sum(-1) > 0)[..., None].expand(b, h, kept, s)
+    return keys, values, present.reshape(b, h, 1, 1, kept * s)
+
+
+def _gather_blocks(x: Tensor, kv_index: Tensor, kv_weight: Tensor) -> Tensor:
+    """`x [b, h, n, c]` at the positions `kv_index [b, h, B, m]`, times `kv_weight`: `[b, h, B, m, c]`."""
+    b, h, blocks, m = kv_index.shape
+    rows = x.gather(2, kv_index.reshape(b, h, blocks * m, 1).expand(b, h, blocks * m, x.shape[-1]))
+    return rows.view(b, h, blocks, m, -1) * kv_weight[..., None]
 
 
 def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tensor | None, queries_per_key_block: int,
@@ -512,7 +363,7 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
 
     Query block i (`queries_per_key_block` = m queries) attends to key block i (w keys): q `[b, h, B·m, d]`,
     keys `[b, h, B·w, d]`, values `[b, h, B·w, d_v]`, the blocks riding in the kernel's batch dim. Hidden keys get
-    an additive bias of -`HIDDEN_PENALTY` (its rows 8-aligned in memory, as the kernels read them), and rows
+    an additive bias of -`HALF_HIDDEN_PENALTY` (its rows 8-aligned in memory, as the kernels read them), and rows
     with no visible key are zeroed, as the PyTorch executor returns them.
 
     Args:
@@ -534,7 +385,7 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
         has_key = visible.any(dim=-1, keepdim=True)  # [b, h, B, 1 or m, 1]
         aligned = -(-w // 8) * 8
         attn_bias = torch.zeros(b, blocks, h, visible.shape[3], aligned, dtype=q.dtype, device=q.device)[..., :w]
-        attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HIDDEN_PENALTY)
+        attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HALF_HIDDEN_PENALTY)
         attn_bias = attn_bias.reshape(b * blocks, h, visible.shape[3], w).expand(b * blocks, h, m, w)
     out = current_kernel().attention(kernel_layout(q, m), kernel_layout(keys, w), kernel_layout(values, w), attn_bias,
                                      p=dropout_p, scale=scale)  # [b·B, m, h, d_v]
@@ -545,40 +396,33 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
 
 
 # ---------------------------------------------------------------------------------------------- dense form
-def sinkhorn_attention_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sort_weight: Tensor,
-    *,
-    block_size: int,
-    iterations: int,
-    temperature: float,
-    causal: bool = False,
-    sortcut: int | None = None,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    noise: bool = False,
-    dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+def sinkhorn_attention_dense(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor,
+                             **settings: Any) -> tuple[Tensor, Tensor]:
     """The same attention as `sinkhorn_attention`, written over all m key positions (with its weights).
 
-    Queries are the last n of the m key positions (cached decoding; n = m for `output_attentions`). The returned
-    weights are the effective mixing weights over the original positions (`out = weights @ v`): for a sorted block,
-    probability times S_ij*; for SortCut, the probabilities of the mixed keys spread over their source blocks by S.
+    `sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)`: the same
+    keyword arguments (`block_size`, `iterations`, `temperature`, `causal`, `sortcut`, `key_padding_mask` `[b, m]`,
+    `scale`, `noise`, `dropout_p`), but `backend`. Queries are the last n of the m key positions (cached decoding;
+    n = m for `output_attentions`). The returned weights are the effective mixing weights over the original
+    positions (`out = weights @ v`): for a sorted block, probability times S_ij*; for SortCut, the probabilities of
+    the mixed keys spread over their source blocks by S.
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
 
     Raises:
-        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
+        ValueError: As `sinkhorn_attention`.
     """
+    return sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)
+
+
+def _dense_attention(q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale,
+                     noise, dropout_p):
+    """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
     b, h, n, d = q.shape
     m = k.shape[2]
-    s = block_size
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
+    scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
     if is_empty(q, k):
         return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask

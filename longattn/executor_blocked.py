@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -118,9 +118,12 @@ def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Te
 def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: int) -> Tensor:
     """Flat row numbers `[b·h_kv·n_blk·m]` of the keys blocks `start:stop` gather, for `_rows` views.
 
-    kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row; base `[b·h_kv]` (see `_rows`)."""
+    kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row, `[b, h_kv, nb, m]` one per row and
+    key/value head; base `[b·h_kv]` (see `_rows`)."""
     if kv_index.dim() == 2:
         return (base.view(-1, 1) + kv_index[start:stop].reshape(1, -1) * step).view(-1)
+    if kv_index.dim() == 4:
+        return (base.view(-1, 1) + kv_index[:, :, start:stop].reshape(base.shape[0], -1) * step).view(-1)
     b = kv_index.shape[0]
     return (base.view(b, -1, 1) + kv_index[:, start:stop].reshape(b, 1, -1) * step).view(-1)
 
@@ -153,7 +156,7 @@ class _BlockAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed):
+    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed, kv_weight):
         b, h, nb, c, _ = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
         dtype = compute_dtype(q_blocks.dtype)
@@ -167,7 +170,7 @@ class _BlockAttention(torch.autograd.Function):
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
 
-        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace):
+        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
@@ -183,7 +186,7 @@ class _BlockAttention(torch.autograd.Function):
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
             torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
-        ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key)
+        ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key, kv_weight)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
         # An unused lse (the common case) then arrives as None in backward instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
@@ -191,7 +194,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q_blocks, k, v, kv_index, mask, has_key = ctx.saved_tensors
+        q_blocks, k, v, kv_index, mask, has_key, kv_weight = ctx.saved_tensors
         scale, dropout_p = ctx.scale, ctx.dropout_p
         b, h, nb, c, d = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
@@ -204,10 +207,11 @@ class _BlockAttention(torch.autograd.Function):
         grad_out6 = None if grad_out is None else _split_heads(grad_out, h_kv)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
         grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
+        grad_weight = None if kv_weight is None else torch.empty(kv_weight.shape, dtype=dtype, device=device)
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
 
-        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace):
+        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
@@ -234,6 +238,8 @@ class _BlockAttention(torch.autograd.Function):
             grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
             grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
             torch.mul(chunk.view6(grad_q_chunk), scale, out=grad_q6[:, :, :, start:stop])
+            if grad_weight is not None:
+                _weight_backward(chunk, grad_keys, grad_values, grad_weight, workspace)
             if kv_index is None:
                 grad_k.add_(grad_keys.view(b, h_kv, -1, d))
                 grad_v.add_(grad_values.view(b, h_kv, -1, d_v))
@@ -250,7 +256,21 @@ class _BlockAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None if grad_weight is None else grad_weight.to(kv_weight.dtype),
         )
+
+
+def _weight_backward(chunk: _Chunk, grad_keys: Tensor, grad_values: Tensor, grad_weight: Tensor,
+                     workspace: _Workspace) -> None:
+    """Weighted gathered keys and values (K_w = w·K, V_w = w·V): writes dw = Σ_d dK_w ∘ K + Σ_d dV_w ∘ V into the
+    chunk's slice of grad_weight `[b, h_kv, nb, m]`, and turns grad_keys, grad_values into the gradients of the
+    unweighted gathered rows (dK = w·dK_w, dV = w·dV_w), in place, before they are scattered back."""
+    product = torch.mul(grad_keys, chunk.raw_keys, out=workspace.get("weight_product", grad_keys.shape))
+    dw = product.sum(dim=-1)  # [b·h_kv·n_blk, m]
+    dw += torch.mul(grad_values, chunk.raw_values, out=workspace.get("weight_product", grad_values.shape)).sum(dim=-1)
+    grad_weight[:, :, chunk.start:chunk.stop] = dw.view(grad_weight.shape[0], grad_weight.shape[1], -1, dw.shape[-1])
+    grad_keys.mul_(chunk.weight)
+    grad_values.mul_(chunk.weight)
 
 
 @dataclass
@@ -271,6 +291,11 @@ class _Chunk:
     values: Tensor
     hidden: Tensor
     shape6: tuple[int, int, int, int, int]  # (b, h_kv, group, n_blk, c)
+    # With `kv_weight`: keys and values above are weighted; these are the gathered rows before weighting and the
+    # weights `[b·h_kv·n_blk, m, 1]` (for the weights' gradient).
+    raw_keys: Tensor | None = None
+    raw_values: Tensor | None = None
+    weight: Tensor | None = None
 
     @property
     def scores_shape(self) -> tuple[int, int, int]:
@@ -289,7 +314,8 @@ class _Chunk:
 
 
 def _chunks(
-    q_blocks: Tensor, k: Tensor, v: Tensor, kv_index: Tensor | None, mask: Tensor, scale: float, workspace: _Workspace
+    q_blocks: Tensor, k: Tensor, v: Tensor, kv_index: Tensor | None, mask: Tensor, scale: float, workspace: _Workspace,
+    kv_weight: Tensor | None = None,
 ):
     """Yield a `_Chunk` per group of query blocks small enough for the workspace budget."""
     b, h, nb, c, d = q_blocks.shape
@@ -324,10 +350,20 @@ def _chunks(
         values = torch.index_select(
             v_rows, 0, _gather_rows(v_base, v_step, kv_index, start, stop), out=workspace.get("values", (count, d_v))
         )
-        yield _Chunk(
+        chunk = _Chunk(
             start, stop, q_scaled.view(b * h_kv * n_blk, group * c, d), keys.view(b * h_kv * n_blk, m, d),
             values.view(b * h_kv * n_blk, m, d_v), hidden, shape6,
         )
+        yield chunk if kv_weight is None else _weighted(chunk, kv_weight, workspace)
+
+
+def _weighted(chunk: _Chunk, kv_weight: Tensor, workspace: _Workspace) -> _Chunk:
+    """The chunk with its gathered keys and values multiplied by their `kv_weight` (see `attend_blocks`); the
+    unweighted rows and the weights stay in the chunk for `_weight_backward`."""
+    weight = kv_weight[:, :, chunk.start:chunk.stop].reshape(*chunk.keys.shape[:2], 1).to(chunk.keys.dtype)
+    keys = torch.mul(chunk.keys, weight, out=workspace.get("weighted_keys", chunk.keys.shape))
+    values = torch.mul(chunk.values, weight, out=workspace.get("weighted_values", chunk.values.shape))
+    return replace(chunk, keys=keys, values=values, raw_keys=chunk.keys, raw_values=chunk.values, weight=weight)
 
 
 def attend_blocks(
@@ -339,6 +375,7 @@ def attend_blocks(
     mask: Tensor,
     scale: float,
     dropout_p: float = 0.0,
+    kv_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each block of queries attends to its own set of keys; returns the output and the log-sum-exp.
 
@@ -351,10 +388,14 @@ def attend_blocks(
             i // (h / h_kv), without repeating k); the usual `[b, n, h_kv, d]`-backed views are read without a copy.
         v: Values `[b, h_kv, n_k, d_v]`, likewise.
         kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
-            entries); `[b, nb, m]`: one key set per batch row. None: every block attends to all `n_k` keys (m = n_k) without gathering them.
+            entries); `[b, nb, m]`: one key set per batch row; `[b, h_kv, nb, m]`: one per batch row and key/value
+            head (content-based layouts, e.g. Sinkhorn's sorted blocks). None: every block attends to all `n_k` keys (m = n_k) without gathering them.
         mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
+        kv_weight: Optional float `[b, h_kv, nb, m]` (needs `kv_index`): gathered key j of block i enters as
+            `w · k` and `w · v` with w = `kv_weight[..., i, j]`, differentiably (Sinkhorn's sorted block, scaled by
+            its sorting weight). None: weight 1 (no extra work).
 
     Returns:
         `(out, lse)`: out `[b, h, nb, c, d_v]` in the dtype of q, stored as `[b, nb, c, h, d_v]` so that merging
@@ -374,9 +415,16 @@ def attend_blocks(
         raise ValueError(f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     m = k.shape[2] if kv_index is None else kv_index.shape[-1]
-    if kv_index is not None and (kv_index.dim() not in (2, 3) or kv_index.shape[-2] != nb
+    if kv_index is not None and (kv_index.dim() not in (2, 3, 4) or kv_index.shape[-2] != nb
                                  or (kv_index.dim() == 3 and kv_index.shape[0] != b)):
         raise ValueError(f"kv_index must have shape [nb={nb}, m] or [b={b}, nb={nb}, m], got {tuple(kv_index.shape)}")
+    if kv_index is not None and kv_index.dim() == 4 and tuple(kv_index.shape[:2]) != (b, k.shape[1]):
+        raise ValueError(f"kv_index of one key set per head must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m], "
+                         f"got {tuple(kv_index.shape)}")
+    if kv_weight is not None and (kv_index is None or tuple(kv_weight.shape) != (b, k.shape[1], nb, m)):
+        raise ValueError(f"kv_weight must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m={m}] and comes with a "
+                         f"kv_index; got {tuple(kv_weight.shape)} with kv_index "
+                         f"{None if kv_index is None else tuple(kv_index.shape)}")
     if (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
@@ -387,13 +435,15 @@ def attend_blocks(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if torch.compiler.is_compiling():
-        return _attend_blocks_traceable(q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p)
+        return _attend_blocks_traceable(q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p,
+                                        kv_weight=kv_weight)
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
-    return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed)
+    return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed, kv_weight)
 
 
 def _attend_blocks_traceable(
-    q_blocks: Tensor, k: Tensor, v: Tensor, *, kv_index: Tensor | None, mask: Tensor, scale: float, dropout_p: float
+    q_blocks: Tensor, k: Tensor, v: Tensor, *, kv_index: Tensor | None, mask: Tensor, scale: float, dropout_p: float,
+    kv_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
 
@@ -405,11 +455,17 @@ def _attend_blocks_traceable(
     b, h_kv = k.shape[:2]
     if kv_index is None:
         keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
+    elif kv_index.dim() == 4:  # one key set per head: [b, h_kv, nb, m, d]
+        keys, values = (t.to(dtype).gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, t.shape[3]))
+                        .view(*kv_index.shape, t.shape[3]) for t in (k, v))
     else:
         rows = torch.arange(b, device=k.device).view(b, 1, 1)
         index = kv_index.expand(b, *kv_index.shape[-2:])  # [b, nb, m]
         # [b, nb, m, h_kv, d] -> [b, h_kv, nb, m, d]
         keys, values = (t.to(dtype).transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4) for t in (k, v))
+    if kv_weight is not None:
+        weight = kv_weight.to(dtype)[..., None]  # [b, h_kv, nb, m, 1]
+        keys, values = keys * weight, values * weight
     keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
     scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
     scores = scores.flatten(1, 2) + (~mask).to(dtype) * HIDDEN_LOGIT  # [b, h, nb, c, m]

@@ -28,20 +28,19 @@ drops by 1e4 (its weight is exactly 0 in float32) and the head dim is padded to 
 only hidden keys are detected by their log-sum-exp and zeroed. The merged backward calls the kernel's backward once
 per part with the merged output and log-sum-exp (exact: the softmax over the union is what each part's keys saw).
 
-Every kernel call goes through one injectable object (`current_kernel()`, replaced with `use_kernel(...)`) with
-xformers' contract `[B, M, H, K]`: `attention` (autograd, dropout), `forward` (output and log-sum-exp) and
-`backward`. `ReferenceKernel` implements that contract with dense PyTorch math and materialised biases, so the
-permutations, merges and hidden-key column run end to end on CPU in the tests. xformers is imported lazily, inside
-functions, through public `xformers.ops` names only.
+Every kernel call goes through one injectable object (`fused_kernel.current_kernel()`, replaced with
+`use_kernel(...)`) with xformers' contract `[B, M, H, K]`: `attention` (autograd, dropout), `forward` (output and
+log-sum-exp) and `backward`. `ReferenceKernel` implements that contract with dense PyTorch math and materialised
+biases, so the permutations, merges and hidden-key column run end to end on CPU in the tests. xformers is imported
+lazily, inside functions, through public `xformers.ops` names only; the one xformers global a kernel call needs is
+set for that call only (`fused_kernel.xformers_call`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .executor_blocked import global_token_index
+from .fused_kernel import ReferenceKernel, XformersKernel, current_kernel, import_xformers_ops, use_kernel
 from .numerics import HALF_HIDDEN_PENALTY, head_groups
 
 __all__ = [
@@ -87,149 +87,9 @@ HALF_HIDDEN_PENALTY. A row whose log-sum-exp is below -HIDDEN_PENALTY / 2 saw on
 _MAX_HEAD_DIM = 256
 
 
-def _xformers_ops():
-    # Optional dependency, imported on first use. Inside `try` on purpose: transformers' remote-code loader ignores
-    # imports there, so a Hub folder carrying this file loads without xformers installed.
-    try:
-        import xformers.ops  # noqa: PLC0415
-    except ImportError as error:
-        raise ImportError("the xformers back end needs xformers: pip install 'longattn[xformers]'") from error
-    _admit_pytorch_kernels()
-    return xformers.ops
-
-
-@functools.lru_cache(maxsize=None)
-def _admit_pytorch_kernels() -> bool:
-    """Let xformers dispatch to its operators that run on PyTorch's own kernels when its extension did not load.
-
-    An xformers wheel is built against one torch release. Under another, its C++ extension fails to load, and
-    xformers then refuses every CUDA operator ("xFormers wasn't build with CUDA support"), although its
-    FlashAttention-2 and cutlass operators call PyTorch's kernels (`fa2F@...-pt`, `cutlassF-pt` in
-    `python -m xformers.info`, which lists them as available) and need no extension. Only that one refusal is
-    lifted: operators that do need the extension still report "operator wasn't built" and are never chosen, and
-    `probe_reasons` runs what a layout needs before the dispatcher admits the back end.
-
-    Returns:
-        True when the refusal was lifted (the extension had failed to load), else False.
-    """
-    cpp_lib = importlib.import_module("xformers._cpp_lib")
-    if getattr(cpp_lib, "_cpp_library_load_exception", None) is None or not torch.cuda.is_available():
-        return False
-    common = importlib.import_module("xformers.ops.fmha.common")
-    if getattr(common, "_built_with_cuda", True):
-        return False
-    common._built_with_cuda = True
-    return True
-
-
 def _attn_bias():
-    return _xformers_ops().fmha.attn_bias
+    return import_xformers_ops().fmha.attn_bias
 
-
-# ----------------------------------------------------------------------------------------------- the kernels
-class XformersKernel:
-    """xformers' kernels behind the contract every layout uses (`[B, M, H, K]` tensors, an xformers bias or an
-    additive `[B, H, M, N]` tensor)."""
-
-    name = "xformers"
-
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, attn_bias: Any, *, p: float, scale: float) -> Tensor:
-        """Attention with autograd (and dropout): `[B, M, H, K]` -> `[B, M, H, K_v]`."""
-        return _xformers_ops().memory_efficient_attention(q, k, v, attn_bias=attn_bias, p=p, scale=scale)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_bias: Any, *, scale: float) -> tuple[Tensor, Tensor]:
-        """Output `[B, M, H, K_v]` and log-sum-exp `[B, H, M]` (float32), no autograd."""
-        out, lse = _xformers_ops().memory_efficient_attention_forward_requires_grad(
-            q, k, v, attn_bias=attn_bias, scale=scale
-        )
-        return out, lse[:, :, : q.shape[1]].float()
-
-    def backward(
-        self, grad: Tensor, out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Any, *, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients of q, k, v given the output's gradient, the output and the log-sum-exp of every row."""
-        return _xformers_ops().memory_efficient_attention_backward(
-            grad, out, lse.contiguous(), q, k, v, attn_bias=attn_bias, scale=scale
-        )
-
-
-class ReferenceKernel:
-    """The same contract in dense PyTorch math, biases materialised: for tests and for checking a GPU's kernels.
-
-    Costs O(B · H · M · N) memory. Computes in float32 for half inputs, float64 for float64 inputs.
-    """
-
-    name = "reference"
-
-    @staticmethod
-    def _scores(q: Tensor, k: Tensor, attn_bias: Any, scale: float) -> Tensor:
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scores = torch.einsum("bmhk,bnhk->bhmn", q.to(dtype), k.to(dtype)) * scale  # [B, H, M, N]
-        if attn_bias is None:
-            return scores
-        if isinstance(attn_bias, Tensor):
-            return scores + attn_bias.to(dtype)
-        return scores + attn_bias.materialize((q.shape[1], k.shape[1]), dtype=dtype, device=q.device)
-
-    @staticmethod
-    def _probs(scores: Tensor, lse: Tensor) -> Tensor:
-        # Rows without a visible key have lse = -inf: their probabilities are 0, not NaN.
-        finite = torch.isfinite(lse)
-        return torch.where(finite[..., None], (scores - torch.where(finite, lse, 0.0)[..., None]).exp(), 0.0)
-
-    def attention(self, q, k, v, attn_bias, *, p, scale):
-        scores = self._scores(q, k, attn_bias, scale)
-        probs = self._probs(scores, scores.logsumexp(dim=-1))
-        if p > 0:
-            probs = F.dropout(probs, p=p)
-        return torch.einsum("bhmn,bnhk->bmhk", probs, v.to(probs.dtype)).to(q.dtype)
-
-    def forward(self, q, k, v, attn_bias, *, scale):
-        with torch.no_grad():
-            scores = self._scores(q, k, attn_bias, scale)
-            lse = scores.logsumexp(dim=-1)  # [B, H, M]
-            out = torch.einsum("bhmn,bnhk->bmhk", self._probs(scores, lse), v.to(scores.dtype))
-        return out.to(q.dtype), lse
-
-    def backward(self, grad, out, lse, q, k, v, attn_bias, *, scale):
-        with torch.no_grad():
-            scores = self._scores(q, k, attn_bias, scale)
-            dtype = scores.dtype
-            probs = self._probs(scores, lse.to(dtype))  # [B, H, M, N]
-            grad, out = grad.to(dtype), out.to(dtype)
-            grad_v = torch.einsum("bhmn,bmhk->bnhk", probs, grad)
-            grad_probs = torch.einsum("bmhk,bnhk->bhmn", grad, v.to(dtype))
-            row_dot = (grad * out).sum(dim=-1).transpose(1, 2)  # [B, H, M]
-            grad_scores = probs * (grad_probs - row_dot[..., None]) * scale
-            grad_q = torch.einsum("bhmn,bnhk->bmhk", grad_scores, k.to(dtype))
-            grad_k = torch.einsum("bhmn,bmhk->bnhk", grad_scores, q.to(dtype))
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
-
-
-_KERNEL: Any = XformersKernel()
-
-
-def current_kernel() -> Any:
-    """The kernel object every layout calls (xformers' by default)."""
-    return _KERNEL
-
-
-@contextlib.contextmanager
-def use_kernel(kernel: Any) -> Iterator[Any]:
-    """Run the xformers executor on another kernel with the same contract (e.g. `ReferenceKernel()` on CPU).
-
-    Args:
-        kernel: An object with `attention`, `forward` and `backward` like `XformersKernel`.
-
-    Yields:
-        The kernel.
-    """
-    global _KERNEL
-    previous, _KERNEL = _KERNEL, kernel
-    try:
-        yield kernel
-    finally:
-        _KERNEL = previous
 
 
 # ----------------------------------------------------------------------------------------------- layouts
@@ -994,7 +854,6 @@ def probe_reasons(dtype: torch.dtype, *, needs_tensor_bias: bool = False, device
 
 def _probe(device, dtype, needs_tensor_bias) -> list[str]:
     try:
-        xops = _xformers_ops()
         bias = _attn_bias()
     except Exception as error:  # noqa: BLE001 - any import failure is a reason
         return [f"import xformers.ops failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"]

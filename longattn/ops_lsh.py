@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import AttentionRequest, select_backend
-from .executor_xformers import HIDDEN_PENALTY, current_kernel
+from .fused_kernel import current_kernel
+from .numerics import HALF_HIDDEN_PENALTY as HIDDEN_PENALTY
 from .ops_checks import (
     check_backend_support,
     check_dropout,

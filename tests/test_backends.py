@@ -622,20 +622,76 @@ def test_xformers_half_precision_matches_float64(reference_kernel):
     torch.testing.assert_close(actual.double(), expected.detach(), rtol=2e-2, atol=2e-2)
 
 
-def test_xformers_admits_its_pytorch_kernel_operators_only_when_its_extension_failed(monkeypatch):
-    pytest.importorskip("xformers")
+def _xformers_modules():
     import importlib
 
-    cpp_lib = importlib.import_module("xformers._cpp_lib")
-    common = importlib.import_module("xformers.ops.fmha.common")
+    pytest.importorskip("xformers.ops")  # imported before any test patches torch.cuda (xformers probes it on import)
+    return importlib.import_module("xformers._cpp_lib"), importlib.import_module("xformers.ops.fmha.common")
+
+
+def _xformers_globals() -> dict:
+    """Every plain module-level value (bool, number, string, None) of xformers' fmha package and its modules."""
+    import sys
+
+    modules = [module for name, module in sorted(sys.modules.items())
+               if module is not None and (name == "xformers" or name.startswith(("xformers.ops", "xformers._cpp_lib")))]
+    return {(module.__name__, name): value for module in modules for name, value in vars(module).items()
+            if isinstance(value, (bool, int, float, str, type(None))) and not name.startswith("__")}
+
+
+def test_xformers_admits_its_pytorch_kernel_operators_only_when_its_extension_failed_and_only_during_a_call(
+        monkeypatch):
+    from longattn import fused_kernel
+
+    cpp_lib, common = _xformers_modules()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for failed, expected in ((None, False), (ImportError("built for another torch"), True)):
-        executor_xformers._admit_pytorch_kernels.cache_clear()
         monkeypatch.setattr(cpp_lib, "_cpp_library_load_exception", failed)
         monkeypatch.setattr(common, "_built_with_cuda", False)
-        assert executor_xformers._admit_pytorch_kernels() is expected
-        assert common._built_with_cuda is expected
-    executor_xformers._admit_pytorch_kernels.cache_clear()
+        with fused_kernel.xformers_call():
+            assert common._built_with_cuda is expected
+        assert common._built_with_cuda is False
+        with pytest.raises(RuntimeError, match="inside"), fused_kernel.xformers_call():
+            raise RuntimeError("inside")
+        assert common._built_with_cuda is False
+
+
+@pytest.mark.parametrize("call", ["attention", "forward", "backward"])
+def test_xformers_kernel_calls_leave_xformers_globals_as_they_were(monkeypatch, call):
+    """A real kernel call through xformers' dispatcher, with the admission active (its extension failed to load, a
+    CUDA device "is available"): on CPU tensors the dispatcher finds no operator and raises; whatever happened
+    inside, xformers' module globals afterwards are what they were before (they used to stay admitted for good).
+    A fake kernel entry then shows that the admission was in force during a call that returns."""
+    cpp_lib, common = _xformers_modules()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_lib, "_cpp_library_load_exception", ImportError("built for another torch"))
+    monkeypatch.setattr(common, "_built_with_cuda", False)
+    kernel = executor_xformers.XformersKernel()
+    q = torch.randn(1, 8, 2, 8)
+    run = {
+        "attention": lambda: kernel.attention(q, q, q, None, p=0.0, scale=0.3),
+        "forward": lambda: kernel.forward(q, q, q, None, scale=0.3),
+        "backward": lambda: kernel.backward(q, q, torch.zeros(1, 2, 8), q, q, q, None, scale=0.3),
+    }[call]
+    before = _xformers_globals()
+    with pytest.raises(NotImplementedError, match="No operator found"):
+        run()
+    assert _xformers_globals() == before
+
+    import xformers.ops
+
+    seen = []
+    name = {"attention": "memory_efficient_attention", "forward": "memory_efficient_attention_forward_requires_grad",
+            "backward": "memory_efficient_attention_backward"}[call]
+
+    def fake_kernel_entry(*args, **kwargs):
+        seen.append(common._built_with_cuda)
+        return (q, torch.zeros(1, 2, 8)) if call == "forward" else q
+
+    monkeypatch.setattr(xformers.ops, name, fake_kernel_entry)
+    run()
+    assert seen == [True]
+    assert _xformers_globals() == before
 
 
 def _tile_flags(num_blocks, indices, kv_tiles):

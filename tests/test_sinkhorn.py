@@ -302,3 +302,48 @@ def test_dropout_backward_uses_the_forward_draws(padded):
         attention(q, k, v, weight, dropout_p=0.0),
         sinkhorn_attention(q, k, v, weight, key_padding_mask=mask, **SETTINGS),
     )
+
+
+# ---------------------------------------------------------------------------------------------- the executor
+@pytest.mark.parametrize("traceable", [False, True])
+def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceable):
+    """`attend_blocks`' extension for Sinkhorn: one key set per (batch row, head) and a weight per gathered key that
+    multiplies its key and value, against the gathered keys written out, for outputs and every gradient."""
+    from longattn import executor_blocked
+
+    b, h, nb, c, m, n, d = 2, 3, 4, 3, 5, 12, 4
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(b, h, nb, c, d, generator=generator, **DOUBLE).requires_grad_()
+    k, v = (torch.randn(b, n, h, d, generator=generator, **DOUBLE).transpose(1, 2).requires_grad_() for _ in range(2))
+    kv_index = torch.randint(0, n, (b, h, nb, m), generator=generator)
+    kv_weight = torch.rand(b, h, nb, m, generator=generator, **DOUBLE).requires_grad_()
+    mask = torch.rand(b, h, nb, c, m, generator=generator) > 0.3
+    mask[0, 1, 2, 0] = False  # a query that sees no key: zeros
+
+    def gathered(x):  # [b, h, nb, m, d], weighted
+        return x.gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, d)).view(b, h, nb, m, d) * kv_weight[
+            ..., None]
+
+    scores = (q @ gathered(k).transpose(-1, -2) * 0.6).masked_fill(~mask, -math.inf)
+    sees = mask.any(-1, keepdim=True)
+    expected = torch.softmax(scores.masked_fill(~sees, 0.0), -1) * sees @ gathered(v)
+    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    actual, _ = run(q, k, v, kv_index=kv_index, mask=mask, scale=0.6, dropout_p=0.0, kv_weight=kv_weight)
+    torch.testing.assert_close(actual, expected)
+    cotangent = torch.randn(actual.shape, generator=generator, **DOUBLE)
+    inputs = (q, k, v, kv_weight)
+    for grad_actual, grad_expected in zip(torch.autograd.grad(actual, inputs, cotangent),
+                                          torch.autograd.grad(expected, inputs, cotangent), strict=True):
+        torch.testing.assert_close(grad_actual, grad_expected)
+
+
+def test_attend_blocks_refuses_key_weights_without_a_matching_key_set():
+    from longattn.executor_blocked import attend_blocks
+
+    q, k = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 12, 8)
+    mask = torch.ones(1, 1, 3, 4, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="kv_weight"):
+        attend_blocks(q, k, k, kv_index=torch.zeros(3, 5, dtype=torch.long), mask=mask, scale=1.0,
+                      kv_weight=torch.ones(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="kv_index"):
+        attend_blocks(q, k, k, kv_index=torch.zeros(1, 3, 3, 5, dtype=torch.long), mask=mask, scale=1.0)
