@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, check_int_field, check_number
+from .attention_base import LongAttnAttention
 from .ops_checks import check_token_mask, empty_attention, is_empty
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
@@ -316,7 +316,6 @@ class AdaptiveSpanAttention(LongAttnAttention):
     """
 
     attention_type = "adaptive_span"
-    config_fields = {"adaptive_span_max": 1024, "adaptive_span_ramp": 32, "adaptive_span_loss_coef": 2e-6}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -325,14 +324,6 @@ class AdaptiveSpanAttention(LongAttnAttention):
         self.loss_coef = float(config.adaptive_span_loss_coef)
         self.span_fraction = nn.Parameter(torch.zeros(self.num_heads))
         self.reset_kind_parameters()
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "adaptive_span_max", layer_idx, minimum=1, per="layer")
-        ramp = config.adaptive_span_ramp
-        if not isinstance(ramp, int) or isinstance(ramp, bool) or ramp < 1:
-            raise ValueError(f"`adaptive_span_ramp`={ramp!r} is invalid: expected an integer >= 1.")
-        check_number("adaptive_span_loss_coef", config.adaptive_span_loss_coef, minimum=0.0)
 
     @torch.no_grad()
     def reset_kind_parameters(self) -> None:

@@ -3,13 +3,17 @@
 Shape legend: b batch, h heads, n query length, m key length, d head dim, D hidden size.
 
 A kind subclasses `LongAttnAttention` and declares:
-- `attention_type`: its registry name;
-- `config_fields`: its own config fields with defaults (flat, prefixed by the kind);
-- `validate_config`: the checks of those fields (called once, from `LongAttnConfig.validate_longattn`);
+- `attention_type`: its registry name, with a row in `attention_fields.KINDS` (its config fields with defaults,
+  their checks and the back ends it runs on: `config_fields`, `validate_config`, `backends` come from there);
 - `attend`: the fast executor for a whole sequence (q, k, v -> out);
 - `pattern`: the mask predicate that defines which keys a query sees, used by the dense path (cached decoding, where
   queries are the last positions, and `output_attentions`) and by pictures of the pattern. Content-based kinds, whose
   pattern depends on the input, override `attend_dense` instead.
+
+There is one `forward` (project, rotary, cache, attend, output projection). A kind that changes which keys exist
+overrides `attention_inputs` (reduction: one key per group of tokens; Linformer: the length projected), and one
+with its own attention over them overrides `attend_inputs` (Linformer's projected keys, the synthesizer's
+synthesised scores).
 
 Parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`) are the same for every kind, so a checkpoint reloads under
 another `attention_type` with only the kind-specific weights reported missing.
@@ -21,71 +25,13 @@ import math
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from .attention_fields import KINDS, check_kind_backend, field_defaults, validate_kind
 from .numerics import apply_rotary, rotate_half  # noqa: F401  (re-exported: kinds import them from here)
 from .ops import reference_attention
 from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
-
-
-# ---------------------------------------------------------------------------------------------- config checks
-def check_int_field(config: Any, field: str, layer_idx: int, *, minimum: int, per: str = "layer") -> int:
-    """Validate an integer field that holds one value or a list (one per layer / per head); return this layer's value.
-
-    Raises:
-        ValueError: a list of the wrong length, a non-integer or a value below `minimum`.
-    """
-    value = getattr(config, field)
-    expected = config.num_attention_heads if per == "head" else _num_layers_for(config)
-    if isinstance(value, (list, tuple)):
-        if len(value) != expected:
-            raise ValueError(
-                f"`{field}`={list(value)!r} has {len(value)} entries: expected one integer or one per {per} "
-                f"({expected})."
-            )
-        values = list(value)
-    else:
-        values = [value]
-    for item in values:
-        if not isinstance(item, int) or isinstance(item, bool) or item < minimum:
-            raise ValueError(f"`{field}`={value!r} is invalid: expected integers >= {minimum}.")
-    return values[layer_idx] if per == "layer" and len(values) > 1 else values[0]
-
-
-def check_number(
-    field: str,
-    value: Any,
-    *,
-    minimum: float,
-    maximum: float = math.inf,
-    exclusive_minimum: bool = False,
-    exclusive_maximum: bool = False,
-    optional: bool = False,
-) -> None:
-    """Validate a real-valued field: an int or float (not a bool), finite, within [minimum, maximum] (bounds made
-    exclusive on request); None too when `optional`.
-
-    Raises:
-        ValueError: naming the field, the value and the allowed range.
-    """
-    if optional and value is None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > minimum if exclusive_minimum else value >= minimum) and (
-            value < maximum if exclusive_maximum else value <= maximum
-        )
-    if not ok:
-        low = f"{'(' if exclusive_minimum else '['}{minimum:g}"
-        high = "inf)" if maximum == math.inf else f"{maximum:g}{')' if exclusive_maximum else ']'}"
-        raise ValueError(
-            f"`{field}`={value!r} is invalid: expected a finite number in {low}, {high}{' or None' if optional else ''}."
-        )
-
-
-def _num_layers_for(config: Any) -> int:
-    return config.num_hidden_layers
 
 
 class LongAttnAttention(nn.Module):
@@ -99,10 +45,20 @@ class LongAttnAttention(nn.Module):
 
     attention_type: ClassVar[str] = ""
     config_fields: ClassVar[dict[str, Any]] = {}
+    """The kind's own config fields and their defaults (from its row of `attention_fields.KINDS`)."""
     backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "reference")
-    """Values of `attention_backend` this kind runs on. Every kind has its PyTorch executor (`"torch"`, which
-    `"auto"` uses where nothing faster serves it) and its dense form (`"reference"`, `attend_dense`); kinds whose
-    pattern the GPU back ends compute (they pass `backend=` to `longattn.ops`) add `"flex"` and `"xformers"`."""
+    """Values of `attention_backend` this kind runs on (from its row of `attention_fields.KINDS`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A kind's fields, back ends and checks are declared once, in the static table the configuration reads.
+        super().__init_subclass__(**kwargs)
+        if cls.attention_type not in KINDS:
+            raise TypeError(
+                f"{cls.__name__}: `attention_type`={cls.attention_type!r} has no row in `attention_fields.KINDS` "
+                f"(its config fields, back ends and checks); expected one of {sorted(KINDS)}."
+            )
+        cls.config_fields = field_defaults(cls.attention_type)
+        cls.backends = KINDS[cls.attention_type].backends
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__()
@@ -123,17 +79,13 @@ class LongAttnAttention(nn.Module):
     @classmethod
     def validate_config(cls, config: Any, *, layer_idx: int, is_causal: bool) -> None:
         """Check this kind's fields for layer `layer_idx`; raise `ValueError` naming field, value and allowed."""
+        validate_kind(cls.attention_type, config, layer_idx=layer_idx, is_causal=is_causal)
 
     @classmethod
     def check_backend(cls, backend: str) -> None:
         """Raise `ValueError` when this kind cannot run on `backend` (the config's `attention_backend`), rather
         than quietly running it on another."""
-        if backend not in cls.backends:
-            raise ValueError(
-                f"`attention_backend`={backend!r} cannot run `attention_type`={cls.attention_type!r}: this kind runs "
-                f"on {', '.join(repr(name) for name in cls.backends)} ('reference' is its dense form). Use 'auto' to "
-                "let every layer take the fastest back end it has."
-            )
+        check_kind_backend(cls.attention_type, backend)
 
     @classmethod
     def length_multiple(cls, config: Any, *, layer_idx: int) -> int:
@@ -146,14 +98,8 @@ class LongAttnAttention(nn.Module):
         return 1
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        key_padding_mask: torch.Tensor | None,
-        global_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None
+    ) -> Tensor:
         """The fast executor: q, k, v `[b, h, n, d]` -> `[b, h, n, d]`."""
         raise NotImplementedError
 
@@ -190,14 +136,8 @@ class LongAttnAttention(nn.Module):
         )
 
     def attend_dense(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        key_padding_mask: torch.Tensor | None,
-        global_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Attention over all m keys for the n queries that are the *last* n positions, masked by `pattern`.
 
         Costs O(n * m): used for cached decoding (n is the number of new tokens) and when attention weights are
@@ -212,17 +152,58 @@ class LongAttnAttention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
 
+    def attention_inputs(
+        self, hidden_states: Tensor, *, key_padding_mask: Tensor | None,
+        position_embeddings: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """The queries, and the keys and values they attend to, from the hidden states.
+
+        By default one key and value per token, from `project`, rotated with the queries. A kind that changes which
+        keys exist returns its own (reduction: one per group of tokens; Linformer: the length projected).
+
+        Args:
+            hidden_states: `[b, n, D]`.
+            key_padding_mask: `[b, n]` bool, True = real token; None = no padding.
+            position_embeddings: rotary (cos, sin) `[b, n, d]`, or None with learned absolute positions.
+
+        Returns:
+            (q `[b, h, n, d]` or None for a kind whose scores need no queries, k `[b, h, m, d]`, v `[b, h, m, d]`).
+        """
+        q, k, v = self.project(hidden_states)  # [b, h, n, d]
+        if position_embeddings is not None:
+            q, k = apply_rotary(q, k, *position_embeddings)
+        return q, k, v
+
+    def attend_inputs(
+        self, q: Tensor | None, k: Tensor, v: Tensor, *, hidden_states: Tensor, key_padding_mask: Tensor | None,
+        global_mask: Tensor | None, dense: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over the keys and values of `attention_inputs` (with the cached ones before them).
+
+        By default the fast executor `attend`, or the dense form `attend_dense` when `dense`. A kind with its own
+        keys or its own scores (the synthesizer's synthesised logits) overrides this.
+
+        Args:
+            q: `[b, h, n, d]` or None; k, v: `[b, h, m, d]`.
+            hidden_states: `[b, n, D]`, the layer's input (the tokens a kind may synthesise its scores from).
+            key_padding_mask: `[b, m_tokens]` bool over the tokens (cached ones included), True = real token.
+            global_mask: `[b, m_tokens]` bool, True = global token; None = none.
+            dense: Return the weights too (`output_attentions`, cached decoding, the "reference" back end).
+
+        Returns:
+            (`[b, h, n, d]` output, weights `[b, h, n, m]` when `dense`, else None).
+        """
+        if dense:
+            return self.attend_dense(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask)
+        return self.attend(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask), None
+
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Self-attention.
+        self, hidden_states: Tensor, *, attention_mask: Tensor | None = None,
+        global_attention_mask: Tensor | None = None, position_embeddings: tuple[Tensor, Tensor] | None = None,
+        past_key_values: Any = None, output_attentions: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Self-attention: the one forward of every kind (they state what differs in `attention_inputs`,
+        `attend_inputs`, `attend` and `attend_dense`).
 
         Args:
             hidden_states: `[b, n, D]`.
@@ -235,15 +216,16 @@ class LongAttnAttention(nn.Module):
         Returns:
             (`[b, n, D]` output, weights or None).
         """
-        q, k, v = self.project(hidden_states)  # [b, h, n, d]
-        if position_embeddings is not None:
-            q, k = apply_rotary(q, k, *position_embeddings)
+        q, k, v = self.attention_inputs(
+            hidden_states, key_padding_mask=attention_mask, position_embeddings=position_embeddings
+        )
+        decoding = False
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        decoding = k.shape[2] != q.shape[2]
-        if output_attentions or decoding or self.backend == "reference":
-            out, weights = self.attend_dense(q, k, v, key_padding_mask=attention_mask, global_mask=global_attention_mask)
-        else:
-            out = self.attend(q, k, v, key_padding_mask=attention_mask, global_mask=global_attention_mask)
-            weights = None
+            # Cached decoding: the n new queries are the last of m keys, which only the dense form takes.
+            decoding = k.shape[2] != hidden_states.shape[1]
+        out, weights = self.attend_inputs(
+            q, k, v, hidden_states=hidden_states, key_padding_mask=attention_mask, global_mask=global_attention_mask,
+            dense=output_attentions or decoding or self.backend == "reference",
+        )
         return self.o_proj(self.merge_heads(out)), weights

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_base import LongAttnAttention
-from .ops_linear import EFFICIENT_NORMALIZATIONS, efficient_attention, efficient_attention_weights
+from .ops_linear import efficient_attention, efficient_attention_weights
 
 
 class EfficientAttention(LongAttnAttention):
@@ -30,19 +30,10 @@ class EfficientAttention(LongAttnAttention):
     """
 
     attention_type = "efficient"
-    config_fields = {"efficient_normalization": "softmax"}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.normalization = config.efficient_normalization
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        value = config.efficient_normalization
-        if value not in EFFICIENT_NORMALIZATIONS:
-            raise ValueError(
-                f"`efficient_normalization`={value!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}."
-            )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return efficient_attention(

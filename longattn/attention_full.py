@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from .attention_base import LongAttnAttention
-from .backends import BACKEND_NAMES
 from .ops import full_attention, reference_attention
 
 
@@ -19,7 +18,6 @@ class FullAttention(LongAttnAttention):
     """Every query sees every (real, and in a decoder earlier) key: O(n^2), the baseline of every other kind."""
 
     attention_type = "full"
-    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return full_attention(

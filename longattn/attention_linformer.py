@@ -31,9 +31,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, check_int_field, rotate_half
-
-LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
+from .attention_base import LongAttnAttention, rotate_half
 
 # With layerwise sharing, the first Linformer layer of a stack owns E and every later one uses it. Layers are built
 # in order, so the owner registered last for a config is the one of the stack being built (a weak reference: the
@@ -62,7 +60,6 @@ class LinformerAttention(LongAttnAttention):
     """
 
     attention_type = "linformer"
-    config_fields = {"linformer_proj_len": 256, "linformer_sharing": "headwise"}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -88,27 +85,6 @@ class LinformerAttention(LongAttnAttention):
                 _LAYERWISE_OWNERS[id(config)] = weakref.ref(self)
         self.reset_kind_parameters()
 
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        if is_causal:
-            raise ValueError(
-                "`attention_type`='linformer' cannot be causal: projecting the length mixes every position into every "
-                "projected key, so a decoder would see the future. Use it in encoders; for decoders pick a kind "
-                "with a causal form (e.g. 'full', 'sliding', 'efficient')."
-            )
-        proj_len = check_int_field(config, "linformer_proj_len", layer_idx, minimum=1, per="layer")
-        sharing = config.linformer_sharing
-        if sharing not in LINFORMER_SHARING:
-            raise ValueError(f"`linformer_sharing`={sharing!r} is unknown: expected one of {list(LINFORMER_SHARING)}.")
-        if sharing == "layerwise" and isinstance(config.linformer_proj_len, (list, tuple)):
-            lengths = {config.linformer_proj_len[i] for i, t in enumerate(config.layer_attention_types) if t == "linformer"}
-            if len(lengths) > 1:
-                raise ValueError(
-                    f"`linformer_proj_len`={list(config.linformer_proj_len)!r} differs between Linformer layers, but "
-                    f"`linformer_sharing`='layerwise' shares one projection: expected one length (got {proj_len} "
-                    f"among {sorted(lengths)})."
-                )
-
     @torch.no_grad()
     def reset_kind_parameters(self) -> None:
         """Initialise E and F (xavier-like: std 1/sqrt(L + k), as a Linear layer from L to k positions would get)."""
@@ -122,6 +98,14 @@ class LinformerAttention(LongAttnAttention):
         source = self._layerwise_owner if self._layerwise_owner is not None else self
         e_proj = source.e_proj.weight
         return e_proj, (source.f_proj.weight if source.f_proj is not None else e_proj)
+
+    def projection_rows(
+        self, n: int, key_padding_mask: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of E and F used by n tokens, each `[b|1, n, H, k]` (one tensor when keys and values share E)."""
+        e_table, f_table = self.length_projections()
+        e_rows = self._rows(e_table, n, key_padding_mask).to(dtype)
+        return e_rows, (e_rows if f_table is e_table else self._rows(f_table, n, key_padding_mask).to(dtype))
 
     def _rows(self, table: torch.Tensor, n: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         """The rows of a projection table used by n tokens: `[1, n, H, k]`, or `[b, n, H, k]` when padded."""
@@ -171,31 +155,17 @@ class LinformerAttention(LongAttnAttention):
         # Zero padded tokens before the projection: they then add nothing to any projected row.
         return tokens if keep is None else tokens * keep[..., None]
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Linformer self-attention; see `LongAttnAttention.forward` for the arguments.
+    def attention_inputs(self, hidden_states, *, key_padding_mask, position_embeddings):
+        """Queries per token, keys and values projected along the length: q `[b, h, n, d]`, k̄, v̄ `[b, h, k, d]`.
 
         Keys and values are projected along the length in the token layout `[b, n, h, d]` (no head transposes of
         length-n tensors). When E is shared by the heads the length is projected before the linear layers (for the
         values always, for the keys when no rotary embedding has to rotate each key at its own position).
-
-        Returns:
-            (`[b, n, D]` output, weights on the original tokens `[b, h, n, n]` or None).
         """
         b, n, _ = hidden_states.shape
         dtype = hidden_states.dtype
-        e_table, f_table = self.length_projections()
-        e_rows = self._rows(e_table, n, attention_mask).to(dtype)  # [b|1, n, H, k]
-        f_rows = e_rows if f_table is e_table else self._rows(f_table, n, attention_mask).to(dtype)
-        keep = None if attention_mask is None else attention_mask[:, :, None].to(dtype)  # [b, n, 1]
+        e_rows, f_rows = self.projection_rows(n, key_padding_mask, dtype)  # [b|1, n, H, k]
+        keep = None if key_padding_mask is None else key_padding_mask[:, :, None].to(dtype)  # [b, n, 1]
         shared = e_rows.shape[2] == 1
         q = self.q_proj(hidden_states).view(b, n, self.num_heads, self.head_dim)  # [b, n, h, d]
         if position_embeddings is not None:
@@ -211,20 +181,17 @@ class LinformerAttention(LongAttnAttention):
             v_bar = self._project_linear(hidden_states, keep, f_rows, self.v_proj)
         else:
             v_bar = self._project(self._tokens(self.v_proj, hidden_states, keep), f_rows)
-        out, weights = self._attend_projected(
-            q.transpose(1, 2), k_bar, v_bar, f_rows, attention_mask, with_weights=output_attentions
-        )
-        return self.o_proj(self.merge_heads(out)), weights
+        return q.transpose(1, 2), k_bar, v_bar
+
+    def attend_inputs(self, q, k, v, *, hidden_states, key_padding_mask, global_mask, dense):
+        """The queries over the projected keys k̄, v̄ `[b, h, k, d]`; with `dense`, the weights on the original
+        tokens `[b, h, n, n]`."""
+        f_rows = self.projection_rows(q.shape[2], key_padding_mask, q.dtype)[1] if dense else None
+        return self._attend_projected(q, k, v, f_rows, key_padding_mask, with_weights=dense)
 
     def _attend_projected(
-        self,
-        q: torch.Tensor,
-        k_bar: torch.Tensor,
-        v_bar: torch.Tensor,
-        f_rows: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-        *,
-        with_weights: bool,
+        self, q: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor, f_rows: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None, *, with_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """softmax(Q K̄ᵀ / sqrt(d)) V̄ with q `[b, h, n, d]`, k̄, v̄ `[b, h, k, d]`; optionally the weights `P̄ Fᵀ`.
 
@@ -248,10 +215,7 @@ class LinformerAttention(LongAttnAttention):
         self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head keys and values `[b, h, n, d]` -> projected `[b, h, k, d]`, and the rows of F used."""
-        e_table, f_table = self.length_projections()
-        n = k.shape[2]
-        e_rows = self._rows(e_table, n, key_padding_mask).to(k.dtype)
-        f_rows = e_rows if f_table is e_table else self._rows(f_table, n, key_padding_mask).to(v.dtype)
+        e_rows, f_rows = self.projection_rows(k.shape[2], key_padding_mask, k.dtype)
         keep = None if key_padding_mask is None else key_padding_mask[:, :, None, None].to(k.dtype)
         k_tokens, v_tokens = k.transpose(1, 2), v.transpose(1, 2)  # [b, n, h, d]
         if keep is not None:
@@ -259,8 +223,8 @@ class LinformerAttention(LongAttnAttention):
         return self._project(k_tokens, e_rows), self._project(v_tokens, f_rows), f_rows
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        """The same attention from per-head q, k, v `[b, h, n, d]` (the interface of every kind; `forward` fuses
-        the projections instead)."""
+        """The same attention from per-head q, k, v `[b, h, n, d]` (the interface of every kind; the model's layers
+        project the length in `attention_inputs` instead, fused with the linear layers)."""
         k_bar, v_bar, f_rows = self.project_length(k, v, key_padding_mask)
         return self._attend_projected(q, k_bar, v_bar, f_rows, key_padding_mask, with_weights=False)[0]
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .attention_base import LongAttnAttention, check_int_field
-from .backends import BACKEND_NAMES
+from .attention_base import LongAttnAttention
 from .ops import sliding_window_attention
 from .patterns import sliding_window_pattern
 
@@ -27,19 +26,12 @@ class LongformerAttention(LongAttnAttention):
     `sliding_dilation` (int or one per head)."""
 
     attention_type = "sliding"
-    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
-    config_fields = {"sliding_window": 256, "sliding_dilation": 1}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.window = config.per_layer("sliding_window", layer_idx)
         dilation = config.sliding_dilation
         self.dilation = list(dilation) if isinstance(dilation, (list, tuple)) else dilation
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "sliding_window", layer_idx, minimum=1, per="layer")
-        check_int_field(config, "sliding_dilation", layer_idx, minimum=1, per="head")
 
     def pattern(self, *, key_padding_mask, global_mask):
         return sliding_window_pattern(

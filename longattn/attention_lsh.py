@@ -14,7 +14,7 @@ from torch import Tensor
 from transformers import initialization as init
 from transformers.utils import logging
 
-from .attention_base import LongAttnAttention, check_int_field
+from .attention_base import LongAttnAttention
 from .ops_lsh import default_num_buckets, hash_factors, lsh_attention, lsh_attention_dense, lsh_rotations
 
 __all__ = ["LSHAttention", "layer_seed"]
@@ -53,15 +53,6 @@ class LSHAttention(LongAttnAttention):
     """
 
     attention_type = "lsh"
-    backends = ("auto", "torch", "reference", "xformers")
-    config_fields = {
-        "lsh_num_hashes": 2,
-        "lsh_bucket_size": 64,
-        "lsh_num_buckets": None,
-        "lsh_num_chunks_before": 1,
-        "lsh_num_chunks_after": 0,
-        "lsh_seed": None,
-    }
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -87,27 +78,6 @@ class LSHAttention(LongAttnAttention):
         # holds: a buffer still to initialise after that was missing from the checkpoint (see reset_kind_parameters).
         self._built_for_loading = self.eval_rotations.is_meta
         self.reset_kind_parameters()
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "lsh_num_hashes", layer_idx, minimum=1)
-        check_int_field(config, "lsh_bucket_size", layer_idx, minimum=1)
-        before = check_int_field(config, "lsh_num_chunks_before", layer_idx, minimum=0)
-        check_int_field(config, "lsh_num_chunks_after", layer_idx, minimum=0)
-        if config.lsh_num_buckets is not None:
-            buckets = check_int_field(config, "lsh_num_buckets", layer_idx, minimum=2)
-            if buckets % 2:
-                raise ValueError(f"`lsh_num_buckets`={config.lsh_num_buckets!r} is invalid: expected even integers "
-                                 "(a rotation gives buckets in ± pairs), or None.")
-        seed = config.lsh_seed
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ValueError(f"`lsh_seed`={seed!r} is invalid: expected None or an integer >= 0.")
-        if is_causal and before < 1:
-            raise ValueError(
-                f"`lsh_num_chunks_before`={config.lsh_num_chunks_before!r} is invalid for a causal (decoder) LSH "
-                "layer: a causal query sees the earlier keys of its bucket in a band of lsh_bucket_size · "
-                "lsh_num_chunks_before, so expected >= 1."
-            )
 
     @torch.no_grad()
     def reset_kind_parameters(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention_base import LongAttnAttention, check_int_field, rotate_half
+from .attention_base import LongAttnAttention, rotate_half
 from .ops import full_attention, reference_attention
 from .ops_checks import check_token_mask
 
@@ -57,8 +57,12 @@ def pack_groups(
     slot = torch.where(key_padding_mask, positions, torch.full_like(positions, g * ratio))
     index = slot.view(b, n, *([1] * (x.dim() - 2))).expand_as(x)
     packed = x.new_zeros(b, g * ratio + 1, *x.shape[2:]).scatter(1, index, x)[:, : g * ratio]
-    group_valid = torch.arange(g, device=x.device) * ratio < key_padding_mask.sum(-1, keepdim=True)  # [b, g]
-    return packed.view(b, g, ratio, *x.shape[2:]), group_valid
+    return packed.view(b, g, ratio, *x.shape[2:]), valid_groups(key_padding_mask, g, ratio)
+
+
+def valid_groups(key_padding_mask: torch.Tensor, groups: int, ratio: int) -> torch.Tensor:
+    """Bool `[b, g]`: the groups of `pack_groups` that hold a real token (real tokens fill the leading slots)."""
+    return torch.arange(groups, device=key_padding_mask.device) * ratio < key_padding_mask.sum(-1, keepdim=True)
 
 
 class ReductionAttention(LongAttnAttention):
@@ -79,7 +83,6 @@ class ReductionAttention(LongAttnAttention):
     """
 
     attention_type = "reduction"
-    config_fields = {"reduction_ratio": 8}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -90,18 +93,8 @@ class ReductionAttention(LongAttnAttention):
         else:
             self.reduction_proj = self.reduction_norm = None
 
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        if is_causal:
-            raise ValueError(
-                "`attention_type`='reduction' cannot be causal: each reduced key mixes R consecutive tokens, so a "
-                "decoder would see later tokens. Use it in encoders; for decoders pick a kind with a causal form "
-                "(e.g. 'full', 'sliding', 'efficient')."
-            )
-        check_int_field(config, "reduction_ratio", layer_idx, minimum=1, per="layer")
-
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        """R = 1: no reduction, plain dense attention (the path `forward` takes only then)."""
+        """R = 1: no reduction, plain dense attention (the path `attend_inputs` takes only then)."""
         return full_attention(
             q, k, v, key_padding_mask=key_padding_mask, scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
@@ -116,46 +109,38 @@ class ReductionAttention(LongAttnAttention):
         # [b, g, R·D], sizes spelled out: a reshape of an empty tensor (batch or length 0) cannot infer a -1.
         return self.reduction_norm(self.reduction_proj(groups.reshape(b, g, groups.shape[2:].numel()))), group_valid
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Spatial-reduction self-attention; see `LongAttnAttention.forward` for the arguments.
-
-        Returns:
-            (`[b, n, D]` output, weights over the reduced keys `[b, h, n, g]` or None).
-        """
+    def attention_inputs(self, hidden_states, *, key_padding_mask, position_embeddings):
+        """Queries per token, keys and values per group: q `[b, h, n, d]`, k, v `[b, h, g, d]` (R = 1: per token)."""
         if self.ratio == 1:
-            return super().forward(
-                hidden_states, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                position_embeddings=position_embeddings, past_key_values=past_key_values,
-                output_attentions=output_attentions,
+            return super().attention_inputs(
+                hidden_states, key_padding_mask=key_padding_mask, position_embeddings=position_embeddings
             )
         q = self.split_heads(self.q_proj(hidden_states))  # [b, h, n, d]
-        reduced, group_valid = self.reduce(hidden_states, attention_mask)  # [b, g, D]
+        reduced, _ = self.reduce(hidden_states, key_padding_mask)  # [b, g, D]
         k = self.split_heads(self.k_proj(reduced))  # [b, h, g, d]
         v = self.split_heads(self.v_proj(reduced))
         if position_embeddings is not None:
             cos, sin = position_embeddings  # [b, n, d]
             q = _rotate(q, cos, sin)
             # The rotary position of a reduced key: that of its group's first (real) token.
-            cos_groups, _ = pack_groups(cos, attention_mask, self.ratio)  # [b, g, R, d]
-            sin_groups, _ = pack_groups(sin, attention_mask, self.ratio)
+            cos_groups, _ = pack_groups(cos, key_padding_mask, self.ratio)  # [b, g, R, d]
+            sin_groups, _ = pack_groups(sin, key_padding_mask, self.ratio)
             k = _rotate(k, cos_groups[:, :, 0], sin_groups[:, :, 0])
+        return q, k, v
+
+    def attend_inputs(self, q, k, v, *, hidden_states, key_padding_mask, global_mask, dense):
+        """The n queries over the g reduced keys; with `dense`, the weights over the reduced keys `[b, h, n, g]`."""
+        if self.ratio == 1:
+            return super().attend_inputs(
+                q, k, v, hidden_states=hidden_states, key_padding_mask=key_padding_mask, global_mask=global_mask,
+                dense=dense,
+            )
+        group_valid = None if key_padding_mask is None else valid_groups(key_padding_mask, k.shape[2], self.ratio)
         dropout_p = self.dropout_p if self.training else 0.0
-        if output_attentions:
+        if dense:
             mask = None if group_valid is None else group_valid[:, None, None, :]
-            out, weights = reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
-        else:
-            out = _attend_reduced(q, k, v, group_valid, scale=self.scale, dropout_p=dropout_p)
-            weights = None
-        return self.o_proj(self.merge_heads(out)), weights
+            return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
+        return _attend_reduced(q, k, v, group_valid, scale=self.scale, dropout_p=dropout_p), None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, check_int_field
+from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
 from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
@@ -536,14 +536,6 @@ class RoutingAttention(LongAttnAttention):
     """
 
     attention_type = "routing"
-    backends = ("auto", "torch", "reference", "xformers")
-    config_fields = {
-        "routing_num_clusters": 64,
-        "routing_num_local_heads": 0,
-        "routing_local_window": 128,
-        "routing_causal_window": None,
-        "routing_ema_decay": 0.999,
-    }
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -563,22 +555,6 @@ class RoutingAttention(LongAttnAttention):
         so centroids loaded from a checkpoint are kept, and missing ones (a checkpoint of another kind) are drawn."""
         if self.centroids.device.type != "meta":
             init.copy_(self.centroids, F.normalize(torch.randn_like(self.centroids, dtype=torch.float32), dim=-1))
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "routing_num_clusters", layer_idx, minimum=1)
-        local = check_int_field(config, "routing_num_local_heads", layer_idx, minimum=0)
-        if local >= config.num_attention_heads:
-            raise ValueError(
-                f"`routing_num_local_heads`={config.routing_num_local_heads!r} is invalid: expected fewer than "
-                f"`num_attention_heads`={config.num_attention_heads}, so that at least one head routes."
-            )
-        check_int_field(config, "routing_local_window", layer_idx, minimum=1)
-        if config.routing_causal_window is not None:
-            check_int_field(config, "routing_causal_window", layer_idx, minimum=1)
-        decay = config.routing_ema_decay
-        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 <= decay < 1.0:
-            raise ValueError(f"`routing_ema_decay`={decay!r} is invalid: expected a float in [0, 1).")
 
     @torch.no_grad()
     def update_centroids(self, sums: Tensor, counts: Tensor) -> None:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_base import LongAttnAttention, check_int_field, check_number
+from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
 from .executor_xformers import HIDDEN_PENALTY, current_kernel
 from .ops_checks import check_token_mask, empty_attention, is_empty
@@ -655,13 +655,6 @@ class SinkhornAttention(LongAttnAttention):
     """
 
     attention_type = "sinkhorn"
-    backends = ("auto", "torch", "reference", "xformers")
-    config_fields = {
-        "sinkhorn_block_size": 64,
-        "sinkhorn_iterations": 5,
-        "sinkhorn_temperature": 0.75,
-        "sinkhorn_sortcut": None,
-    }
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -675,28 +668,6 @@ class SinkhornAttention(LongAttnAttention):
     def length_multiple(cls, config, *, layer_idx):
         # The sequence is padded to whole blocks inside (`_prepare`): a batch padded there costs no extra work.
         return config.per_layer("sinkhorn_block_size", layer_idx)
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "sinkhorn_block_size", layer_idx, minimum=1)
-        check_int_field(config, "sinkhorn_iterations", layer_idx, minimum=1)
-        check_number("sinkhorn_temperature", config.sinkhorn_temperature, minimum=0.0, exclusive_minimum=True)
-        sortcut = config.sinkhorn_sortcut
-        if sortcut is None:
-            return
-        values = list(sortcut) if isinstance(sortcut, (list, tuple)) else [sortcut]
-        if isinstance(sortcut, (list, tuple)) and len(values) != config.num_hidden_layers:
-            raise ValueError(f"`sinkhorn_sortcut`={sortcut!r} has {len(values)} entries: expected None, one integer "
-                             f"or one per layer ({config.num_hidden_layers}).")
-        for value in values:
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"`sinkhorn_sortcut`={sortcut!r} is invalid: expected None or integers >= 1.")
-        this_layer = values[layer_idx] if len(values) > 1 else values[0]
-        if is_causal and this_layer is not None:
-            raise ValueError(
-                f"`sinkhorn_sortcut`={sortcut!r} has no causal form (decoder layers): every query would attend to "
-                "sorted mixtures of the whole sequence, later tokens included. Use it in encoders only."
-            )
 
     def _kwargs(self) -> dict:
         return dict(

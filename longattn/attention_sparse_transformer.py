@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .attention_base import LongAttnAttention, check_int_field
-from .backends import BACKEND_NAMES
+from .attention_base import LongAttnAttention
 from .ops import fixed_attention, strided_attention
 from .patterns import fixed_pattern, strided_pattern
 
@@ -33,16 +32,10 @@ class StridedAttention(LongAttnAttention):
     """The `"strided"` kind. Config field: `strided_stride` (the stride l; int or one per layer)."""
 
     attention_type = "strided"
-    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
-    config_fields = {"strided_stride": 128}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.stride = config.per_layer("strided_stride", layer_idx)
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        check_int_field(config, "strided_stride", layer_idx, minimum=1, per="layer")
 
     def pattern(self, *, key_padding_mask, global_mask):
         return strided_pattern(stride=self.stride, causal=self.is_causal, key_padding_mask=key_padding_mask)
@@ -64,8 +57,6 @@ class FixedAttention(LongAttnAttention):
     [1, l]; int or one per layer) and `fixed_summary_per_head` (bool: distinct summary sub-blocks per head)."""
 
     attention_type = "fixed"
-    backends = BACKEND_NAMES  # `attend` passes `backend=` to `longattn.ops`
-    config_fields = {"fixed_block_size": 128, "fixed_num_summary": 8, "fixed_summary_per_head": False}
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -77,20 +68,6 @@ class FixedAttention(LongAttnAttention):
     def length_multiple(cls, config, *, layer_idx):
         # The executor cuts the sequence into whole pattern blocks (a short last block is padded inside).
         return config.per_layer("fixed_block_size", layer_idx)
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        block_size = check_int_field(config, "fixed_block_size", layer_idx, minimum=1, per="layer")
-        num_summary = check_int_field(config, "fixed_num_summary", layer_idx, minimum=1, per="layer")
-        if num_summary > block_size:
-            raise ValueError(
-                f"`fixed_num_summary`={config.fixed_num_summary!r} is invalid for layer {layer_idx}: expected "
-                f"1 <= fixed_num_summary <= `fixed_block_size` (= {block_size}), the summary cells are part of a block."
-            )
-        if not isinstance(config.fixed_summary_per_head, bool):
-            raise ValueError(
-                f"`fixed_summary_per_head`={config.fixed_summary_per_head!r} is invalid: expected True or False."
-            )
 
     def pattern(self, *, key_padding_mask, global_mask):
         return fixed_pattern(

@@ -34,9 +34,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, apply_rotary
-
-SYNTHESIZER_MODES = ("dense", "random", "factorized_dense", "factorized_random")
+from .attention_base import LongAttnAttention
 
 
 class SynthesizerAttention(LongAttnAttention):
@@ -60,12 +58,6 @@ class SynthesizerAttention(LongAttnAttention):
     """
 
     attention_type = "synthesizer"
-    config_fields = {
-        "synthesizer_mode": "dense",
-        "synthesizer_random_trainable": True,
-        "synthesizer_factor_k": 8,
-        "synthesizer_mix": False,
-    }
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -94,20 +86,6 @@ class SynthesizerAttention(LongAttnAttention):
                 param.requires_grad_(False)
         self.synth_mix = nn.Parameter(torch.zeros(heads, 2)) if self.mix else None
         self.reset_kind_parameters()
-
-    @classmethod
-    def validate_config(cls, config, *, layer_idx, is_causal):
-        if config.synthesizer_mode not in SYNTHESIZER_MODES:
-            raise ValueError(
-                f"`synthesizer_mode`={config.synthesizer_mode!r} is unknown: expected one of {list(SYNTHESIZER_MODES)}."
-            )
-        for field in ("synthesizer_random_trainable", "synthesizer_mix"):
-            if not isinstance(getattr(config, field), bool):
-                raise ValueError(f"`{field}`={getattr(config, field)!r} is invalid: expected True or False.")
-        if not isinstance(config.synthesizer_factor_k, int) or isinstance(config.synthesizer_factor_k, bool) or (
-            config.synthesizer_factor_k < 1
-        ):
-            raise ValueError(f"`synthesizer_factor_k`={config.synthesizer_factor_k!r} is invalid: expected an integer >= 1.")
 
     def random_tables(self) -> list[torch.Tensor]:
         """The input-independent matrices of the random modes (empty for the dense modes)."""
@@ -174,35 +152,22 @@ class SynthesizerAttention(LongAttnAttention):
         factor_k = self.synth_random_b.weight.view(self.max_len, h, self.factor_k)[keys]  # [b|1, m, h, k]
         return torch.einsum("bnhk,bmhk->bhnm", factor_q, factor_k)
 
-    # ------------------------------------------------------------------------------------------ forward
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Any = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Synthesised self-attention; see `LongAttnAttention.forward` for the arguments.
-
-        Returns:
-            (`[b, n, D]` output, probabilities after dropout `[b, h, n, m]` or None).
-        """
-        b, n, _ = hidden_states.shape
-        v = self.split_heads(self.v_proj(hidden_states))  # [b, h, n, d]
+    # ------------------------------------------------------------------------------------------ attention
+    def attention_inputs(self, hidden_states, *, key_padding_mask, position_embeddings):
+        """The values `[b, h, n, d]`; queries and keys only with the mixture (rotated), else no queries and
+        one-channel placeholder keys `[b, h, n, 1]`, so that the KV cache still counts its length."""
         if self.mix:
-            q = self.split_heads(self.q_proj(hidden_states))
-            k = self.split_heads(self.k_proj(hidden_states))
-            if position_embeddings is not None:
-                q, k = apply_rotary(q, k, *position_embeddings)
-        else:
-            q, k = None, v.new_zeros(b, self.num_heads, n, 1)  # the cache's placeholder keys
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        out, probs = self.attend_synthesized(q, k, v, attention_mask=attention_mask, hidden_states=hidden_states)
-        return self.o_proj(self.merge_heads(out)), (probs.to(v.dtype) if output_attentions else None)
+            return super().attention_inputs(
+                hidden_states, key_padding_mask=key_padding_mask, position_embeddings=position_embeddings
+            )
+        v = self.split_heads(self.v_proj(hidden_states))  # [b, h, n, d]
+        return None, v.new_zeros(*v.shape[:3], 1), v
+
+    def attend_inputs(self, q, k, v, *, hidden_states, key_padding_mask, global_mask, dense):
+        """The synthesised attention (`attend_synthesized`); with `dense`, its probabilities after dropout
+        `[b, h, n, m]` (the only attention there is)."""
+        out, probs = self.attend_synthesized(q, k, v, attention_mask=key_padding_mask, hidden_states=hidden_states)
+        return out, (probs.to(v.dtype) if dense else None)
 
     def attend_synthesized(
         self,

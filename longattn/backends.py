@@ -32,6 +32,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+# The back-end names are checked by the configuration too, which imports no executor: they live in its table.
+from .attention_fields import BACKEND_NAMES, check_backend_name
 from .executor_flex import unavailable_reasons as flex_unavailable_reasons
 from .executor_xformers import needs_tensor_bias
 from .executor_xformers import probe_reasons as xformers_probe_reasons
@@ -42,7 +44,6 @@ __all__ = [
     "BACKEND_NAMES",
     "AUTO_ORDER",
     "PATTERN_FAMILIES",
-    "KIND_PATTERNS",
     "AttentionRequest",
     "Backend",
     "BACKENDS",
@@ -53,9 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
-"""Accepted values of `attention_backend` and of the `backend=` argument of `longattn.ops`."""
-
 AUTO_ORDER = ("xformers", "flex", "torch")
 """The order in which `"auto"` tries the back ends: fastest first."""
 
@@ -64,36 +62,6 @@ PATTERN_FAMILIES = ("full", "sliding", "strided", "fixed", "blocks", "windows", 
 strided and fixed, within-bucket blocks after sorting (`executor_xformers.bucketed_attention`), the key windows of
 sorted chunks that LSH and routing attend with (`ops_lsh.attend_windows`), and Sinkhorn's blocks (each query block
 over its own and its sorted key block, or SortCut's kept blocks)."""
-
-KIND_PATTERNS = {
-    "full": "full",
-    "sliding": "sliding",
-    "strided": "strided",
-    "fixed": "fixed",
-    "lsh": "windows",
-    "routing": "windows",
-    "sinkhorn": "sinkhorn",
-}
-"""Attention kind -> the pattern family of its inner attention step."""
-
-
-def check_backend_name(name: str, *, field: str = "backend") -> str:
-    """Validate a back-end name.
-
-    Args:
-        name: One of `BACKEND_NAMES`.
-        field: Argument or config field named in the error message.
-
-    Returns:
-        The name.
-
-    Raises:
-        ValueError: If `name` is not one of `BACKEND_NAMES`.
-    """
-    if not isinstance(name, str) or name not in BACKEND_NAMES:
-        raise ValueError(f"`{field}`={name!r} is unknown: expected one of {list(BACKEND_NAMES)}.")
-    return name
-
 
 @dataclass(frozen=True)
 class AttentionRequest:

@@ -1,9 +1,9 @@
 """`LongAttnConfig`: the one configuration of every longattn model, validated in one place.
 
 Common transformer fields follow BERT/LED naming. Attention-kind fields are flat and prefixed by the kind
-(`sliding_window`, `lsh_num_hashes`, ...): each kind declares its own fields and defaults next to its module
-(`config_fields` on the attention class), and the registry collects them here, so that
-`LongAttnConfig(attention_type=name)` works alone for every registered kind.
+(`sliding_window`, `lsh_num_hashes`, ...): each kind declares its fields, defaults and allowed values in the static
+table `attention_fields.KINDS`, which this module validates through, so that `LongAttnConfig(attention_type=name)`
+works alone for every registered kind without importing any kind, op or executor.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from .attention_base import check_number
-from .attention_registry import ATTENTION_CLASSES, attention_class, available_attention_types
-from .backends import check_backend_name
+from .attention_fields import KINDS, check_backend_name, check_kind_backend, check_number, field_defaults, validate_kind
 
 logger = logging.get_logger(__name__)
 
@@ -77,7 +75,7 @@ class LongAttnConfig(PreTrainedConfig):
             `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
             The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
             naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
-        **kwargs: Attention-kind fields (see each kind's `config_fields`) and `PreTrainedConfig` fields. Unknown
+        **kwargs: Attention-kind fields (see `attention_fields.KINDS`) and `PreTrainedConfig` fields. Unknown
             keys are kept (as in every transformers config), except one within edit distance 2 of a longattn field:
             a `ValueError` ("did you mean ...?"), a warning when the config is loaded from a file. `head_dim` is
             accepted when it equals `hidden_size / num_attention_heads` (it is derived, not stored).
@@ -145,9 +143,8 @@ class LongAttnConfig(PreTrainedConfig):
         self.attention_backend = attention_backend
         self.use_cache = use_cache
         # Every registered kind's own fields, with their defaults, so any kind works from its name alone.
-        for kind_class in ATTENTION_CLASSES.values():
-            for field, default in kind_class.config_fields.items():
-                setattr(self, field, kwargs.pop(field, default))
+        for field, default in field_defaults().items():
+            setattr(self, field, kwargs.pop(field, default))
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -259,12 +256,12 @@ class LongAttnConfig(PreTrainedConfig):
         # The stack of a causal LM is causal; a seq2seq encoder is bidirectional and its decoder causal.
         encoder_is_causal = bool(self.is_decoder) and not self.is_encoder_decoder
         for layer_idx, name in enumerate(encoder_types):
-            attention_class(name).validate_config(self, layer_idx=layer_idx, is_causal=encoder_is_causal)
-            attention_class(name).check_backend(self.attention_backend)
+            validate_kind(name, self, layer_idx=layer_idx, is_causal=encoder_is_causal)
+            check_kind_backend(name, self.attention_backend)
         if self.is_encoder_decoder:
             for layer_idx, name in enumerate(decoder_types):
-                attention_class(name).validate_config(self, layer_idx=layer_idx, is_causal=True)
-                attention_class(name).check_backend(self.attention_backend)
+                validate_kind(name, self, layer_idx=layer_idx, is_causal=True)
+                check_kind_backend(name, self.attention_backend)
 
 
 def _check_token_id(field: str, value: Any, vocab_size: int) -> None:
@@ -296,7 +293,7 @@ def _longattn_fields() -> frozenset[str]:
         name for name, parameter in inspect.signature(LongAttnConfig.__init__).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY or parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     } - {"self"}
-    return frozenset(arguments | {field for kind in ATTENTION_CLASSES.values() for field in kind.config_fields})
+    return frozenset(arguments | set(field_defaults()))
 
 
 @functools.cache
@@ -384,10 +381,8 @@ def _validated_types(field: str, value: Any, num_layers: int) -> list[str]:
         )
     names = _expand(value, num_layers)
     for name in names:
-        if name not in ATTENTION_CLASSES:
-            raise ValueError(
-                f"`{field}`={name!r} is not a registered attention type: expected one of {available_attention_types()}."
-            )
+        if name not in KINDS:
+            raise ValueError(f"`{field}`={name!r} is not a registered attention type: expected one of {sorted(KINDS)}.")
     return names
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .attention_fields import EFFICIENT_NORMALIZATIONS
 from .ops_checks import check_backend_support, check_flag, check_qkv, check_token_mask, empty_attention, is_empty
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
-EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
 
 # The `backend=` values efficient attention cannot honour, and why: the shared back ends compute softmax(Q Kᵀ / s) V
 # under a mask, and efficient attention never forms a score matrix to mask or take a softmax over.

@@ -1,0 +1,371 @@
+"""Every attention kind's config fields, in one static table, and the checks that read it.
+
+`KINDS` maps each registered attention name to its `KindSpec`: the fields it reads (default, type, allowed range or
+values, one value or one per layer / per head), the back ends it runs on, whether it has a causal form, and the rules
+between its fields. `LongAttnConfig` validates through this table alone, and every kind's class takes its
+`config_fields`, `backends` and `validate_config` from its row (`LongAttnAttention.__init_subclass__`): one definition.
+
+This module imports nothing from longattn and has no import side effects, so the configuration stands on the ground
+floor: `import configuration_longattn` (a Hub folder's config, loaded with `trust_remote_code`) loads no kind, op or
+executor. A Hub folder carries this file, as a sibling import of `configuration_longattn.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BACKEND_NAMES",
+    "KINDS",
+    "Field",
+    "KindSpec",
+    "check_backend_name",
+    "check_int_field",
+    "check_kind_backend",
+    "check_number",
+    "field_defaults",
+    "validate_kind",
+]
+
+BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
+"""Accepted values of `attention_backend` and of the `backend=` argument of `longattn.ops`."""
+
+EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
+LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
+SYNTHESIZER_MODES = ("dense", "random", "factorized_dense", "factorized_random")
+
+
+# ---------------------------------------------------------------------------------------------- field checks
+def check_backend_name(name: str, *, field: str = "backend") -> str:
+    """Validate a back-end name (one of `BACKEND_NAMES`) and return it.
+
+    Raises:
+        ValueError: naming `field`, the value and `BACKEND_NAMES`.
+    """
+    if not isinstance(name, str) or name not in BACKEND_NAMES:
+        raise ValueError(f"`{field}`={name!r} is unknown: expected one of {list(BACKEND_NAMES)}.")
+    return name
+
+
+def check_int_field(
+    config: Any, field: str, layer_idx: int, *, minimum: int, per: str = "layer", optional: bool = False
+) -> int | None:
+    """Validate an integer field that holds one value or a list (one per layer / per head); return this layer's value.
+
+    With `optional`, None is allowed as the value and as an entry of the list.
+
+    Raises:
+        ValueError: a list of the wrong length, a non-integer or a value below `minimum`.
+    """
+    value = getattr(config, field)
+    expected = config.num_attention_heads if per == "head" else config.num_hidden_layers
+    if optional and value is None:
+        return None
+    or_none = "None, " if optional else ""
+    if isinstance(value, (list, tuple)):
+        if len(value) != expected:
+            raise ValueError(
+                f"`{field}`={list(value)!r} has {len(value)} entries: expected {or_none}one integer or one per {per} "
+                f"({expected})."
+            )
+        values = list(value)
+    else:
+        values = [value]
+    for item in values:
+        if optional and item is None:
+            continue
+        if not isinstance(item, int) or isinstance(item, bool) or item < minimum:
+            raise ValueError(
+                f"`{field}`={value!r} is invalid: expected {'None or ' if optional else ''}integers >= {minimum}."
+            )
+    return values[layer_idx] if per == "layer" and len(values) > 1 else values[0]
+
+
+def check_number(
+    field: str,
+    value: Any,
+    *,
+    minimum: float,
+    maximum: float = math.inf,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    optional: bool = False,
+) -> None:
+    """Validate a real-valued field: an int or float (not a bool), finite, within [minimum, maximum] (bounds made
+    exclusive on request); None too when `optional`.
+
+    Raises:
+        ValueError: naming the field, the value and the allowed range.
+    """
+    if optional and value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > minimum if exclusive_minimum else value >= minimum) and (
+            value < maximum if exclusive_maximum else value <= maximum
+        )
+    if not ok:
+        low = f"{'(' if exclusive_minimum else '['}{minimum:g}"
+        high = "inf)" if maximum == math.inf else f"{maximum:g}{')' if exclusive_maximum else ']'}"
+        or_none = " or None" if optional else ""
+        raise ValueError(f"`{field}`={value!r} is invalid: expected a finite number in {low}, {high}{or_none}.")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config field of an attention kind.
+
+    Attributes:
+        default: The value a config gets when it does not name the field.
+        type: `"int"`, `"number"` (int or float, finite), `"bool"` or `"choice"` (one of `choices`).
+        minimum: Smallest allowed value (`"int"`, `"number"`).
+        maximum: Largest allowed value (`"number"`).
+        exclusive_minimum: `minimum` itself is not allowed (`"number"`).
+        exclusive_maximum: `maximum` itself is not allowed (`"number"`).
+        per: `"layer"` or `"head"`: one integer or a list with one per layer / head (`"int"`); `""`: one value.
+        optional: None is allowed (for a per-layer integer, also as an entry of the list).
+        choices: The allowed values (`"choice"`).
+    """
+
+    default: Any
+    type: str
+    minimum: float = 0
+    maximum: float = math.inf
+    exclusive_minimum: bool = False
+    exclusive_maximum: bool = False
+    per: str = ""
+    optional: bool = False
+    choices: tuple[str, ...] = ()
+
+    def check(self, name: str, config: Any, layer_idx: int) -> Any:
+        """Validate `config.<name>` and return its value for layer `layer_idx`.
+
+        Raises:
+            ValueError: naming the field, the value and what is allowed.
+        """
+        value = getattr(config, name)
+        if self.type == "int" and self.per:
+            return check_int_field(config, name, layer_idx, minimum=int(self.minimum), per=self.per,
+                                   optional=self.optional)
+        if self.optional and value is None:
+            return None
+        if self.type == "int":
+            if not isinstance(value, int) or isinstance(value, bool) or value < self.minimum:
+                allowed = f"{'None or ' if self.optional else ''}an integer >= {int(self.minimum)}"
+                raise ValueError(f"`{name}`={value!r} is invalid: expected {allowed}.")
+        elif self.type == "number":
+            check_number(name, value, minimum=self.minimum, maximum=self.maximum,
+                         exclusive_minimum=self.exclusive_minimum, exclusive_maximum=self.exclusive_maximum)
+        elif self.type == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}`={value!r} is invalid: expected True or False.")
+        elif value not in self.choices:
+            raise ValueError(f"`{name}`={value!r} is unknown: expected one of {list(self.choices)}.")
+        return value
+
+
+Rule = Callable[[Any, int, bool], None]
+"""A check between a kind's fields: `rule(config, layer_idx, is_causal)`, run after every field passed its own."""
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What an attention kind declares to the configuration.
+
+    Attributes:
+        fields: Its own config fields (flat, prefixed by the kind), in the order they are checked.
+        backends: Values of `attention_backend` it runs on. Every kind has its PyTorch executor (`"torch"`, which
+            `"auto"` uses where nothing faster serves it) and its dense form (`"reference"`); kinds whose pattern
+            the GPU back ends compute add `"flex"` and / or `"xformers"`.
+        no_causal_form: Why the kind cannot be causal (a decoder use is refused with this reason); "" if it can.
+        rules: Checks between its fields.
+    """
+
+    fields: dict[str, Field] = field(default_factory=dict)
+    backends: tuple[str, ...] = ("auto", "torch", "reference")
+    no_causal_form: str = ""
+    rules: tuple[Rule, ...] = ()
+
+
+def _layer_value(config: Any, name: str, layer_idx: int) -> Any:
+    value = getattr(config, name)
+    return value[layer_idx] if isinstance(value, (list, tuple)) else value
+
+
+def _linformer_one_length(config: Any, layer_idx: int, is_causal: bool) -> None:
+    """Layerwise sharing holds one projection for every Linformer layer, so one projected length."""
+    proj_len = config.linformer_proj_len
+    if config.linformer_sharing == "layerwise" and isinstance(proj_len, (list, tuple)):
+        lengths = {proj_len[i] for i, t in enumerate(config.layer_attention_types) if t == "linformer"}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"`linformer_proj_len`={list(proj_len)!r} differs between Linformer layers, but "
+                f"`linformer_sharing`='layerwise' shares one projection: expected one length (got "
+                f"{_layer_value(config, 'linformer_proj_len', layer_idx)} among {sorted(lengths)})."
+            )
+
+
+def _lsh_even_buckets(config: Any, layer_idx: int, is_causal: bool) -> None:
+    buckets = _layer_value(config, "lsh_num_buckets", layer_idx)
+    if buckets is not None and buckets % 2:
+        raise ValueError(f"`lsh_num_buckets`={config.lsh_num_buckets!r} is invalid: expected even integers "
+                         "(a rotation gives buckets in ± pairs), or None.")
+
+
+def _lsh_causal_band(config: Any, layer_idx: int, is_causal: bool) -> None:
+    if is_causal and _layer_value(config, "lsh_num_chunks_before", layer_idx) < 1:
+        raise ValueError(
+            f"`lsh_num_chunks_before`={config.lsh_num_chunks_before!r} is invalid for a causal (decoder) LSH "
+            "layer: a causal query sees the earlier keys of its bucket in a band of lsh_bucket_size · "
+            "lsh_num_chunks_before, so expected >= 1."
+        )
+
+
+def _routing_one_head_routes(config: Any, layer_idx: int, is_causal: bool) -> None:
+    if _layer_value(config, "routing_num_local_heads", layer_idx) >= config.num_attention_heads:
+        raise ValueError(
+            f"`routing_num_local_heads`={config.routing_num_local_heads!r} is invalid: expected fewer than "
+            f"`num_attention_heads`={config.num_attention_heads}, so that at least one head routes."
+        )
+
+
+def _fixed_summary_in_block(config: Any, layer_idx: int, is_causal: bool) -> None:
+    block_size = _layer_value(config, "fixed_block_size", layer_idx)
+    if _layer_value(config, "fixed_num_summary", layer_idx) > block_size:
+        raise ValueError(
+            f"`fixed_num_summary`={config.fixed_num_summary!r} is invalid for layer {layer_idx}: expected "
+            f"1 <= fixed_num_summary <= `fixed_block_size` (= {block_size}), the summary cells are part of a block."
+        )
+
+
+def _sortcut_not_causal(config: Any, layer_idx: int, is_causal: bool) -> None:
+    if is_causal and _layer_value(config, "sinkhorn_sortcut", layer_idx) is not None:
+        raise ValueError(
+            f"`sinkhorn_sortcut`={config.sinkhorn_sortcut!r} has no causal form (decoder layers): every query would "
+            "attend to sorted mixtures of the whole sequence, later tokens included. Use it in encoders only."
+        )
+
+
+_XFORMERS_BLOCKS = ("auto", "torch", "reference", "xformers")  # kinds whose inner dense step xformers runs
+
+
+def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optional: bool = False) -> Field:
+    return Field(default, "int", minimum=minimum, per=per, optional=optional)
+
+
+# `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
+KINDS: dict[str, KindSpec] = {
+    "adaptive_span": KindSpec({
+        "adaptive_span_max": _positive_int(1024),
+        "adaptive_span_ramp": _positive_int(32, per=""),
+        "adaptive_span_loss_coef": Field(2e-6, "number"),
+    }),
+    "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
+    "full": KindSpec(backends=BACKEND_NAMES),
+    "linformer": KindSpec(
+        {
+            "linformer_proj_len": _positive_int(256),
+            "linformer_sharing": Field("headwise", "choice", choices=LINFORMER_SHARING),
+        },
+        no_causal_form="projecting the length mixes every position into every projected key, so a decoder would "
+        "see the future",
+        rules=(_linformer_one_length,),
+    ),
+    "sliding": KindSpec(
+        {"sliding_window": _positive_int(256), "sliding_dilation": _positive_int(1, per="head")},
+        backends=BACKEND_NAMES,
+    ),
+    "lsh": KindSpec(
+        {
+            "lsh_num_hashes": _positive_int(2),
+            "lsh_bucket_size": _positive_int(64),
+            "lsh_num_buckets": _positive_int(None, minimum=2, optional=True),
+            "lsh_num_chunks_before": _positive_int(1, minimum=0),
+            "lsh_num_chunks_after": _positive_int(0, minimum=0),
+            "lsh_seed": Field(None, "int", optional=True),
+        },
+        backends=_XFORMERS_BLOCKS,
+        rules=(_lsh_even_buckets, _lsh_causal_band),
+    ),
+    "reduction": KindSpec(
+        {"reduction_ratio": _positive_int(8)},
+        no_causal_form="each reduced key mixes R consecutive tokens, so a decoder would see later tokens",
+    ),
+    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=BACKEND_NAMES),
+    "fixed": KindSpec(
+        {
+            "fixed_block_size": _positive_int(128),
+            "fixed_num_summary": _positive_int(8),
+            "fixed_summary_per_head": Field(False, "bool"),
+        },
+        backends=BACKEND_NAMES,
+        rules=(_fixed_summary_in_block,),
+    ),
+    "routing": KindSpec(
+        {
+            "routing_num_clusters": _positive_int(64),
+            "routing_num_local_heads": _positive_int(0, minimum=0),
+            "routing_local_window": _positive_int(128),
+            "routing_causal_window": _positive_int(None, optional=True),
+            "routing_ema_decay": Field(0.999, "number", maximum=1.0, exclusive_maximum=True),
+        },
+        backends=_XFORMERS_BLOCKS,
+        rules=(_routing_one_head_routes,),
+    ),
+    "sinkhorn": KindSpec(
+        {
+            "sinkhorn_block_size": _positive_int(64),
+            "sinkhorn_iterations": _positive_int(5),
+            "sinkhorn_temperature": Field(0.75, "number", exclusive_minimum=True),
+            "sinkhorn_sortcut": _positive_int(None, optional=True),
+        },
+        backends=_XFORMERS_BLOCKS,
+        rules=(_sortcut_not_causal,),
+    ),
+    "synthesizer": KindSpec({
+        "synthesizer_mode": Field("dense", "choice", choices=SYNTHESIZER_MODES),
+        "synthesizer_random_trainable": Field(True, "bool"),
+        "synthesizer_factor_k": _positive_int(8, per=""),
+        "synthesizer_mix": Field(False, "bool"),
+    }),
+}
+"""Attention name -> what the kind declares. The registry (`attention_registry`) holds one class per row."""
+
+
+def field_defaults(name: str | None = None) -> dict[str, Any]:
+    """The default of each field of kind `name`, or of every kind's fields when `name` is None."""
+    specs = KINDS.values() if name is None else [KINDS[name]]
+    return {field_name: spec_field.default for spec in specs for field_name, spec_field in spec.fields.items()}
+
+
+def validate_kind(name: str, config: Any, *, layer_idx: int, is_causal: bool) -> None:
+    """Check kind `name`'s fields for layer `layer_idx` of `config` (a causal layer when `is_causal`).
+
+    Raises:
+        ValueError: naming the field, the value and what is allowed (or why the kind has no causal form).
+    """
+    spec = KINDS[name]
+    if is_causal and spec.no_causal_form:
+        raise ValueError(
+            f"`attention_type`={name!r} cannot be causal: {spec.no_causal_form}. Use it in encoders; for decoders "
+            "pick a kind with a causal form (e.g. 'full', 'sliding', 'efficient')."
+        )
+    for field_name, spec_field in spec.fields.items():
+        spec_field.check(field_name, config, layer_idx)
+    for rule in spec.rules:
+        rule(config, layer_idx, is_causal)
+
+
+def check_kind_backend(name: str, backend: str) -> None:
+    """Raise `ValueError` when kind `name` cannot run on `backend` (the config's `attention_backend`), rather than
+    quietly running it on another."""
+    backends = KINDS[name].backends
+    if backend not in backends:
+        raise ValueError(
+            f"`attention_backend`={backend!r} cannot run `attention_type`={name!r}: this kind runs "
+            f"on {', '.join(repr(item) for item in backends)} ('reference' is its dense form). Use 'auto' to "
+            "let every layer take the fastest back end it has."
+        )
