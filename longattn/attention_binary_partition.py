@@ -1,0 +1,353 @@
+"""BP-Transformer graph self-attention (Ye et al. 2019, "BP-Transformer: Modelling Long-Range Context via Binary
+Partitioning"): each token attends to its neighbours and to span nodes of a binary partition tree, at growing scales.
+
+Shape legend: b batch, h heads, n length (m keys: the cached tokens in decoding), d head dim, L levels,
+N nodes (n tokens, then the spans of levels 1 .. L-1), E key slots per query.
+
+**The tree.** Level l cuts the sequence into aligned spans of 2^l tokens ([t·2^l, (t+1)·2^l), the last one cut at
+n); level 0 are the tokens themselves. A query i sees itself and, on each side, `binary_partition_context` (k)
+nodes per level, walking outwards from i: on the right, a cursor starts at i + 1; at level l it takes the level-l
+nodes from the cursor on, k of them, plus one more when the cursor would otherwise not land on a multiple of
+2^(l+1) (so the next level's nodes are aligned), and moves past them. The left side mirrors it from i. The nodes a
+query sees are therefore disjoint and together cover the whole sequence; there are at most 1 + 2·(k+1)·L of them,
+L = ceil(log2((n-1)/k + 1)), so the cost is O(k · n · log(n/k)). Bidirectional, k = 1, n = 12, query 5 (the level
+of the node through which each key is seen; `·` is the query itself)::
+
+    key     0 1 2 3 | 4 | 5 | 6 | 7 | 8 9 10 11
+    level   1 1 1 1   0   ·   0   0   1 1 1  1     left: 4, then [2, 4), [0, 2); right: 6, 7, then [8, 10), [10, 12)
+
+Right of 5 the cursor is at 6: level 0 takes 6, plus 7 so that level 1 starts on a multiple of 2 at 8.
+
+The paper takes k nodes per level and side; here a level takes k or k + 1, the extra node being what keeps the
+next level on aligned tree nodes with no gap and no overlap (a test checks both for every query of many lengths).
+
+**Causal form** (the paper's language-model setting): only the left side and the query itself; every node seen lies
+entirely before the query, so no span contains a future token.
+
+**Span nodes are pooled, not their own hidden states.** In the paper the ~n span nodes carry their own hidden
+states, updated layer by layer by attending to their children (n token + n span nodes per layer). Here each layer's
+span keys and values are the means of that layer's token keys and values over the span (padded tokens excluded; a
+span with no real token is hidden): no extra states, O(n · d) to build all levels, and a span's logit is the mean of
+the logits of the tokens it covers. A span therefore summarises the current layer's tokens rather than a state that
+accumulated over layers from its children.
+
+**Positions.** Each edge type (side, level, offset within the level, and "self") has a learned per-head bias added to
+the logits (`relative_bias` `[h, 1 + 2·32·(k+1)]`, zero at initialisation): the paper's relative positions. They
+combine with the model's own positions as follows: rotary is applied to token queries and keys before pooling, so a
+span key is the mean of its *rotated* token keys and q_i·k_span is the mean of the rotary logits q_i·R(j−i)k_j over
+the span, still a function of relative positions only (fine rotary frequencies average out over long spans, the
+bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them.
+
+**Executors.** `binary_partition_attention` gathers each query's E node keys (indices into [token keys ; span keys])
+in chunks of queries and adds the bias per slot: never an n x n tensor. It does not go through
+`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk is recomputed in backward
+(`torch.utils.checkpoint`), so the gathered `[b, h, c, E, d]` keys are not kept. `binary_partition_reference` is the
+dense form from the same cursors: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries
+are the last positions of the cache, `output_attentions` with the span weights spread evenly over their real tokens,
+the "reference" back end, and the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import initialization as init
+
+from .attention_base import LongAttnAttention
+from .numerics import compute_dtype, hidden_logit_for
+
+__all__ = [
+    "MAX_LEVELS",
+    "BinaryPartitionAttention",
+    "binary_partition_attention",
+    "binary_partition_edges",
+    "binary_partition_levels",
+    "binary_partition_reference",
+    "binary_partition_slots",
+    "num_levels",
+    "num_edge_types",
+    "pool_spans",
+]
+
+MAX_LEVELS = 32
+"""Levels the relative bias table holds (2^31 tokens): fixed, so the parameter does not depend on the length."""
+
+# Elements of one chunk's gathered keys [b, h, c, E, d]: a few MB, like executor_blocked's chunks.
+_CHUNK_ELEMENTS = 2**20
+
+
+def num_levels(n: int, context: int) -> int:
+    """Levels L (0 .. L-1) a sequence of n tokens needs: each level adds >= k nodes of 2^l tokens per side, so
+    after L levels a side covers >= k·(2^L − 1) >= n − 1 tokens."""
+    levels = 1
+    while context * (2**levels - 1) < n - 1:
+        levels += 1
+    return levels
+
+
+def num_edge_types(context: int) -> int:
+    """Edge types of the relative bias: "self", and (side, level, offset) for 2 sides, `MAX_LEVELS` levels and
+    offsets 0 .. k (k nodes per level plus the alignment node)."""
+    return 1 + 2 * MAX_LEVELS * (context + 1)
+
+
+def _edge_type(level: Tensor | int, offset: Tensor, left: bool, context: int) -> Tensor:
+    """Edge type id of a node at `level` and `offset` (0-based, outwards) on one side; 0 is "self"."""
+    level = torch.as_tensor(level).clamp(max=MAX_LEVELS - 1)
+    return 1 + 2 * (level * (context + 1) + offset) + int(left)
+
+
+def _cursors(positions: Tensor, n: int, context: int) -> tuple[Tensor, Tensor]:
+    """Where each level starts on each side: the definition every other function reads.
+
+    Args:
+        positions: Long `[q]`, the query positions.
+
+    Returns:
+        (right `[q, L+1]`: level l's nodes start in [right[l], right[l+1]); left `[q, L+1]`: level l's nodes lie in
+        [left[l+1], left[l])).
+    """
+    right, left = [positions + 1], [positions]
+    for level in range(num_levels(n, context)):
+        size = 2**level
+        # k nodes, then one more if needed so that the next level starts on a multiple of its node size.
+        right.append(torch.div(right[-1] + context * size + 2 * size - 1, 2 * size, rounding_mode="floor") * 2 * size)
+        left.append(torch.div(left[-1] - context * size, 2 * size, rounding_mode="floor") * 2 * size)
+    return torch.stack(right, dim=1), torch.stack(left, dim=1)
+
+
+def level_offsets(n: int, levels: int) -> list[int]:
+    """Index of each level's first node in the node list [tokens ; level 1 ; level 2 ; ...]; the last entry is N."""
+    offsets, total = [0], n
+    for level in range(1, levels):
+        offsets.append(total)
+        total += -(-n // 2**level)
+    offsets.append(total)
+    return offsets
+
+
+def binary_partition_slots(
+    n: int, *, context: int, causal: bool, device: torch.device | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each query's key slots, for the fast executor: one slot per edge type a query can have.
+
+    Returns:
+        (node `[n, E]` long, index into the node list; edge `[n, E]` long, the edge type; valid `[n, E]` bool, the
+        slot holds a node inside the sequence). Slot 0 is the query itself.
+    """
+    positions = torch.arange(n, device=device)
+    right, left = _cursors(positions, n, context)
+    offsets = level_offsets(n, right.shape[1] - 1)
+    nodes, edges, valid = [positions[:, None]], [torch.zeros(n, 1, dtype=torch.long, device=device)], []
+    valid.append(torch.ones(n, 1, dtype=torch.bool, device=device))
+    steps = torch.arange(context + 1, device=device)  # [k+1]
+    for level in range(right.shape[1] - 1):
+        size = 2**level
+        sides = [] if causal else [(False, right[:, level, None] + steps * size, right[:, level + 1, None])]
+        sides.append((True, left[:, level, None] - (steps + 1) * size, left[:, level + 1, None]))
+        for is_left, start, limit in sides:  # start [n, k+1]
+            ok = (start >= limit) & (start >= 0) if is_left else (start < limit) & (start < n)
+            nodes.append(offsets[level] + torch.div(start.clamp(0, n - 1), size, rounding_mode="floor"))
+            edges.append(_edge_type(level, steps, is_left, context).expand(n, -1))
+            valid.append(ok)
+    return torch.cat(nodes, 1), torch.cat(edges, 1), torch.cat(valid, 1)
+
+
+def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int = 0) -> Tensor:
+    """The dense form: the edge type from each query to each node, -1 where the query does not see the node.
+
+    Args:
+        m: Tokens (keys); the queries are positions q_offset .. m-1.
+
+    Returns:
+        Long `[m - q_offset, N]` over the node list [tokens ; level-1 spans ; ...].
+    """
+    positions = torch.arange(q_offset, m)
+    right, left = _cursors(positions, m, context)
+    levels = right.shape[1] - 1
+    offsets = level_offsets(m, levels)
+    node_level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(levels)])  # [N]
+    size = 2**node_level
+    start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[node_level]) * size  # [N]
+    lo_r, hi_r = right.gather(1, node_level.expand(len(positions), -1)), right.gather(1, (node_level + 1).expand(
+        len(positions), -1))  # [q, N]
+    hi_l, lo_l = left.gather(1, node_level.expand(len(positions), -1)), left.gather(1, (node_level + 1).expand(
+        len(positions), -1))
+    in_right = (start >= lo_r) & (start < hi_r) & (not causal)
+    in_left = (start >= lo_l) & (start + size <= hi_l)
+    edges = torch.full(in_right.shape, -1, dtype=torch.long)
+    edges = torch.where(in_right, _edge_type(node_level, torch.div(start - lo_r, size, rounding_mode="floor"),
+                                             False, context), edges)
+    edges = torch.where(in_left, _edge_type(node_level, torch.div(hi_l - start, size, rounding_mode="floor") - 1,
+                                            True, context), edges)
+    is_self = (node_level == 0) & (start == positions[:, None])
+    return edges.masked_fill(is_self, 0)
+
+
+def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
+    """For pictures and tests: the level of the node through which query i sees token j, -1 where it does not.
+
+    Returns:
+        Long `[n, n]`.
+    """
+    edges = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
+    levels = num_levels(n, context)
+    offsets = level_offsets(n, levels)
+    result = torch.full((n, n), -1, dtype=torch.long)
+    tokens = torch.arange(n)
+    for level in range(levels):
+        seen = edges[:, offsets[level] + tokens // 2**level] >= 0  # [n, n]
+        result = result.masked_fill(seen & (result >= 0), -2).masked_fill(seen & (result == -1), level)
+    return result  # -2 would mark a token covered twice (never, checked by the tests)
+
+
+def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The node list: the tokens, then each level's spans as the mean of their real tokens.
+
+    Args:
+        x: `[b, h, n, d]` token keys or values.
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+
+    Returns:
+        (nodes `[b, h, N, d]` in x's dtype; real `[b, N]` bool, False for spans without a real token; counts
+        `[b, N]`, real tokens per node).
+    """
+    b, _, n, _ = x.shape
+    dtype = compute_dtype(x.dtype)
+    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
+    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
+    node_sums, node_counts = [sums], [counts]
+    for _ in range(1, levels):
+        if sums.shape[2] % 2:
+            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
+        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
+        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
+        node_sums.append(sums)
+        node_counts.append(counts)
+    counts = torch.cat(node_counts, 1)  # [b, N]
+    means = torch.cat(node_sums, 2) / counts.clamp(min=1)[:, None, :, None]
+    means = torch.cat([x, means[:, :, n:].to(x.dtype)], 2)  # tokens kept exactly as they are
+    return means, counts > 0, counts
+
+
+def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
+    """Softmax over the last dim with hidden entries masked; rows with no visible entry give zeros."""
+    scores = scores.masked_fill(~visible, hidden_logit_for(scores.dtype))
+    probs = torch.softmax(scores, dim=-1) * visible.any(-1, keepdim=True)
+    return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+
+
+def _attend_chunk(q: Tensor, nodes_k: Tensor, nodes_v: Tensor, node: Tensor, bias: Tensor, visible: Tensor,
+                  scale: float, dropout_p: float) -> Tensor:
+    """q `[b, h, c, d]`, node `[c, E]`, bias `[h, c, E]`, visible `[b, 1, c, E]` -> out `[b, h, c, d]`."""
+    dtype = compute_dtype(q.dtype)
+    keys, values = nodes_k[:, :, node].to(dtype), nodes_v[:, :, node].to(dtype)  # [b, h, c, E, d]
+    scores = torch.einsum("bhcd,bhced->bhce", q.to(dtype) * scale, keys) + bias.to(dtype)
+    probs = _softmax_rows(scores, visible, dropout_p)
+    return torch.einsum("bhce,bhced->bhcd", probs, values).to(q.dtype)
+
+
+def binary_partition_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+) -> Tensor:
+    """The fast executor: each query attends to its O(k · log(n/k)) gathered nodes.
+
+    Args:
+        q, k, v: `[b, h, n, d]` (rotary already applied).
+        context: k, nodes per level and side.
+        causal: Only the left side (the paper's language-model setting).
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+        relative_bias: `[h, num_edge_types(context)]`, added to the logits per edge type.
+        scale: Multiplier of q·k.
+        dropout_p: Dropout on the attention probabilities.
+
+    Returns:
+        `[b, h, n, d]`.
+    """
+    b, h, n, d = q.shape
+    levels = num_levels(n, context)
+    nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
+    nodes_v = pool_spans(v, key_padding_mask, levels)[0]
+    node, edge, valid = binary_partition_slots(n, context=context, causal=causal, device=q.device)  # [n, E]
+    slots = node.shape[1]
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * slots * d))
+    outs = []
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        visible = (valid[rows] & real[:, node[rows]])[:, None]  # [b, 1, c, E]
+        args = (q[:, :, rows], nodes_k, nodes_v, node[rows], relative_bias[:, edge[rows]], visible, scale, dropout_p)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Recomputed in backward: the gathered [b, h, c, E, d] keys and values are not kept.
+            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_attend_chunk(*args))
+    return torch.cat(outs, 2)
+
+
+def binary_partition_reference(
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """The dense form: the n queries (the last n of m positions) against all N nodes, with the explicit edge table.
+
+    Args:
+        q: `[b, h, n, d]`; k, v: `[b, h, m, d]`; key_padding_mask `[b, m]`; the rest as `binary_partition_attention`.
+
+    Returns:
+        (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly over its real tokens, so that
+        `weights @ v == out`).
+    """
+    n, m = q.shape[2], k.shape[2]
+    levels = num_levels(m, context)
+    nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
+    nodes_v = pool_spans(v, key_padding_mask, levels)[0]
+    edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
+    dtype = compute_dtype(q.dtype)
+    bias = relative_bias[:, edges.clamp(min=0)].to(dtype)  # [h, n, N]
+    scores = (q.to(dtype) * scale) @ nodes_k.to(dtype).transpose(-1, -2) + bias  # [b, h, n, N]
+    probs = _softmax_rows(scores, (edges >= 0) & real[:, None, None, :], dropout_p)
+    out = (probs @ nodes_v.to(dtype)).to(q.dtype)
+    # A span's key and value are the means of its real tokens: its weight, spread over them, gives the same output.
+    offsets = level_offsets(m, levels)
+    tokens = torch.arange(m, device=q.device)
+    token_real = real[:, :m].to(dtype)  # [b, m]
+    weights = torch.zeros_like(probs[..., :m])
+    for level in range(levels):
+        index = offsets[level] + tokens // 2**level  # [m]
+        weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
+    return out, weights.to(q.dtype)
+
+
+class BinaryPartitionAttention(LongAttnAttention):
+    """The `"binary_partition"` kind (BP-Transformer). Config field: `binary_partition_context` (k, nodes per
+    level and side; int or one per layer). Parameter besides q/k/v/o_proj: `relative_bias` `[h, edge types]`."""
+
+    attention_type = "binary_partition"
+
+    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
+        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
+        self.context = config.per_layer("binary_partition_context", layer_idx)
+        self.relative_bias = nn.Parameter(torch.zeros(self.num_heads, num_edge_types(self.context)))
+        self.reset_kind_parameters()
+
+    @torch.no_grad()
+    def reset_kind_parameters(self) -> None:
+        """No relative bias at initialisation: the positions come from the model's own until it learns one."""
+        init.zeros_(self.relative_bias)
+
+    def _kwargs(self, key_padding_mask: Tensor | None) -> dict[str, Any]:
+        return dict(context=self.context, causal=self.is_causal, key_padding_mask=key_padding_mask,
+                    relative_bias=self.relative_bias, scale=self.scale,
+                    dropout_p=self.dropout_p if self.training else 0.0)
+
+    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+        return binary_partition_attention(q, k, v, **self._kwargs(key_padding_mask))
+
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
+        """The dense form (cached decoding, `output_attentions`, "reference"): weights `[b, h, n, m]` over tokens."""
+        return binary_partition_reference(q, k, v, **self._kwargs(key_padding_mask))
