@@ -59,6 +59,8 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, hidden_logit_for
+from .ops_checks import empty_attention, is_empty
+from .patterns import first_real_token
 
 __all__ = [
     "MAX_LEVELS",
@@ -269,6 +271,8 @@ def binary_partition_attention(
     Returns:
         `[b, h, n, d]`.
     """
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
     b, h, n, d = q.shape
     levels = num_levels(n, context)
     nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
@@ -302,6 +306,8 @@ def binary_partition_reference(
         (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly over its real tokens, so that
         `weights @ v == out`).
     """
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
     n, m = q.shape[2], k.shape[2]
     levels = num_levels(m, context)
     nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
@@ -323,6 +329,39 @@ def binary_partition_reference(
     return out, weights.to(q.dtype)
 
 
+def _from_first_real_token(run, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
+    """`run(q, k, v, key_padding_mask) -> (out, weights or None)` on rows rolled left by their first real token.
+
+    The tree is aligned to position 0; counted from each row's first real token instead, left padding does not move
+    the spans over the real tokens (like the model's position ids). Left padding wraps to the end of the row, where it
+    is still padding. Queries that are the last n_q of n_k positions (decoding) are run as all n_k positions.
+
+    Returns:
+        (out `[b, h, n_q, d]`, weights `[b, h, n_q, n_k]` or None), in the original order.
+    """
+    first = None if key_padding_mask is None else first_real_token(key_padding_mask)  # [b]
+    # Reading `first` on the host would break a `torch.compile` graph, so compiled code always rolls.
+    if first is None or (not torch.compiler.is_compiling() and not bool(first.any())):
+        return run(q, k, v, key_padding_mask)
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    positions = torch.arange(n_k, device=q.device).view(1, n_k)
+    rolled_index = (positions + first.view(b, 1)) % n_k  # [b, n_k]: original position of each rolled slot
+    unrolled_index = (positions - first.view(b, 1)) % n_k  # [b, n_k]: rolled slot of each original position
+
+    def along(x: Tensor, index: Tensor, dim: int) -> Tensor:
+        shape = [b, 1, 1, 1]
+        shape[dim] = n_k
+        return x.gather(dim, index.view(shape).expand(*x.shape[:dim], n_k, *x.shape[dim + 1:]))
+
+    q = F.pad(q, (0, 0, n_k - n_q, 0))  # [b, h, n_k, d]
+    out, weights = run(*(along(x, rolled_index, 2) for x in (q, k, v)), key_padding_mask.gather(1, rolled_index))
+    out = along(out, unrolled_index, 2)[:, :, n_k - n_q:]
+    if weights is not None:
+        weights = along(along(weights, unrolled_index, 2), unrolled_index, 3)[:, :, n_k - n_q:]
+    return out, weights
+
+
 class BinaryPartitionAttention(LongAttnAttention):
     """The `"binary_partition"` kind (BP-Transformer). Config field: `binary_partition_context` (k, nodes per
     level and side; int or one per layer). Parameter besides q/k/v/o_proj: `relative_bias` `[h, edge types]`."""
@@ -340,14 +379,19 @@ class BinaryPartitionAttention(LongAttnAttention):
         """No relative bias at initialisation: the positions come from the model's own until it learns one."""
         init.zeros_(self.relative_bias)
 
-    def _kwargs(self, key_padding_mask: Tensor | None) -> dict[str, Any]:
-        return dict(context=self.context, causal=self.is_causal, key_padding_mask=key_padding_mask,
-                    relative_bias=self.relative_bias, scale=self.scale,
+    def _kwargs(self) -> dict[str, Any]:
+        return dict(context=self.context, causal=self.is_causal, relative_bias=self.relative_bias, scale=self.scale,
                     dropout_p=self.dropout_p if self.training else 0.0)
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return binary_partition_attention(q, k, v, **self._kwargs(key_padding_mask))
+        def run(q, k, v, key_padding_mask):
+            return binary_partition_attention(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs()), None
+
+        return _from_first_real_token(run, q, k, v, key_padding_mask)[0]
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         """The dense form (cached decoding, `output_attentions`, "reference"): weights `[b, h, n, m]` over tokens."""
-        return binary_partition_reference(q, k, v, **self._kwargs(key_padding_mask))
+        def run(q, k, v, key_padding_mask):
+            return binary_partition_reference(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())
+
+        return _from_first_real_token(run, q, k, v, key_padding_mask)
