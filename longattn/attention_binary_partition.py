@@ -2,7 +2,7 @@
 Partitioning"): each token attends to its neighbours and to span nodes of a binary partition tree, at growing scales.
 
 Shape legend: b batch, h heads, n length (m keys: the cached tokens in decoding), d head dim, L levels,
-N nodes (n tokens, then the spans of levels 1 .. L-1), E key slots per query.
+N nodes (n tokens, then the spans of levels 1 .. L-1), nb query blocks of c, m nodes gathered per block.
 
 **The tree.** Level l cuts the sequence into aligned spans of 2^l tokens ([t·2^l, (t+1)·2^l), the last one cut at
 n); level 0 are the tokens themselves. A query i sees itself and, on each side, `binary_partition_context` (k)
@@ -38,13 +38,16 @@ span key is the mean of its *rotated* token keys and q_i·k_span is the mean of 
 the span, still a function of relative positions only (fine rotary frequencies average out over long spans, the
 bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them.
 
-**Executors.** `binary_partition_attention` gathers each query's E node keys (indices into [token keys ; span keys])
-in chunks of queries and adds the bias per slot: never an n x n tensor. It does not go through
-`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk is recomputed in backward
-(`torch.utils.checkpoint`), so the gathered `[b, h, c, E, d]` keys are not kept. `binary_partition_reference` is the
-dense form from the same cursors: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries
-are the last positions of the cache, `output_attentions` with the span weights spread evenly over their real tokens,
-the "reference" back end, and the tests).
+**Executors.** `binary_partition_attention` cuts the queries into blocks of `QUERY_BLOCK` (c = 32); each block
+gathers one set of node keys and values (indices into [token keys ; span keys]): at each level the window of nodes
+its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
+and never an n x n tensor. The edge type of every (query, gathered node) pair comes from the same predicate as the
+dense table, gives the bias and hides the nodes a query does not see. It does not go through
+`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk of blocks is recomputed in
+backward (`torch.utils.checkpoint`), so gathered keys and scores are not kept. `binary_partition_reference` is the
+dense form: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries are the last positions of
+the cache, `output_attentions` with the span weights spread evenly over their real tokens, the "reference" back
+end, and the tests).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ __all__ = [
     "binary_partition_edges",
     "binary_partition_levels",
     "binary_partition_reference",
-    "binary_partition_slots",
+    "block_layout",
     "num_levels",
     "num_edge_types",
     "pool_spans",
@@ -78,7 +81,10 @@ __all__ = [
 MAX_LEVELS = 32
 """Levels the relative bias table holds (2^31 tokens): fixed, so the parameter does not depend on the length."""
 
-# Elements of one chunk's gathered keys [b, h, c, E, d]: a few MB, like executor_blocked's chunks.
+QUERY_BLOCK = 32
+"""Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
+
+# Elements of one chunk's scores [b, h, blocks, c, m]: a few MB, like executor_blocked's chunks.
 _CHUNK_ELEMENTS = 2**20
 
 
@@ -132,31 +138,33 @@ def level_offsets(n: int, levels: int) -> list[int]:
     return offsets
 
 
-def binary_partition_slots(
-    n: int, *, context: int, causal: bool, device: torch.device | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Each query's key slots, for the fast executor: one slot per edge type a query can have.
+def _edges(positions: Tensor, node_level: Tensor, node_start: Tensor, *, n: int, context: int, causal: bool) -> Tensor:
+    """The edge type from each query to each node, -1 where the query does not see it: the one predicate both the
+    dense table and the blocked layout evaluate.
+
+    Args:
+        positions: Long `[*P]`, query positions.
+        node_level, node_start: Long, broadcastable to `[*P, M]`: each node's level and first token.
+        n: Tokens in the sequence.
 
     Returns:
-        (node `[n, E]` long, index into the node list; edge `[n, E]` long, the edge type; valid `[n, E]` bool, the
-        slot holds a node inside the sequence). Slot 0 is the query itself.
+        Long `[*P, M]`.
     """
-    positions = torch.arange(n, device=device)
-    right, left = _cursors(positions, n, context)
-    offsets = level_offsets(n, right.shape[1] - 1)
-    nodes, edges, valid = [positions[:, None]], [torch.zeros(n, 1, dtype=torch.long, device=device)], []
-    valid.append(torch.ones(n, 1, dtype=torch.bool, device=device))
-    steps = torch.arange(context + 1, device=device)  # [k+1]
-    for level in range(right.shape[1] - 1):
-        size = 2**level
-        sides = [] if causal else [(False, right[:, level, None] + steps * size, right[:, level + 1, None])]
-        sides.append((True, left[:, level, None] - (steps + 1) * size, left[:, level + 1, None]))
-        for is_left, start, limit in sides:  # start [n, k+1]
-            ok = (start >= limit) & (start >= 0) if is_left else (start < limit) & (start < n)
-            nodes.append(offsets[level] + torch.div(start.clamp(0, n - 1), size, rounding_mode="floor"))
-            edges.append(_edge_type(level, steps, is_left, context).expand(n, -1))
-            valid.append(ok)
-    return torch.cat(nodes, 1), torch.cat(edges, 1), torch.cat(valid, 1)
+    right, left = _cursors(positions.flatten(), n, context)  # [Q, L+1]
+    right, left = right.view(*positions.shape, -1), left.view(*positions.shape, -1)  # [*P, L+1]
+    shape = torch.broadcast_shapes((*positions.shape, 1), node_level.shape)
+    level, start = node_level.expand(shape), node_start.expand(shape)
+    size = 2**level
+    lo_r, hi_r = right.take_along_dim(level, -1), right.take_along_dim(level + 1, -1)
+    hi_l, lo_l = left.take_along_dim(level, -1), left.take_along_dim(level + 1, -1)
+    in_right = (start >= lo_r) & (start < hi_r) & (not causal)
+    in_left = (start >= lo_l) & (start + size <= hi_l)
+    edges = torch.full(shape, -1, dtype=torch.long, device=positions.device)
+    edges = torch.where(in_right, _edge_type(level, torch.div(start - lo_r, size, rounding_mode="floor"),
+                                             False, context), edges)
+    edges = torch.where(in_left, _edge_type(level, torch.div(hi_l - start, size, rounding_mode="floor") - 1,
+                                            True, context), edges)
+    return edges.masked_fill((level == 0) & (start == positions[..., None]), 0)
 
 
 def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int = 0) -> Tensor:
@@ -168,26 +176,45 @@ def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int 
     Returns:
         Long `[m - q_offset, N]` over the node list [tokens ; level-1 spans ; ...].
     """
-    positions = torch.arange(q_offset, m)
-    right, left = _cursors(positions, m, context)
-    levels = right.shape[1] - 1
+    levels = num_levels(m, context)
     offsets = level_offsets(m, levels)
     node_level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(levels)])  # [N]
-    size = 2**node_level
-    start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[node_level]) * size  # [N]
-    lo_r, hi_r = right.gather(1, node_level.expand(len(positions), -1)), right.gather(1, (node_level + 1).expand(
-        len(positions), -1))  # [q, N]
-    hi_l, lo_l = left.gather(1, node_level.expand(len(positions), -1)), left.gather(1, (node_level + 1).expand(
-        len(positions), -1))
-    in_right = (start >= lo_r) & (start < hi_r) & (not causal)
-    in_left = (start >= lo_l) & (start + size <= hi_l)
-    edges = torch.full(in_right.shape, -1, dtype=torch.long)
-    edges = torch.where(in_right, _edge_type(node_level, torch.div(start - lo_r, size, rounding_mode="floor"),
-                                             False, context), edges)
-    edges = torch.where(in_left, _edge_type(node_level, torch.div(hi_l - start, size, rounding_mode="floor") - 1,
-                                            True, context), edges)
-    is_self = (node_level == 0) & (start == positions[:, None])
-    return edges.masked_fill(is_self, 0)
+    node_start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[node_level]) * 2**node_level  # [N]
+    return _edges(torch.arange(q_offset, m), node_level, node_start, n=m, context=context, causal=causal)
+
+
+def block_layout(
+    n: int, *, context: int, causal: bool, block: int = QUERY_BLOCK, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """The blocked executor's layout: each block of `block` queries gathers one shared set of nodes.
+
+    At level l the queries of block [s, s + c) see nodes of index in [s/2^l − 2(k+1), (s+c)/2^l + 2(k+1)] (a
+    right-side cursor moves at most (k+1)·(2^(l+1) − 1) past the query, the left one alike), so the block gathers
+    that window of every level: about 2c + L·(4k + 5) nodes, shared by c queries. The edge types come from `_edges`.
+
+    Returns:
+        (nodes `[nb, m]` long, indices into the node list; edges `[nb, c, m]` long, -1 where the query does not see
+        the node, also for window slots outside the level).
+    """
+    levels = num_levels(n, context)
+    offsets = level_offsets(n, levels)
+    blocks = -(-n // block)
+    first = torch.arange(blocks, device=device) * block  # [nb]
+    nodes, node_level, node_start, exists = [], [], [], []
+    reach = 2 * (context + 1)
+    for level in range(levels):
+        size, count = 2**level, offsets[level + 1] - offsets[level]
+        width = max(block // size, 1) + reach * (1 if causal else 2) + 1
+        index = torch.div(first, size, rounding_mode="floor")[:, None] - reach + torch.arange(width, device=device)
+        exists.append((index >= 0) & (index < count))  # [nb, w]
+        nodes.append(offsets[level] + index.clamp(0, count - 1))
+        node_level.append(torch.full_like(index, level))
+        node_start.append(index * size)
+    nodes, exists = torch.cat(nodes, 1), torch.cat(exists, 1)  # [nb, m]
+    positions = first[:, None] + torch.arange(block, device=device)  # [nb, c]; positions >= n are padding
+    edges = _edges(positions, torch.cat(node_level, 1)[:, None], torch.cat(node_start, 1)[:, None], n=n,
+                   context=context, causal=causal)  # [nb, c, m]
+    return nodes, edges.masked_fill(~exists[:, None], -1)
 
 
 def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
@@ -243,21 +270,21 @@ def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
     return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
 
 
-def _attend_chunk(q: Tensor, nodes_k: Tensor, nodes_v: Tensor, node: Tensor, bias: Tensor, visible: Tensor,
+def _attend_chunk(q_blocks: Tensor, nodes_k: Tensor, nodes_v: Tensor, nodes: Tensor, bias: Tensor, visible: Tensor,
                   scale: float, dropout_p: float) -> Tensor:
-    """q `[b, h, c, d]`, node `[c, E]`, bias `[h, c, E]`, visible `[b, 1, c, E]` -> out `[b, h, c, d]`."""
-    dtype = compute_dtype(q.dtype)
-    keys, values = nodes_k[:, :, node].to(dtype), nodes_v[:, :, node].to(dtype)  # [b, h, c, E, d]
-    scores = torch.einsum("bhcd,bhced->bhce", q.to(dtype) * scale, keys) + bias.to(dtype)
-    probs = _softmax_rows(scores, visible, dropout_p)
-    return torch.einsum("bhce,bhced->bhcd", probs, values).to(q.dtype)
+    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]` -> out
+    `[b, h, nb, c, d]`."""
+    dtype = compute_dtype(q_blocks.dtype)
+    keys, values = nodes_k[:, :, nodes].to(dtype), nodes_v[:, :, nodes].to(dtype)  # [b, h, nb, m, d]
+    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2) + bias.to(dtype)  # [b, h, nb, c, m]
+    return (_softmax_rows(scores, visible, dropout_p) @ values).to(q_blocks.dtype)
 
 
 def binary_partition_attention(
     q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
     relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
 ) -> Tensor:
-    """The fast executor: each query attends to its O(k · log(n/k)) gathered nodes.
+    """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`).
 
     Args:
         q, k, v: `[b, h, n, d]` (rotary already applied).
@@ -277,20 +304,22 @@ def binary_partition_attention(
     levels = num_levels(n, context)
     nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
-    node, edge, valid = binary_partition_slots(n, context=context, causal=causal, device=q.device)  # [n, E]
-    slots = node.shape[1]
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * slots * d))
+    nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
+    blocks, c, m = edges.shape
+    q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
     outs = []
-    for start in range(0, n, chunk):
-        rows = slice(start, min(n, start + chunk))
-        visible = (valid[rows] & real[:, node[rows]])[:, None]  # [b, 1, c, E]
-        args = (q[:, :, rows], nodes_k, nodes_v, node[rows], relative_bias[:, edge[rows]], visible, scale, dropout_p)
+    for start in range(0, blocks, chunk):
+        rows = slice(start, min(blocks, start + chunk))
+        visible = ((edges[rows] >= 0) & real[:, nodes[rows]][:, :, None, :])[:, None]  # [b, 1, nb, c, m]
+        args = (q_blocks[:, :, rows], nodes_k, nodes_v, nodes[rows], relative_bias[:, edges[rows].clamp(min=0)],
+                visible, scale, dropout_p)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Recomputed in backward: the gathered [b, h, c, E, d] keys and values are not kept.
+            # Recomputed in backward: the gathered keys, values and scores are not kept.
             outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
         else:
             outs.append(_attend_chunk(*args))
-    return torch.cat(outs, 2)
+    return torch.cat(outs, 2).flatten(2, 3)[:, :, :n]
 
 
 def binary_partition_reference(

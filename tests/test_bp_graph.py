@@ -16,7 +16,7 @@ from longattn.attention_binary_partition import (
     binary_partition_edges,
     binary_partition_levels,
     binary_partition_reference,
-    binary_partition_slots,
+    block_layout,
     level_offsets,
     num_edge_types,
     num_levels,
@@ -31,35 +31,50 @@ def _config(**overrides) -> LongAttnConfig:
     return LongAttnConfig(**fields)
 
 
-def _slot_ranges(n: int, context: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The token range [start, stop) of each slot's node, and whether the slot is used: `[n, E]` each."""
-    node, _, valid = binary_partition_slots(n, context=context, causal=causal)
-    offsets = torch.tensor(level_offsets(n, num_levels(n, context)))
-    level = torch.searchsorted(offsets, node, right=True) - 1
-    start = (node - offsets[level]) * 2**level
-    return start, (start + 2**level).clamp(max=n), valid
+def _node_ranges(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token range [start, stop) of every node of the node list `[N]`."""
+    offsets = level_offsets(n, num_levels(n, 1))  # the most levels any k needs
+    level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(len(offsets) - 1)])
+    start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[level]) * 2**level
+    return start, (start + 2**level).clamp(max=n)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("context", [1, 2, 3])
 def test_the_nodes_a_token_sees_are_disjoint_and_cover_the_sequence(context, causal):
     for n in range(1, 41):
-        start, stop, valid = _slot_ranges(n, context, causal)
+        edges = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
+        start, stop = _node_ranges(n)
+        start, stop = start[: edges.shape[1]], stop[: edges.shape[1]]
         tokens = torch.arange(n)
-        covered = ((start[..., None] <= tokens) & (tokens < stop[..., None]) & valid[..., None]).sum(1)  # [n, n]
+        inside = (start[:, None] <= tokens) & (tokens < stop[:, None])  # [N, n]
+        covered = (edges >= 0).long() @ inside.long()  # [n, n]: how many seen nodes hold each token
         expected = torch.ones(n, n, dtype=torch.long)
         if causal:  # exactly the tokens at or before the query
             expected = expected.tril()
         assert torch.equal(covered, expected), (n, context, causal)
-        # O(k · log(n/k)) nodes per query: at most k + 1 per level and side.
-        assert valid.sum(1).max() <= 1 + (1 if causal else 2) * (context + 1) * num_levels(n, context)
-        # The dense edge table names the same nodes with the same edge types as the gathered slots.
-        node, edge, _ = binary_partition_slots(n, context=context, causal=causal)
-        dense = binary_partition_edges(n, context=context, causal=causal)
-        nodes = dense.shape[1]  # one more column, where the unused slots write
-        from_slots = torch.full((n, nodes + 1), -1).scatter(1, torch.where(valid, node, nodes),
-                                                            torch.where(valid, edge, -1))[:, :nodes]
-        assert torch.equal(from_slots, dense), (n, context, causal)
+        # O(k · log(n/k)) nodes per query: at most k + 1 per level and side, each edge type once.
+        seen = edges >= 0
+        assert seen.sum(1).max() <= 1 + (1 if causal else 2) * (context + 1) * num_levels(n, context)
+        for row in edges:
+            assert row[row >= 0].unique().numel() == int((row >= 0).sum())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("context", [1, 3])
+def test_each_query_block_gathers_every_node_its_queries_see(context, causal):
+    """The blocked layout's windows hold every node of the dense table, with the same edge types, once."""
+    for n in (1, 5, 31, 32, 33, 70, 257):
+        for block in (1, 4, 32):
+            nodes, edges = block_layout(n, context=context, causal=causal, block=block)  # [nb, m], [nb, c, m]
+            dense = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
+            blocks, c, m = edges.shape
+            table = torch.full((blocks, c, dense.shape[1] + 1), -1)
+            index = torch.where(edges >= 0, nodes[:, None, :].expand(-1, c, -1), dense.shape[1])  # unused: last
+            table = table.scatter(2, index, edges)[..., :-1].flatten(0, 1)[:n]
+            assert torch.equal(table, dense), (n, context, causal, block)
+            real_queries = edges.flatten(0, 1)[:n]  # positions past n only pad the last block
+            assert int((real_queries >= 0).sum()) == int((dense >= 0).sum())  # no node twice in a window
 
 
 def test_levels_of_the_documented_example():
@@ -80,7 +95,7 @@ def _inputs(n: int, *, dtype=torch.float64, seed: int = 0):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [1, 6, 13, 37])
+@pytest.mark.parametrize("n", [1, 6, 13, 37, 70])
 def test_gathered_executor_equals_the_dense_reference_outputs_and_gradients(n, causal):
     q, k, v, mask, bias = _inputs(n)
     kwargs = dict(context=2, causal=causal, key_padding_mask=mask, relative_bias=bias, scale=0.35)
