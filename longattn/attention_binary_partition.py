@@ -52,6 +52,7 @@ end, and the tests).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -270,6 +271,11 @@ def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
     return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
 
 
+@lru_cache(maxsize=4)
+def _cached_block_layout(n: int, context: int, causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    return block_layout(n, context=context, causal=causal, device=device)
+
+
 def _attend_chunk(q_blocks: Tensor, nodes_k: Tensor, nodes_v: Tensor, nodes: Tensor, bias: Tensor, visible: Tensor,
                   scale: float, dropout_p: float) -> Tensor:
     """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]` -> out
@@ -304,7 +310,10 @@ def binary_partition_attention(
     levels = num_levels(n, context)
     nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
-    nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
+    if torch.compiler.is_compiling():
+        nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
+    else:  # the layout depends on the length only: built once per length, not in every layer and step
+        nodes, edges = _cached_block_layout(n, context, causal, q.device)
     blocks, c, m = edges.shape
     q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
