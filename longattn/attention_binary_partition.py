@@ -68,12 +68,14 @@ from .patterns import first_real_token
 
 __all__ = [
     "MAX_LEVELS",
+    "QUERY_BLOCK",
     "BinaryPartitionAttention",
     "binary_partition_attention",
     "binary_partition_edges",
     "binary_partition_levels",
     "binary_partition_reference",
     "block_layout",
+    "level_offsets",
     "num_levels",
     "num_edge_types",
     "pool_spans",

@@ -130,6 +130,21 @@ def test_layer_fast_path_equals_its_dense_form_with_left_padding(causal):
     assert weights.shape == (2, 2, 21, 21)
 
 
+def test_cached_decoding_queries_equal_the_full_pass_with_left_padding():
+    """Decoding: the last queries against all cached keys (the dense form, rows rolled) give the full pass's rows."""
+    torch.manual_seed(0)
+    layer = BinaryPartitionAttention(_config(), layer_idx=0, is_causal=True).double().eval()
+    with torch.no_grad():
+        layer.relative_bias.normal_()
+    q, k, v = (torch.randn(2, 2, 26, 16, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, 26, dtype=torch.bool)
+    mask[1, :7] = False
+    full = layer.attend(q, k, v, key_padding_mask=mask, global_mask=None)
+    last, weights = layer.attend_dense(q[:, :, -3:], k, v, key_padding_mask=mask, global_mask=None)
+    torch.testing.assert_close(last, full[:, :, -3:])
+    assert weights.shape == (2, 2, 3, 26) and not weights[1, :, :, :7].any()
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_causal_form_does_not_leak_later_tokens(dense):
     torch.manual_seed(0)
