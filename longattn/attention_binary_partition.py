@@ -36,7 +36,8 @@ the logits (`relative_bias` `[h, 1 + 2·32·(k+1)]`, zero at initialisation): th
 combine with the model's own positions as follows: rotary is applied to token queries and keys before pooling, so a
 span key is the mean of its *rotated* token keys and q_i·k_span is the mean of the rotary logits q_i·R(j−i)k_j over
 the span, still a function of relative positions only (fine rotary frequencies average out over long spans, the
-bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them.
+bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them. The tree
+is counted from each row's first real token (like the model's position ids), so left padding does not move it.
 
 **Executors.** `binary_partition_attention` cuts the queries into blocks of `QUERY_BLOCK` (c = 32); each block
 gathers one set of node keys and values (indices into [token keys ; span keys]): at each level the window of nodes
