@@ -263,6 +263,7 @@ KINDS: dict[str, KindSpec] = {
         "adaptive_span_ramp": _positive_int(32, per=""),
         "adaptive_span_loss_coef": Field(2e-6, "number"),
     }),
+    "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
     "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
     "full": KindSpec(backends=BACKEND_NAMES),
     "linformer": KindSpec(

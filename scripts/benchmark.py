@@ -213,6 +213,9 @@ register("efficient", "longattn `efficient` kind (Shen et al.): softmax normalis
 register("reduction", "longattn `reduction` kind (spatial reduction on sequences): R = 8")(
     _longattn_kind("reduction", reduction_ratio=8)
 )
+register("binary_partition", "longattn `binary_partition` kind (BP-Transformer): k = 4 nodes per level and side")(
+    _longattn_kind("binary_partition", binary_partition_context=4)
+)
 register("synthesizer", "longattn `synthesizer` kind, dense mode (quadratic by nature)")(
     _longattn_kind("synthesizer", synthesizer_mode="dense")
 )

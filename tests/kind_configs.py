@@ -9,6 +9,7 @@ KIND_OVERRIDES: dict[str, dict] = {
     "full": {},
     "adaptive_span": {"adaptive_span_max": [8, 16], "adaptive_span_ramp": 4},
     "efficient": {},
+    "binary_partition": {"binary_partition_context": [1, 2]},
     "linformer": {"linformer_proj_len": 8, "linformer_sharing": "layerwise"},
     "lsh": {"lsh_bucket_size": 4, "lsh_num_buckets": 4, "lsh_seed": 0},
     "routing": {"routing_num_clusters": 4, "routing_causal_window": 6, "routing_num_local_heads": [0, 1],

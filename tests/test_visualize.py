@@ -10,8 +10,9 @@ from longattn.config_overrides import format_config_overrides, parse_config_over
 from longattn.patterns import materialize_mask, sliding_window_pattern
 from longattn.tools.visualize import attention_pattern, draw_pattern, main
 
-# Kinds whose non-causal weights are dense by nature: every query gives every key (or key group) a weight.
-DENSE_BY_NATURE = {"full", "efficient", "synthesizer", "reduction"}
+# Kinds whose non-causal weights are dense by nature: every query gives every key (or key group) a weight
+# (binary_partition: the spans a token sees cover the sequence, each span's weight spread over its tokens).
+DENSE_BY_NATURE = {"full", "efficient", "synthesizer", "reduction", "binary_partition"}
 
 
 @pytest.fixture

@@ -1,0 +1,438 @@
+"""BP-Transformer graph self-attention (Ye et al. 2019, "BP-Transformer: Modelling Long-Range Context via Binary
+Partitioning"): each token attends to its neighbours and to span nodes of a binary partition tree, at growing scales.
+
+Shape legend: b batch, h heads, n length (m keys: the cached tokens in decoding), d head dim, L levels,
+N nodes (n tokens, then the spans of levels 1 .. L-1), nb query blocks of c, m nodes gathered per block.
+
+**The tree.** Level l cuts the sequence into aligned spans of 2^l tokens ([t·2^l, (t+1)·2^l), the last one cut at
+n); level 0 are the tokens themselves. A query i sees itself and, on each side, `binary_partition_context` (k)
+nodes per level, walking outwards from i: on the right, a cursor starts at i + 1; at level l it takes the level-l
+nodes from the cursor on, k of them, plus one more when the cursor would otherwise not land on a multiple of
+2^(l+1) (so the next level's nodes are aligned), and moves past them. The left side mirrors it from i. The nodes a
+query sees are therefore disjoint and together cover the whole sequence; there are at most 1 + 2·(k+1)·L of them,
+L = ceil(log2((n-1)/k + 1)), so the cost is O(k · n · log(n/k)). Bidirectional, k = 1, n = 12, query 5 (the level
+of the node through which each key is seen; `·` is the query itself)::
+
+    key     0 1 2 3 | 4 | 5 | 6 | 7 | 8 9 10 11
+    level   1 1 1 1   0   ·   0   0   1 1 1  1     left: 4, then [2, 4), [0, 2); right: 6, 7, then [8, 10), [10, 12)
+
+Right of 5 the cursor is at 6: level 0 takes 6, plus 7 so that level 1 starts on a multiple of 2 at 8.
+
+The paper takes k nodes per level and side; here a level takes k or k + 1, the extra node being what keeps the
+next level on aligned tree nodes with no gap and no overlap (a test checks both for every query of many lengths).
+
+**Causal form** (the paper's language-model setting): only the left side and the query itself; every node seen lies
+entirely before the query, so no span contains a future token.
+
+**Span nodes are pooled, not their own hidden states.** In the paper the ~n span nodes carry their own hidden
+states, updated layer by layer by attending to their children (n token + n span nodes per layer). Here each layer's
+span keys and values are the means of that layer's token keys and values over the span (padded tokens excluded; a
+span with no real token is hidden): no extra states, O(n · d) to build all levels, and a span's logit is the mean of
+the logits of the tokens it covers. A span therefore summarises the current layer's tokens rather than a state that
+accumulated over layers from its children.
+
+**Positions.** Each edge type (side, level, offset within the level, and "self") has a learned per-head bias added to
+the logits (`relative_bias` `[h, 1 + 2·32·(k+1)]`, zero at initialisation): the paper's relative positions. They
+combine with the model's own positions as follows: rotary is applied to token queries and keys before pooling, so a
+span key is the mean of its *rotated* token keys and q_i·k_span is the mean of the rotary logits q_i·R(j−i)k_j over
+the span, still a function of relative positions only (fine rotary frequencies average out over long spans, the
+bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them. The tree
+is counted from each row's first real token (like the model's position ids), so left padding does not move it.
+
+**Executors.** `binary_partition_attention` cuts the queries into blocks of `QUERY_BLOCK` (c = 32); each block
+gathers one set of node keys and values (indices into [token keys ; span keys]): at each level the window of nodes
+its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
+and never an n x n tensor. The edge type of every (query, gathered node) pair comes from the same predicate as the
+dense table, gives the bias and hides the nodes a query does not see. It does not go through
+`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk of blocks is recomputed in
+backward (`torch.utils.checkpoint`), so gathered keys and scores are not kept. `binary_partition_reference` is the
+dense form: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries are the last positions of
+the cache, `output_attentions` with the span weights spread evenly over their real tokens, the "reference" back
+end, and the tests).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import initialization as init
+
+from .attention_base import LongAttnAttention
+from .numerics import compute_dtype, hidden_logit_for
+from .ops_checks import empty_attention, is_empty
+from .patterns import first_real_token
+
+__all__ = [
+    "MAX_LEVELS",
+    "QUERY_BLOCK",
+    "BinaryPartitionAttention",
+    "binary_partition_attention",
+    "binary_partition_edges",
+    "binary_partition_levels",
+    "binary_partition_reference",
+    "block_layout",
+    "level_offsets",
+    "num_levels",
+    "num_edge_types",
+    "pool_spans",
+]
+
+MAX_LEVELS = 32
+"""Levels the relative bias table holds (2^31 tokens): fixed, so the parameter does not depend on the length."""
+
+QUERY_BLOCK = 32
+"""Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
+
+# Elements of one chunk's scores [b, h, blocks, c, m]: a few MB, like executor_blocked's chunks.
+_CHUNK_ELEMENTS = 2**20
+
+
+def num_levels(n: int, context: int) -> int:
+    """Levels L (0 .. L-1) a sequence of n tokens needs: each level adds >= k nodes of 2^l tokens per side, so
+    after L levels a side covers >= k·(2^L − 1) >= n − 1 tokens."""
+    levels = 1
+    while context * (2**levels - 1) < n - 1:
+        levels += 1
+    return levels
+
+
+def num_edge_types(context: int) -> int:
+    """Edge types of the relative bias: "self", and (side, level, offset) for 2 sides, `MAX_LEVELS` levels and
+    offsets 0 .. k (k nodes per level plus the alignment node)."""
+    return 1 + 2 * MAX_LEVELS * (context + 1)
+
+
+def _edge_type(level: Tensor | int, offset: Tensor, left: bool, context: int) -> Tensor:
+    """Edge type id of a node at `level` and `offset` (0-based, outwards) on one side; 0 is "self"."""
+    level = torch.as_tensor(level).clamp(max=MAX_LEVELS - 1)
+    return 1 + 2 * (level * (context + 1) + offset) + int(left)
+
+
+def _cursors(positions: Tensor, n: int, context: int) -> tuple[Tensor, Tensor]:
+    """Where each level starts on each side: the definition every other function reads.
+
+    Args:
+        positions: Long `[q]`, the query positions.
+
+    Returns:
+        (right `[q, L+1]`: level l's nodes start in [right[l], right[l+1]); left `[q, L+1]`: level l's nodes lie in
+        [left[l+1], left[l])).
+    """
+    right, left = [positions + 1], [positions]
+    for level in range(num_levels(n, context)):
+        size = 2**level
+        # k nodes, then one more if needed so that the next level starts on a multiple of its node size.
+        right.append(torch.div(right[-1] + context * size + 2 * size - 1, 2 * size, rounding_mode="floor") * 2 * size)
+        left.append(torch.div(left[-1] - context * size, 2 * size, rounding_mode="floor") * 2 * size)
+    return torch.stack(right, dim=1), torch.stack(left, dim=1)
+
+
+def level_offsets(n: int, levels: int) -> list[int]:
+    """Index of each level's first node in the node list [tokens ; level 1 ; level 2 ; ...]; the last entry is N."""
+    offsets, total = [0], n
+    for level in range(1, levels):
+        offsets.append(total)
+        total += -(-n // 2**level)
+    offsets.append(total)
+    return offsets
+
+
+def _edges(positions: Tensor, node_level: Tensor, node_start: Tensor, *, n: int, context: int, causal: bool) -> Tensor:
+    """The edge type from each query to each node, -1 where the query does not see it: the one predicate both the
+    dense table and the blocked layout evaluate.
+
+    Args:
+        positions: Long `[*P]`, query positions.
+        node_level, node_start: Long, broadcastable to `[*P, M]`: each node's level and first token.
+        n: Tokens in the sequence.
+
+    Returns:
+        Long `[*P, M]`.
+    """
+    right, left = _cursors(positions.flatten(), n, context)  # [Q, L+1]
+    right, left = right.view(*positions.shape, -1), left.view(*positions.shape, -1)  # [*P, L+1]
+    shape = torch.broadcast_shapes((*positions.shape, 1), node_level.shape)
+    level, start = node_level.expand(shape), node_start.expand(shape)
+    size = 2**level
+    lo_r, hi_r = right.take_along_dim(level, -1), right.take_along_dim(level + 1, -1)
+    hi_l, lo_l = left.take_along_dim(level, -1), left.take_along_dim(level + 1, -1)
+    in_right = (start >= lo_r) & (start < hi_r) & (not causal)
+    in_left = (start >= lo_l) & (start + size <= hi_l)
+    edges = torch.full(shape, -1, dtype=torch.long, device=positions.device)
+    edges = torch.where(in_right, _edge_type(level, torch.div(start - lo_r, size, rounding_mode="floor"),
+                                             False, context), edges)
+    edges = torch.where(in_left, _edge_type(level, torch.div(hi_l - start, size, rounding_mode="floor") - 1,
+                                            True, context), edges)
+    return edges.masked_fill((level == 0) & (start == positions[..., None]), 0)
+
+
+def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int = 0) -> Tensor:
+    """The dense form: the edge type from each query to each node, -1 where the query does not see the node.
+
+    Args:
+        m: Tokens (keys); the queries are positions q_offset .. m-1.
+
+    Returns:
+        Long `[m - q_offset, N]` over the node list [tokens ; level-1 spans ; ...].
+    """
+    levels = num_levels(m, context)
+    offsets = level_offsets(m, levels)
+    node_level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(levels)])  # [N]
+    node_start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[node_level]) * 2**node_level  # [N]
+    return _edges(torch.arange(q_offset, m), node_level, node_start, n=m, context=context, causal=causal)
+
+
+def block_layout(
+    n: int, *, context: int, causal: bool, block: int = QUERY_BLOCK, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """The blocked executor's layout: each block of `block` queries gathers one shared set of nodes.
+
+    At level l the queries of block [s, s + c) see nodes of index in [s/2^l − 2(k+1), (s+c)/2^l + 2(k+1)] (a
+    right-side cursor moves at most (k+1)·(2^(l+1) − 1) past the query, the left one alike), so the block gathers
+    that window of every level: about 2c + L·(4k + 5) nodes, shared by c queries. The edge types come from `_edges`.
+
+    Returns:
+        (nodes `[nb, m]` long, indices into the node list; edges `[nb, c, m]` long, -1 where the query does not see
+        the node, also for window slots outside the level).
+    """
+    levels = num_levels(n, context)
+    offsets = level_offsets(n, levels)
+    blocks = -(-n // block)
+    first = torch.arange(blocks, device=device) * block  # [nb]
+    nodes, node_level, node_start, exists = [], [], [], []
+    reach = 2 * (context + 1)
+    for level in range(levels):
+        size, count = 2**level, offsets[level + 1] - offsets[level]
+        width = max(block // size, 1) + reach * (1 if causal else 2) + 1
+        index = torch.div(first, size, rounding_mode="floor")[:, None] - reach + torch.arange(width, device=device)
+        exists.append((index >= 0) & (index < count))  # [nb, w]
+        nodes.append(offsets[level] + index.clamp(0, count - 1))
+        node_level.append(torch.full_like(index, level))
+        node_start.append(index * size)
+    nodes, exists = torch.cat(nodes, 1), torch.cat(exists, 1)  # [nb, m]
+    positions = first[:, None] + torch.arange(block, device=device)  # [nb, c]; positions >= n are padding
+    edges = _edges(positions, torch.cat(node_level, 1)[:, None], torch.cat(node_start, 1)[:, None], n=n,
+                   context=context, causal=causal)  # [nb, c, m]
+    return nodes, edges.masked_fill(~exists[:, None], -1)
+
+
+def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
+    """For pictures and tests: the level of the node through which query i sees token j, -1 where it does not.
+
+    Returns:
+        Long `[n, n]`.
+    """
+    edges = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
+    levels = num_levels(n, context)
+    offsets = level_offsets(n, levels)
+    result = torch.full((n, n), -1, dtype=torch.long)
+    tokens = torch.arange(n)
+    for level in range(levels):
+        seen = edges[:, offsets[level] + tokens // 2**level] >= 0  # [n, n]
+        result = result.masked_fill(seen & (result >= 0), -2).masked_fill(seen & (result == -1), level)
+    return result  # -2 would mark a token covered twice (never, checked by the tests)
+
+
+def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The node list: the tokens, then each level's spans as the mean of their real tokens.
+
+    Args:
+        x: `[b, h, n, d]` token keys or values.
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+
+    Returns:
+        (nodes `[b, h, N, d]` in x's dtype; real `[b, N]` bool, False for spans without a real token; counts
+        `[b, N]`, real tokens per node).
+    """
+    b, _, n, _ = x.shape
+    dtype = compute_dtype(x.dtype)
+    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
+    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
+    node_sums, node_counts = [sums], [counts]
+    for _ in range(1, levels):
+        if sums.shape[2] % 2:
+            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
+        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
+        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
+        node_sums.append(sums)
+        node_counts.append(counts)
+    counts = torch.cat(node_counts, 1)  # [b, N]
+    means = torch.cat(node_sums, 2) / counts.clamp(min=1)[:, None, :, None]
+    means = torch.cat([x, means[:, :, n:].to(x.dtype)], 2)  # tokens kept exactly as they are
+    return means, counts > 0, counts
+
+
+def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
+    """Softmax over the last dim with hidden entries masked; rows with no visible entry give zeros."""
+    scores = scores.masked_fill(~visible, hidden_logit_for(scores.dtype))
+    probs = torch.softmax(scores, dim=-1) * visible.any(-1, keepdim=True)
+    return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+
+
+@lru_cache(maxsize=4)
+def _cached_block_layout(n: int, context: int, causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    return block_layout(n, context=context, causal=causal, device=device)
+
+
+def _attend_chunk(q_blocks: Tensor, nodes_k: Tensor, nodes_v: Tensor, nodes: Tensor, bias: Tensor, visible: Tensor,
+                  scale: float, dropout_p: float) -> Tensor:
+    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]` -> out
+    `[b, h, nb, c, d]`."""
+    dtype = compute_dtype(q_blocks.dtype)
+    keys, values = nodes_k[:, :, nodes].to(dtype), nodes_v[:, :, nodes].to(dtype)  # [b, h, nb, m, d]
+    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2) + bias.to(dtype)  # [b, h, nb, c, m]
+    return (_softmax_rows(scores, visible, dropout_p) @ values).to(q_blocks.dtype)
+
+
+def binary_partition_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+) -> Tensor:
+    """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`).
+
+    Args:
+        q, k, v: `[b, h, n, d]` (rotary already applied).
+        context: k, nodes per level and side.
+        causal: Only the left side (the paper's language-model setting).
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+        relative_bias: `[h, num_edge_types(context)]`, added to the logits per edge type.
+        scale: Multiplier of q·k.
+        dropout_p: Dropout on the attention probabilities.
+
+    Returns:
+        `[b, h, n, d]`.
+    """
+    if is_empty(q, k):
+        return empty_attention(q, k, v)
+    b, h, n, d = q.shape
+    levels = num_levels(n, context)
+    nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
+    nodes_v = pool_spans(v, key_padding_mask, levels)[0]
+    if torch.compiler.is_compiling():
+        nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
+    else:  # the layout depends on the length only: built once per length, not in every layer and step
+        nodes, edges = _cached_block_layout(n, context, causal, q.device)
+    blocks, c, m = edges.shape
+    q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
+    outs = []
+    for start in range(0, blocks, chunk):
+        rows = slice(start, min(blocks, start + chunk))
+        visible = ((edges[rows] >= 0) & real[:, nodes[rows]][:, :, None, :])[:, None]  # [b, 1, nb, c, m]
+        args = (q_blocks[:, :, rows], nodes_k, nodes_v, nodes[rows], relative_bias[:, edges[rows].clamp(min=0)],
+                visible, scale, dropout_p)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Recomputed in backward: the gathered keys, values and scores are not kept.
+            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_attend_chunk(*args))
+    return torch.cat(outs, 2).flatten(2, 3)[:, :, :n]
+
+
+def binary_partition_reference(
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """The dense form: the n queries (the last n of m positions) against all N nodes, with the explicit edge table.
+
+    Args:
+        q: `[b, h, n, d]`; k, v: `[b, h, m, d]`; key_padding_mask `[b, m]`; the rest as `binary_partition_attention`.
+
+    Returns:
+        (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly over its real tokens, so that
+        `weights @ v == out`).
+    """
+    if is_empty(q, k):
+        return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
+    n, m = q.shape[2], k.shape[2]
+    levels = num_levels(m, context)
+    nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
+    nodes_v = pool_spans(v, key_padding_mask, levels)[0]
+    edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
+    dtype = compute_dtype(q.dtype)
+    bias = relative_bias[:, edges.clamp(min=0)].to(dtype)  # [h, n, N]
+    scores = (q.to(dtype) * scale) @ nodes_k.to(dtype).transpose(-1, -2) + bias  # [b, h, n, N]
+    probs = _softmax_rows(scores, (edges >= 0) & real[:, None, None, :], dropout_p)
+    out = (probs @ nodes_v.to(dtype)).to(q.dtype)
+    # A span's key and value are the means of its real tokens: its weight, spread over them, gives the same output.
+    offsets = level_offsets(m, levels)
+    tokens = torch.arange(m, device=q.device)
+    token_real = real[:, :m].to(dtype)  # [b, m]
+    weights = torch.zeros_like(probs[..., :m])
+    for level in range(levels):
+        index = offsets[level] + tokens // 2**level  # [m]
+        weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
+    return out, weights.to(q.dtype)
+
+
+def _from_first_real_token(run, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
+    """`run(q, k, v, key_padding_mask) -> (out, weights or None)` on rows rolled left by their first real token.
+
+    The tree is aligned to position 0; counted from each row's first real token instead, left padding does not move
+    the spans over the real tokens (like the model's position ids). Left padding wraps to the end of the row, where it
+    is still padding. Queries that are the last n_q of n_k positions (decoding) are run as all n_k positions.
+
+    Returns:
+        (out `[b, h, n_q, d]`, weights `[b, h, n_q, n_k]` or None), in the original order.
+    """
+    first = None if key_padding_mask is None else first_real_token(key_padding_mask)  # [b]
+    # Reading `first` on the host would break a `torch.compile` graph, so compiled code always rolls.
+    if first is None or (not torch.compiler.is_compiling() and not bool(first.any())):
+        return run(q, k, v, key_padding_mask)
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    positions = torch.arange(n_k, device=q.device).view(1, n_k)
+    rolled_index = (positions + first.view(b, 1)) % n_k  # [b, n_k]: original position of each rolled slot
+    unrolled_index = (positions - first.view(b, 1)) % n_k  # [b, n_k]: rolled slot of each original position
+
+    def along(x: Tensor, index: Tensor, dim: int) -> Tensor:
+        shape = [b, 1, 1, 1]
+        shape[dim] = n_k
+        return x.gather(dim, index.view(shape).expand(*x.shape[:dim], n_k, *x.shape[dim + 1:]))
+
+    q = F.pad(q, (0, 0, n_k - n_q, 0))  # [b, h, n_k, d]
+    out, weights = run(*(along(x, rolled_index, 2) for x in (q, k, v)), key_padding_mask.gather(1, rolled_index))
+    out = along(out, unrolled_index, 2)[:, :, n_k - n_q:]
+    if weights is not None:
+        weights = along(along(weights, unrolled_index, 2), unrolled_index, 3)[:, :, n_k - n_q:]
+    return out, weights
+
+
+class BinaryPartitionAttention(LongAttnAttention):
+    """The `"binary_partition"` kind (BP-Transformer). Config field: `binary_partition_context` (k, nodes per
+    level and side; int or one per layer). Parameter besides q/k/v/o_proj: `relative_bias` `[h, edge types]`."""
+
+    attention_type = "binary_partition"
+
+    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
+        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
+        self.context = config.per_layer("binary_partition_context", layer_idx)
+        self.relative_bias = nn.Parameter(torch.zeros(self.num_heads, num_edge_types(self.context)))
+        self.reset_kind_parameters()
+
+    @torch.no_grad()
+    def reset_kind_parameters(self) -> None:
+        """No relative bias at initialisation: the positions come from the model's own until it learns one."""
+        init.zeros_(self.relative_bias)
+
+    def _kwargs(self) -> dict[str, Any]:
+        return dict(context=self.context, causal=self.is_causal, relative_bias=self.relative_bias, scale=self.scale,
+                    dropout_p=self.dropout_p if self.training else 0.0)
+
+    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+        def run(q, k, v, key_padding_mask):
+            return binary_partition_attention(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs()), None
+
+        return _from_first_real_token(run, q, k, v, key_padding_mask)[0]
+
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
+        """The dense form (cached decoding, `output_attentions`, "reference"): weights `[b, h, n, m]` over tokens."""
+        def run(q, k, v, key_padding_mask):
+            return binary_partition_reference(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())
+
+        return _from_first_real_token(run, q, k, v, key_padding_mask)
