@@ -263,6 +263,11 @@ KINDS: dict[str, KindSpec] = {
         "adaptive_span_ramp": _positive_int(32, per=""),
         "adaptive_span_loss_coef": Field(2e-6, "number"),
     }),
+    "deformable": KindSpec(
+        {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
+        no_causal_form="a pooled level averages later tokens and interpolation reads the next cell, so a decoder "
+        "would see the future",
+    ),
     "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
     "full": KindSpec(backends=BACKEND_NAMES),
     "linformer": KindSpec(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .attention_adaptive_span import AdaptiveSpanAttention
 from .attention_base import LongAttnAttention
+from .attention_deformable import DeformableAttention
 from .attention_efficient import EfficientAttention
 from .attention_full import FullAttention
 from .attention_linformer import LinformerAttention
@@ -23,6 +24,7 @@ ATTENTION_CLASSES: dict[str, type[LongAttnAttention]] = {
     kind.attention_type: kind
     for kind in (
         AdaptiveSpanAttention,
+        DeformableAttention,
         EfficientAttention,
         FullAttention,
         LinformerAttention,

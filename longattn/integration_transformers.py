@@ -98,6 +98,8 @@ interface with q, k, v and a mask only, and each is tested against `sdpa`."""
 REFUSED_KINDS = {
     "reduction": "it pools the layer's hidden states into memory keys, which the attention interface does not pass "
     "(it receives q, k and v only)",
+    "deformable": "it reads its sampling offsets and weights from the layer's hidden states, which the attention "
+    "interface does not pass (it receives q, k and v only)",
     "lsh": "it hashes shared queries and keys (one projection), while a stock model has separate q and k projections",
 }
 
