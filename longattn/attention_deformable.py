@@ -28,9 +28,9 @@ There are no keys: q·k is never computed, so the kind builds no `q_proj` / `k_p
 embedding (relative offsets around a reference point carry the position; learned absolute positions enter through
 the hidden states the offsets are read from).
 
-Cost: O(n · L · P · d) for the samples, plus the O(n · D · h · L · P) offset and weight projections; the fast path
-never builds an `[n, n]` tensor. The dense form (`output_attentions=True`, the "reference" back end) makes the linear
-map explicit, `[b, h, n, n]`, with the hat-function interpolation matrix and the pooling matrix of each level.
+Cost: O(n · L · P · d) for the samples, plus the O(n · D · h · L · P) offset and weight projections; the fast
+path never builds an `[n, n]` tensor. The dense form (`output_attentions=True`, the "reference" back end) makes the
+linear map explicit, `[b, h, n, n]`, with the hat-function interpolation matrix and the pooling matrix of each level.
 
 No causal form: a pooled cell averages later tokens, and interpolation reads cell floor(x) + 1, which may lie in the
 future. A decoder use is refused when the config is validated.
@@ -193,8 +193,8 @@ class DeformableAttention(LongAttnAttention):
 
     Parameters besides v_proj, o_proj (no q_proj / k_proj: there are no keys): `offset_proj` (Linear D -> h·L·P,
     the offsets) and `weight_proj` (Linear D -> h·L·P, the logits of A). As in Deformable DETR both start with zero
-    weights: uniform A, and points starting at ∓1, ∓2, ... cells around the reference (the sign alternating with the
-    point and the head), so that different heads look on different sides first.
+    weights: uniform A, and the points of head m starting at 1, 2, ..., P cells from the reference, to the right for
+    even heads and to the left for odd ones (the 1-D form of DETR's one direction per head).
 
     `output_attentions=True` returns the linear map from the per-token values to the output, `[b, h, n, n]`
     (interpolation and pooling made explicit; rows sum to less than 1 where samples fall outside the row).
@@ -217,14 +217,14 @@ class DeformableAttention(LongAttnAttention):
 
     @torch.no_grad()
     def reset_kind_parameters(self) -> None:
-        """Deformable DETR's start: zero weights, uniform A, points at ∓1, ∓2, ... cells around the reference."""
+        """Deformable DETR's start: zero weights, uniform A, head m's points 1..P cells to its side of the reference."""
         init.zeros_(self.offset_proj.weight)
         init.zeros_(self.weight_proj.weight)
         init.zeros_(self.weight_proj.bias)
-        head = torch.arange(self.num_heads)[:, None, None]
-        point = torch.arange(self.points)[None, None, :]
-        sign = 1.0 - 2.0 * ((head + point) % 2)  # [h, 1, P]
-        start = (sign * (point // 2 + 1)).expand(self.num_heads, self.levels, self.points)  # [h, L, P]
+        # Deformable DETR points head m in direction 2πm/M at distances 1..P; a line has two directions.
+        direction = 1.0 - 2.0 * (torch.arange(self.num_heads) % 2)  # [h]: +1, -1, +1, ...
+        distance = torch.arange(1, self.points + 1, dtype=torch.float32)  # [P]
+        start = (direction[:, None, None] * distance).expand(self.num_heads, self.levels, self.points)  # [h, L, P]
         init.copy_(self.offset_proj.bias, start.reshape(-1).to(self.offset_proj.bias))
 
     def sampling(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
