@@ -213,6 +213,9 @@ register("efficient", "longattn `efficient` kind (Shen et al.): softmax normalis
 register("reduction", "longattn `reduction` kind (spatial reduction on sequences): R = 8")(
     _longattn_kind("reduction", reduction_ratio=8)
 )
+register("deformable", "longattn `deformable` kind (1-D Deformable DETR): 4 levels, 4 points")(
+    _longattn_kind("deformable", deformable_levels=4, deformable_points=4)
+)
 register("synthesizer", "longattn `synthesizer` kind, dense mode (quadratic by nature)")(
     _longattn_kind("synthesizer", synthesizer_mode="dense")
 )
