@@ -264,6 +264,11 @@ KINDS: dict[str, KindSpec] = {
         "adaptive_span_loss_coef": Field(2e-6, "number"),
     }),
     "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
+    "deformable": KindSpec(
+        {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
+        no_causal_form="a pooled level averages later tokens and interpolation reads the next cell, so a decoder "
+        "would see the future",
+    ),
     "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
     "full": KindSpec(backends=BACKEND_NAMES),
     "linformer": KindSpec(

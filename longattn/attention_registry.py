@@ -9,6 +9,7 @@ from __future__ import annotations
 from .attention_adaptive_span import AdaptiveSpanAttention
 from .attention_base import LongAttnAttention
 from .attention_binary_partition import BinaryPartitionAttention
+from .attention_deformable import DeformableAttention
 from .attention_efficient import EfficientAttention
 from .attention_full import FullAttention
 from .attention_linformer import LinformerAttention
@@ -25,6 +26,7 @@ ATTENTION_CLASSES: dict[str, type[LongAttnAttention]] = {
     for kind in (
         AdaptiveSpanAttention,
         BinaryPartitionAttention,
+        DeformableAttention,
         EfficientAttention,
         FullAttention,
         LinformerAttention,

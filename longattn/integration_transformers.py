@@ -46,10 +46,10 @@ native stack).
 
 Not supported (each a `ValueError` naming the family or kind and why): families whose layers never call the
 registered function (DeBERTa-v2), attentions that add a dense bias to the scores (T5's `position_bias`), families
-outside `SUPPORTED_ATTENTION_CLASSES`, the kind `reduction` and the dense and factorized-dense synthesizer (they
-need the layer's hidden states, which the interface does not pass), `lsh` (shared queries and keys: a stock model
-has separate q and k projections), Linformer's `layerwise` sharing, a user's 4-D attention mask with a sparse
-kind, packed documents (restarting `position_ids`).
+outside `SUPPORTED_ATTENTION_CLASSES`, the kinds `reduction` and `deformable` and the dense and factorized-dense
+synthesizer (they need the layer's hidden states, which the interface does not pass), `lsh` (shared queries and
+keys: a stock model has separate q and k projections), Linformer's `layerwise` sharing, a user's 4-D attention
+mask with a sparse kind, packed documents (restarting `position_ids`).
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ interface with q, k, v and a mask only, and each is tested against `sdpa`."""
 REFUSED_KINDS = {
     "reduction": "it pools the layer's hidden states into memory keys, which the attention interface does not pass "
     "(it receives q, k and v only)",
+    "deformable": "it reads its sampling offsets and weights from the layer's hidden states, which the attention "
+    "interface does not pass (it receives q, k and v only)",
     "lsh": "it hashes shared queries and keys (one projection), while a stock model has separate q and k projections",
 }
 

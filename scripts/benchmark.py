@@ -216,6 +216,9 @@ register("reduction", "longattn `reduction` kind (spatial reduction on sequences
 register("binary_partition", "longattn `binary_partition` kind (BP-Transformer): k = 4 nodes per level and side")(
     _longattn_kind("binary_partition", binary_partition_context=4)
 )
+register("deformable", "longattn `deformable` kind (1-D Deformable DETR): 4 levels, 4 points")(
+    _longattn_kind("deformable", deformable_levels=4, deformable_points=4)
+)
 register("synthesizer", "longattn `synthesizer` kind, dense mode (quadratic by nature)")(
     _longattn_kind("synthesizer", synthesizer_mode="dense")
 )

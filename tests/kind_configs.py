@@ -8,6 +8,7 @@ a kind without an entry runs with its defaults.
 KIND_OVERRIDES: dict[str, dict] = {
     "full": {},
     "adaptive_span": {"adaptive_span_max": [8, 16], "adaptive_span_ramp": 4},
+    "deformable": {"deformable_levels": [2, 3], "deformable_points": 3},
     "efficient": {},
     "binary_partition": {"binary_partition_context": [1, 2]},
     "linformer": {"linformer_proj_len": 8, "linformer_sharing": "layerwise"},

@@ -33,6 +33,7 @@ PICTURE_SETTINGS: dict[str, dict] = {
     "adaptive_span": {"adaptive_span_max": 16, "adaptive_span_ramp": 4},
     "reduction": {"reduction_ratio": 4},
     "linformer": {"linformer_proj_len": 16},
+    "deformable": {"deformable_levels": 3, "deformable_points": 2},
     "synthesizer": {"synthesizer_mode": "factorized_random"},
 }
 
