@@ -26,3 +26,43 @@ def assert_all_close(actual, expected, **tolerance):
     """Compare two `outputs_and_grads` results, naming the tensor that differs."""
     for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
         torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+
+
+def random_qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0, requires_grad=True):
+    """`[q, k, v]`: q `[b, h, n_q, d]`, k and v `[b, h, n_k, d]` (n_k defaults to n_q), drawn in that order from one
+    seeded generator in float64, then cast to `dtype`."""
+    generator = torch.Generator().manual_seed(seed)
+    n_k = n_q if n_k is None else n_k
+    return [torch.randn(batch, heads, n, head_dim, generator=generator, dtype=torch.float64).to(dtype)
+            .requires_grad_(requires_grad) for n in (n_q, n_k, n_k)]
+
+
+def lengths_mask(length, lengths, *, left=False):
+    """Bool `[b, length]`, True = real token: row i holds `lengths[i]` real tokens, at the start (or the end)."""
+    keep = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    return keep.flip(-1) if left else keep
+
+
+def assert_same_on_kept_rows(fast, slow, inputs, keep):
+    """Outputs `[b, h, n, d]` equal on the positions `keep` `[b, n]`, and so do the gradients of `inputs` under a
+    random cotangent that is zero elsewhere (other positions, e.g. padded queries, may differ)."""
+    keep = keep[:, None, :, None].to(fast.dtype)
+    torch.testing.assert_close(fast * keep, slow * keep)
+    cotangent = torch.randn_like(fast) * keep
+    for grad_fast, grad_slow in zip(torch.autograd.grad(fast, inputs, cotangent),
+                                    torch.autograd.grad(slow, inputs, cotangent), strict=True):
+        torch.testing.assert_close(grad_fast, grad_slow)
+
+
+def assert_no_future_leak(model, ids, changed, t, *, seed=None):
+    """A causal LM's logits up to position t are the same for `ids` and `changed` (which differ after t only), and
+    differ after t (so the check can see a change). `seed`: reseed torch before each run (same random draws)."""
+    with torch.no_grad():
+        logits = []
+        for input_ids in (ids, changed):
+            if seed is not None:
+                torch.manual_seed(seed)
+            logits.append(model(input_ids=input_ids, use_cache=False).logits)
+    before, after = logits
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
+    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:]), "the test must be able to see a change"

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from attention_checks import assert_all_close, outputs_and_grads
+from attention_checks import assert_all_close, outputs_and_grads, random_qkv
+from kind_configs import tiny_config
 from longattn import LongAttnConfig, backends, ops, patterns
 from longattn import executor_flex, executor_xformers
 from longattn.backends import AttentionRequest, select_backend
@@ -46,9 +47,7 @@ def _masks(batch=B, length=N):
 
 
 def _qkv(n_q=N, n_k=N, dtype=torch.float64, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, n, D, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
-            for n in (n_q, n_k, n_k)]
+    return random_qkv(B, H, n_q, D, n_k=n_k, dtype=dtype, seed=seed)
 
 
 def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
@@ -161,9 +160,7 @@ def test_default_backend_keeps_the_cpu_executor_exactly():
 def test_config_backend_reaches_the_kinds(kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                sliding_window=3, attention_backend=backend)
+        config = tiny_config(kind, max_position_embeddings=64, sliding_window=3, attention_backend=backend)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -199,9 +196,8 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
 def test_reference_backend_runs_a_kinds_dense_form(kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                attention_backend=backend, lsh_bucket_size=4, lsh_seed=0, sinkhorn_block_size=4)
+        config = tiny_config(kind, max_position_embeddings=64, attention_backend=backend, lsh_bucket_size=4, lsh_seed=0,
+                             sinkhorn_block_size=4)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -330,16 +326,6 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
 
 
 # ---------------------------------------------------------------------------------------------- xformers end to end
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """The xformers path on CPU: its kernel replaced by the dense reference of the same contract, the
-    dispatcher told that xformers can run."""
-    pytest.importorskip("xformers")
-    monkeypatch.setattr(backends.BACKENDS["xformers"], "reasons_not_supported", lambda request: [])
-    with executor_xformers.use_kernel(executor_xformers.ReferenceKernel()) as kernel:
-        yield kernel
-
-
 @pytest.mark.parametrize(("n_q", "causal", "dilation", "masks"), [
     (N, False, 1, "none"),
     (N, True, 1, "padding"),
@@ -437,9 +423,7 @@ def test_sinkhorn_kernel_call_zeroes_rows_that_see_no_key(reference_kernel):
 def test_config_xformers_reaches_the_sinkhorn_kind(reference_kernel):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type="sinkhorn",
-                                sinkhorn_block_size=4, attention_backend=backend)
+        config = tiny_config("sinkhorn", max_position_embeddings=64, sinkhorn_block_size=4, attention_backend=backend)
         return LongAttnModel(config).eval().double()
 
     input_ids = torch.randint(3, 50, (2, 21), generator=torch.Generator().manual_seed(0))

@@ -14,8 +14,9 @@ import re
 import pytest
 import torch
 
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads
-from longattn import LongAttnConfig, backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
+from kind_configs import tiny_config
+from longattn import backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, D = 3, 4, 8
@@ -43,10 +44,7 @@ SPARSE_IDS = ["strided-3", "strided-7", "fixed-5-2", "fixed-6-2-per-head"]
 
 
 def _qkv(n_q, n_k=None, *, requires_grad=True, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    n_k = n_q if n_k is None else n_k
-    return [torch.randn(B, H, n, D, generator=generator, dtype=torch.float64).requires_grad_(requires_grad)
-            for n in (n_q, n_k, n_k)]
+    return random_qkv(B, H, n_q, D, n_k=n_k, seed=seed, requires_grad=requires_grad)
 
 
 def _padding(length, *, left=True):
@@ -148,16 +146,6 @@ def test_xformers_on_cpu_raises_naming_the_device(kind, arguments):
         _op(kind)(q, k, v, backend="xformers", **arguments)
 
 
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """The xformers path on CPU: its kernel replaced by the dense reference of the same contract, the dispatcher
-    told that xformers can run (each test checks that its call is one the dispatcher admits on CUDA)."""
-    pytest.importorskip("xformers")
-    monkeypatch.setattr(backends.BACKENDS["xformers"], "reasons_not_supported", lambda request: [])
-    with executor_xformers.use_kernel(executor_xformers.ReferenceKernel()) as kernel:
-        yield kernel
-
-
 @pytest.mark.parametrize(("kind", "arguments"), SPARSE, ids=SPARSE_IDS)
 @pytest.mark.parametrize(("causal", "padding"), [(False, True), (True, False), (True, True)],
                          ids=["bidirectional-padding", "causal", "causal-padding"])
@@ -185,10 +173,8 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
 def test_config_backend_reaches_the_sparse_transformer_kinds(executed, kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                strided_stride=3, fixed_block_size=4, fixed_num_summary=1,
-                                attention_backend=backend)
+        config = tiny_config(kind, max_position_embeddings=64, strided_stride=3, fixed_block_size=4,
+                             fixed_num_summary=1, attention_backend=backend)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 19), generator=torch.Generator().manual_seed(0))
