@@ -55,13 +55,6 @@ def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
     return lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=SCALE)
 
 
-def _pattern(name):
-    fn = getattr(patterns, name, None)
-    if fn is None:
-        pytest.skip(f"patterns.{name} does not exist yet")
-    return fn
-
-
 # ---------------------------------------------------------------------------------------------- the dispatcher
 def test_unknown_backend_name_lists_the_allowed_ones():
     with pytest.raises(ValueError, match=r"'cuda'.*'auto', 'reference', 'torch', 'flex', 'xformers'"):
@@ -278,11 +271,11 @@ def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation,
 @pytest.mark.parametrize("padding", [False, True])
 def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, padding):
     pytest.importorskip("xformers")
-    strided_pattern = _pattern("strided_pattern")
     key_padding_mask = _masks()[0] if padding else None
     layout = executor_xformers.strided_layout(batch=B, heads=H, length=N, stride=stride, causal=causal,
                                               key_padding_mask=key_padding_mask)
-    _assert_layout_is_the_pattern(layout, strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask))
+    mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    _assert_layout_is_the_pattern(layout, mask_fn)
 
 
 @pytest.mark.parametrize(("block_size", "num_summary"), [(4, 1), (4, 2), (5, 5), (1, 1), (30, 3)])
@@ -290,13 +283,12 @@ def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, paddin
 @pytest.mark.parametrize("summary_per_head", [False, True])
 def test_fixed_layout_biases_materialise_to_the_pattern(block_size, num_summary, causal, summary_per_head):
     pytest.importorskip("xformers")
-    fixed_pattern = _pattern("fixed_pattern")
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False  # blocks count from the first real token: right padding keeps them at 0
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
     layout = executor_xformers.fixed_layout(batch=B, heads=H, length=N, **kwargs)
-    _assert_layout_is_the_pattern(layout, fixed_pattern(**kwargs))
+    _assert_layout_is_the_pattern(layout, patterns.fixed_pattern(**kwargs))
 
 
 def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
@@ -533,10 +525,9 @@ def test_xformers_sinkhorn_is_explicit_only(monkeypatch):
 @pytest.mark.parametrize("stride", [1, 3, 5])
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, causal):
-    strided_pattern = _pattern("strided_pattern")
     q, k, v = _qkv()
     key_padding_mask, _ = _masks()
-    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: executor_xformers.strided_attention(
         q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE), q, k, v)
@@ -546,14 +537,13 @@ def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, ca
 @pytest.mark.parametrize(("block_size", "num_summary", "summary_per_head"), [(4, 1, False), (5, 2, True), (30, 3, False)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, num_summary, summary_per_head, causal):
-    fixed_pattern = _pattern("fixed_pattern")
     q, k, v = _qkv()
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False
     right_padding[2, 9:] = False
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
-    expected = outputs_and_grads(_reference_fn(fixed_pattern(**kwargs)), q, k, v)
+    expected = outputs_and_grads(_reference_fn(patterns.fixed_pattern(**kwargs)), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: executor_xformers.fixed_attention(q, k, v, scale=SCALE, **kwargs),
                                 q, k, v)
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
