@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import longattn
 from longattn import ops, patterns
 
 
@@ -66,3 +67,44 @@ def assert_no_future_leak(model, ids, changed, t, *, seed=None):
     before, after = logits
     torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
     assert not torch.allclose(after[:, t + 1:], before[:, t + 1:]), "the test must be able to see a change"
+
+
+def three_padded_rows(length, *, left=True):
+    """Bool `[3, length]`, True = real token: row 0 left-padded by a third (unpadded when not `left`), row 1
+    right-padded by a quarter, row 2 all padding (a query that sees no key)."""
+    mask = torch.ones(3, length, dtype=torch.bool)
+    if left:
+        mask[0, : length // 3] = False
+    mask[1, length - length // 4:] = False
+    mask[2] = False
+    return mask
+
+
+def padding_and_global_masks(batch, length):
+    """`(key_padding_mask, global_mask)`, bool `[batch, length]` (batch >= 2). Padding: row 0 left-padded by 5, row 1
+    right-padded by 4, rows 2+ all padding. Global: row 0 token 3; row 1 the first, middle and last tokens."""
+    key_padding_mask = torch.ones(batch, length, dtype=torch.bool)
+    key_padding_mask[0, :5] = False
+    key_padding_mask[1, -4:] = False
+    key_padding_mask[2:] = False
+    global_mask = torch.zeros(batch, length, dtype=torch.bool)
+    global_mask[0, 3] = True
+    global_mask[1, [0, length // 2, length - 1]] = True
+    return key_padding_mask, global_mask
+
+
+def assert_mixed_stack_trains(model_class, config):
+    """One training step of `model_class(config)` (seed 0) on 2 x 37 tokens, row 1 padded from position 30 (a
+    seq2seq model gets the first 11 tokens as decoder input and labels): the loss is finite and every parameter
+    receives a gradient."""
+    torch.manual_seed(0)
+    model = model_class(config).train()
+    ids = torch.randint(4, 60, (2, 37))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
+    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing

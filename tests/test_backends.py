@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from attention_checks import assert_all_close, outputs_and_grads, random_qkv
+from attention_checks import assert_all_close, outputs_and_grads, padding_and_global_masks, random_qkv
 from kind_configs import tiny_config
 from longattn import LongAttnConfig, backends, ops, patterns
 from longattn import executor_flex, executor_xformers
@@ -32,18 +32,6 @@ def _request(**fields) -> AttentionRequest:
     defaults = dict(pattern="sliding", device="cpu", dtype=torch.float32, head_dim=64, value_head_dim=64,
                     q_len=1024, kv_len=1024, batch=2, heads=4)
     return AttentionRequest(**{**defaults, **fields})
-
-
-def _masks(batch=B, length=N):
-    """Padding: left-padded row 0, right-padded row 1, fully padded row 2. Global: row 0 one token, row 1 three."""
-    key_padding_mask = torch.ones(batch, length, dtype=torch.bool)
-    key_padding_mask[0, :5] = False
-    key_padding_mask[1, -4:] = False
-    key_padding_mask[2:] = False
-    global_mask = torch.zeros(batch, length, dtype=torch.bool)
-    global_mask[0, 3] = True
-    global_mask[1, [0, length // 2, length - 1]] = True
-    return key_padding_mask, global_mask
 
 
 def _qkv(n_q=N, n_k=N, dtype=torch.float64, seed=0):
@@ -140,7 +128,7 @@ def test_auto_logs_its_choice_once(caplog, monkeypatch):
 
 def test_default_backend_keeps_the_cpu_executor_exactly():
     q, k, v = _qkv(dtype=torch.float32)
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     kwargs = dict(window=2, dilation=[1, 2, 3, 2], key_padding_mask=key_padding_mask, global_mask=global_mask,
                   scale=SCALE)
     torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **kwargs),
@@ -215,7 +203,7 @@ def test_reference_backend_runs_a_kinds_dense_form(kind):
 ])
 def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
     q, k, v = (t.detach() for t in _qkv(n_q=n_q))
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=None if masks == "none" else key_padding_mask,
                    global_mask=global_mask if masks == "padding+global" else None)
@@ -226,7 +214,7 @@ def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
 
 def test_flex_full_attention_and_block_mask_cache():
     q, k, v = (t.detach() for t in _qkv())
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     for causal in (False, True):
         parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         expected = _reference_fn(patterns.and_masks(*parts))(q, k, v)
@@ -256,7 +244,7 @@ def _assert_layout_is_the_pattern(layout, mask_fn, *, n_q=N, n_k=N):
 @pytest.mark.parametrize("masks", ["none", "padding", "global", "padding+global"])
 def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation, masks):
     pytest.importorskip("xformers")
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
@@ -271,7 +259,7 @@ def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation,
 @pytest.mark.parametrize("padding", [False, True])
 def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, padding):
     pytest.importorskip("xformers")
-    key_padding_mask = _masks()[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     layout = executor_xformers.strided_layout(batch=B, heads=H, length=N, stride=stride, causal=causal,
                                               key_padding_mask=key_padding_mask)
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
@@ -293,7 +281,7 @@ def test_fixed_layout_biases_materialise_to_the_pattern(block_size, num_summary,
 
 def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
     pytest.importorskip("xformers")
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     for n_q, causal in ((N, False), (N, True), (4, True)):
         layout = executor_xformers.full_layout(batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal,
                                                key_padding_mask=key_padding_mask)
@@ -330,7 +318,7 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
 ])
 def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causal, dilation, masks):
     q, k, v = _qkv(n_q=n_q)
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
@@ -380,7 +368,7 @@ def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, c
     q, k, v = _qkv(n_q=n, n_k=n)
     sort_weight = torch.randn(D, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
                               requires_grad=True)
-    key_padding_mask = _masks(length=n)[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, n)[0] if padding else None
     if padding:
         key_padding_mask[2, :3] = True  # the fully padded row gets three real tokens
     kwargs = dict(block_size=4, iterations=3, temperature=0.75, causal=causal, sortcut=sortcut,
@@ -526,7 +514,7 @@ def test_xformers_sinkhorn_is_explicit_only(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, causal):
     q, k, v = _qkv()
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: executor_xformers.strided_attention(
@@ -552,7 +540,7 @@ def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, 
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (N, True), (4, True)])
 def test_xformers_full_path_equals_the_reference(reference_kernel, n_q, causal):
     q, k, v = _qkv(n_q=n_q)
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     expected = outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: ops.full_attention(
@@ -579,7 +567,7 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     layout = executor_xformers.sliding_window_layout(batch=B, heads=H, q_len=N, kv_len=N, window=2,
-                                                     key_padding_mask=_masks()[0])
+                                                     key_padding_mask=padding_and_global_masks(B, N)[0])
     with pytest.raises(ValueError, match="no attention dropout"):
         executor_xformers.run_layout(q, k, v, layout, scale=SCALE, dropout_p=0.5)
 
@@ -587,7 +575,7 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
 def test_xformers_half_precision_matches_float64(reference_kernel):
     """bfloat16 through the hidden-key column: the flag's rounding still hides keys completely."""
     q, k, v = _qkv()
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=3, dilation=2, key_padding_mask=key_padding_mask, global_mask=global_mask)
     expected = _reference_fn(patterns.sliding_window_pattern(**pattern))(q, k, v)
     half = [t.detach().to(torch.bfloat16) for t in (q, k, v)]

@@ -6,9 +6,8 @@ enough that every block / sub-block / causal-group loop runs more than once."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
 from longattn import executor_sparse, patterns
 
 B, H, D = 3, 4, 8
@@ -16,16 +15,6 @@ SCALE = 0.3
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 LENGTHS = [(37, 37), (7, 37), (1, 23)]
 LENGTH_IDS = ["37", "decode-7-of-37", "decode-1-of-23"]
-
-
-def _padding(length, *, left):
-    """Bool `[B, length]`: row 0 left-padded (or unpadded), row 1 right-padded, row 2 all padding."""
-    mask = torch.ones(B, length, dtype=torch.bool)
-    if left:
-        mask[0, : length // 3] = False
-    mask[1, length - length // 4:] = False
-    mask[2] = False
-    return mask
 
 
 def _check(executor, mask_fn, n_q, n_k, **kwargs):
@@ -42,7 +31,7 @@ def _check(executor, mask_fn, n_q, n_k, **kwargs):
 @pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "padding"])
 @pytest.mark.parametrize(("n_q", "n_k"), LENGTHS, ids=LENGTH_IDS)
 def test_strided_equals_the_dense_reference(stride, causal, padding, n_q, n_k):
-    key_padding_mask = _padding(n_k, left=True) if padding else None
+    key_padding_mask = three_padded_rows(n_k, left=True) if padding else None
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     # Small blocks: several band blocks and several class sub-blocks (each its own call when causal).
     out = _check(executor_sparse.strided_blocked_attention, mask_fn, n_q, n_k, stride=stride, causal=causal,
@@ -53,7 +42,7 @@ def test_strided_equals_the_dense_reference(stride, causal, padding, n_q, n_k):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_strided_default_blocks_equal_the_dense_reference(causal):
-    mask_fn = patterns.strided_pattern(stride=4, causal=causal, key_padding_mask=_padding(53, left=True))
+    mask_fn = patterns.strided_pattern(stride=4, causal=causal, key_padding_mask=three_padded_rows(53))
     _check(executor_sparse.strided_blocked_attention, mask_fn, 53, 53, stride=4, causal=causal)
 
 
@@ -69,7 +58,7 @@ FIXED_IDS = ["5-2", "6-2-per-head", "4-4", "1-1", "8-3-per-head"]
 def test_fixed_equals_the_dense_reference(block_size, num_summary, summary_per_head, causal, padding, n_q, n_k):
     # Right padding only: the executor's blocks start at position 0, as the pattern's do when the first real token
     # is at 0 (`ops.fixed_attention` rolls left-padded rows before calling the executor).
-    key_padding_mask = _padding(n_k, left=False) if padding else None
+    key_padding_mask = three_padded_rows(n_k, left=False) if padding else None
     mask_fn = patterns.fixed_pattern(block_size=block_size, num_summary=num_summary,
                                      summary_per_head=summary_per_head, causal=causal,
                                      key_padding_mask=key_padding_mask)

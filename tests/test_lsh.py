@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_no_future_leak, lengths_mask
+from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, lengths_mask
 from transformers import ReformerConfig
 from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
@@ -408,18 +408,7 @@ def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
                             attention_type=["sliding", "lsh", "sliding", "lsh"], decoder_attention_type=["lsh", "full"],
                             sliding_window=3, lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0,
                             max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    labels = ids[:, :11] if extra else ids
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    missing = [name for name, p in model.named_parameters() if p.grad is None]
-    assert not missing, missing
+    assert_mixed_stack_trains(model_class, config)
 
 
 # ---------------------------------------------------------------------------------------------- the window kernel

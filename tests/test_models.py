@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_checks import assert_no_future_leak
-from kind_configs import VOCAB, kind_config, random_ids
+from kind_configs import KIND_OVERRIDES, VOCAB, kind_config, random_ids
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -6,7 +6,13 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_no_future_leak, assert_same_on_kept_rows, lengths_mask, random_qkv
+from attention_checks import (
+    assert_mixed_stack_trains,
+    assert_no_future_leak,
+    assert_same_on_kept_rows,
+    lengths_mask,
+    random_qkv,
+)
 import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 
@@ -381,13 +387,4 @@ def test_routing_mixes_with_sliding_layers_in_every_stack(model_class):
                             attention_type=["sliding", "routing", "sliding", "routing"],
                             decoder_attention_type=["routing", "full"], sliding_window=3, routing_num_clusters=3,
                             routing_causal_window=5, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    assert not [name for name, p in model.named_parameters() if p.grad is None]
+    assert_mixed_stack_trains(model_class, config)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_no_future_leak, assert_same_on_kept_rows, lengths_mask
+from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, assert_same_on_kept_rows, lengths_mask
 from transformers import AutoModelForMaskedLM
 
 import longattn
@@ -253,16 +253,7 @@ def test_config_validation_names_the_field(fields, message):
 def test_sinkhorn_mixes_with_sliding_layers_in_every_stack(model_class):
     config = _config(num_hidden_layers=4, num_decoder_layers=2, attention_type=["sliding", "sinkhorn"] * 2,
                      decoder_attention_type=["sinkhorn", "full"], sliding_window=3)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    assert not [name for name, p in model.named_parameters() if p.grad is None]
+    assert_mixed_stack_trains(model_class, config)
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -13,23 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_checks import random_qkv
+from attention_checks import padding_and_global_masks, random_qkv
 from longattn import executor_xformers, ops, patterns
 
 B, H, N, D = 3, 4, 23, 8
 SCALE = 0.3
-
-
-def _masks(length=N):
-    """Padding: row 0 left-padded, row 1 right-padded, row 2 all padding. Global: row 0 one token, row 1 three."""
-    key_padding_mask = torch.ones(B, length, dtype=torch.bool)
-    key_padding_mask[0, :5] = False
-    key_padding_mask[1, -4:] = False
-    key_padding_mask[2] = False
-    global_mask = torch.zeros(B, length, dtype=torch.bool)
-    global_mask[0, 3] = True
-    global_mask[1, [0, length // 2, length - 1]] = True
-    return key_padding_mask, global_mask
 
 
 @pytest.fixture
@@ -90,7 +78,7 @@ def _assert_built_layout_is_the_pattern(layouts, mask_fn, *, roll=None):
     (1, False, 1, "padding"),
 ])
 def test_sliding_window_layout_built_by_ops_is_the_pattern(layouts, n_q, causal, dilation, masks):
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
@@ -125,7 +113,7 @@ def test_dilated_band_on_residue_views_is_the_pattern(kernel_biases, causal, dil
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padding", [False, True])
 def test_strided_layout_built_by_ops_is_the_pattern(layouts, stride, causal, padding):
-    key_padding_mask = _masks()[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     q, k, v = random_qkv(B, H, N, D, requires_grad=False)
     ops.strided_attention(q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE,
                           backend="xformers")
@@ -138,7 +126,7 @@ def test_strided_layout_built_by_ops_is_the_pattern(layouts, stride, causal, pad
                          ids=["bidirectional", "causal", "bidirectional-padding"])
 def test_fixed_layout_built_by_ops_is_the_pattern(layouts, block_size, num_summary, summary_per_head, causal,
                                                   padding):
-    key_padding_mask = _masks()[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=key_padding_mask)
     q, k, v = random_qkv(B, H, N, D, requires_grad=False)
@@ -152,7 +140,7 @@ def test_fixed_layout_built_by_ops_is_the_pattern(layouts, block_size, num_summa
 # ---------------------------------------------------------------------------------------------- full
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (N, True), (4, True)])
 def test_full_layout_built_by_ops_is_the_pattern(layouts, n_q, causal):
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     q, k, v = random_qkv(B, H, n_q, D, n_k=N, requires_grad=False)
     ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers")
     parts = [patterns.key_padding_mask(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
