@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from attention_checks import (
     assert_mixed_stack_trains,
     assert_no_future_leak,
@@ -13,7 +14,6 @@ from attention_checks import (
     lengths_mask,
     random_qkv,
 )
-import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 
 import longattn
