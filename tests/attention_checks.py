@@ -1,4 +1,5 @@
-"""Helpers the executor tests share: the dense reference of a pattern, and outputs + gradients compared as one."""
+"""Helpers the test files share: the dense reference of a pattern, outputs + gradients compared as one, seeded q/k/v
+and padding masks, and the model-level checks several kinds repeat (no future leak, a mixed stack trains)."""
 
 from __future__ import annotations
 
