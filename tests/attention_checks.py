@@ -1,9 +1,11 @@
-"""Helpers the executor tests share: the dense reference of a pattern, and outputs + gradients compared as one."""
+"""Helpers the test files share: the dense reference of a pattern, outputs + gradients compared as one, seeded q/k/v
+and padding masks, and the model-level checks several kinds repeat (no future leak, a mixed stack trains)."""
 
 from __future__ import annotations
 
 import torch
 
+import longattn
 from longattn import ops, patterns
 
 
@@ -26,3 +28,84 @@ def assert_all_close(actual, expected, **tolerance):
     """Compare two `outputs_and_grads` results, naming the tensor that differs."""
     for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
         torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+
+
+def random_qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0, requires_grad=True):
+    """`[q, k, v]`: q `[b, h, n_q, d]`, k and v `[b, h, n_k, d]` (n_k defaults to n_q), drawn in that order from one
+    seeded generator in float64, then cast to `dtype`."""
+    generator = torch.Generator().manual_seed(seed)
+    n_k = n_q if n_k is None else n_k
+    return [torch.randn(batch, heads, n, head_dim, generator=generator, dtype=torch.float64).to(dtype)
+            .requires_grad_(requires_grad) for n in (n_q, n_k, n_k)]
+
+
+def lengths_mask(length, lengths, *, left=False):
+    """Bool `[b, length]`, True = real token: row i holds `lengths[i]` real tokens, at the start (or the end)."""
+    keep = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    return keep.flip(-1) if left else keep
+
+
+def assert_same_on_kept_rows(fast, slow, inputs, keep):
+    """Outputs `[b, h, n, d]` equal on the positions `keep` `[b, n]`, and so do the gradients of `inputs` under a
+    random cotangent that is zero elsewhere (other positions, e.g. padded queries, may differ)."""
+    keep = keep[:, None, :, None].to(fast.dtype)
+    torch.testing.assert_close(fast * keep, slow * keep)
+    cotangent = torch.randn_like(fast) * keep
+    for grad_fast, grad_slow in zip(torch.autograd.grad(fast, inputs, cotangent),
+                                    torch.autograd.grad(slow, inputs, cotangent), strict=True):
+        torch.testing.assert_close(grad_fast, grad_slow)
+
+
+def assert_no_future_leak(model, ids, changed, t, *, seed=None):
+    """A causal LM's logits up to position t are the same for `ids` and `changed` (which differ after t only), and
+    differ after t (so the check can see a change). `seed`: reseed torch before each run (same random draws)."""
+    with torch.no_grad():
+        logits = []
+        for input_ids in (ids, changed):
+            if seed is not None:
+                torch.manual_seed(seed)
+            logits.append(model(input_ids=input_ids, use_cache=False).logits)
+    before, after = logits
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
+    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:]), "the test must be able to see a change"
+
+
+def three_padded_rows(length, *, left=True):
+    """Bool `[3, length]`, True = real token: row 0 left-padded by a third (unpadded when not `left`), row 1
+    right-padded by a quarter, row 2 all padding (a query that sees no key)."""
+    mask = torch.ones(3, length, dtype=torch.bool)
+    if left:
+        mask[0, : length // 3] = False
+    mask[1, length - length // 4:] = False
+    mask[2] = False
+    return mask
+
+
+def padding_and_global_masks(batch, length):
+    """`(key_padding_mask, global_mask)`, bool `[batch, length]` (batch >= 2). Padding: row 0 left-padded by 5, row 1
+    right-padded by 4, rows 2+ all padding. Global: row 0 token 3; row 1 the first, middle and last tokens."""
+    key_padding_mask = torch.ones(batch, length, dtype=torch.bool)
+    key_padding_mask[0, :5] = False
+    key_padding_mask[1, -4:] = False
+    key_padding_mask[2:] = False
+    global_mask = torch.zeros(batch, length, dtype=torch.bool)
+    global_mask[0, 3] = True
+    global_mask[1, [0, length // 2, length - 1]] = True
+    return key_padding_mask, global_mask
+
+
+def assert_mixed_stack_trains(model_class, config):
+    """One training step of `model_class(config)` (seed 0) on 2 x 37 tokens, row 1 padded from position 30 (a
+    seq2seq model gets the first 11 tokens as decoder input and labels): the loss is finite and every parameter
+    receives a gradient."""
+    torch.manual_seed(0)
+    model = model_class(config).train()
+    ids = torch.randint(4, 60, (2, 37))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0
+    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
+    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing

@@ -1,9 +1,15 @@
-"""Tiny per-kind config overrides for the common model tests (tests/test_models.py).
+"""Tiny configs for the tests: one base (`TINY`), and per-kind overrides for the common model tests.
 
-Every registered attention kind must pass the common suite. Small windows / buckets / blocks here make the pattern
-actually sparse at the tiny test lengths, so that the model-level checks exercise the real executor. One entry per kind;
-a kind without an entry runs with its defaults.
+Every registered attention kind must pass the common suite (tests/test_models.py). Small windows / buckets / blocks in
+`KIND_OVERRIDES` make the pattern actually sparse at the tiny test lengths, so that the model-level checks exercise
+the real executor. One entry per kind; a kind without an entry runs with its defaults.
 """
+
+from __future__ import annotations
+
+import torch
+
+from longattn import LongAttnConfig
 
 KIND_OVERRIDES: dict[str, dict] = {
     "full": {},
@@ -22,3 +28,23 @@ KIND_OVERRIDES: dict[str, dict] = {
     "strided": {"strided_stride": [4, 3]},
     "fixed": {"fixed_block_size": 5, "fixed_num_summary": [2, 1], "fixed_summary_per_head": True},
 }
+
+VOCAB = 50
+# Hidden 32, 2 layers, 2 heads, no dropout: the size of transformers' common model tests.
+TINY: dict = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def tiny_config(kind: str = "full", **fields) -> LongAttnConfig:
+    """A tiny `LongAttnConfig` of attention `kind`: `TINY` under `fields`."""
+    return LongAttnConfig(**{**TINY, "attention_type": kind, **fields})
+
+
+def kind_config(kind: str, **fields) -> LongAttnConfig:
+    """`tiny_config` with the kind's `KIND_OVERRIDES` (a sparse pattern at the test lengths), under `fields`."""
+    return tiny_config(kind, **{**KIND_OVERRIDES.get(kind, {}), **fields})
+
+
+def random_ids(batch: int, length: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    """Token ids `[batch, length]` in `[4, vocab)` (above the special tokens), from a seeded generator."""
+    return torch.randint(4, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_adaptive_span import (
     AdaptiveSpanAttention,
     adaptive_span_attention,
@@ -15,14 +17,8 @@ from longattn.attention_adaptive_span import (
 )
 
 
-def config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=128, attention_type="adaptive_span", adaptive_span_max=[12, 20],
-        adaptive_span_ramp=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+config = functools.partial(tiny_config, "adaptive_span", num_attention_heads=4, adaptive_span_max=[12, 20],
+                           adaptive_span_ramp=4)
 
 
 def test_soft_mask_matches_the_formula():

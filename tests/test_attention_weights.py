@@ -3,24 +3,20 @@ eager attention does), so that `weights @ v` reproduces the output in training t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from kind_configs import KIND_OVERRIDES
+from kind_configs import kind_config
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_full import CrossAttention
 from longattn.attention_registry import attention_class
 
 KINDS = longattn.available_attention_types()
 
 
-def _config(kind: str, **overrides) -> LongAttnConfig:
-    fields = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.5,
-                  attention_type=kind, **KIND_OVERRIDES.get(kind, {}))
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+_config = functools.partial(kind_config, max_position_embeddings=32, attention_probs_dropout_prob=0.5)
 
 
 def _values(layer, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from attention_checks import assert_all_close, outputs_and_grads
+from attention_checks import assert_all_close, outputs_and_grads, padding_and_global_masks, random_qkv
+from kind_configs import tiny_config
 from longattn import LongAttnConfig, backends, ops, patterns
 from longattn import executor_flex, executor_xformers
 from longattn.backends import AttentionRequest, select_backend
@@ -33,34 +34,13 @@ def _request(**fields) -> AttentionRequest:
     return AttentionRequest(**{**defaults, **fields})
 
 
-def _masks(batch=B, length=N):
-    """Padding: left-padded row 0, right-padded row 1, fully padded row 2. Global: row 0 one token, row 1 three."""
-    key_padding_mask = torch.ones(batch, length, dtype=torch.bool)
-    key_padding_mask[0, :5] = False
-    key_padding_mask[1, -4:] = False
-    key_padding_mask[2:] = False
-    global_mask = torch.zeros(batch, length, dtype=torch.bool)
-    global_mask[0, 3] = True
-    global_mask[1, [0, length // 2, length - 1]] = True
-    return key_padding_mask, global_mask
-
-
 def _qkv(n_q=N, n_k=N, dtype=torch.float64, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, H, n, D, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
-            for n in (n_q, n_k, n_k)]
+    return random_qkv(B, H, n_q, D, n_k=n_k, dtype=dtype, seed=seed)
 
 
 def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
     mask = patterns.materialize_mask(mask_fn, batch=B, heads=heads, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q)
     return lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=SCALE)
-
-
-def _pattern(name):
-    fn = getattr(patterns, name, None)
-    if fn is None:
-        pytest.skip(f"patterns.{name} does not exist yet")
-    return fn
 
 
 # ---------------------------------------------------------------------------------------------- the dispatcher
@@ -148,7 +128,7 @@ def test_auto_logs_its_choice_once(caplog, monkeypatch):
 
 def test_default_backend_keeps_the_cpu_executor_exactly():
     q, k, v = _qkv(dtype=torch.float32)
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     kwargs = dict(window=2, dilation=[1, 2, 3, 2], key_padding_mask=key_padding_mask, global_mask=global_mask,
                   scale=SCALE)
     torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **kwargs),
@@ -161,9 +141,7 @@ def test_default_backend_keeps_the_cpu_executor_exactly():
 def test_config_backend_reaches_the_kinds(kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                sliding_window=3, attention_backend=backend)
+        config = tiny_config(kind, max_position_embeddings=64, sliding_window=3, attention_backend=backend)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -199,9 +177,8 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
 def test_reference_backend_runs_a_kinds_dense_form(kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                attention_backend=backend, lsh_bucket_size=4, lsh_seed=0, sinkhorn_block_size=4)
+        config = tiny_config(kind, max_position_embeddings=64, attention_backend=backend, lsh_bucket_size=4, lsh_seed=0,
+                             sinkhorn_block_size=4)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -226,7 +203,7 @@ def test_reference_backend_runs_a_kinds_dense_form(kind):
 ])
 def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
     q, k, v = (t.detach() for t in _qkv(n_q=n_q))
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=None if masks == "none" else key_padding_mask,
                    global_mask=global_mask if masks == "padding+global" else None)
@@ -237,7 +214,7 @@ def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
 
 def test_flex_full_attention_and_block_mask_cache():
     q, k, v = (t.detach() for t in _qkv())
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     for causal in (False, True):
         parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         expected = _reference_fn(patterns.and_masks(*parts))(q, k, v)
@@ -267,7 +244,7 @@ def _assert_layout_is_the_pattern(layout, mask_fn, *, n_q=N, n_k=N):
 @pytest.mark.parametrize("masks", ["none", "padding", "global", "padding+global"])
 def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation, masks):
     pytest.importorskip("xformers")
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
@@ -282,11 +259,11 @@ def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation,
 @pytest.mark.parametrize("padding", [False, True])
 def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, padding):
     pytest.importorskip("xformers")
-    strided_pattern = _pattern("strided_pattern")
-    key_padding_mask = _masks()[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     layout = executor_xformers.strided_layout(batch=B, heads=H, length=N, stride=stride, causal=causal,
                                               key_padding_mask=key_padding_mask)
-    _assert_layout_is_the_pattern(layout, strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask))
+    mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    _assert_layout_is_the_pattern(layout, mask_fn)
 
 
 @pytest.mark.parametrize(("block_size", "num_summary"), [(4, 1), (4, 2), (5, 5), (1, 1), (30, 3)])
@@ -294,18 +271,17 @@ def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, paddin
 @pytest.mark.parametrize("summary_per_head", [False, True])
 def test_fixed_layout_biases_materialise_to_the_pattern(block_size, num_summary, causal, summary_per_head):
     pytest.importorskip("xformers")
-    fixed_pattern = _pattern("fixed_pattern")
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False  # blocks count from the first real token: right padding keeps them at 0
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
     layout = executor_xformers.fixed_layout(batch=B, heads=H, length=N, **kwargs)
-    _assert_layout_is_the_pattern(layout, fixed_pattern(**kwargs))
+    _assert_layout_is_the_pattern(layout, patterns.fixed_pattern(**kwargs))
 
 
 def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
     pytest.importorskip("xformers")
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     for n_q, causal in ((N, False), (N, True), (4, True)):
         layout = executor_xformers.full_layout(batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal,
                                                key_padding_mask=key_padding_mask)
@@ -330,16 +306,6 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
 
 
 # ---------------------------------------------------------------------------------------------- xformers end to end
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """The xformers path on CPU: its kernel replaced by the dense reference of the same contract, the
-    dispatcher told that xformers can run."""
-    pytest.importorskip("xformers")
-    monkeypatch.setattr(backends.BACKENDS["xformers"], "reasons_not_supported", lambda request: [])
-    with executor_xformers.use_kernel(executor_xformers.ReferenceKernel()) as kernel:
-        yield kernel
-
-
 @pytest.mark.parametrize(("n_q", "causal", "dilation", "masks"), [
     (N, False, 1, "none"),
     (N, True, 1, "padding"),
@@ -352,7 +318,7 @@ def reference_kernel(monkeypatch):
 ])
 def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causal, dilation, masks):
     q, k, v = _qkv(n_q=n_q)
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=2, dilation=dilation, causal=causal,
                    key_padding_mask=key_padding_mask if "padding" in masks else None,
                    global_mask=global_mask if "global" in masks else None)
@@ -402,7 +368,7 @@ def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, c
     q, k, v = _qkv(n_q=n, n_k=n)
     sort_weight = torch.randn(D, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
                               requires_grad=True)
-    key_padding_mask = _masks(length=n)[0] if padding else None
+    key_padding_mask = padding_and_global_masks(B, n)[0] if padding else None
     if padding:
         key_padding_mask[2, :3] = True  # the fully padded row gets three real tokens
     kwargs = dict(block_size=4, iterations=3, temperature=0.75, causal=causal, sortcut=sortcut,
@@ -437,9 +403,7 @@ def test_sinkhorn_kernel_call_zeroes_rows_that_see_no_key(reference_kernel):
 def test_config_xformers_reaches_the_sinkhorn_kind(reference_kernel):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type="sinkhorn",
-                                sinkhorn_block_size=4, attention_backend=backend)
+        config = tiny_config("sinkhorn", max_position_embeddings=64, sinkhorn_block_size=4, attention_backend=backend)
         return LongAttnModel(config).eval().double()
 
     input_ids = torch.randint(3, 50, (2, 21), generator=torch.Generator().manual_seed(0))
@@ -549,10 +513,9 @@ def test_xformers_sinkhorn_is_explicit_only(monkeypatch):
 @pytest.mark.parametrize("stride", [1, 3, 5])
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, causal):
-    strided_pattern = _pattern("strided_pattern")
     q, k, v = _qkv()
-    key_padding_mask, _ = _masks()
-    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    key_padding_mask, _ = padding_and_global_masks(B, N)
+    mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: executor_xformers.xformers_strided_attention(
         q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE), q, k, v)
@@ -562,14 +525,13 @@ def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, ca
 @pytest.mark.parametrize(("block_size", "num_summary", "summary_per_head"), [(4, 1, False), (5, 2, True), (30, 3, False)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, num_summary, summary_per_head, causal):
-    fixed_pattern = _pattern("fixed_pattern")
     q, k, v = _qkv()
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False
     right_padding[2, 9:] = False
     kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
                   key_padding_mask=right_padding)
-    expected = outputs_and_grads(_reference_fn(fixed_pattern(**kwargs)), q, k, v)
+    expected = outputs_and_grads(_reference_fn(patterns.fixed_pattern(**kwargs)), q, k, v)
     actual = outputs_and_grads(
         lambda q, k, v: executor_xformers.xformers_fixed_attention(q, k, v, scale=SCALE, **kwargs), q, k, v
     )
@@ -579,7 +541,7 @@ def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, 
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (N, True), (4, True)])
 def test_xformers_full_path_equals_the_reference(reference_kernel, n_q, causal):
     q, k, v = _qkv(n_q=n_q)
-    key_padding_mask, _ = _masks()
+    key_padding_mask, _ = padding_and_global_masks(B, N)
     parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     expected = outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
     actual = outputs_and_grads(lambda q, k, v: ops.full_attention(
@@ -606,7 +568,7 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     layout = executor_xformers.sliding_window_layout(batch=B, heads=H, q_len=N, kv_len=N, window=2,
-                                                     key_padding_mask=_masks()[0])
+                                                     key_padding_mask=padding_and_global_masks(B, N)[0])
     with pytest.raises(ValueError, match="no attention dropout"):
         executor_xformers.run_layout(q, k, v, layout, scale=SCALE, dropout_p=0.5)
 
@@ -614,7 +576,7 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
 def test_xformers_half_precision_matches_float64(reference_kernel):
     """bfloat16 through the hidden-key column: the flag's rounding still hides keys completely."""
     q, k, v = _qkv()
-    key_padding_mask, global_mask = _masks()
+    key_padding_mask, global_mask = padding_and_global_masks(B, N)
     pattern = dict(window=3, dilation=2, key_padding_mask=key_padding_mask, global_mask=global_mask)
     expected = _reference_fn(patterns.sliding_window_pattern(**pattern))(q, k, v)
     half = [t.detach().to(torch.bfloat16) for t in (q, k, v)]

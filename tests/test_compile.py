@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from kind_configs import tiny_config
 
 import longattn
 from longattn import LongAttnConfig, LongAttnForMaskedLM, LongAttnModel
@@ -32,13 +33,8 @@ ONE_LAYER_OVERRIDES: dict[str, dict] = {
 
 
 def _tiny(kind: str, **overrides) -> LongAttnConfig:
-    fields = dict(
-        attention_type=kind, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    fields.update(ONE_LAYER_OVERRIDES.get(kind, {}))
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+    return tiny_config(kind, **{"vocab_size": 64, "num_hidden_layers": 1, **ONE_LAYER_OVERRIDES.get(kind, {}),
+                                **overrides})
 
 
 def _inputs(batch: int = 2, length: int = 24) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models import KINDS, causal_config_or_skip, random_ids, tiny_config
+from kind_configs import kind_config, random_ids
+from test_models import KINDS, causal_config_or_skip
 from transformers import DynamicCache
 
 import longattn
@@ -72,10 +73,10 @@ def test_static_cache_implementation_is_refused():
 def test_seq2seq_assisted_and_beam_search(kind):
     """The seq2seq model: assisted and prompt-lookup decoding equal greedy, beam search equals its uncached form."""
     torch.manual_seed(0)
-    model = longattn.LongAttnForSeq2SeqLM(tiny_config(kind, eos_token_id=None, initializer_range=0.5)).eval()
+    model = longattn.LongAttnForSeq2SeqLM(kind_config(kind, eos_token_id=None, initializer_range=0.5)).eval()
     torch.manual_seed(1)
     assistant = longattn.LongAttnForSeq2SeqLM(
-        tiny_config("full", num_hidden_layers=1, eos_token_id=None, initializer_range=0.5)).eval()
+        kind_config("full", num_hidden_layers=1, eos_token_id=None, initializer_range=0.5)).eval()
     source = random_ids(1, 21)
     greedy = model.generate(source, **GREEDY)
     torch.testing.assert_close(model.generate(source, assistant_model=assistant, **GREEDY), greedy, rtol=0, atol=0)

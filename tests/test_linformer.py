@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 
 import longattn
 from longattn import LongAttnConfig
@@ -12,14 +15,7 @@ from longattn.attention_linformer import LinformerAttention
 from longattn.ops import reference_attention
 
 
-def config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=48, attention_type="linformer", linformer_proj_len=8,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+config = functools.partial(tiny_config, "linformer", max_position_embeddings=48, linformer_proj_len=8)
 
 
 def layer(cfg: LongAttnConfig, layer_idx: int = 0) -> LinformerAttention:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, lengths_mask
 from transformers import ReformerConfig
 from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
@@ -29,10 +30,6 @@ def _inputs(b=2, h=2, n=13, d=8, seed=0, requires_grad=True):
     qk = torch.randn(b, h, n, d, generator=generator, **DOUBLE).requires_grad_(requires_grad)
     v = torch.randn(b, h, n, d, generator=generator, **DOUBLE).requires_grad_(requires_grad)
     return qk, v
-
-
-def _padding(b, n, lengths):
-    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [b, n]
 
 
 def dense_shared_qk(qk, v, key_padding_mask=None, causal=False):
@@ -105,7 +102,7 @@ def _assert_same_with_grads(fast, slow, inputs, rows=None):
 @pytest.mark.parametrize("num_hashes", [1, 3])
 def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes):
     qk, v = _inputs(n=13)
-    mask = _padding(2, 13, [13, 9])
+    mask = lengths_mask(13, [13, 9])
     # Through the public functional API, `longattn.ops`.
     fast = longattn.ops.lsh_attention(qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4,
                                       key_padding_mask=mask, seed=0)
@@ -118,7 +115,7 @@ def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes
                                                    (True, 2, 0)])
 def test_fast_path_equals_the_explicit_permutation_reference(causal, before, after):
     qk, v = _inputs(n=23, seed=1)
-    mask = _padding(2, 23, [23, 17])
+    mask = lengths_mask(23, [23, 17])
     rotations = lsh_rotations(heads=2, head_dim=8, num_hashes=2, num_buckets=4, seed=3, dtype=torch.float64)
     kwargs = dict(bucket_size=4, causal=causal, key_padding_mask=mask)
     fast = lsh_attention(qk, v, num_hashes=2, num_chunks_before=before, num_chunks_after=after,
@@ -167,7 +164,7 @@ def test_buckets_are_the_argmax_over_plus_and_minus_rotations():
     rotated = torch.einsum("bhnd,hdrk->bhrnk", qk, rotations)
     expected = torch.cat([rotated, -rotated], -1).argmax(-1)
     torch.testing.assert_close(lsh_buckets(qk, rotations), expected)
-    valid = _padding(2, 9, [9, 5])
+    valid = lengths_mask(9, [9, 5])
     assert (lsh_buckets(qk, rotations, valid=valid)[1, :, :, 5:] == 6).all()
 
 
@@ -346,11 +343,7 @@ def test_causal_lsh_model_leaks_nothing(t):
     ids = torch.randint(4, 60, (2, 40))
     changed = ids.clone()
     changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
-    with torch.no_grad():
-        before = model(input_ids=ids, use_cache=False).logits
-        after = model(input_ids=changed, use_cache=False).logits
-    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
-    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+    assert_no_future_leak(model, ids, changed, t)
 
 
 # ---------------------------------------------------------------------------------------------- transformers parity
@@ -415,18 +408,7 @@ def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
                             attention_type=["sliding", "lsh", "sliding", "lsh"], decoder_attention_type=["lsh", "full"],
                             sliding_window=3, lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0,
                             max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    labels = ids[:, :11] if extra else ids
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    missing = [name for name, p in model.named_parameters() if p.grad is None]
-    assert not missing, missing
+    assert_mixed_stack_trains(model_class, config)
 
 
 # ---------------------------------------------------------------------------------------------- the window kernel

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kind_configs import KIND_OVERRIDES
+from attention_checks import assert_no_future_leak
+from kind_configs import KIND_OVERRIDES, VOCAB, kind_config, random_ids
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -31,32 +32,15 @@ ENCODER_AUTO_CLASSES = [
     AutoModelForTokenClassification,
     AutoModelForQuestionAnswering,
 ]
-VOCAB = 50
-
-
-def tiny_config(kind: str, **overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attention_type=kind,
-    )
-    fields.update(KIND_OVERRIDES.get(kind, {}))
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
 
 
 def causal_config_or_skip(kind: str, **overrides) -> LongAttnConfig:
     """A decoder config; kinds that cannot be causal must refuse at config time, then the test is skipped."""
     try:
-        return tiny_config(kind, is_decoder=True, **overrides)
+        return kind_config(kind, is_decoder=True, **overrides)
     except ValueError as error:
         assert "causal" in str(error).lower() or "decoder" in str(error).lower(), error
         pytest.skip(f"{kind} has no causal form ({error})")
-
-
-def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (batch, length), generator=generator)
 
 
 def set_seed(seed: int = 0) -> None:
@@ -66,7 +50,7 @@ def set_seed(seed: int = 0) -> None:
 # ---------------------------------------------------------------------------------------------- building and loading
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_head_builds_through_auto_classes(kind):
-    config = tiny_config(kind)
+    config = kind_config(kind)
     ids = random_ids(2, 37)
     for auto_class in ENCODER_AUTO_CLASSES:
         model = auto_class.from_config(config).eval()
@@ -75,7 +59,7 @@ def test_every_head_builds_through_auto_classes(kind):
             out = model(input_ids=ids)
         first = out[0] if not hasattr(out, "logits") else out.logits
         assert torch.isfinite(first).all()
-    seq2seq = AutoModelForSeq2SeqLM.from_config(tiny_config(kind)).eval()
+    seq2seq = AutoModelForSeq2SeqLM.from_config(kind_config(kind)).eval()
     with torch.no_grad():
         out = seq2seq(input_ids=ids, decoder_input_ids=random_ids(2, 5, seed=1))
     assert out.logits.shape == (2, 5, VOCAB)
@@ -84,7 +68,7 @@ def test_every_head_builds_through_auto_classes(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_and_load_round_trip(kind, tmp_path):
     set_seed()
-    model = longattn.LongAttnForMaskedLM(tiny_config(kind)).eval()
+    model = longattn.LongAttnForMaskedLM(kind_config(kind)).eval()
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert AutoConfig.from_pretrained(tmp_path).attention_type == kind
@@ -94,7 +78,7 @@ def test_save_and_load_round_trip(kind, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
     # The decoder-side classes too (tied embeddings must not break saving).
     for model_class, auto_class in ((longattn.LongAttnForSeq2SeqLM, AutoModelForSeq2SeqLM),):
-        model = model_class(tiny_config(kind)).eval()
+        model = model_class(kind_config(kind)).eval()
         model.save_pretrained(tmp_path / "s2s")
         loaded = auto_class.from_pretrained(tmp_path / "s2s").eval()
         dec = random_ids(2, 6, seed=3)
@@ -105,7 +89,7 @@ def test_save_and_load_round_trip(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_eval_mode_is_deterministic(kind):
-    model = longattn.LongAttnModel(tiny_config(kind, hidden_dropout_prob=0.1)).eval()
+    model = longattn.LongAttnModel(kind_config(kind, hidden_dropout_prob=0.1)).eval()
     ids = random_ids(2, 33)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
@@ -123,7 +107,7 @@ def _loss_and_grads(model, ids, labels):
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_step_gives_every_parameter_a_gradient(kind):
     set_seed()
-    model = longattn.LongAttnForMaskedLM(tiny_config(kind)).train()
+    model = longattn.LongAttnForMaskedLM(kind_config(kind)).train()
     ids = random_ids(2, 45)
     # No global tokens in this batch: every parameter must still receive a gradient (DDP without unused parameters).
     _, grads = _loss_and_grads(model, ids, ids)
@@ -135,7 +119,7 @@ def test_training_step_gives_every_parameter_a_gradient(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_seq2seq_training_step_gives_every_parameter_a_gradient(kind):
     set_seed()
-    model = longattn.LongAttnForSeq2SeqLM(tiny_config(kind)).train()
+    model = longattn.LongAttnForSeq2SeqLM(kind_config(kind)).train()
     out = model(input_ids=random_ids(2, 39), labels=random_ids(2, 7, seed=5))
     out.loss.backward()
     missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
@@ -145,7 +129,7 @@ def test_seq2seq_training_step_gives_every_parameter_a_gradient(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradient_checkpointing_gives_the_same_gradients(kind):
     set_seed()
-    model = longattn.LongAttnForMaskedLM(tiny_config(kind)).train()
+    model = longattn.LongAttnForMaskedLM(kind_config(kind)).train()
     ids = random_ids(2, 31)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     set_seed(1)
@@ -170,18 +154,14 @@ def test_causal_outputs_do_not_see_the_future(kind):
     changed = ids.clone()
     t = 23
     changed[:, t + 1:] = random_ids(1, 40 - t - 1, seed=9)
-    with torch.no_grad():
-        before = model(input_ids=ids, use_cache=False).logits
-        after = model(input_ids=changed, use_cache=False).logits
-    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
-    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:]), "the test must be able to see a change"
+    assert_no_future_leak(model, ids, changed, t)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_does_not_change_real_tokens(kind, side):
     set_seed()
-    model = longattn.LongAttnModel(tiny_config(kind)).eval()
+    model = longattn.LongAttnModel(kind_config(kind)).eval()
     real = random_ids(1, 29)
     pad = torch.zeros(1, 8, dtype=torch.long)
     padded = torch.cat([real, pad], 1) if side == "right" else torch.cat([pad, real], 1)
@@ -196,7 +176,7 @@ def test_padding_does_not_change_real_tokens(kind, side):
 @pytest.mark.parametrize("kind", KINDS)
 def test_rows_of_a_batch_are_independent(kind):
     set_seed()
-    model = longattn.LongAttnModel(tiny_config(kind)).eval()
+    model = longattn.LongAttnModel(kind_config(kind)).eval()
     ids = random_ids(3, 35)
     mask = torch.ones(3, 35, dtype=torch.long)
     mask[1, 20:] = 0
@@ -210,7 +190,7 @@ def test_rows_of_a_batch_are_independent(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_fully_padded_row_has_no_nan(kind):
     set_seed()
-    model = longattn.LongAttnForSequenceClassification(tiny_config(kind)).to(torch.bfloat16).train()
+    model = longattn.LongAttnForSequenceClassification(kind_config(kind)).to(torch.bfloat16).train()
     ids = random_ids(2, 27)
     mask = torch.ones(2, 27, dtype=torch.long)
     mask[1] = 0
@@ -245,7 +225,7 @@ def test_cached_generation_equals_uncached(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_seq2seq_cached_generation_equals_uncached(kind):
     set_seed()
-    model = longattn.LongAttnForSeq2SeqLM(tiny_config(kind, eos_token_id=None, initializer_range=0.5)).eval()
+    model = longattn.LongAttnForSeq2SeqLM(kind_config(kind, eos_token_id=None, initializer_range=0.5)).eval()
     source = random_ids(2, 33)
     mask = torch.ones_like(source)
     mask[1, 25:] = 0
@@ -258,7 +238,7 @@ def test_seq2seq_cached_generation_equals_uncached(kind):
 # ---------------------------------------------------------------------------------------------- outputs and errors
 @pytest.mark.parametrize("kind", KINDS)
 def test_hidden_states_and_attentions_are_returned(kind):
-    model = longattn.LongAttnModel(tiny_config(kind)).eval()
+    model = longattn.LongAttnModel(kind_config(kind)).eval()
     with torch.no_grad():
         out = model(input_ids=random_ids(2, 19), output_hidden_states=True, output_attentions=True)
     assert len(out.hidden_states) == 3 and out.hidden_states[0].shape == (2, 19, 32)
@@ -269,7 +249,7 @@ def test_hidden_states_and_attentions_are_returned(kind):
 
 
 def test_checkpoint_reloads_under_another_attention_type(tmp_path):
-    model = longattn.LongAttnForMaskedLM(tiny_config("full"))
+    model = longattn.LongAttnForMaskedLM(kind_config("full"))
     model.save_pretrained(tmp_path)
     for kind in KINDS:
         reloaded, info = longattn.LongAttnForMaskedLM.from_pretrained(
@@ -285,7 +265,7 @@ def test_checkpoint_reloads_under_another_attention_type(tmp_path):
 
 
 def test_sequence_classification_makes_the_first_token_global():
-    config = tiny_config("sliding", sliding_window=1, sliding_dilation=1, num_labels=3)
+    config = kind_config("sliding", sliding_window=1, sliding_dilation=1, num_labels=3)
     model = longattn.LongAttnForSequenceClassification(config).eval()
     ids = random_ids(1, 30)
     changed = ids.clone()
@@ -332,7 +312,7 @@ def test_every_kind_builds_from_its_name_alone():
 
 
 def test_too_long_and_mismatched_inputs_raise():
-    model = longattn.LongAttnModel(tiny_config("sliding")).eval()
+    model = longattn.LongAttnModel(kind_config("sliding")).eval()
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(input_ids=random_ids(1, 129))
     with pytest.raises(ValueError, match="attention_mask"):
@@ -342,7 +322,7 @@ def test_too_long_and_mismatched_inputs_raise():
 
 
 def test_learned_positions_and_mixed_layers():
-    config = tiny_config("full", position_embedding_type="learned", attention_type=["sliding", "full"],
+    config = kind_config("full", position_embedding_type="learned", attention_type=["sliding", "full"],
                          sliding_window=[2, 2])
     model = longattn.LongAttnForMaskedLM(config).eval()
     assert [type(layer.self_attn).attention_type for layer in model.longattn.encoder.layers] == ["sliding", "full"]

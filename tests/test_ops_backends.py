@@ -14,8 +14,9 @@ import re
 import pytest
 import torch
 
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads
-from longattn import LongAttnConfig, backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
+from kind_configs import tiny_config
+from longattn import backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, D = 3, 4, 8
@@ -43,20 +44,7 @@ SPARSE_IDS = ["strided-3", "strided-7", "fixed-5-2", "fixed-6-2-per-head"]
 
 
 def _qkv(n_q, n_k=None, *, requires_grad=True, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    n_k = n_q if n_k is None else n_k
-    return [torch.randn(B, H, n, D, generator=generator, dtype=torch.float64).requires_grad_(requires_grad)
-            for n in (n_q, n_k, n_k)]
-
-
-def _padding(length, *, left=True):
-    """Bool `[B, length]`: row 0 left-padded (when `left`), row 1 right-padded, row 2 fully padded."""
-    mask = torch.ones(B, length, dtype=torch.bool)
-    if left:
-        mask[0, : length // 3] = False
-    mask[1, length - length // 4:] = False
-    mask[2] = False
-    return mask
+    return random_qkv(B, H, n_q, D, n_k=n_k, seed=seed, requires_grad=requires_grad)
 
 
 def _op(kind):
@@ -94,7 +82,7 @@ def executed(monkeypatch):
 @pytest.mark.parametrize(("n_q", "n_k"), [(37, 37), (101, 101), (5, 37)], ids=["37", "101", "decode-5-of-37"])
 def test_reference_and_torch_back_ends_agree(executed, kind, arguments, causal, n_q, n_k):
     q, k, v = _qkv(n_q, n_k)
-    call = dict(causal=causal, key_padding_mask=_padding(n_k), scale=SCALE, **arguments)
+    call = dict(causal=causal, key_padding_mask=three_padded_rows(n_k), scale=SCALE, **arguments)
     executed.clear()
     reference = outputs_and_grads(lambda q, k, v: _op(kind)(q, k, v, backend="reference", **call), q, k, v)
     assert executed == [EXECUTORS["reference"]]
@@ -112,7 +100,7 @@ def test_reference_and_torch_back_ends_agree(executed, kind, arguments, causal, 
 @pytest.mark.parametrize("padding", [False, True], ids=["no-padding", "padding"])
 def test_default_back_end_on_cpu_is_the_torch_executor_exactly(executed, kind, arguments, padding):
     q, k, v = _qkv(37, requires_grad=False)
-    call = dict(causal=True, key_padding_mask=_padding(37) if padding else None, scale=SCALE, **arguments)
+    call = dict(causal=True, key_padding_mask=three_padded_rows(37) if padding else None, scale=SCALE, **arguments)
     executed.clear()
     default = _op(kind)(q, k, v, **call)
     assert executed == [EXECUTORS[f"torch-{kind}"]]
@@ -126,7 +114,7 @@ def test_default_back_end_on_cpu_is_the_torch_executor_exactly(executed, kind, a
 def test_flex_forward_on_cpu_equals_the_reference(executed, kind, arguments, causal, n_q, n_k, padding):
     # FlexAttention has no backward on CPU: inputs that require grad would be refused by the dispatcher.
     q, k, v = _qkv(n_q, n_k, requires_grad=False)
-    call = dict(causal=causal, key_padding_mask=_padding(n_k) if padding else None, scale=SCALE, **arguments)
+    call = dict(causal=causal, key_padding_mask=three_padded_rows(n_k) if padding else None, scale=SCALE, **arguments)
     expected = _op(kind)(q, k, v, backend="reference", **call)
     executed.clear()
     actual = _op(kind)(q, k, v, backend="flex", **call)
@@ -148,16 +136,6 @@ def test_xformers_on_cpu_raises_naming_the_device(kind, arguments):
         _op(kind)(q, k, v, backend="xformers", **arguments)
 
 
-@pytest.fixture
-def reference_kernel(monkeypatch):
-    """The xformers path on CPU: its kernel replaced by the dense reference of the same contract, the dispatcher
-    told that xformers can run (each test checks that its call is one the dispatcher admits on CUDA)."""
-    pytest.importorskip("xformers")
-    monkeypatch.setattr(backends.BACKENDS["xformers"], "reasons_not_supported", lambda request: [])
-    with executor_xformers.use_kernel(executor_xformers.ReferenceKernel()) as kernel:
-        yield kernel
-
-
 @pytest.mark.parametrize(("kind", "arguments"), SPARSE, ids=SPARSE_IDS)
 @pytest.mark.parametrize(("causal", "padding"), [(False, True), (True, False), (True, True)],
                          ids=["bidirectional-padding", "causal", "causal-padding"])
@@ -166,7 +144,7 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
         pytest.skip("causal fixed attention with padding is not an xformers layout (the dispatcher says why)")
     q, k, v = _qkv(37)
     # Left padding included: the fixed pattern counts blocks from the first real token, the layout from 0.
-    call = dict(causal=causal, key_padding_mask=_padding(37) if padding else None, scale=SCALE, **arguments)
+    call = dict(causal=causal, key_padding_mask=three_padded_rows(37) if padding else None, scale=SCALE, **arguments)
     request = backends.AttentionRequest.for_inputs(q, k, v, pattern=kind, causal=causal, key_padding=padding)
     # The same call in float32 on CUDA: nothing in the layout's own requirements refuses it.
     assert executor_xformers.request_reasons(
@@ -185,10 +163,8 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
 def test_config_backend_reaches_the_sparse_transformer_kinds(executed, kind):
     def model(backend):
         torch.manual_seed(0)
-        config = LongAttnConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64, attention_type=kind,
-                                strided_stride=3, fixed_block_size=4, fixed_num_summary=1,
-                                attention_backend=backend)
+        config = tiny_config(kind, max_position_embeddings=64, strided_stride=3, fixed_block_size=4,
+                             fixed_num_summary=1, attention_backend=backend)
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 19), generator=torch.Generator().manual_seed(0))
@@ -210,12 +186,12 @@ def test_config_backend_reaches_the_sparse_transformer_kinds(executed, kind):
 
 # ---------------------------------------------------------------------------------------------- efficient and LSH
 def _efficient(q, k, v, **kwargs):
-    return ops.efficient_attention(q, k, v, key_padding_mask=_padding(k.shape[2]), **kwargs)
+    return ops.efficient_attention(q, k, v, key_padding_mask=three_padded_rows(k.shape[2]), **kwargs)
 
 
 def _lsh(qk, _, v, **kwargs):
-    return ops.lsh_attention(qk, v, num_hashes=2, bucket_size=4, seed=3, key_padding_mask=_padding(qk.shape[2]),
-                             **kwargs)
+    return ops.lsh_attention(qk, v, num_hashes=2, bucket_size=4, seed=3,
+                             key_padding_mask=three_padded_rows(qk.shape[2]), **kwargs)
 
 
 @pytest.fixture
@@ -273,7 +249,7 @@ def test_efficient_reference_is_the_dense_form(dense_forms, normalization, causa
 @pytest.mark.parametrize(("causal", "before", "after"), [(False, 1, 1), (True, 2, 0)], ids=["bidirectional", "causal"])
 def test_lsh_reference_is_the_dense_form_on_real_tokens(dense_forms, causal, before, after):
     qk, _, v = _qkv(37)
-    real = _padding(37)[:, None, :].expand(B, H, 37)  # padded queries may differ: only real rows are compared
+    real = three_padded_rows(37)[:, None, :].expand(B, H, 37)  # padded queries may differ: only real rows are compared
     kwargs = dict(causal=causal, num_chunks_before=before, num_chunks_after=after)
     reference = _lsh(qk, None, v, backend="reference", **kwargs)
     assert dense_forms == ["lsh_attention_dense"]

@@ -11,16 +11,9 @@ import math
 import pytest
 import torch
 
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
 from longattn import ops, patterns
 from longattn.executor_blocked import attend_blocks, banded_attention, merge_attention
-
-
-def _qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    n_k = n_q if n_k is None else n_k
-    shapes = ((batch, heads, n_q, head_dim), (batch, heads, n_k, head_dim), (batch, heads, n_k, head_dim))
-    return [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_() for shape in shapes]
 
 
 def _reference(q, k, v, **pattern):
@@ -69,7 +62,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch, heads, length, window, dilation, causal, padding, global_tokens", CASES)
 def test_sliding_window_equals_reference(batch, heads, length, window, dilation, causal, padding, global_tokens):
-    q, k, v = _qkv(batch, heads, length, seed=length + window)
+    q, k, v = random_qkv(batch, heads, length, seed=length + window)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
     pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
     actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
@@ -95,8 +88,8 @@ def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length,
                                                  global_tokens):
     """Grouped-query attention: k, v with fewer heads give what k, v repeated to the query heads give (float64,
     outputs and gradients; the gradient of a shared key/value head sums its group's)."""
-    q, _, _ = _qkv(batch, heads, length, seed=length)
-    _, k, v = _qkv(batch, kv_heads, length, seed=length + 1)
+    q, _, _ = random_qkv(batch, heads, length, seed=length)
+    _, k, v = random_qkv(batch, kv_heads, length, seed=length + 1)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
     pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
     groups = heads // kv_heads
@@ -113,7 +106,7 @@ def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length,
 @pytest.mark.parametrize("block_size", [1, 3, 16, 64])
 @pytest.mark.parametrize("dilation", [1, [2, 3]])
 def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
-    q, k, v = _qkv(3, 2, 53, seed=block_size)
+    q, k, v = random_qkv(3, 2, 53, seed=block_size)
     key_padding_mask, global_mask = _token_masks(3, 53, padding=True, global_tokens=True)
     pattern = dict(window=6, dilation=dilation, causal=False, global_mask=global_mask, key_padding_mask=key_padding_mask)
 
@@ -133,7 +126,7 @@ def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
 @pytest.mark.parametrize("n_q", [1, 5, 40])
 @pytest.mark.parametrize("dilation", [1, [1, 3]])
 def test_queries_are_the_last_positions_when_shorter_than_keys(n_q, dilation):
-    q, k, v = _qkv(3, 2, n_q, n_k=61, seed=n_q)
+    q, k, v = random_qkv(3, 2, n_q, n_k=61, seed=n_q)
     key_padding_mask, global_mask = _token_masks(3, 61, padding=True, global_tokens=True)
     pattern = dict(window=9, dilation=dilation, causal=True, global_mask=global_mask, key_padding_mask=key_padding_mask)
     assert_all_close(
@@ -144,7 +137,7 @@ def test_queries_are_the_last_positions_when_shorter_than_keys(n_q, dilation):
 
 def test_a_wrong_pattern_is_detected():
     """The comparisons above can fail: a window one too small, or a missing global token, changes the result."""
-    q, k, v = _qkv(2, 2, 100)
+    q, k, v = random_qkv(2, 2, 100)
     _, global_mask = _token_masks(2, 100, padding=False, global_tokens=True)
     out = ops.sliding_window_attention(q, k, v, window=5, global_mask=global_mask)
     assert not torch.allclose(out, _reference(q, k, v, window=6, global_mask=global_mask))
@@ -156,7 +149,7 @@ def test_a_wrong_pattern_is_detected():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("length", [7, 100])
 def test_window_at_least_length_equals_full_attention(causal, length):
-    q, k, v = _qkv(3, 2, length)
+    q, k, v = random_qkv(3, 2, length)
     key_padding_mask, global_mask = _token_masks(3, length, padding=True, global_tokens=True)
     kwargs = dict(causal=causal, key_padding_mask=key_padding_mask, global_mask=global_mask)
     assert_all_close(
@@ -168,7 +161,7 @@ def test_window_at_least_length_equals_full_attention(causal, length):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n_q", [30, 4])
 def test_full_attention_equals_reference(causal, n_q):
-    q, k, v = _qkv(3, 2, n_q, n_k=30)
+    q, k, v = random_qkv(3, 2, n_q, n_k=30)
     key_padding_mask, _ = _token_masks(3, 30, padding=True, global_tokens=False)
     parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     mask = patterns.materialize_mask(patterns.and_masks(*parts), batch=3, heads=2, q_len=n_q, kv_len=30, q_offset=30 - n_q)
@@ -179,7 +172,7 @@ def test_full_attention_equals_reference(causal, n_q):
 
 
 def test_causal_attention_does_not_leak_the_future():
-    q, k, v = _qkv(2, 2, 80)
+    q, k, v = random_qkv(2, 2, 80)
     _, global_mask = _token_masks(2, 80, padding=False, global_tokens=True)
     kwargs = dict(window=6, dilation=[1, 2], causal=True, global_mask=global_mask)
     before = ops.sliding_window_attention(q, k, v, **kwargs)
@@ -200,7 +193,7 @@ def test_causal_attention_does_not_leak_the_future():
     ],
 )
 def test_fully_padded_rows_give_zeros_not_nan_in_half_precision(dtype, attention):
-    q, k, v = _qkv(3, 2, 37, dtype=dtype)
+    q, k, v = random_qkv(3, 2, 37, dtype=dtype)
     key_padding_mask, global_mask = _token_masks(3, 37, padding=True, global_tokens=True)
     for causal in (False, True):
         out = attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, global_mask=global_mask)
@@ -217,8 +210,8 @@ def test_fully_padded_rows_give_zeros_not_nan_in_half_precision(dtype, attention
 def test_attend_blocks_takes_one_key_set_per_batch_row():
     """kv_index `[b, nb, m]` (the band plus each row's global keys, in one softmax) equals each row run with its
     own `[nb, m]` index, outputs and gradients, with grouped key/value heads."""
-    q, _, _ = _qkv(2, 4, 24)
-    _, k, v = _qkv(2, 2, 24, seed=3)
+    q, _, _ = random_qkv(2, 4, 24)
+    _, k, v = random_qkv(2, 2, 24, seed=3)
     generator = torch.Generator().manual_seed(4)
     kv_index = torch.randint(0, 24, (2, 3, 10), generator=generator)  # [b, nb, m]
     mask = torch.rand(2, 4, 3, 8, 10, generator=generator) > 0.3
@@ -240,8 +233,8 @@ def test_traceable_blocks_equal_the_eager_kernel_with_grouped_heads(per_row):
     kernel (outputs and gradients)."""
     from longattn.executor_blocked import _attend_blocks_traceable
 
-    q, _, _ = _qkv(2, 4, 24)
-    _, k, v = _qkv(2, 2, 24, seed=3)
+    q, _, _ = random_qkv(2, 4, 24)
+    _, k, v = random_qkv(2, 2, 24, seed=3)
     generator = torch.Generator().manual_seed(5)
     kv_index = torch.randint(0, 24, (2, 3, 10) if per_row else (3, 10), generator=generator)
     mask = torch.rand(2, 1, 3, 8, 10, generator=generator) > 0.3
@@ -265,7 +258,7 @@ def test_global_keys_join_the_band_in_one_pass(monkeypatch):
     original = executor.attend_blocks
     monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw))
     monkeypatch.setattr(executor, "merge_attention", lambda partials: pytest.fail("merged partial attentions"))
-    q, k, v = _qkv(2, 2, 100)
+    q, k, v = random_qkv(2, 2, 100)
     _, global_mask = _token_masks(2, 100, padding=False, global_tokens=True)
     pattern = dict(window=5, global_mask=global_mask)
     actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
@@ -274,7 +267,7 @@ def test_global_keys_join_the_band_in_one_pass(monkeypatch):
 
 
 def test_half_precision_matches_float64_reference():
-    q, k, v = _qkv(2, 2, 90, dtype=torch.bfloat16)
+    q, k, v = random_qkv(2, 2, 90, dtype=torch.bfloat16)
     key_padding_mask, global_mask = _token_masks(2, 90, padding=True, global_tokens=True)
     pattern = dict(window=8, global_mask=global_mask, key_padding_mask=key_padding_mask)
     out = ops.sliding_window_attention(q, k, v, **pattern)
@@ -283,7 +276,7 @@ def test_half_precision_matches_float64_reference():
 
 
 def test_dropout_gradients_match_finite_differences():
-    q, k, v = _qkv(2, 2, 11, head_dim=4)
+    q, k, v = random_qkv(2, 2, 11, head_dim=4)
     _, global_mask = _token_masks(2, 11, padding=False, global_tokens=True)
 
     def attention(q, k, v):
@@ -297,7 +290,7 @@ def test_dropout_gradients_match_finite_differences():
 
 def test_attend_blocks_returns_logsumexp_and_merges_disjoint_key_sets():
     """Attention over keys split into two gathered sets, merged by log-sum-exp, equals attention over all keys."""
-    q, k, v = _qkv(2, 3, 24)
+    q, k, v = random_qkv(2, 3, 24)
     mask = torch.rand(2, 1, 24, 24, generator=torch.Generator().manual_seed(3)) > 0.5
     mask[0, 0, 5] = False  # a query that sees nothing
     q_blocks = q.view(2, 3, 4, 6, 8)  # [b, h, nb, c, d]
@@ -361,14 +354,14 @@ def test_pattern_predicates_match_their_definition():
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs, field):
-    q, k, v = _qkv(2, 2, 10)
+    q, k, v = random_qkv(2, 2, 10)
     with pytest.raises(ValueError, match=field):
         ops.sliding_window_attention(q, k, v, **kwargs)
 
 
 def test_invalid_shapes_are_reported():
-    q, k, v = _qkv(2, 2, 10)
-    q3, k3, v3 = _qkv(2, 3, 10)
+    q, k, v = random_qkv(2, 2, 10)
+    q3, k3, v3 = random_qkv(2, 3, 10)
     with pytest.raises(ValueError, match="k must have shape"):  # 2 key/value heads do not divide 3 query heads
         ops.sliding_window_attention(q3, k3[:, :2], v3[:, :2], window=2)
     with pytest.raises(ValueError, match="v must have shape"):

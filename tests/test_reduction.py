@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_reduction import ReductionAttention, pack_groups
 
 
-def config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=128, attention_type="reduction", reduction_ratio=4,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+config = functools.partial(tiny_config, "reduction", num_attention_heads=4, reduction_ratio=4)
 
 
 def attention(ratio: int = 4) -> ReductionAttention:

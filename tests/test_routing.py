@@ -7,6 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_checks import (
+    assert_mixed_stack_trains,
+    assert_no_future_leak,
+    assert_same_on_kept_rows,
+    lengths_mask,
+    random_qkv,
+)
 from transformers import AutoModelForMaskedLM
 
 import longattn
@@ -19,18 +26,12 @@ DOUBLE = dict(dtype=torch.float64)
 
 
 def _inputs(b=2, h=2, n=23, d=8, seed=0, requires_grad=True):
-    generator = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, h, n, d, generator=generator, **DOUBLE).requires_grad_(requires_grad) for _ in range(3))
-    return q, k, v
+    return random_qkv(b, h, n, d, seed=seed, requires_grad=requires_grad)
 
 
 def _centroids(h=2, clusters=4, d=8, seed=1):
     generator = torch.Generator().manual_seed(seed)
     return F.normalize(torch.randn(h, clusters, d, generator=generator, **DOUBLE), dim=-1)
-
-
-def _padding(b, n, lengths):
-    return torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
 
 
 def _cosines(x, centroids):
@@ -84,25 +85,16 @@ def causal_reference(q, k, v, centroids, valid, scale, window):
     return out
 
 
-def _assert_same_with_grads(fast, slow, inputs, keep):
-    keep = keep[:, None, :, None].to(fast.dtype)
-    torch.testing.assert_close(fast * keep, slow * keep)
-    cotangent = torch.randn_like(fast) * keep
-    for grad_fast, grad_slow in zip(torch.autograd.grad(fast, inputs, cotangent),
-                                    torch.autograd.grad(slow, inputs, cotangent), strict=True):
-        torch.testing.assert_close(grad_fast, grad_slow)
-
-
 # ---------------------------------------------------------------------------------------------- references
 @pytest.mark.parametrize("n, lengths", [(23, [23, 17]), (8, [8, 5])])
 def test_balanced_routing_equals_the_explicit_cluster_reference(n, lengths):
     q, k, v = _inputs(n=n)
     centroids = _centroids()
-    valid = _padding(2, n, lengths)
+    valid = lengths_mask(n, lengths)
     scale = 0.35
     fast = routing_attention(q, k, v, centroids, causal=False, causal_window=4, key_padding_mask=valid, scale=scale)
     slow = balanced_reference(q, k, v, centroids, valid, scale)
-    _assert_same_with_grads(fast, slow, (q, k, v), valid)
+    assert_same_on_kept_rows(fast, slow, (q, k, v), valid)
     dense, weights = routing_attention_dense(q, k, v, centroids, causal=False, causal_window=4,
                                              key_padding_mask=valid, scale=scale)
     torch.testing.assert_close(dense * valid[:, None, :, None], fast * valid[:, None, :, None])
@@ -131,7 +123,7 @@ def test_balanced_members_are_each_centroids_topk(n, clusters):
     generator = torch.Generator().manual_seed(n)
     x = torch.randn(2, 3, n, 16, generator=generator) * torch.rand(2, 3, n, 1, generator=generator)
     centroids = F.normalize(torch.randn(3, clusters, 16, generator=generator), dim=-1)
-    valid = _padding(2, n, [n, n - n // 3])
+    valid = lengths_mask(n, [n, n - n // 3])
     size = -(-n // clusters)
     top, used = _balanced_members(x, centroids, valid, size)
     cosines = torch.einsum("hcd,bhnd->bhcn", centroids, F.normalize(x, dim=-1)).masked_fill(
@@ -147,23 +139,23 @@ def test_balanced_routing_with_many_clusters_equals_the_reference():
     """Enough clusters that each centroid's members are found by the grouped selection, padding included."""
     q, k, v = _inputs(n=256, d=4)
     centroids = _centroids(clusters=16, d=4)
-    valid = _padding(2, 256, [256, 200])
+    valid = lengths_mask(256, [256, 200])
     fast = routing_attention(q, k, v, centroids, causal=False, causal_window=4, key_padding_mask=valid, scale=0.35)
     slow = balanced_reference(q, k, v, centroids, valid, 0.35)
-    _assert_same_with_grads(fast, slow, (q, k, v), valid)
+    assert_same_on_kept_rows(fast, slow, (q, k, v), valid)
 
 
 @pytest.mark.parametrize("window", [3, 5, 40])
 def test_causal_routing_equals_the_most_recent_keys_of_the_cluster(window):
     q, k, v = _inputs(n=29, seed=2)
     centroids = _centroids(clusters=3)
-    valid = _padding(2, 29, [29, 21])
+    valid = lengths_mask(29, [29, 21])
     valid[0, :4] = False  # left padding too
     scale = 0.35
     fast = routing_attention(q, k, v, centroids, causal=True, causal_window=window, key_padding_mask=valid,
                              scale=scale)
     slow = causal_reference(q, k, v, centroids, valid, scale, window)
-    _assert_same_with_grads(fast, slow, (q, k, v), valid)
+    assert_same_on_kept_rows(fast, slow, (q, k, v), valid)
     dense, _ = routing_attention_dense(q, k, v, centroids, causal=True, causal_window=window,
                                        key_padding_mask=valid, scale=scale)
     torch.testing.assert_close(dense * valid[:, None, :, None], fast * valid[:, None, :, None])
@@ -234,11 +226,7 @@ def test_causal_routing_model_leaks_nothing(t):
     ids = torch.randint(4, 60, (2, 40))
     changed = ids.clone()
     changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
-    with torch.no_grad():
-        before = model(input_ids=ids, use_cache=False).logits
-        after = model(input_ids=changed, use_cache=False).logits
-    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
-    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+    assert_no_future_leak(model, ids, changed, t)
 
 
 # ---------------------------------------------------------------------------------------------- centroids
@@ -361,7 +349,7 @@ def test_local_heads_are_sliding_window_heads(causal):
     layer = longattn.LongAttnModel(config).encoder.layers[0].self_attn.eval()
     layer.is_causal = causal
     q, k, v = (torch.randn(2, 4, 21, 8) for _ in range(3))
-    valid = _padding(2, 21, [21, 15])
+    valid = lengths_mask(21, [21, 15])
     with torch.no_grad():
         out = layer.attend(q, k, v, key_padding_mask=valid, global_mask=None)
         local = sliding_window_attention(q[:, 2:], k[:, 2:], v[:, 2:], window=4, causal=causal,
@@ -399,13 +387,4 @@ def test_routing_mixes_with_sliding_layers_in_every_stack(model_class):
                             attention_type=["sliding", "routing", "sliding", "routing"],
                             decoder_attention_type=["routing", "full"], sliding_window=3, routing_num_clusters=3,
                             routing_causal_window=5, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    assert not [name for name, p in model.named_parameters() if p.grad is None]
+    assert_mixed_stack_trains(model_class, config)

@@ -4,32 +4,26 @@ gradient checkpointing (reentrant or not) to the gradients it has without."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from kind_configs import random_ids, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
 import longattn
-from longattn import LongAttnConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "seq2seq_layout_v0"
 VOCAB = 40
 
 
-def tiny(**overrides) -> LongAttnConfig:
-    fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_decoder_layers=2, num_attention_heads=2,
-                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, attention_type="sliding", sliding_window=3)
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
-
-
-def ids(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+tiny = functools.partial(tiny_config, "sliding", vocab_size=VOCAB, num_decoder_layers=2, max_position_embeddings=64,
+                         sliding_window=3)
+ids = functools.partial(random_ids, vocab=VOCAB)
 
 
 def saved_keys(folder: Path) -> set[str]:

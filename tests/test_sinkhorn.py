@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, assert_same_on_kept_rows, lengths_mask
 from transformers import AutoModelForMaskedLM
 
 import longattn
@@ -26,11 +27,6 @@ def _inputs(b=2, h=2, n=22, d=8, seed=0, requires_grad=True):
     tensors = [torch.randn(b, h, n, d, generator=generator, **DOUBLE) for _ in range(3)]
     weight = torch.randn(d, d, generator=generator, **DOUBLE)
     return [t.requires_grad_(requires_grad) for t in tensors] + [weight.requires_grad_(requires_grad)]
-
-
-def _padding(b, n, lengths, left=False):
-    keep = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
-    return keep.flip(-1) if left else keep
 
 
 def _blocked(x, valid, s):
@@ -87,15 +83,6 @@ def reference(q, k, v, weight, *, valid, causal, sortcut, scale, block_size, ite
     return result
 
 
-def _check(fast, slow, inputs, valid):
-    keep = valid[:, None, :, None].to(fast.dtype)
-    torch.testing.assert_close(fast * keep, slow * keep)
-    cotangent = torch.randn_like(fast) * keep
-    for grad_fast, grad_slow in zip(torch.autograd.grad(fast, inputs, cotangent),
-                                    torch.autograd.grad(slow, inputs, cotangent), strict=True):
-        torch.testing.assert_close(grad_fast, grad_slow)
-
-
 # ---------------------------------------------------------------------------------------------- Sinkhorn
 def test_sinkhorn_balancing_gives_a_doubly_stochastic_matrix():
     logits = torch.randn(3, 6, 6, generator=torch.Generator().manual_seed(0), **DOUBLE)
@@ -128,11 +115,11 @@ def test_causal_sinkhorn_rows_depend_only_on_earlier_rows():
 @pytest.mark.parametrize("causal, left", [(False, False), (False, True), (True, False), (True, True)])
 def test_sinkhorn_attention_equals_the_explicit_permutation_reference(causal, left):
     q, k, v, weight = _inputs(n=22)
-    valid = _padding(2, 22, [22, 15], left=left)
+    valid = lengths_mask(22, [22, 15], left=left)
     kwargs = dict(causal=causal, sortcut=None, scale=0.4, **SETTINGS)
     fast = sinkhorn_attention(q, k, v, weight, key_padding_mask=valid, **kwargs)
     slow = reference(q, k, v, weight, valid=valid, **kwargs)
-    _check(fast, slow, (q, k, v, weight), valid)
+    assert_same_on_kept_rows(fast, slow, (q, k, v, weight), valid)
     dense, weights = sinkhorn_attention_dense(q, k, v, weight, key_padding_mask=valid, **kwargs)
     keep = valid[:, None, :, None]
     torch.testing.assert_close(dense * keep, fast * keep)
@@ -142,11 +129,11 @@ def test_sinkhorn_attention_equals_the_explicit_permutation_reference(causal, le
 @pytest.mark.parametrize("budget", [1, 2])
 def test_sortcut_equals_the_explicit_reference(budget):
     q, k, v, weight = _inputs(n=21, seed=1)
-    valid = _padding(2, 21, [21, 14])
+    valid = lengths_mask(21, [21, 14])
     kwargs = dict(causal=False, sortcut=budget, scale=0.4, **SETTINGS)
     fast = sinkhorn_attention(q, k, v, weight, key_padding_mask=valid, **kwargs)
     slow = reference(q, k, v, weight, valid=valid, **kwargs)
-    _check(fast, slow, (q, k, v, weight), valid)
+    assert_same_on_kept_rows(fast, slow, (q, k, v, weight), valid)
 
 
 @pytest.mark.parametrize("budget", [6, 100])
@@ -157,12 +144,12 @@ def test_sortcut_with_a_budget_covering_all_blocks_attends_to_all_sorted_blocks(
     sorted_k = torch.einsum("bhpj,bhjsd->bhpsd", sort, k.view(2, 2, 6, 4, 8)).reshape(2, 2, 24, 8)
     sorted_v = torch.einsum("bhpj,bhjsd->bhpsd", sort, v.view(2, 2, 6, 4, 8)).reshape(2, 2, 24, 8)
     every = torch.softmax(q @ sorted_k.transpose(-1, -2) * 0.4, -1) @ sorted_v
-    _check(fast, every, (q, k, v, weight), torch.ones(2, 24, dtype=torch.bool))
+    assert_same_on_kept_rows(fast, every, (q, k, v, weight), torch.ones(2, 24, dtype=torch.bool))
 
 
 def test_the_dense_form_decodes_the_last_positions_like_the_full_pass():
     q, k, v, weight = _inputs(n=27, seed=3, requires_grad=False)
-    valid = _padding(2, 27, [27, 20], left=True)
+    valid = lengths_mask(27, [27, 20], left=True)
     kwargs = dict(causal=True, scale=0.4, **SETTINGS)
     full = sinkhorn_attention(q, k, v, weight, key_padding_mask=valid, **kwargs)
     last, _ = sinkhorn_attention_dense(q[:, :, -3:], k, v, weight, key_padding_mask=valid, **kwargs)
@@ -208,13 +195,7 @@ def test_causal_sinkhorn_model_leaks_nothing_even_with_noise(t):
     changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
     for train in (False, True):  # training adds Gumbel noise to the sorting: the same draw for both runs
         model.train(train)
-        with torch.no_grad():
-            torch.manual_seed(1)
-            before = model(input_ids=ids, use_cache=False).logits
-            torch.manual_seed(1)
-            after = model(input_ids=changed, use_cache=False).logits
-        torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
-        assert not torch.allclose(after[:, t + 1:], before[:, t + 1:])
+        assert_no_future_leak(model, ids, changed, t, seed=1)
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -272,16 +253,7 @@ def test_config_validation_names_the_field(fields, message):
 def test_sinkhorn_mixes_with_sliding_layers_in_every_stack(model_class):
     config = _config(num_hidden_layers=4, num_decoder_layers=2, attention_type=["sliding", "sinkhorn"] * 2,
                      decoder_attention_type=["sinkhorn", "full"], sliding_window=3)
-    torch.manual_seed(0)
-    model = model_class(config).train()
-    ids = torch.randint(4, 60, (2, 37))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0
-    extra = {"decoder_input_ids": ids[:, :11]} if model_class is longattn.LongAttnForSeq2SeqLM else {}
-    out = model(input_ids=ids, attention_mask=mask, labels=ids[:, :11] if extra else ids, **extra)
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-    assert not [name for name, p in model.named_parameters() if p.grad is None]
+    assert_mixed_stack_trains(model_class, config)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -289,7 +261,7 @@ def test_dropout_backward_uses_the_forward_draws(padded):
     """With attention dropout, the hand-written backward must apply the same dropout draws as its forward: gradcheck
     (float64) on a function that fixes torch's seed, from which each call draws its dropout seed."""
     q, k, v, weight = _inputs(b=1, h=2, n=11, d=4, seed=5)
-    mask = _padding(1, 11, [8]) if padded else None
+    mask = lengths_mask(11, [8]) if padded else None
 
     def attention(q, k, v, weight, dropout_p=0.4):
         torch.manual_seed(0)

@@ -8,16 +8,9 @@ import pytest
 import torch
 
 import longattn
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
 from longattn import LongAttnConfig, ops, patterns
 from longattn.tools.visualize import attention_pattern
-
-
-def _qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    n_k = n_q if n_k is None else n_k
-    shapes = ((batch, heads, n_q, head_dim), (batch, heads, n_k, head_dim), (batch, heads, n_k, head_dim))
-    return [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_() for shape in shapes]
 
 
 def _padding(batch, length, kind):
@@ -189,7 +182,7 @@ def _fixed_sizes(size, length):
 
 @pytest.mark.parametrize("batch, heads, n_q, n_k, size, causal, padding", CASES)
 def test_strided_equals_dense_reference(batch, heads, n_q, n_k, size, causal, padding):
-    q, k, v = _qkv(batch, heads, n_q, n_k=n_k)
+    q, k, v = random_qkv(batch, heads, n_q, n_k=n_k)
     key_padding_mask = _padding(batch, n_k, padding)
     pattern = patterns.strided_pattern(stride=size, causal=causal, key_padding_mask=key_padding_mask)
     actual = outputs_and_grads(
@@ -202,7 +195,7 @@ def test_strided_equals_dense_reference(batch, heads, n_q, n_k, size, causal, pa
 
 @pytest.mark.parametrize("batch, heads, n_q, n_k, size, causal, padding", CASES)
 def test_fixed_equals_dense_reference(batch, heads, n_q, n_k, size, causal, padding):
-    q, k, v = _qkv(batch, heads, n_q, n_k=n_k)
+    q, k, v = random_qkv(batch, heads, n_q, n_k=n_k)
     key_padding_mask = _padding(batch, n_k, padding)
     for sizes in _fixed_sizes(size, n_k):
         pattern = patterns.fixed_pattern(causal=causal, key_padding_mask=key_padding_mask, **sizes)
@@ -215,7 +208,7 @@ def test_fixed_equals_dense_reference(batch, heads, n_q, n_k, size, causal, padd
 
 
 def test_fully_padded_row_gives_zeros_and_finite_gradients():
-    q, k, v = _qkv(2, 2, 50)
+    q, k, v = random_qkv(2, 2, 50)
     key_padding_mask = torch.ones(2, 50, dtype=torch.bool)
     key_padding_mask[1] = False
     for fn in (
@@ -229,7 +222,7 @@ def test_fully_padded_row_gives_zeros_and_finite_gradients():
 
 def test_size_covering_the_sequence_is_full_attention():
     n = 37
-    q, k, v = _qkv(2, 2, n)
+    q, k, v = random_qkv(2, 2, n)
     for causal in (True, False):
         full = ops.full_attention(q, k, v, causal=causal)
         # Stride >= n - 1: the band alone covers every key. Block >= n: one block holds every key.
@@ -239,7 +232,7 @@ def test_size_covering_the_sequence_is_full_attention():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_with_padding_has_no_nan(dtype):
-    q, k, v = _qkv(3, 2, 300, head_dim=16, dtype=dtype)
+    q, k, v = random_qkv(3, 2, 300, head_dim=16, dtype=dtype)
     key_padding_mask = _padding(3, 300, "pad")
     for fn in (
         lambda q, k, v: ops.strided_attention(q, k, v, stride=17, key_padding_mask=key_padding_mask),
@@ -258,7 +251,7 @@ def test_half_precision_with_padding_has_no_nan(dtype):
 
 
 def test_causal_outputs_do_not_see_later_keys():
-    q, k, v = _qkv(1, 2, 200)
+    q, k, v = random_qkv(1, 2, 200)
     t = 120
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, t + 1 :] = torch.randn_like(k2[:, :, t + 1 :])
@@ -273,7 +266,7 @@ def test_causal_outputs_do_not_see_later_keys():
 
 
 def test_dropout_is_applied_and_seedable():
-    q, k, v = _qkv(1, 2, 90)
+    q, k, v = random_qkv(1, 2, 90)
     for fn in (
         lambda p: ops.strided_attention(q, k, v, stride=5, dropout_p=p),
         lambda p: ops.fixed_attention(q, k, v, block_size=9, num_summary=2, dropout_p=p),

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 from transformers.cache_utils import DynamicCache
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_synthesizer import SynthesizerAttention
 
 MODES = ["dense", "random", "factorized_dense", "factorized_random"]
 L, D, H = 24, 16, 2
 
 
-def config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=H, intermediate_size=32,
-        max_position_embeddings=L, attention_type="synthesizer", synthesizer_factor_k=5,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+config = functools.partial(tiny_config, "synthesizer", hidden_size=D, intermediate_size=32, max_position_embeddings=L,
+                           synthesizer_factor_k=5)
 
 
 def module(mode: str, *, mix: bool = False, causal: bool = False, **fields) -> SynthesizerAttention:

@@ -7,24 +7,20 @@ gradient, so a gradient scaled by the number of accumulation steps shows in the 
 
 from __future__ import annotations
 
+import functools
+
+import kind_configs
 import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
 import longattn
-from longattn import LongAttnConfig
 
 VOCAB = 40
 LENGTH = 12
 
 
-def tiny_config(kind: str = "full", **overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attention_type=kind,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+tiny_config = functools.partial(kind_configs.tiny_config, vocab_size=VOCAB, max_position_embeddings=64)
 
 
 def _examples(head: str, count: int = 16) -> list[dict]:

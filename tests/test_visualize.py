@@ -1,6 +1,8 @@
-"""The pattern picture shows exactly the configured pattern (fixed kinds) and writes a PNG; the command line reads
-config overrides in the recipes' key=value grammar, and its default picture of every kind shows a pattern."""
+"""The pattern picture shows exactly the configured pattern (fixed kinds), and the PNG's cells are coloured where the
+pattern is True and nowhere else; the command line reads config overrides in the recipes' key=value grammar, and its
+default picture of every kind shows a pattern."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +15,34 @@ from longattn.tools.visualize import attention_pattern, draw_pattern, main
 # Kinds whose non-causal weights are dense by nature: every query gives every key (or key group) a weight
 # (binary_partition: the spans a token sees cover the sequence, each span's weight spread over its tokens).
 DENSE_BY_NATURE = {"full", "efficient", "synthesizer", "reduction", "binary_partition"}
+
+
+def cells_of_png(path, *, heads: int, length: int) -> torch.Tensor:
+    """Read a `draw_pattern` PNG back as bool `[heads, length, length]`: True where a cell is the colour map's 1.
+
+    Each head's image is found by its dark-blue pixels (text and frames are grey or black, the background white);
+    every cell centre must be exactly the colour of 1 or of 0 (to PNG rounding). The pattern must see its first and
+    last key from some query (a diagonal does), so that the coloured pixels span the whole image.
+    """
+    import matplotlib
+
+    on, off = (np.array(matplotlib.colormaps["Blues"](value)[:3]) for value in (1.0, 0.0))
+    rgb = matplotlib.image.imread(path)[..., :3]
+    ys, xs = np.nonzero(rgb[..., 2] - rgb[..., 0] > 0.3)  # dark blue: blue well above red
+    columns = np.unique(xs)
+    splits = np.sort(np.argsort(np.diff(columns))[::-1][: heads - 1])  # the gaps between the heads' images
+    cells = torch.zeros(heads, length, length, dtype=torch.bool)
+    for head, part in enumerate(np.split(columns, splits + 1)):
+        x0, x1 = part[0], part[-1] + 1
+        rows = ys[(xs >= x0) & (xs < x1)]
+        y0, y1 = rows.min(), rows.max() + 1
+        for i in range(length):
+            for j in range(length):
+                colour = rgb[int(y0 + (i + 0.5) * (y1 - y0) / length), int(x0 + (j + 0.5) * (x1 - x0) / length)]
+                is_on, is_off = np.abs(colour - on).max() < 0.01, np.abs(colour - off).max() < 0.01
+                assert is_on or is_off, f"head {head} cell ({i}, {j}) has colour {colour}, neither 1 nor 0"
+                cells[head, i, j] = bool(is_on)
+    return cells
 
 
 @pytest.fixture
@@ -37,12 +67,28 @@ def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
     )[0]
     assert torch.equal(drawn, expected)
     assert draw_pattern(drawn, tmp_path / "p.png").stat().st_size > 1000
+    assert torch.equal(cells_of_png(tmp_path / "p.png", heads=2, length=41), expected)
+
+
+def test_png_cells_are_coloured_in_the_band_and_nowhere_else(tmp_path):
+    # Two heads with different patterns: the PNG keeps each head's cells, in order, and each cell's colour.
+    pattern = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=12,
+                               kv_len=12)[0]
+    path = draw_pattern(pattern, tmp_path / "band.png", title="sliding")
+    cells = cells_of_png(path, heads=2, length=12)
+    assert torch.equal(cells, pattern)
+    distance = (torch.arange(12)[:, None] - torch.arange(12)[None, :]).abs()
+    assert cells[0][distance <= 2].all() and not cells[0][distance > 2].any()
 
 
 def test_command_line_writes_a_png(tmp_path):
     main(["--attention_type", "sliding", "--config_overrides", "sliding_window=2", "--length", "24",
           "--causal", "--output", str(tmp_path / "causal.png")])
     assert (tmp_path / "causal.png").exists()
+    # The picture settings' dilations [1, 3] under the override window 2, causal.
+    expected = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3], causal=True), batch=1, heads=2,
+                                q_len=24, kv_len=24)[0]
+    assert torch.equal(cells_of_png(tmp_path / "causal.png", heads=2, length=24), expected)
 
 
 def test_config_overrides_take_the_recipes_grammar(drawn):
