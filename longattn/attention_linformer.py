@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, check_int_field, rotate_half
+from .attention_base import LongAttnAttention, check_int_field
+from .numerics import rotate
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
 
@@ -200,9 +201,9 @@ class LinformerAttention(LongAttnAttention):
         q = self.q_proj(hidden_states).view(b, n, self.num_heads, self.head_dim)  # [b, n, h, d]
         if position_embeddings is not None:
             cos, sin = (t[:, :, None].to(dtype) for t in position_embeddings)  # [b, n, 1, d]
-            q = q * cos + rotate_half(q) * sin
+            q = rotate(q, cos, sin)
             keys = self._tokens(self.k_proj, hidden_states, keep)
-            k_bar = self._project(keys * cos + rotate_half(keys) * sin, e_rows)
+            k_bar = self._project(rotate(keys, cos, sin), e_rows)
         elif shared:
             k_bar = self._project_linear(hidden_states, keep, e_rows, self.k_proj)
         else:

@@ -47,7 +47,8 @@ from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention, check_int_field, check_number
 from .backends import AttentionRequest, select_backend
-from .executor_xformers import HIDDEN_PENALTY, current_kernel
+from .executor_xformers import current_kernel
+from .numerics import HALF_HIDDEN_PENALTY, HIDDEN_LOGIT, LOG_SPACE_HIDDEN, compute_dtype, default_scale
 from .ops_checks import check_token_mask, empty_attention, is_empty
 from .ops_lsh import attend_windows
 
@@ -58,11 +59,6 @@ __all__ = [
     "sinkhorn_attention_dense",
     "sinkhorn_sort_matrix",
 ]
-
-# Masked entries of the log-space Sinkhorn matrix: finite, so that a row or column with nothing allowed normalises
-# to finite values (then masked again) instead of NaN, and exp() of it is exactly 0 in float32.
-_MASKED = -1e9
-
 
 # ---------------------------------------------------------------------------------------------- Sinkhorn
 def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, causal: bool) -> Tensor:
@@ -79,17 +75,17 @@ def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, cau
     Returns:
         S `[..., B, B]` in float32 (float64 for float64 input).
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(logits.dtype)
     blocked = None if allowed is None else ~allowed
-    x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, _MASKED)
+    x = logits.to(dtype) if blocked is None else logits.to(dtype).masked_fill(blocked, LOG_SPACE_HIDDEN)
     for _ in range(iterations):
         # x - logsumexp(x) is log_softmax(x): one fused pass (and one in backward) instead of six.
         x = x - torch.logcumsumexp(x, dim=-2) if causal else torch.log_softmax(x, dim=-2)
         if blocked is not None:  # re-mask: a row or column with nothing allowed normalised to finite junk
-            x = x.masked_fill(blocked, _MASKED)
+            x = x.masked_fill(blocked, LOG_SPACE_HIDDEN)
         x = torch.log_softmax(x, dim=-1)
         if blocked is not None:
-            x = x.masked_fill(blocked, _MASKED)
+            x = x.masked_fill(blocked, LOG_SPACE_HIDDEN)
     return x.exp() if blocked is None else x.exp() * allowed
 
 
@@ -149,7 +145,7 @@ def sinkhorn_sort_matrix(
         rows = F.pad(summaries[:, :, :-1], (0, 0, 1, 0))  # row i looks from block i - 1
         row_ok = has_tokens & F.pad(has_tokens[:, :-1], (1, 0), value=False)
     scores = torch.einsum("bhid,de,bhje->bhij", rows, sort_weight.to(rows.dtype), summaries)
-    scores = scores / math.sqrt(k.shape[-1])
+    scores = scores * default_scale(k.shape[-1])
     if noise:
         uniform = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
         scores = scores - torch.log(-torch.log(uniform)).to(scores.dtype)  # + Gumbel(0, 1)
@@ -203,9 +199,6 @@ def _restore(out: Tensor, n: int, rotation: Tensor | None) -> Tensor:
 # Score elements per group of blocks (8 MB of float32): a group's scores, gathered keys and values stay near the
 # cache, and the groups are few enough to keep the number of ops (parallel regions) small.
 _GROUP_SCORES = 2**21
-# Added to the scores of hidden keys: finite, so that a row whose keys are all hidden stays finite through the
-# fused softmax (its output is zeroed afterwards); s - 1e30 cannot overflow float32.
-_HIDDEN = -1e30
 
 
 class _OwnAndSortedAttention(torch.autograd.Function):
@@ -224,9 +217,9 @@ class _OwnAndSortedAttention(torch.autograd.Function):
         b, h, n, _ = q.shape
         d_v = v.shape[-1]
         s = block
-        dtype = _compute_dtype(q.dtype)
+        dtype = compute_dtype(q.dtype)
         out = torch.empty(b, n, h, d_v, dtype=q.dtype, device=q.device).transpose(1, 2)  # [b, h, n, d_v]
-        has_key = None if bias is None else (bias > _HIDDEN / 2).any(dim=-1, keepdim=True)  # [b, h, B, r, 1]
+        has_key = None if bias is None else (bias > HIDDEN_LOGIT / 2).any(dim=-1, keepdim=True)  # [b, h, B, r, 1]
         workspace: dict[str, Tensor] = {}
         generator = _dropout_generator(seed, q.device) if dropout_p > 0 else None
         for head, rows, group in _groups(b, h, n // s, s):
@@ -250,7 +243,7 @@ class _OwnAndSortedAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         d_v = v.shape[-1]
         blocks = n // s
-        dtype, device = _compute_dtype(q.dtype), q.device
+        dtype, device = compute_dtype(q.dtype), q.device
         grads = [torch.empty(b, n, h, x.shape[-1], dtype=x.dtype, device=device).transpose(1, 2) for x in (q, k, v)]
         grad_weight = torch.empty(h, b * blocks, dtype=dtype, device=device)
         workspace: dict[str, Tensor] = {}
@@ -301,10 +294,6 @@ class _OwnAndSortedAttention(torch.autograd.Function):
         return *grads, None, grad_weight, None, None, None, None, None
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _groups(b: int, h: int, blocks: int, s: int):
     """(head, slice of its b·B blocks, the slice's length) for every group of blocks, head by head."""
     step = max(1, _GROUP_SCORES // (2 * s * s))
@@ -345,7 +334,7 @@ def _head_rows(x: Tensor, head: int, rows: slice) -> Tensor:
 def _gather_group(k, v, source, weight, scale, s, head, rows, group, workspace):
     """A group's keys `[G, 2s, d]` (scale · (own block, then w · sorted block)) and values `[G, 2s, d_v]` (own
     block, then w · sorted block), and the unscaled sorted keys and values `[G, s, d]`, in reused buffers."""
-    dtype, device = _compute_dtype(k.dtype), k.device
+    dtype, device = compute_dtype(k.dtype), k.device
     flat_source = _flat_source(source, head, k.shape[2] // s)[rows]
     w = weight[:, head].reshape(-1)[rows].view(group, 1, 1).to(dtype)
     parts = []
@@ -447,13 +436,13 @@ def sinkhorn_attention(
     b, h, n, d = q.shape
     d_v = v.shape[-1]
     s = block_size
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(d) if scale is None else scale
     padded = key_padding_mask is not None or n % s != 0
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(k, valid, sort_weight, block_size=s, iterations=iterations,
                                 temperature=temperature, causal=causal, noise=noise, padded=padded)  # [b, h, B, B]
-    bias_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bias_dtype = compute_dtype(q.dtype)
 
     if sortcut:
         kept = min(sortcut, blocks)
@@ -487,7 +476,7 @@ def sinkhorn_attention(
             if causal:
                 earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
                 visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
-            bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, _HIDDEN)
+            bias = torch.zeros(visible.shape, dtype=bias_dtype, device=q.device).masked_fill_(~visible, HIDDEN_LOGIT)
     if on_kernel:
         # Per block: its own keys, then w · the keys of its sorted block (values alike); autograd carries dw.
         w = weight[..., None, None]  # [b, h, B, 1, 1]
@@ -497,7 +486,7 @@ def sinkhorn_attention(
         sorted_v = torch.take_along_dim(v_blocks, index, dim=2) * w
         keys = torch.cat([k_blocks, sorted_k], dim=3).view(b, h, blocks * 2 * s, d)
         values = torch.cat([v_blocks, sorted_v], dim=3).view(b, h, blocks * 2 * s, d_v)
-        visible = None if bias is None else bias > _HIDDEN / 2  # [b, h, B, 1 or s, 2s]
+        visible = None if bias is None else bias > HIDDEN_LOGIT / 2  # [b, h, B, 1 or s, 2s]
         out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=s, scale=scale,
                                 dropout_p=dropout_p)
         return _restore(out, n, rotation)
@@ -512,7 +501,7 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
 
     Query block i (`queries_per_key_block` = m queries) attends to key block i (w keys): q `[b, h, B·m, d]`,
     keys `[b, h, B·w, d]`, values `[b, h, B·w, d_v]`, the blocks riding in the kernel's batch dim. Hidden keys get
-    an additive bias of -`HIDDEN_PENALTY` (its rows 8-aligned in memory, as the kernels read them), and rows
+    an additive bias of -`HALF_HIDDEN_PENALTY` (its rows 8-aligned in memory, as the kernels read them), and rows
     with no visible key are zeroed, as the PyTorch executor returns them.
 
     Args:
@@ -534,7 +523,7 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
         has_key = visible.any(dim=-1, keepdim=True)  # [b, h, B, 1 or m, 1]
         aligned = -(-w // 8) * 8
         attn_bias = torch.zeros(b, blocks, h, visible.shape[3], aligned, dtype=q.dtype, device=q.device)[..., :w]
-        attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HIDDEN_PENALTY)
+        attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HALF_HIDDEN_PENALTY)
         attn_bias = attn_bias.reshape(b * blocks, h, visible.shape[3], w).expand(b * blocks, h, m, w)
     out = current_kernel().attention(kernel_layout(q, m), kernel_layout(keys, w), kernel_layout(values, w), attn_bias,
                                      p=dropout_p, scale=scale)  # [b·B, m, h, d_v]
@@ -576,8 +565,8 @@ def sinkhorn_attention_dense(
     b, h, n, d = q.shape
     m = k.shape[2]
     s = block_size
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
     if is_empty(q, k):
         return empty_attention(q, k, v), q.new_zeros(b, h, n, m)

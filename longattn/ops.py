@@ -28,6 +28,7 @@ from .executor_xformers import full_attention as xformers_full_attention
 from .executor_xformers import sliding_window_attention as xformers_sliding_window_attention
 from .executor_xformers import strided_attention as xformers_strided_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
+from .numerics import compute_dtype, hidden_logit_for
 from .ops_checks import (
     check_bool_mask,
     check_dropout,
@@ -133,11 +134,11 @@ def reference_attention(
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
     return_weights = check_flag("return_weights", return_weights)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n_q, n_k]
     if mask is not None:
         # A finite fill (not -inf) keeps rows without visible keys finite; they are zeroed just below.
-        scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
+        scores = scores.masked_fill(~mask, hidden_logit_for(dtype))
     probs = torch.softmax(scores, dim=-1)
     if mask is not None:
         probs = probs * mask
