@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
+from .numerics import compute_dtype, default_scale
 from .ops_checks import check_token_mask, empty_attention, is_empty
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
@@ -118,7 +119,7 @@ def adaptive_span_attention(
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(d) if scale is None else scale
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
     # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
@@ -128,7 +129,7 @@ def adaptive_span_attention(
     c = max(1, min(block_size, n_q))
     nb = -(-n_q // c)
     w = c + left + right
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
 
     # Keys padded so that block t's window starts at index q_offset + t·c (key position q_offset + t·c - left).
     # Blocks come first in every tensor below, so that a chunk of blocks is a contiguous slice (no copies per chunk).
@@ -289,8 +290,8 @@ def adaptive_span_reference(
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     if is_empty(q, k):
         return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]
     relative = (n_k - n_q + torch.arange(n_q, device=q.device))[:, None] - torch.arange(n_k, device=q.device)[None]
     allowed = relative.abs() <= max_span

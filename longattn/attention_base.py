@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention_fields import KINDS, check_kind_backend, field_defaults, validate_kind
-from .numerics import apply_rotary, rotate_half  # noqa: F401  (re-exported: kinds import them from here)
+from .numerics import apply_rotary, default_scale
 from .ops import reference_attention
 from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
@@ -66,7 +66,7 @@ class LongAttnAttention(nn.Module):
         self.is_causal = is_causal
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = default_scale(self.head_dim)
         self.dropout_p = config.attention_probs_dropout_prob
         # Kinds that dispatch pass it to `longattn.ops` (`backend=`); configs saved before the field mean "auto".
         self.backend = getattr(config, "attention_backend", "auto")

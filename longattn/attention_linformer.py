@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .attention_base import LongAttnAttention, rotate_half
+from .attention_base import LongAttnAttention
+from .numerics import rotate
 
 # With layerwise sharing, the first Linformer layer of a stack owns E and every later one uses it. Layers are built
 # in order, so the owner registered last for a config is the one of the stack being built (a weak reference: the
@@ -170,9 +171,9 @@ class LinformerAttention(LongAttnAttention):
         q = self.q_proj(hidden_states).view(b, n, self.num_heads, self.head_dim)  # [b, n, h, d]
         if position_embeddings is not None:
             cos, sin = (t[:, :, None].to(dtype) for t in position_embeddings)  # [b, n, 1, d]
-            q = q * cos + rotate_half(q) * sin
+            q = rotate(q, cos, sin)
             keys = self._tokens(self.k_proj, hidden_states, keep)
-            k_bar = self._project(keys * cos + rotate_half(keys) * sin, e_rows)
+            k_bar = self._project(rotate(keys, cos, sin), e_rows)
         elif shared:
             k_bar = self._project_linear(hidden_states, keep, e_rows, self.k_proj)
         else:

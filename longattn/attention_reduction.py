@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention_base import LongAttnAttention, rotate_half
+from .attention_base import LongAttnAttention
+from .numerics import rotate
 from .ops import full_attention, reference_attention
 from .ops_checks import check_token_mask
 
@@ -146,7 +147,7 @@ class ReductionAttention(LongAttnAttention):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of `x` `[b, h, n, d]` with cos, sin `[b, n, d]`."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    return rotate(x, cos, sin)
 
 
 def _attend_reduced(

@@ -40,6 +40,7 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
+from .numerics import compute_dtype, default_scale
 from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
@@ -289,7 +290,7 @@ def routing_attention(
     Raises:
         ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device, or `backend` cannot run it.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     if is_empty(q, k):
         out = empty_attention(q, k, v)
@@ -373,7 +374,7 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
     # A query in several clusters: one softmax over the union of their keys, i.e. each cluster's output weighted by
     # exp(lse) / (the sum of exp(lse) over the query's clusters). The weights are one scalar per slot, so only the
     # weighted outputs are added up per query.
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    compute = compute_dtype(q.dtype)
     slot_used = slot_used.reshape(-1)
     with torch.no_grad():
         shift = torch.full((b * n,), -math.inf, dtype=lse.dtype, device=q.device).scatter_reduce(
@@ -431,7 +432,7 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         columns = torch.arange(2 * window, device=device)
         visible = (columns >= first.unsqueeze(-1)) & (columns < last.unsqueeze(-1))  # [b, h, n, 2W]
         # The additive bias the kernel takes, written directly (a bool mask would be converted at 4x the cost).
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = compute_dtype(q.dtype)
         bias = torch.full((b * h * n_tasks * chunk, 2 * window), -math.inf, dtype=dtype, device=device)
         bias[query_row.reshape(-1)] = torch.zeros((), dtype=dtype, device=device).masked_fill(
             ~visible, -math.inf).reshape(-1, 2 * window)
@@ -482,8 +483,8 @@ def routing_attention_dense(
     """
     b, h, n, d = q.shape
     m = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
     if is_empty(q, k):
         return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
@@ -618,7 +619,7 @@ class RoutingAttention(LongAttnAttention):
 
 def _masked_attention(q, k, v, mask, scale, dropout_p):
     """Dense attention under a bool mask `[b|1, h|1, n, m]`, zeros for rows without a visible key."""
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     sees = mask.any(dim=-1, keepdim=True)

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
+from .numerics import apply_rotary, compute_dtype, hidden_logit_for
 
 
 class SynthesizerAttention(LongAttnAttention):
@@ -205,14 +206,14 @@ class SynthesizerAttention(LongAttnAttention):
         else:
             key_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [b, m], counted over real tokens
             query_pos = key_pos[:, m - n :]
-        dtype = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+        dtype = compute_dtype(v.dtype)
         logits = self.synthesized_logits(hidden_states, query_pos, key_pos, m).to(dtype)  # [b|1, h, n, m]
         if self.mix:
             weights = torch.softmax(self.synth_mix.to(dtype), dim=-1)  # [h, 2]
             dot = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * self.scale  # [b, h, n, m]
             logits = weights[None, :, 0, None, None] * logits + weights[None, :, 1, None, None] * dot
         visible = self._visible(attention_mask, n, m, v.device)  # [b|1, 1, n, m]
-        probs = torch.softmax(logits.masked_fill(~visible, torch.finfo(dtype).min), dim=-1)
+        probs = torch.softmax(logits.masked_fill(~visible, hidden_logit_for(dtype)), dim=-1)
         # [b, h, n, m]: the input-independent modes give one matrix for the batch; expanded before dropout, so that
         # every sequence draws its own dropout mask (dropout of the shared matrix would drop alike in all of them).
         probs = (probs * visible).expand(b, -1, -1, -1)  # a row without visible keys (all padding) is zeros

@@ -26,7 +26,8 @@ import math
 import torch
 from torch import Tensor
 
-from .executor_blocked import attend_blocks, band_layout, evaluate_block_mask, merge_attention
+from .executor_blocked import attend_blocks, band_layout, evaluate_block_mask
+from .numerics import compute_dtype, merge_attention
 from .patterns import MaskFn, and_masks
 
 __all__ = ["strided_blocked_attention", "fixed_blocked_attention"]
@@ -58,7 +59,7 @@ def _same_block(block_size: int, same: bool) -> MaskFn:
 def _empty_partial(q: Tensor, v: Tensor, blocks: int, rows: int) -> tuple[Tensor, Tensor]:
     """A part with no key for these query blocks: zero output, lse = -inf (it drops out of the merge)."""
     b, h = q.shape[:2]
-    lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    lse_dtype = compute_dtype(q.dtype)
     return (
         q.new_zeros(b, h, blocks, rows, v.shape[3]),
         torch.full((b, h, blocks, rows), -math.inf, dtype=lse_dtype, device=q.device),

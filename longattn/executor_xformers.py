@@ -50,7 +50,7 @@ from torch import Tensor
 
 from .executor_blocked import global_token_index
 from .fused_kernel import ReferenceKernel, XformersKernel, current_kernel, import_xformers_ops, use_kernel
-from .numerics import HALF_HIDDEN_PENALTY, head_groups
+from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, head_groups
 
 __all__ = [
     "HIDDEN_PENALTY",
@@ -569,10 +569,6 @@ def _part_inputs(part: Part, q: Tensor, k: Tensor, v: Tensor, tables, scale: flo
                        k_rows.reshape(-1), heads, width)
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _MergedParts(torch.autograd.Function):
     """Parts over disjoint key sets of the same queries, merged by log-sum-exp; hand-written backward.
 
@@ -587,7 +583,7 @@ class _MergedParts(torch.autograd.Function):
         kernel = current_kernel()
         b, h, n_q, d = q.shape
         d_v = v.shape[3]
-        acc = _accumulate_dtype(q.dtype)
+        acc = compute_dtype(q.dtype)
         tables = _tables(q, k, v, parts)
         out = torch.zeros(b * n_q + 1, h, d_v, dtype=acc, device=q.device)
         lse = torch.full((b * n_q + 1, h), -math.inf, dtype=acc, device=q.device)

@@ -69,6 +69,7 @@ from transformers.monkey_patching import get_patch_mapping, register_patch_mappi
 from .attention_base import LongAttnAttention
 from .attention_registry import ATTENTION_CLASSES, attention_class
 from .configuration_longattn import LongAttnConfig, check_override_fields
+from .numerics import default_scale
 from .ops import full_attention
 
 logger = logging.getLogger(__name__)
@@ -637,7 +638,7 @@ def longattn_attention_forward(
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and n > 1:
         _check_unpacked(position_ids.expand(query.shape[0], -1)[:, -n:], attention_mask, family)
-    kind.scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kind.scale = scaling if scaling is not None else default_scale(query.shape[-1])
     kind.dropout_p = dropout
     if kind.attention_type == "synthesizer":  # the random forms: weights from positions, applied to v
         out, weights = kind.attend_synthesized(

@@ -14,10 +14,12 @@
   | `masked_fill` of logits whose dtype is only known at run time | `hidden_logit(dtype)` = `finfo(dtype).min` | the most negative finite value of that dtype, never -inf |
 
   `hidden_logit_for(dtype)` states the rule: `HIDDEN_LOGIT` for logits computed in float32 / float64, `finfo.min`
-  otherwise.
+  otherwise. `-inf` is no masked-logit constant: it stays where a log-space entry must weigh exactly 0 in code that
+  shifts by the row maximum and zeroes the rows left without a finite entry, and it is the log-sum-exp of a row that
+  sees no key (`merge_attention` drops such parts).
 - `merge_attention`: exact log-sum-exp merge of partial attentions over disjoint key sets.
 - `head_groups`: query heads grouped by their dilation, so each group runs as one batched call.
-- `rotate_half`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021, RoFormer),
+- `rotate_half`, `rotate`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021, RoFormer),
   one implementation for the model and every executor.
 
 This module imports only torch: configuration, executors and kinds all stand on it.
@@ -43,6 +45,7 @@ __all__ = [
     "hidden_logit_for",
     "merge_attention",
     "rotary_inverse_frequencies",
+    "rotate",
     "rotate_half",
 ]
 
@@ -133,7 +136,16 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding (Su et al. 2021) of one tensor `x` `[..., d]`: `x·cos + rotate_half(x)·sin`.
+
+    `cos` and `sin` are already laid out to broadcast against `x` (any layout: heads first or tokens first) and in
+    its dtype; `apply_rotary` does that for q and k `[b, h, n, d]`.
+    """
+    return x * cos + rotate_half(x) * sin
+
+
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotary position embedding (Su et al. 2021) of q `[b, h, n, d]` and k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
     cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # [b, 1, n, d]
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .backends import check_backend_name
+from .numerics import default_scale
 
 __all__ = [
     "check_backend_support",
@@ -167,7 +168,7 @@ def check_scale(scale: float | None, head_dim: int) -> float:
         ValueError: `scale` is not a finite real number.
     """
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return default_scale(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float (or None for 1/sqrt(head_dim)), got {scale!r}")
     return float(scale)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .attention_fields import EFFICIENT_NORMALIZATIONS
+from .numerics import compute_dtype, hidden_logit_for
 from .ops_checks import check_backend_support, check_flag, check_qkv, check_token_mask, empty_attention, is_empty
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
@@ -46,11 +47,6 @@ _CAUSAL_CHUNK = 64
 # The softmax form also holds one [c, c, d] block of weights per chunk (per-query stabilisers, see `_causal`), so
 # its memory per (b, h) is about n·c·d + (n / c)·d·d_v: a smaller chunk keeps that near the scaling form's.
 _CAUSAL_SOFTMAX_CHUNK = 16
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # exp() and the sums over thousands of positions lose too much in half precision; float64 stays exact for tests.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _check(
@@ -112,7 +108,7 @@ def efficient_attention(
             q, k, normalization=normalization, causal=causal, key_padding_mask=padding
         )  # [b, h, n_q, n_k] in the compute dtype
         return (weights @ v.to(weights.dtype)).to(q.dtype)
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
     if causal:
         out = _causal(qc, kc, vc, normalization, padding)
@@ -136,7 +132,7 @@ def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:
     keep = padding[:, None, :, None]
     # A finite floor rather than -inf: a feature of a row without any real token then gets a uniform softmax over
     # its padding, which the product zeroes, instead of NaN; elsewhere exp(floor - max) is exactly 0.
-    floor = torch.finfo(k.dtype).min
+    floor = hidden_logit_for(k.dtype)
     return torch.softmax(k.masked_fill(~keep, floor), dim=2) * keep
 
 
@@ -267,7 +263,7 @@ def efficient_attention_weights(
         Weights `[b, h, n_q, n_k]` in the compute dtype (float32 for half inputs); `weights @ v` is the output.
     """
     padding = _check(q, k, k, normalization, causal, key_padding_mask, names=("q", "k", "k"))
-    dtype = _compute_dtype(q.dtype)
+    dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     if is_empty(q, k):
         return q @ k.transpose(-1, -2)  # [b, h, n_q, n_k], no element

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from .backends import AttentionRequest, select_backend
 from .fused_kernel import current_kernel
-from .numerics import HALF_HIDDEN_PENALTY as HIDDEN_PENALTY
+from .numerics import HALF_HIDDEN_PENALTY, compute_dtype
 from .ops_checks import (
     check_backend_support,
     check_dropout,
@@ -303,7 +303,7 @@ class _WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, stride, self_column, keep_probs):
-        dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        dtype = compute_dtype(q.dtype)
         q_c, k_c, v_c = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
         n_chunks, c, w = q.shape[0], q.shape[1], bias.shape[-1]
         out = torch.empty(n_chunks, c, v.shape[-1], dtype=dtype, device=q.device)
@@ -455,13 +455,13 @@ def attend_windows(
     if w > stride and w % stride:
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={w}, stride={stride}.")
     if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+        bias = torch.zeros(mask.shape, dtype=compute_dtype(q.dtype),
                            device=q.device).masked_fill_(~mask, -math.inf)  # added to the scores
     else:
         bias, mask = mask, ~torch.isneginf(mask)
     if dropout_p == 0.0:
         return _WindowAttention.apply(q, k, v, bias, float(scale), stride, self_column, keep_probs)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
     values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
     scores = torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)).masked_fill(~mask, -math.inf)
@@ -476,11 +476,11 @@ def attend_windows(
     return out.to(q.dtype), lse
 
 
-# A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-HIDDEN_PENALTY), so
-# it weighs exactly nothing beside any visible key and everything when only hidden keys are left; a row whose
-# log-sum-exp is below `_SEEN_NOTHING` saw hidden keys only.
-_SELF_PENALTY = HIDDEN_PENALTY / 2
-_SEEN_NOTHING = -0.75 * HIDDEN_PENALTY
+# A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
+# HALF_HIDDEN_PENALTY), so it weighs exactly nothing beside any visible key and everything when only hidden keys are
+# left; a row whose log-sum-exp is below `_SEEN_NOTHING` saw hidden keys only.
+_SELF_PENALTY = HALF_HIDDEN_PENALTY / 2
+_SEEN_NOTHING = -0.75 * HALF_HIDDEN_PENALTY
 
 
 class _KernelWindows(torch.autograd.Function):
@@ -539,10 +539,10 @@ def attend_windows_on_kernel(
     `keep_probs`, a memory choice of the PyTorch kernel) and results.
 
     The key windows are copied out (`[B, w, d]`; the kernel reads whole tensors, not overlapping views), the mask
-    becomes an additive bias (-`HIDDEN_PENALTY` for hidden keys, -`HIDDEN_PENALTY / 2` for the self column, which
+    becomes an additive bias (-P for hidden keys, P = `numerics.HALF_HIDDEN_PENALTY`, -P / 2 for the self column, which
     keeps Reformer's rule: the own key counts only when nothing else is visible), and the chunks ride in the
     kernel's batch dim. A row with no visible key returns zeros and `lse = -inf`. Under the self rule a row that
-    sees only its own key reports `lse = q·k_self − HIDDEN_PENALTY / 2` where `attend_windows` reports `SELF_SCORE`;
+    sees only its own key reports `lse = q·k_self − P / 2` where `attend_windows` reports `SELF_SCORE`;
     both weigh nothing beside a round that sees anything else, and rounds that see only the own key share its value.
 
     Raises:
@@ -556,7 +556,7 @@ def attend_windows_on_kernel(
     visible = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)  # [B, c or 1, w]
     aligned = -(-w // 8) * 8  # bias rows 8-aligned in memory, as the kernels read them
     bias = torch.zeros(chunks, 1, c, aligned, dtype=q.dtype, device=q.device)[..., :w]
-    bias.masked_fill_(~visible.unsqueeze(1).expand(chunks, 1, c, w), -HIDDEN_PENALTY)
+    bias.masked_fill_(~visible.unsqueeze(1).expand(chunks, 1, c, w), -HALF_HIDDEN_PENALTY)
     if self_column is not None:
         bias[:, 0, :, self_column:self_column + c].diagonal(dim1=-2, dim2=-1).fill_(-_SELF_PENALTY)
     keys = _windows(k.contiguous(), 0, chunks, stride, w)  # autograd folds the overlapping windows back
@@ -833,7 +833,7 @@ def lsh_attention_dense(
     if not causal and n != m:
         raise ValueError(f"bidirectional LSH needs every query (n={n}) to be a key position (m={m}).")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     q_pos = torch.arange(m - n, m, device=q.device)
     key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]

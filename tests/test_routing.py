@@ -18,8 +18,8 @@ from transformers import AutoModelForMaskedLM
 
 import longattn
 from longattn import LongAttnConfig
-from longattn.attention_base import apply_rotary
 from longattn.attention_routing import _balanced_members, _top_members, cluster_statistics, routing_attention, routing_attention_dense
+from longattn.numerics import apply_rotary
 from longattn.ops import sliding_window_attention
 
 DOUBLE = dict(dtype=torch.float64)
