@@ -40,7 +40,7 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field
 from .backends import AttentionRequest, select_backend
-from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
 
@@ -366,6 +366,15 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
+    if windows is attend_windows and dropout_p == 0.0:
+        # Memory O(n·d) + indices: the kernel gathers each group's rows itself (in forward and again in backward)
+        # and merges the clusters of a query by log-sum-exp, so no gathered copy or probability is kept.
+        with torch.no_grad():
+            slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
+        return attend_gathered_windows(
+            q, k, v, query_index=slots, key_index=key_index, value_index=key_index, out_index=slots, n_out=b * n,
+            chunk=size, width=size, stride=size, scale=scale, mask=slot_used.reshape(-1, 1, size),
+        )
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d), k.index_select(0, key_index), v.index_select(0, key_index),
         slot_used.reshape(-1, 1, size), stride=size, scale=scale, dropout_p=dropout_p,
@@ -422,12 +431,33 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         in_range = (key_rank >= 0) & (key_rank < n)
         key_position = key_order.gather(-1, key_rank.clamp(0, n - 1).view(b, h, -1)).view_as(key_rank)
         bi, hi_ = torch.arange(b, device=device).view(b, 1, 1, 1), torch.arange(h, device=device).view(1, h, 1, 1)
-        # A key can serve several tasks: plain index_select (its backward adds the copies up), a zero row last.
-        key_index = torch.where(in_range, k_row_of(bi, hi_, key_position), k_rows.shape[0]).reshape(-1)
-        value_index = torch.where(in_range, v_row_of(bi, hi_, key_position), v_rows.shape[0]).reshape(-1)
         # Visible columns of each query row: [lo, hi) relative to its task's first key.
         base = (task_block.gather(-1, task) - 1) * window  # [b, h, n]
         first, last = (lo - base), (hi - base)
+        source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
+        query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
+        query_index[query_row.reshape(-1)] = source_row.reshape(-1)
+    if windows is attend_windows and dropout_p == 0.0:
+        # Memory O(n·d) + indices: the kernel gathers each task's rows itself, and a query's visible keys are
+        # its column range [first, last), two integers instead of a row of 2W flags.
+        with torch.no_grad():
+            slot_rows = query_row.reshape(-1)
+            out_index = torch.full_like(query_index, -1)
+            out_index[slot_rows] = (bh * n + query_order).reshape(-1)
+            first_slot, last_slot = torch.zeros_like(query_index), torch.zeros_like(query_index)
+            first_slot[slot_rows], last_slot[slot_rows] = first.reshape(-1), last.reshape(-1)
+        out = attend_gathered_windows(
+            q_rows, k_rows, v_rows, query_index=query_index,
+            key_index=torch.where(in_range, k_row_of(bi, hi_, key_position), -1).reshape(-1),
+            value_index=torch.where(in_range, v_row_of(bi, hi_, key_position), -1).reshape(-1),
+            out_index=out_index, n_out=b * h * n, chunk=chunk, width=2 * window, stride=2 * window, scale=scale,
+            first=first_slot, last=last_slot,
+        )
+        return out.view(b, h, n, d_v)
+    with torch.no_grad():
+        # A key can serve several tasks: plain index_select (its backward adds the copies up), a zero row last.
+        key_index = torch.where(in_range, k_row_of(bi, hi_, key_position), k_rows.shape[0]).reshape(-1)
+        value_index = torch.where(in_range, v_row_of(bi, hi_, key_position), v_rows.shape[0]).reshape(-1)
         columns = torch.arange(2 * window, device=device)
         visible = (columns >= first.unsqueeze(-1)) & (columns < last.unsqueeze(-1))  # [b, h, n, 2W]
         # The additive bias the kernel takes, written directly (a bool mask would be converted at 4x the cost).
@@ -439,9 +469,6 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         # Original position p of (b, h) is sorted query rank[p]; its buffer row, and the inverse for backward.
         rank = torch.empty_like(query_order).scatter_(-1, query_order, index)
         answer_row = query_row.gather(-1, rank).reshape(-1)  # [b·h·n]
-        source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
-        query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
-        query_index[query_row.reshape(-1)] = source_row.reshape(-1)
         query_inverse = torch.full((1, q_rows.shape[0]), -1, dtype=torch.long, device=device)
         query_inverse[0, source_row.reshape(-1)] = query_row.reshape(-1)
         answer_inverse = torch.full((1, b * h * n_tasks * chunk), -1, dtype=torch.long, device=device)
