@@ -91,6 +91,10 @@ __all__ = [
 SELF_SCORE = -1e5
 """Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
 
+KEY_NORM_EPS = 1e-6
+"""Epsilon of the shared-QK key normalisation `x / sqrt(|x|² + d·eps)` (transformers' convention)."""
+"""Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
+
 # The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
 _UNSUPPORTED_BACKENDS = {
     "flex": "FlexAttention evaluates a predicate over positions, and LSH's keys depend on the sorted hash buckets "
@@ -220,7 +224,7 @@ class _NormalizeKeys(torch.autograd.Function):
         return (grad - x * (dot / (x.shape[-1] * mean_square))) * factor, None
 
 
-def normalize_keys(qk: Tensor, eps: float = 1e-6) -> Tensor:
+def normalize_keys(qk: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
     """Keys of shared-QK attention: unit length, `x / sqrt(|x|² + d·eps)` (transformers' epsilon convention)."""
     return _NormalizeKeys.apply(qk, eps)
 
@@ -283,6 +287,9 @@ def gather_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
 _GROUP_ELEMENTS = 2**22
 # With `keep_probs=False` (the memory-lean mode) the group buffers are what the kernel adds to peak memory: 4 MB.
 _LEAN_GROUP_ELEMENTS = 2**20
+# Score elements per group of `attend_gathered_windows` (2 MB of float32): its group holds about eight buffers of
+# this size (scores, their gradient, gathered rows and their gradients), all it adds to peak memory.
+_GATHERED_GROUP_ELEMENTS = 2**19
 
 
 def _windows(rows: Tensor, start: int, stop: int, stride: int, width: int) -> Tensor:
@@ -499,14 +506,18 @@ class _GatheredWindows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask, first, last,
-                n_windows, w, n_out, scale, stride, self_column):
+                n_windows, w, n_out, scale, stride, self_column, key_norm_eps):
         dtype = compute_dtype(q_rows.dtype)
         c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
+        key_factor = None
+        if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
+            key_factor = torch.rsqrt(k_rows.to(dtype).pow(2).mean(dim=-1, keepdim=True) + key_norm_eps)
+            key_factor.div_(math.sqrt(k_rows.shape[-1]))  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
         for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, query_index, key_index, value_index,
-                                                  start, stop, c, stride, w, dtype, scale)
+            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index,
+                                                  value_index, start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
             _hide(scores, start, stop, mask, first, last, self_column)
             row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
@@ -518,16 +529,16 @@ class _GatheredWindows(torch.autograd.Function):
             torch.bmm(scores, values, out=slot_out[start:stop])
         slot_lse = slot_lse.view(-1)
         out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
-        ctx.save_for_backward(q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask, first,
-                              last, slot_lse, out, lse)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index,
+                              mask, first, last, slot_lse, out, lse)
         ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
+        ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
         return out.to(q_rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask, first, last, slot_lse, out, lse = (
-            ctx.saved_tensors
-        )
+        (q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index, mask, first, last,
+         slot_lse, out, lse) = ctx.saved_tensors
         n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
@@ -548,8 +559,8 @@ class _GatheredWindows(torch.autograd.Function):
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
-            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, query_index, key_index, value_index,
-                                                  start, stop, c, stride, w, dtype, scale)
+            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index,
+                                                  value_index, start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
             _hide(probs, start, stop, mask, first, last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
@@ -564,29 +575,40 @@ class _GatheredWindows(torch.autograd.Function):
             grad_q.index_add_(0, query_target[start * c:stop * c], torch.bmm(grad_scores, keys).view(-1, d))
         if scale != 1.0:
             grad_q.mul_(scale)  # the keys' gradient got the scale through the scaled queries
-        return (grad_q[:-1].to(q_rows.dtype), grad_k[:-1].to(k_rows.dtype), grad_v[:-1].to(v_rows.dtype),
-                *[None] * 13)
+        grad_q, grad_k, grad_v = grad_q[:-1], grad_k[:-1], grad_v[:-1]
+        if key_factor is not None:
+            # Through y = x·s with s = (mean(x²) + eps)^(-1/2) / sqrt(d):  dx = s·(dy − x·s²·(dy·x)).
+            dot = (grad_k * k_rows).sum(dim=-1, keepdim=True)
+            grad_k.addcmul_(k_rows, dot.mul_(key_factor.square()), value=-1.0).mul_(key_factor)
+        if ctx.shared_keys:
+            grad_q.add_(grad_k)
+            grad_k = None
+        else:
+            grad_k = grad_k.to(k_rows.dtype)
+        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14)
 
 
 def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: torch.device):
     """`(start, stop, scores)` over groups of windows, `scores` a reused `[stop - start, c, w]` buffer of about
-    `_LEAN_GROUP_ELEMENTS` elements (the group buffers are all this kernel adds to peak memory)."""
-    step = max(1, _LEAN_GROUP_ELEMENTS // (c * w))
+    `_GATHERED_GROUP_ELEMENTS` elements."""
+    step = max(1, _GATHERED_GROUP_ELEMENTS // (c * w))
     buffer = torch.empty(min(step, n_windows), c, w, dtype=dtype, device=device)
     for start in range(0, n_windows, step):
         stop = min(n_windows, start + step)
         yield start, stop, buffer[: stop - start]
 
 
-def _gather_group(q_rows, k_rows, v_rows, query_index, key_index, value_index, start, stop, c, stride, w, dtype,
-                  scale):
+def _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, start, stop, c, stride, w,
+                  dtype, scale):
     """Queries `[g, c, d]` (times `scale`) of windows start..stop and their key / value windows `[g, w, d]`,
-    gathered in `dtype` (-1 indices give zero rows)."""
+    gathered in `dtype` (-1 indices give zero rows), the keys times `key_factor [Nk, 1]` when given."""
     queries = _select_rows(q_rows, query_index[start * c:stop * c]).to(dtype).view(stop - start, c, -1)
     if scale != 1.0:
         queries.mul_(scale)
     span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
     keys = _select_rows(k_rows, key_index[span]).to(dtype)
+    if key_factor is not None:
+        keys.mul_(key_factor.index_select(0, key_index[span].clamp(min=0)))
     values = _select_rows(v_rows, value_index[span]).to(dtype)
     return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
 
@@ -640,6 +662,7 @@ def attend_gathered_windows(
     first: Tensor | None = None,
     last: Tensor | None = None,
     self_column: int | None = None,
+    key_norm_eps: float | None = None,
 ) -> Tensor:
     """`attend_windows` over rows gathered by index, its slots merged into output rows: memory O(n·d) + indices.
 
@@ -669,6 +692,9 @@ def attend_gathered_windows(
         mask: Bool `[U, c or 1, w]`, True = visible; None: every column (within `first`/`last`).
         first, last: Long `[U·c]`: slot s sees window columns `first[s] <= j < last[s]` only; None: no limit.
         self_column: As in `attend_windows`.
+        key_norm_eps: Keys are the rows of k_rows normalised as `normalize_keys(k_rows, key_norm_eps)` (Reformer's
+            shared-QK keys), row by row as they are gathered, so no normalised copy is kept; None: as they are.
+            Pass the same tensor as q_rows and k_rows for shared queries and keys.
 
     Returns:
         `[n_out, d_v]` in q_rows' dtype; zeros for a row no slot answers or whose slots see no key.
@@ -679,7 +705,8 @@ def attend_gathered_windows(
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
     n_windows = query_index.shape[0] // chunk
     return _GatheredWindows.apply(q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask,
-                                  first, last, n_windows, width, n_out, float(scale), stride, self_column)
+                                  first, last, n_windows, width, n_out, float(scale), stride, self_column,
+                                  key_norm_eps)
 
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-HIDDEN_PENALTY), so
@@ -943,7 +970,7 @@ def lsh_attention(
                 first = _scatter_index(n_queries * c, buffer_row[..., :n], (column - back)[..., :n]).clamp_(min=0)
                 last = _scatter_index(n_queries * c, buffer_row[..., :n], column[..., :n]).clamp_(min=0)
         out = attend_gathered_windows(
-            qk_rows, normalize_keys(qk_rows), v_rows, query_index=query_index, key_index=key_index,
+            qk_rows, qk_rows, v_rows, key_norm_eps=KEY_NORM_EPS, query_index=query_index, key_index=key_index,
             value_index=value_index, out_index=out_index, n_out=b * h * n, chunk=c, width=w, stride=c, scale=1.0,
             mask=None if causal else mask, first=first, last=last, self_column=before * c,
         )
