@@ -26,3 +26,19 @@ def assert_all_close(actual, expected, **tolerance):
     """Compare two `outputs_and_grads` results, naming the tensor that differs."""
     for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected, strict=True):
         torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+
+
+def saved_tensor_bytes(fn):
+    """`(floating, other)`: bytes of the distinct tensor storages autograd keeps for backward while `fn()` runs
+    (floating point: values and activations; other: integer indices and bool masks)."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(), tensor.is_floating_point())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    floating = sum(size for size, is_float in storages.values() if is_float)
+    return floating, sum(size for size, is_float in storages.values() if not is_float)
