@@ -42,3 +42,24 @@ def saved_tensor_bytes(fn):
         fn()
     floating = sum(size for size, is_float in storages.values() if is_float)
     return floating, sum(size for size, is_float in storages.values() if not is_float)
+
+
+def peak_tensor_bytes(fn):
+    """Peak of allocated-minus-freed CPU tensor bytes while `fn()` runs, from the profiler's allocation events
+    (the tensor MB column of scripts/benchmark.py): what a step adds to memory, workspaces included."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak
