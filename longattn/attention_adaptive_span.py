@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field, check_number
+from .numerics import compute_dtype, default_scale
 from .ops_checks import check_token_mask, empty_attention, is_empty
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
@@ -85,7 +86,8 @@ def adaptive_span_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     block_size: int = _BLOCK_SIZE,
-) -> Tensor:
+    dense: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Soft-masked attention over the keys within each head's span, banded: O(n · (c + reach)) time and memory.
 
     Blocks of c consecutive queries gather their band of keys as strided windows of the (zero-padded) keys; the
@@ -106,9 +108,12 @@ def adaptive_span_attention(
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention weights.
         block_size: Queries per block c.
+        dense: Compute over all m keys with an explicit `[b, h, n, m]` soft mask instead, O(n · m), and return the
+            weights too (`adaptive_span_reference`).
 
     Returns:
         `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros; empty for batch or length 0.
+        With `dense`: `(out, weights [b, h, n, m])`.
 
     Raises:
         ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
@@ -117,8 +122,12 @@ def adaptive_span_attention(
     n_k, d_v = k.shape[2], v.shape[3]
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     if is_empty(q, k):
-        return empty_attention(q, k, v)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+        return (empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)) if dense else empty_attention(q, k, v)
+    scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    if dense:
+        return _dense_span_attention(q, k, v, span.to(dtype), max_span, ramp, causal, key_padding_mask, scale,
+                                     dropout_p)
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
     # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
@@ -128,7 +137,6 @@ def adaptive_span_attention(
     c = max(1, min(block_size, n_q))
     nb = -(-n_q // c)
     w = c + left + right
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
     # Keys padded so that block t's window starts at index q_offset + t·c (key position q_offset + t·c - left).
     # Blocks come first in every tensor below, so that a chunk of blocks is a contiguous slice (no copies per chunk).
@@ -284,22 +292,11 @@ def _add_windows(target: Tensor, grad_windows: Tensor, start: int, stop: int, c:
     target[:, :, start * c : (stop - 1) * c + w].index_add_(2, rows, source)
 
 
-def adaptive_span_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    span: Tensor,
-    max_span: int,
-    ramp: int,
-    causal: bool,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+def adaptive_span_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:
     """The same attention over all m keys with an explicit `[b, h, n, m]` soft mask: O(n · m).
 
     For cached decoding (a few new queries), `output_attentions`, and as the reference of the banded executor.
+    Takes the keyword arguments of `adaptive_span_attention` (`dense=True` there).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
@@ -307,19 +304,19 @@ def adaptive_span_reference(
     Raises:
         ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    if is_empty(q, k):
-        return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    return adaptive_span_attention(q, k, v, dense=True, **settings)
+
+
+def _dense_span_attention(q, k, v, span, max_span, ramp, causal, key_padding_mask, scale, dropout_p):
+    """`adaptive_span_reference` after the checks: the soft mask over all `[n, m]` pairs; span in compute dtype."""
+    h, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    dtype = span.dtype
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]
     relative = (n_k - n_q + torch.arange(n_q, device=q.device))[:, None] - torch.arange(n_k, device=q.device)[None]
     allowed = relative.abs() <= max_span
     if causal:
         allowed = allowed & (relative >= 0)
-    soft = soft_span_mask(relative.abs().to(dtype), span.to(dtype).view(h, 1, 1), ramp) * allowed  # [h, n, m]
+    soft = soft_span_mask(relative.abs().to(dtype), span.view(h, 1, 1), ramp) * allowed  # [h, n, m]
     visible = allowed[None, None] if key_padding_mask is None else allowed & key_padding_mask[:, None, None, :]
     weights = _support_and_softmax(scores, soft[None], visible)
     dropped = nn.functional.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
@@ -374,27 +371,14 @@ class AdaptiveSpanAttention(LongAttnAttention):
             return None
         return self.loss_coef * self.max_span * self.span_fraction.clamp(min=0.0).mean()
 
+    def _pattern(self) -> dict[str, Any]:
+        """The settings the banded executor and the dense form share."""
+        return dict(span=self.spans(), max_span=self.max_span, ramp=self.ramp, causal=self.is_causal,
+                    scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0)
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return adaptive_span_attention(
-            q, k, v,
-            span=self.spans(),
-            max_span=self.max_span,
-            ramp=self.ramp,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        return adaptive_span_attention(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         """All m keys with the explicit soft mask (cached decoding, `output_attentions`): weights `[b, h, n, m]`."""
-        return adaptive_span_reference(
-            q, k, v,
-            span=self.spans(),
-            max_span=self.max_span,
-            ramp=self.ramp,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        return adaptive_span_reference(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())
