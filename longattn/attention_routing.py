@@ -39,6 +39,7 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention, check_int_field
+from .numerics import compute_dtype, default_scale
 from .backends import AttentionRequest, select_backend
 from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
@@ -264,7 +265,8 @@ def routing_attention(
     dropout_p: float = 0.0,
     return_statistics: bool = False,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    dense: bool = False,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
     Args:
@@ -281,6 +283,8 @@ def routing_attention(
         backend: `"auto"` or `"torch"`: the windowed PyTorch kernel (`attend_windows`); `"xformers"`: the same
             windows on xformers' kernel (`attend_windows_on_kernel`; CUDA, no dropout), which `"auto"` does not pick
             until it is measured on a GPU.
+        dense: The dense form instead (`routing_attention_dense`): `(out, weights [b, h, n, m])`, and q may be
+            the last n of m key positions (cached decoding) in the causal form.
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
@@ -289,8 +293,12 @@ def routing_attention(
     Raises:
         ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device, or `backend` cannot run it.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if dense:
+        if is_empty(q, k):
+            return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
+        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p)
     if is_empty(q, k):
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
@@ -382,7 +390,7 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
     # A query in several clusters: one softmax over the union of their keys, i.e. each cluster's output weighted by
     # exp(lse) / (the sum of exp(lse) over the query's clusters). The weights are one scalar per slot, so only the
     # weighted outputs are added up per query.
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    compute = compute_dtype(q.dtype)
     slot_used = slot_used.reshape(-1)
     with torch.no_grad():
         shift = torch.full((b * n,), -math.inf, dtype=lse.dtype, device=q.device).scatter_reduce(
@@ -484,22 +492,14 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
 
 # ---------------------------------------------------------------------------------------------- dense form
 def routing_attention_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    centroids: Tensor,
-    *,
-    causal: bool,
-    causal_window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
+    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, **settings: Any
 ) -> tuple[Tensor, Tensor]:
     """The same attention as `routing_attention`, as dense masked attention over `[b, h, n, m]` (with weights).
 
     Causal: query t (one of the last n of m positions) sees the keys j <= t of its cluster with at most W such keys
     in [j, t]. Bidirectional (n = m): the balanced clusters, written as one softmax with the bias
-    log(number of clusters that took both query i and key j).
+    log(number of clusters that took both query i and key j). Takes the keyword arguments of `routing_attention`
+    (`dense=True` there; `return_statistics` and `backend` do not apply).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
@@ -507,13 +507,14 @@ def routing_attention_dense(
     Raises:
         ValueError: `key_padding_mask` is not a bool `[b, m]` tensor on q's device.
     """
+    return routing_attention(q, k, v, centroids, dense=True, **settings)
+
+
+def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p):
+    """`routing_attention_dense` after the checks (key_padding_mask checked, scale resolved, inputs not empty)."""
     b, h, n, d = q.shape
     m = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
-    if is_empty(q, k):
-        return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
+    dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     if causal:
@@ -669,7 +670,7 @@ class RoutingAttention(LongAttnAttention):
 
 def _masked_attention(q, k, v, mask, scale, dropout_p):
     """Dense attention under a bool mask `[b|1, h|1, n, m]`, zeros for rows without a visible key."""
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     sees = mask.any(dim=-1, keepdim=True)
