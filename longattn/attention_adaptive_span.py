@@ -139,7 +139,8 @@ def adaptive_span_attention(
     w = c + left + right
 
     # Keys padded so that block t's window starts at index q_offset + t·c (key position q_offset + t·c - left).
-    # Blocks come first in every tensor below, so that a chunk of blocks is a contiguous slice (no copies per chunk).
+    # The block tensors below (mask rows) put blocks first, so that a chunk of blocks is a contiguous slice; q and
+    # the output keep their [b, h, n, d] layout and the kernel cuts a chunk's blocks out of them when needed.
     extra = q_offset + nb * c + right - n_k
     k_padded = nn.functional.pad(k.to(dtype), (0, 0, left, extra))[:, :, q_offset:]  # [b, h, nb·c + left + right, d]
     v_padded = nn.functional.pad(v.to(dtype), (0, 0, left, extra))[:, :, q_offset:]

@@ -18,6 +18,12 @@ neighbours) are a contiguous window of rows: `attend_windows` runs the batched m
 strided views of that buffer, in cache-sized groups, with a hand-written backward. Routing and Sinkhorn attention
 reuse that kernel for their clusters and blocks.
 
+Without dropout, LSH and routing never build that buffer: `attend_gathered_windows` takes the unsorted rows and the
+index of every buffer row, gathers one group of chunks at a time (in forward, and again in backward), and merges the
+hash rounds (routing: the clusters) of each position by log-sum-exp inside the kernel. Backward then keeps O(n·d)
+floats and integer indices, as dense attention through SDPA does, instead of r sorted copies of q, k, v and their
+r·n·w probabilities.
+
 Conventions shared with transformers' `ReformerModel` (`LSHSelfAttention`), so that both give the same output at
 the same rotations and settings (see tests/test_lsh.py):
 
@@ -310,7 +316,7 @@ class _WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, stride, self_column, keep_probs):
-        dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        dtype = compute_dtype(q.dtype)
         q_c, k_c, v_c = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
         n_chunks, c, w = q.shape[0], q.shape[1], bias.shape[-1]
         out = torch.empty(n_chunks, c, v.shape[-1], dtype=dtype, device=q.device)
@@ -468,7 +474,7 @@ def attend_windows(
         bias, mask = mask, ~torch.isneginf(mask)
     if dropout_p == 0.0:
         return _WindowAttention.apply(q, k, v, bias, float(scale), stride, self_column, keep_probs)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
     values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
     scores = torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)).masked_fill(~mask, -math.inf)
@@ -1088,7 +1094,7 @@ def lsh_attention_dense(
     if not causal and n != m:
         raise ValueError(f"bidirectional LSH needs every query (n={n}) to be a key position (m={m}).")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     q_pos = torch.arange(m - n, m, device=q.device)
     key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]
