@@ -506,7 +506,7 @@ class _GatheredWindows(torch.autograd.Function):
     gathered from (index_add), group by group, so only group-sized buffers exist.
 
     Shapes: q_rows `[Nq, d]`, k_rows `[Nk, d]`, v_rows `[Nv, d_v]`; query_index, out_index `[U·c]`, key_index,
-    value_index `[R]` with R >= (U − 1)·stride + w (-1: an empty slot or a zero row); mask bool `[U, c or 1, w]`;
+    value_index `[R]` with R >= (U − 1)·stride + w (-1: an empty slot or a hidden key); mask bool `[U, c or 1, w]`;
     output `[n_out, d_v]`.
     """
 
@@ -521,17 +521,20 @@ class _GatheredWindows(torch.autograd.Function):
             key_factor.div_(math.sqrt(k_rows.shape[-1]))  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
+                          dtype, scale)
+        hidden = None if mask is None else ~mask
         for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index,
-                                                  value_index, start, stop, c, stride, w, dtype, scale)
+            queries, keys, values = rows.group(start, stop)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
-            _hide(scores, start, stop, mask, first, last, self_column)
+            _hide(scores, start, stop, hidden, first, last, self_column)
             row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
             # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
             row_max.masked_fill_(torch.isneginf(row_max), 0.0)
             row_sum = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
             slot_lse[start:stop] = (row_max + row_sum.log()).squeeze(-1)  # -inf for rows without keys
-            scores.mul_(torch.where(row_sum > 0, row_sum.reciprocal(), torch.zeros_like(row_sum)))
+            # A row with a visible key sums to >= 1 (its maximum gives exp(0)); one without sums to 0 and stays 0.
+            scores.div_(row_sum.clamp_(min=1.0))
             torch.bmm(scores, values, out=slot_out[start:stop])
         slot_lse = slot_lse.view(-1)
         out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
@@ -563,14 +566,17 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
+                          dtype, scale)
+        hidden = None if mask is None else ~mask
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
-            queries, keys, values = _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index,
-                                                  value_index, start, stop, c, stride, w, dtype, scale)
+            queries, keys, values = rows.group(start, stop)
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
-            _hide(probs, start, stop, mask, first, last, self_column)
+            _hide(probs, start, stop, hidden, first, last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
-            grad_slot = _select_rows(grad_out, out_index[start * c:stop * c]).view(g, c, d_v)  # dC_p
+            # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
+            grad_slot = grad_out.index_select(0, row[start * c:stop * c]).view(g, c, d_v)  # dC_p
             grad_scores = torch.bmm(grad_slot, values.transpose(1, 2)).sub_(slot_delta[start:stop]).mul_(probs)
             if self_column is not None:
                 _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
@@ -604,27 +610,38 @@ def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: t
         yield start, stop, buffer[: stop - start]
 
 
-def _gather_group(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, start, stop, c, stride, w,
-                  dtype, scale):
-    """Queries `[g, c, d]` (times `scale`) of windows start..stop and their key / value windows `[g, w, d]`,
-    gathered in `dtype` (-1 indices give zero rows), the keys times `key_factor [Nk, 1]` when given."""
-    queries = _select_rows(q_rows, query_index[start * c:stop * c]).to(dtype).view(stop - start, c, -1)
-    if scale != 1.0:
-        queries.mul_(scale)
-    span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
-    keys = _select_rows(k_rows, key_index[span]).to(dtype)
-    if key_factor is not None:
-        keys.mul_(key_factor.index_select(0, key_index[span].clamp(min=0)))
-    values = _select_rows(v_rows, value_index[span]).to(dtype)
-    return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
+class _GroupRows:
+    """The rows of each group of windows, gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value
+    windows `[g, w, d]` (keys times `key_factor [Nk, 1]` when given). A -1 index reads row 0: such a key is hidden
+    by the mask and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+
+    def __init__(self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype,
+                 scale):
+        self.q_rows, self.k_rows, self.v_rows, self.key_factor = q_rows, k_rows, v_rows, key_factor
+        self.query_index, self.key_index = query_index.clamp(min=0), key_index.clamp(min=0)
+        self.value_index = value_index.clamp(min=0)
+        self.c, self.stride, self.w, self.dtype, self.scale = c, stride, w, dtype, scale
+
+    def group(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
+        c, stride, w, dtype = self.c, self.stride, self.w, self.dtype
+        queries = self.q_rows.index_select(0, self.query_index[start * c:stop * c]).to(dtype)
+        queries = queries.view(stop - start, c, -1)
+        if self.scale != 1.0:
+            queries.mul_(self.scale)
+        span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
+        keys = self.k_rows.index_select(0, self.key_index[span]).to(dtype)
+        if self.key_factor is not None:
+            keys.mul_(self.key_factor.index_select(0, self.key_index[span]))
+        values = self.v_rows.index_select(0, self.value_index[span]).to(dtype)
+        return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
 
 
-def _hide(scores: Tensor, start: int, stop: int, mask: Tensor | None, first: Tensor | None, last: Tensor | None,
+def _hide(scores: Tensor, start: int, stop: int, hidden: Tensor | None, first: Tensor | None, last: Tensor | None,
           self_column: int | None) -> None:
-    """Hidden keys of windows start..stop, `scores [g, c, w]`, to -inf (see `attend_gathered_windows` for `mask`,
-    `first`, `last`), then Reformer's self rule (see `attend_windows`)."""
-    if mask is not None:
-        scores.masked_fill_(~mask[start:stop], -math.inf)
+    """Hidden keys of windows start..stop, `scores [g, c, w]`, to -inf (`hidden`: the negated `mask` of
+    `attend_gathered_windows`; `first`, `last` as there), then Reformer's self rule (see `attend_windows`)."""
+    if hidden is not None:
+        scores.masked_fill_(hidden[start:stop], -math.inf)
     if first is not None:
         c, w = scores.shape[1], scores.shape[2]
         columns = torch.arange(w, device=scores.device)
@@ -687,8 +704,9 @@ def attend_gathered_windows(
         q_rows: Query rows `[Nq, d]`.
         k_rows: Key rows `[Nk, d]`.
         v_rows: Value rows `[Nv, d_v]`.
-        query_index: Long `[U·c]`, the query row of every slot (-1: an empty slot, answering nothing).
-        key_index: Long `[R]`, R >= (U − 1)·stride + w: the key row of every window row (-1: a zero row).
+        query_index: Long `[U·c]`, the query row of every slot (-1: an empty slot; its `out_index` must be -1).
+        key_index: Long `[R]`, R >= (U − 1)·stride + w: the key row of every window row (-1: no key; the mask or
+            the column range must hide it).
         value_index: Long `[R]`, likewise for values.
         out_index: Long `[U·c]`, the output row every slot answers (-1: none).
         n_out: Output rows.
