@@ -293,9 +293,9 @@ def gather_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
 _GROUP_ELEMENTS = 2**22
 # With `keep_probs=False` (the memory-lean mode) the group buffers are what the kernel adds to peak memory: 4 MB.
 _LEAN_GROUP_ELEMENTS = 2**20
-# Score elements per group of `attend_gathered_windows` (2 MB of float32): its group holds about eight buffers of
+# Score elements per group of `attend_gathered_windows` (1 MB of float32): its group holds about eight buffers of
 # this size (scores, their gradient, gathered rows and their gradients), all it adds to peak memory.
-_GATHERED_GROUP_ELEMENTS = 2**19
+_GATHERED_GROUP_ELEMENTS = 2**18
 
 
 def _windows(rows: Tensor, start: int, stop: int, stride: int, width: int) -> Tensor:
