@@ -86,7 +86,8 @@ def adaptive_span_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     block_size: int = _BLOCK_SIZE,
-) -> Tensor:
+    dense: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Soft-masked attention over the keys within each head's span, banded: O(n · (c + reach)) time and memory.
 
     Blocks of c consecutive queries gather their band of keys as strided windows of the (zero-padded) keys; the
@@ -107,9 +108,12 @@ def adaptive_span_attention(
         scale: Multiplier of q·k; default 1/sqrt(d).
         dropout_p: Dropout on the attention weights.
         block_size: Queries per block c.
+        dense: Compute over all m keys with an explicit `[b, h, n, m]` soft mask instead, O(n · m), and return the
+            weights too (`adaptive_span_reference`).
 
     Returns:
         `[b, h, n, d_v]`; a query that sees no key (a fully padded row) gets zeros; empty for batch or length 0.
+        With `dense`: `(out, weights [b, h, n, m])`.
 
     Raises:
         ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
@@ -118,8 +122,12 @@ def adaptive_span_attention(
     n_k, d_v = k.shape[2], v.shape[3]
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     if is_empty(q, k):
-        return empty_attention(q, k, v)
+        return (empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)) if dense else empty_attention(q, k, v)
     scale = default_scale(d) if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    if dense:
+        return _dense_span_attention(q, k, v, span.to(dtype), max_span, ramp, causal, key_padding_mask, scale,
+                                     dropout_p)
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
     # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
@@ -129,15 +137,14 @@ def adaptive_span_attention(
     c = max(1, min(block_size, n_q))
     nb = -(-n_q // c)
     w = c + left + right
-    dtype = compute_dtype(q.dtype)
 
     # Keys padded so that block t's window starts at index q_offset + t·c (key position q_offset + t·c - left).
-    # Blocks come first in every tensor below, so that a chunk of blocks is a contiguous slice (no copies per chunk).
+    # The block tensors below (mask rows) put blocks first, so that a chunk of blocks is a contiguous slice; q and
+    # the output keep their [b, h, n, d] layout and the kernel cuts a chunk's blocks out of them when needed.
     extra = q_offset + nb * c + right - n_k
     k_padded = nn.functional.pad(k.to(dtype), (0, 0, left, extra))[:, :, q_offset:]  # [b, h, nb·c + left + right, d]
     v_padded = nn.functional.pad(v.to(dtype), (0, 0, left, extra))[:, :, q_offset:]
-    q_blocks = nn.functional.pad(q.to(dtype) * scale, (0, 0, 0, nb * c - n_q)).view(b, h, nb, c, d)
-    q_blocks = q_blocks.permute(2, 0, 1, 3, 4).contiguous()  # [nb, b, h, c, d]
+    q_padded = q if nb * c == n_q else nn.functional.pad(q, (0, 0, 0, nb * c - n_q))  # [b, h, nb·c, d]
 
     relative = (torch.arange(c, device=q.device)[:, None] + left - torch.arange(w, device=q.device)[None, :])  # i - j
     in_band = (relative <= left) & (relative >= (0 if causal else -right))  # [c, w]
@@ -148,49 +155,55 @@ def adaptive_span_attention(
 
     if dropout_p > 0:
         # Training with attention dropout: plain autograd (the weights and the key windows are kept for backward).
+        q_blocks = (q_padded.to(dtype) * scale).view(b, h, nb, c, d).permute(2, 0, 1, 3, 4)  # [nb, b, h, c, d]
         k_windows = _windows(k_padded, 0, nb, c, w)  # [nb, b, h, w, d]
         scores = q_blocks @ k_windows.transpose(-1, -2)  # [nb, b, h, c, w]
         visible = key_real[:, :, None, None, :] & in_band  # [nb, b, 1, c, w]
         weights = _support_and_softmax(scores, soft, visible)
         out = nn.functional.dropout(weights, p=dropout_p) @ _windows(v_padded, 0, nb, c, w)  # [nb, b, h, c, d_v]
+        out = out.permute(1, 2, 0, 3, 4).reshape(b, h, nb * c, d_v)
     else:
-        out = _SoftBandAttention.apply(q_blocks, k_padded.contiguous(), v_padded.contiguous(), soft, key_real, in_band)
-    out = out.permute(1, 2, 0, 3, 4).reshape(b, h, nb * c, d_v)
+        out = _SoftBandAttention.apply(q_padded, k_padded.contiguous(), v_padded.contiguous(), soft, key_real,
+                                       in_band, scale)  # [b, h, nb·c, d_v]
     return out[:, :, :n_q].to(q.dtype)
 
 
-# Elements of one chunk's score tensor [blocks, b, h, c, w]: 2**20 floats (4 MB in float32) keeps a chunk's
+# Elements of one chunk's score tensor [blocks, b, h, c, w]: 2**18 floats (1 MB in float32) keeps a chunk's
 # workspaces in cache-sized pieces that the allocator reuses, instead of page-faulting one [n, w] tensor per pass.
-_CHUNK_ELEMENTS = 2**20
+# A chunk holds about eight such workspaces (scores, probabilities, their gradients, gathered windows), all the
+# kernel adds to peak memory beyond its O(n·d) tensors; at least one block per chunk whatever its size.
+_CHUNK_ELEMENTS = 2**18
 
 
 class _SoftBandAttention(torch.autograd.Function):
     """Soft-masked banded attention with a hand-written backward that recomputes the weights chunk by chunk.
 
     Forward, per block: E = exp(S - max) on the support (visible keys with m > 0), P = m ∘ E / Z with Z = Σ m ∘ E,
-    O = P V. Saved: q, the padded k and v, O and two numbers per query (max and 1/Z); the key windows of a chunk of
-    blocks are cut out of the padded keys when needed, so nothing of size n · w is ever kept.
+    O = P V. Saved: q (as given: no scaled or block-ordered copy), the padded k and v, O and two numbers per query
+    (max and 1/Z); the queries and key windows of a chunk of blocks are cut out when needed, so nothing of size
+    n · w is ever kept, and the output is written in place in its final `[b, h, n, d_v]` layout.
     Backward, with G = dO Vᵀ - rowsum(dO ∘ O): dV = Pᵀ dO, dS = P ∘ G, dQ = dS K, dK = dSᵀ Q (window gradients added
     back to their overlapping key rows), and for the mask dm = (E / Z) ∘ G, summed over batch rows and blocks into
     the `[h, c, w]` table (its gradient reaches z).
 
-    Shapes: q_blocks `[nb, b, h, c, d]`, k_padded `[b, h, (nb - 1)·c + w, d]` (block t's window starts at row t·c),
-    v_padded likewise with d_v, soft `[h, c, w]`, key_real bool `[nb, b, w]`, in_band bool `[c, w]`.
+    Shapes: q `[b, h, nb·c, d]`, k_padded `[b, h, (nb - 1)·c + w, d]` (block t's window starts at row t·c), v_padded
+    likewise with d_v, soft `[h, c, w]`, key_real bool `[nb, b, w]`, in_band bool `[c, w]`; out `[b, h, nb·c, d_v]`.
     """
 
     @staticmethod
-    def forward(ctx, q_blocks, k_padded, v_padded, soft, key_real, in_band):
-        nb, b, h, c, d = q_blocks.shape
-        w, d_v = key_real.shape[2], v_padded.shape[3]
+    def forward(ctx, q, k_padded, v_padded, soft, key_real, in_band, scale):
+        b, h, _, d = q.shape
+        nb, c, w, d_v = key_real.shape[0], in_band.shape[0], in_band.shape[1], v_padded.shape[3]
         outside_head = ~(in_band & (soft > 0))  # [h, c, w]: the mask removes these keys for every query
         key_padding = ~key_real[:, :, None, None, :]  # [nb, b, 1, 1, w]
-        out = q_blocks.new_empty(nb, b, h, c, d_v)
-        row_max = q_blocks.new_empty(nb, b, h, c, 1)
-        inverse = q_blocks.new_empty(nb, b, h, c, 1)
+        out = k_padded.new_empty(b, h, nb * c, d_v)
+        row_max = k_padded.new_empty(nb, b, h, c, 1)
+        inverse = k_padded.new_empty(nb, b, h, c, 1)
         for start, stop in _chunks(b * h * c * w, nb):
             t = stop - start
             keys = _windows(k_padded, start, stop, c, w).view(-1, w, d)
-            scores = torch.bmm(q_blocks[start:stop].view(-1, c, d), keys.transpose(1, 2)).view(t, b, h, c, w)
+            queries = _query_blocks(q, start, stop, c, k_padded.dtype, scale)
+            scores = torch.bmm(queries, keys.transpose(1, 2)).view(t, b, h, c, w)
             scores.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
             # Shift by the row max over the support; a row without support is shifted by 0 and stays all zeros.
             shift = scores.amax(dim=-1, keepdim=True)
@@ -199,30 +212,30 @@ class _SoftBandAttention(torch.autograd.Function):
             total = scores.sum(dim=-1, keepdim=True)
             inv = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
             values = _windows(v_padded, start, stop, c, w).view(-1, w, d_v)
-            out[start:stop] = torch.bmm(scores.mul_(inv).view(-1, c, w), values).view(t, b, h, c, d_v)
+            _put_blocks(out, torch.bmm(scores.mul_(inv).view(-1, c, w), values), start, stop)
             row_max[start:stop] = shift
             inverse[start:stop] = inv
-        ctx.save_for_backward(q_blocks, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse)
+        ctx.save_for_backward(q, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse)
+        ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_blocks, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse = ctx.saved_tensors
-        nb, b, h, c, d = q_blocks.shape
-        w, d_v = key_real.shape[2], v_padded.shape[3]
-        grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [nb, b, h, c, 1]
+        q, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse = ctx.saved_tensors
+        b, h, _, d = q.shape
+        nb, c, w, d_v = key_real.shape[0], in_band.shape[0], in_band.shape[1], v_padded.shape[3]
+        delta = (grad_out * out).sum(dim=-1).view(b, h, nb, c).permute(2, 0, 1, 3).unsqueeze(-1)  # [nb, b, h, c, 1]
         outside_head = ~(in_band & (soft > 0))
         key_padding = ~key_real[:, :, None, None, :]
-        grad_q = torch.empty_like(q_blocks)
+        grad_q = torch.empty(q.shape, dtype=k_padded.dtype, device=q.device)
         grad_k, grad_v = torch.zeros_like(k_padded), torch.zeros_like(v_padded)
         grad_soft = torch.zeros_like(soft) if ctx.needs_input_grad[3] else None
         for start, stop in _chunks(b * h * c * w, nb):
             t = stop - start
-            q_c = q_blocks[start:stop].view(-1, c, d)
+            q_c = _query_blocks(q, start, stop, c, k_padded.dtype, ctx.scale)
             k_c = _windows(k_padded, start, stop, c, w).view(-1, w, d)
             v_c = _windows(v_padded, start, stop, c, w).view(-1, w, d_v)
-            grad_out_c = grad_out[start:stop].view(-1, c, d_v)
+            grad_out_c = _query_blocks(grad_out, start, stop, c, k_padded.dtype, 1.0)
             normalized = torch.bmm(q_c, k_c.transpose(1, 2)).view(t, b, h, c, w)
             normalized.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
             normalized.sub_(row_max[start:stop]).exp_().mul_(inverse[start:stop])  # E / Z
@@ -232,9 +245,27 @@ class _SoftBandAttention(torch.autograd.Function):
             if grad_soft is not None:
                 grad_soft += (normalized * g).sum(dim=(0, 1))
             grad_scores = g.view(-1, c, w).mul_(probs)  # dS = P ∘ G
-            grad_q[start:stop] = torch.bmm(grad_scores, k_c).view(t, b, h, c, d)
+            _put_blocks(grad_q, torch.bmm(grad_scores, k_c).mul_(ctx.scale), start, stop)
             _add_windows(grad_k, torch.bmm(grad_scores.transpose(1, 2), q_c), start, stop, c, w)
-        return grad_q, grad_k, grad_v, grad_soft, None, None
+        return grad_q.to(q.dtype), grad_k, grad_v, grad_soft, None, None, None
+
+
+def _query_blocks(rows: Tensor, start: int, stop: int, c: int, dtype: torch.dtype, scale: float) -> Tensor:
+    """Rows of blocks start..stop of `rows [b, h, nb·c, d]` as a contiguous `[(stop - start)·b·h, c, d]` in
+    `dtype`, times `scale`: the block-major order of one chunk's batched matmuls."""
+    b, h, _, d = rows.shape
+    blocks = rows[:, :, start * c:stop * c].reshape(b, h, stop - start, c, d).permute(2, 0, 1, 3, 4)
+    blocks = blocks.to(dtype).reshape(-1, c, d)
+    return blocks * scale if scale != 1.0 else blocks
+
+
+def _put_blocks(target: Tensor, blocks: Tensor, start: int, stop: int) -> None:
+    """Write `blocks [(stop - start)·b·h, c, d]` (block-major) into rows of blocks start..stop of `target`
+    `[b, h, nb·c, d]`."""
+    b, h, _, d = target.shape
+    c = blocks.shape[1]
+    target[:, :, start * c:stop * c].view(b, h, stop - start, c, d).copy_(
+        blocks.view(stop - start, b, h, c, d).permute(1, 2, 0, 3, 4))
 
 
 def _chunks(elements_per_block: int, blocks: int):
@@ -262,22 +293,11 @@ def _add_windows(target: Tensor, grad_windows: Tensor, start: int, stop: int, c:
     target[:, :, start * c : (stop - 1) * c + w].index_add_(2, rows, source)
 
 
-def adaptive_span_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    span: Tensor,
-    max_span: int,
-    ramp: int,
-    causal: bool,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+def adaptive_span_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:
     """The same attention over all m keys with an explicit `[b, h, n, m]` soft mask: O(n · m).
 
     For cached decoding (a few new queries), `output_attentions`, and as the reference of the banded executor.
+    Takes the keyword arguments of `adaptive_span_attention` (`dense=True` there).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
@@ -285,19 +305,19 @@ def adaptive_span_reference(
     Raises:
         ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
     """
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    if is_empty(q, k):
-        return empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)
-    scale = default_scale(d) if scale is None else scale
-    dtype = compute_dtype(q.dtype)
+    return adaptive_span_attention(q, k, v, dense=True, **settings)
+
+
+def _dense_span_attention(q, k, v, span, max_span, ramp, causal, key_padding_mask, scale, dropout_p):
+    """`adaptive_span_reference` after the checks: the soft mask over all `[n, m]` pairs; span in compute dtype."""
+    h, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    dtype = span.dtype
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n, m]
     relative = (n_k - n_q + torch.arange(n_q, device=q.device))[:, None] - torch.arange(n_k, device=q.device)[None]
     allowed = relative.abs() <= max_span
     if causal:
         allowed = allowed & (relative >= 0)
-    soft = soft_span_mask(relative.abs().to(dtype), span.to(dtype).view(h, 1, 1), ramp) * allowed  # [h, n, m]
+    soft = soft_span_mask(relative.abs().to(dtype), span.view(h, 1, 1), ramp) * allowed  # [h, n, m]
     visible = allowed[None, None] if key_padding_mask is None else allowed & key_padding_mask[:, None, None, :]
     weights = _support_and_softmax(scores, soft[None], visible)
     dropped = nn.functional.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
@@ -343,27 +363,14 @@ class AdaptiveSpanAttention(LongAttnAttention):
             return None
         return self.loss_coef * self.max_span * self.span_fraction.clamp(min=0.0).mean()
 
+    def _pattern(self) -> dict[str, Any]:
+        """The settings the banded executor and the dense form share."""
+        return dict(span=self.spans(), max_span=self.max_span, ramp=self.ramp, causal=self.is_causal,
+                    scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0)
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return adaptive_span_attention(
-            q, k, v,
-            span=self.spans(),
-            max_span=self.max_span,
-            ramp=self.ramp,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        return adaptive_span_attention(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         """All m keys with the explicit soft mask (cached decoding, `output_attentions`): weights `[b, h, n, m]`."""
-        return adaptive_span_reference(
-            q, k, v,
-            span=self.spans(),
-            max_span=self.max_span,
-            ramp=self.ramp,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        return adaptive_span_reference(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())

@@ -126,30 +126,21 @@ class LSHAttention(LongAttnAttention):
         qk = self.split_heads(self.q_proj(hidden_states))  # [b, h, n, d]
         return qk, qk, self.split_heads(self.v_proj(hidden_states))
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return lsh_attention(
-            q, v,
-            num_hashes=self.num_hashes,
+    def _pattern(self, device: torch.device) -> dict[str, Any]:
+        """The settings `lsh_attention` and its dense form share, with this call's rotations."""
+        return dict(
+            rotations=self.current_rotations(device),
             bucket_size=self.bucket_size,
             num_buckets=self.num_buckets,
             num_chunks_before=self.num_chunks_before,
             num_chunks_after=self.num_chunks_after,
             causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            rotations=self.current_rotations(q.device),
             dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
         )
 
+    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+        return lsh_attention(q, v, num_hashes=self.num_hashes, key_padding_mask=key_padding_mask,
+                             backend=self.backend, **self._pattern(q.device))
+
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
-        return lsh_attention_dense(
-            q, k, v,
-            rotations=self.current_rotations(q.device),
-            bucket_size=self.bucket_size,
-            num_buckets=self.num_buckets,
-            num_chunks_before=self.num_chunks_before,
-            num_chunks_after=self.num_chunks_after,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        return lsh_attention_dense(q, k, v, key_padding_mask=key_padding_mask, **self._pattern(q.device))

@@ -41,7 +41,7 @@ from transformers import initialization as init
 from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
 from .numerics import compute_dtype, default_scale
-from .ops_lsh import attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
 
@@ -265,7 +265,8 @@ def routing_attention(
     dropout_p: float = 0.0,
     return_statistics: bool = False,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+    dense: bool = False,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
     Args:
@@ -282,6 +283,8 @@ def routing_attention(
         backend: `"auto"` or `"torch"`: the windowed PyTorch kernel (`attend_windows`); `"xformers"`: the same
             windows on xformers' kernel (`attend_windows_on_kernel`; CUDA, no dropout), which `"auto"` does not pick
             until it is measured on a GPU.
+        dense: The dense form instead (`routing_attention_dense`): `(out, weights [b, h, n, m])`, and q may be
+            the last n of m key positions (cached decoding) in the causal form.
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
@@ -292,6 +295,10 @@ def routing_attention(
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    if dense:
+        if is_empty(q, k):
+            return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
+        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p)
     if is_empty(q, k):
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
@@ -367,6 +374,15 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
+    if windows is attend_windows and dropout_p == 0.0:
+        # Memory O(n·d) + indices: the kernel gathers each group's rows itself (in forward and again in backward)
+        # and merges the clusters of a query by log-sum-exp, so no gathered copy or probability is kept.
+        with torch.no_grad():
+            slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
+        return attend_gathered_windows(
+            q, k, v, query_index=slots, key_index=key_index, value_index=key_index, out_index=slots, n_out=b * n,
+            chunk=size, width=size, stride=size, scale=scale, mask=slot_used.reshape(-1, 1, size),
+        )
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d), k.index_select(0, key_index), v.index_select(0, key_index),
         slot_used.reshape(-1, 1, size), stride=size, scale=scale, dropout_p=dropout_p,
@@ -423,12 +439,33 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         in_range = (key_rank >= 0) & (key_rank < n)
         key_position = key_order.gather(-1, key_rank.clamp(0, n - 1).view(b, h, -1)).view_as(key_rank)
         bi, hi_ = torch.arange(b, device=device).view(b, 1, 1, 1), torch.arange(h, device=device).view(1, h, 1, 1)
-        # A key can serve several tasks: plain index_select (its backward adds the copies up), a zero row last.
-        key_index = torch.where(in_range, k_row_of(bi, hi_, key_position), k_rows.shape[0]).reshape(-1)
-        value_index = torch.where(in_range, v_row_of(bi, hi_, key_position), v_rows.shape[0]).reshape(-1)
         # Visible columns of each query row: [lo, hi) relative to its task's first key.
         base = (task_block.gather(-1, task) - 1) * window  # [b, h, n]
         first, last = (lo - base), (hi - base)
+        source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
+        query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
+        query_index[query_row.reshape(-1)] = source_row.reshape(-1)
+    if windows is attend_windows and dropout_p == 0.0:
+        # Memory O(n·d) + indices: the kernel gathers each task's rows itself, and a query's visible keys are
+        # its column range [first, last), two integers instead of a row of 2W flags.
+        with torch.no_grad():
+            slot_rows = query_row.reshape(-1)
+            out_index = torch.full_like(query_index, -1)
+            out_index[slot_rows] = (bh * n + query_order).reshape(-1)
+            first_slot, last_slot = torch.zeros_like(query_index), torch.zeros_like(query_index)
+            first_slot[slot_rows], last_slot[slot_rows] = first.reshape(-1), last.reshape(-1)
+        out = attend_gathered_windows(
+            q_rows, k_rows, v_rows, query_index=query_index,
+            key_index=torch.where(in_range, k_row_of(bi, hi_, key_position), -1).reshape(-1),
+            value_index=torch.where(in_range, v_row_of(bi, hi_, key_position), -1).reshape(-1),
+            out_index=out_index, n_out=b * h * n, chunk=chunk, width=2 * window, stride=2 * window, scale=scale,
+            first=first_slot, last=last_slot,
+        )
+        return out.view(b, h, n, d_v)
+    with torch.no_grad():
+        # A key can serve several tasks: plain index_select (its backward adds the copies up), a zero row last.
+        key_index = torch.where(in_range, k_row_of(bi, hi_, key_position), k_rows.shape[0]).reshape(-1)
+        value_index = torch.where(in_range, v_row_of(bi, hi_, key_position), v_rows.shape[0]).reshape(-1)
         columns = torch.arange(2 * window, device=device)
         visible = (columns >= first.unsqueeze(-1)) & (columns < last.unsqueeze(-1))  # [b, h, n, 2W]
         # The additive bias the kernel takes, written directly (a bool mask would be converted at 4x the cost).
@@ -440,9 +477,6 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         # Original position p of (b, h) is sorted query rank[p]; its buffer row, and the inverse for backward.
         rank = torch.empty_like(query_order).scatter_(-1, query_order, index)
         answer_row = query_row.gather(-1, rank).reshape(-1)  # [b·h·n]
-        source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
-        query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
-        query_index[query_row.reshape(-1)] = source_row.reshape(-1)
         query_inverse = torch.full((1, q_rows.shape[0]), -1, dtype=torch.long, device=device)
         query_inverse[0, source_row.reshape(-1)] = query_row.reshape(-1)
         answer_inverse = torch.full((1, b * h * n_tasks * chunk), -1, dtype=torch.long, device=device)
@@ -458,22 +492,14 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
 
 # ---------------------------------------------------------------------------------------------- dense form
 def routing_attention_dense(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    centroids: Tensor,
-    *,
-    causal: bool,
-    causal_window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
+    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, **settings: Any
 ) -> tuple[Tensor, Tensor]:
     """The same attention as `routing_attention`, as dense masked attention over `[b, h, n, m]` (with weights).
 
     Causal: query t (one of the last n of m positions) sees the keys j <= t of its cluster with at most W such keys
     in [j, t]. Bidirectional (n = m): the balanced clusters, written as one softmax with the bias
-    log(number of clusters that took both query i and key j).
+    log(number of clusters that took both query i and key j). Takes the keyword arguments of `routing_attention`
+    (`dense=True` there; `return_statistics` and `backend` do not apply).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`.
@@ -481,13 +507,14 @@ def routing_attention_dense(
     Raises:
         ValueError: `key_padding_mask` is not a bool `[b, m]` tensor on q's device.
     """
+    return routing_attention(q, k, v, centroids, dense=True, **settings)
+
+
+def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p):
+    """`routing_attention_dense` after the checks (key_padding_mask checked, scale resolved, inputs not empty)."""
     b, h, n, d = q.shape
     m = k.shape[2]
-    scale = default_scale(d) if scale is None else scale
     dtype = compute_dtype(q.dtype)
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
-    if is_empty(q, k):
-        return empty_attention(q, k, v), q.new_zeros(b, h, n, m)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     if causal:

@@ -18,6 +18,12 @@ neighbours) are a contiguous window of rows: `attend_windows` runs the batched m
 strided views of that buffer, in cache-sized groups, with a hand-written backward. Routing and Sinkhorn attention
 reuse that kernel for their clusters and blocks.
 
+Without dropout, LSH and routing never build that buffer: `attend_gathered_windows` takes the unsorted rows and the
+index of every buffer row, gathers one group of chunks at a time (in forward, and again in backward), and merges the
+hash rounds (routing: the clusters) of each position by log-sum-exp inside the kernel. Backward then keeps O(n·d)
+floats and integer indices, as dense attention through SDPA does, instead of r sorted copies of q, k, v and their
+r·n·w probabilities.
+
 Conventions shared with transformers' `ReformerModel` (`LSHSelfAttention`), so that both give the same output at
 the same rotations and settings (see tests/test_lsh.py):
 
@@ -89,6 +95,10 @@ __all__ = [
 ]
 
 SELF_SCORE = -1e5
+"""Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
+
+KEY_NORM_EPS = 1e-6
+"""Epsilon of the shared-QK key normalisation `x / sqrt(|x|² + d·eps)` (transformers' convention)."""
 """Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
 
 # The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
@@ -220,7 +230,7 @@ class _NormalizeKeys(torch.autograd.Function):
         return (grad - x * (dot / (x.shape[-1] * mean_square))) * factor, None
 
 
-def normalize_keys(qk: Tensor, eps: float = 1e-6) -> Tensor:
+def normalize_keys(qk: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
     """Keys of shared-QK attention: unit length, `x / sqrt(|x|² + d·eps)` (transformers' epsilon convention)."""
     return _NormalizeKeys.apply(qk, eps)
 
@@ -283,6 +293,9 @@ def gather_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
 _GROUP_ELEMENTS = 2**22
 # With `keep_probs=False` (the memory-lean mode) the group buffers are what the kernel adds to peak memory: 4 MB.
 _LEAN_GROUP_ELEMENTS = 2**20
+# Score elements per group of `attend_gathered_windows` (1 MB of float32): its group holds about eight buffers of
+# this size (scores, their gradient, gathered rows and their gradients), all it adds to peak memory.
+_GATHERED_GROUP_ELEMENTS = 2**18
 
 
 def _windows(rows: Tensor, start: int, stop: int, stride: int, width: int) -> Tensor:
@@ -474,6 +487,250 @@ def attend_windows(
     probs = (scores - safe.unsqueeze(-1)).exp()
     out = torch.bmm(F.dropout(probs, p=dropout_p), values)
     return out.to(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------- gathered windows
+class _GatheredWindows(torch.autograd.Function):
+    """Window attention whose query slots, key rows and value rows are gathered from unsorted rows by index, with
+    the slots that answer the same output row merged by their log-sum-exp; hand-written backward.
+
+    Forward, per group of windows: gather the group's query and key/value rows, S = Q Kᵀ·scale + bias, per slot
+    lse_i and o_i = softmax(S) V; then each output row p is C_p = Σ_i exp(lse_i − L_p) o_i over its slots i, with
+    L_p = log Σ_i exp(lse_i): one softmax over the union of the slots' keys (LSH hash rounds, a query routed to
+    several clusters). Saved: the unsorted rows (inputs), the integer indices, the mask, one lse per slot, C and
+    L: O(n·d) floats plus indices, never a sorted copy or a probability.
+
+    Backward recomputes each group's probabilities. With w_i = exp(lse_i − L_p) the slot's share of row p and
+    D_p = rowsum(dC_p ∘ C_p), slot i's gradients are dO_i = w_i dC_p and dlse_i = w_i (dC_p·o_i − D_p), so
+    dS = w_i P ∘ (dC_p Vᵀ − D_p): o_i itself is never needed. dQ, dK, dV are added back onto the rows they were
+    gathered from (index_add), group by group, so only group-sized buffers exist.
+
+    Shapes: q_rows `[Nq, d]`, k_rows `[Nk, d]`, v_rows `[Nv, d_v]`; query_index, out_index `[U·c]`, key_index,
+    value_index `[R]` with R >= (U − 1)·stride + w (-1: an empty slot or a hidden key); mask bool `[U, c or 1, w]`;
+    output `[n_out, d_v]`.
+    """
+
+    @staticmethod
+    def forward(ctx, q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask, first, last,
+                n_windows, w, n_out, scale, stride, self_column, key_norm_eps):
+        dtype = compute_dtype(q_rows.dtype)
+        c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
+        key_factor = None
+        if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
+            key_factor = torch.rsqrt(k_rows.to(dtype).pow(2).mean(dim=-1, keepdim=True) + key_norm_eps)
+            key_factor.div_(math.sqrt(k_rows.shape[-1]))  # [Nk, 1]
+        slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
+        slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
+                          dtype, scale)
+        hidden = None if mask is None else ~mask
+        for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
+            queries, keys, values = rows.group(start, stop)
+            torch.bmm(queries, keys.transpose(1, 2), out=scores)
+            _hide(scores, start, stop, hidden, first, last, self_column)
+            row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
+            # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
+            row_max.masked_fill_(torch.isneginf(row_max), 0.0)
+            row_sum = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+            slot_lse[start:stop] = (row_max + row_sum.log()).squeeze(-1)  # -inf for rows without keys
+            # A row with a visible key sums to >= 1 (its maximum gives exp(0)); one without sums to 0 and stays 0.
+            scores.div_(row_sum.clamp_(min=1.0))
+            torch.bmm(scores, values, out=slot_out[start:stop])
+        slot_lse = slot_lse.view(-1)
+        out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
+        ctx.save_for_backward(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index,
+                              mask, first, last, slot_lse, out, lse)
+        ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
+        ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
+        return out.to(q_rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index, mask, first, last,
+         slot_lse, out, lse) = ctx.saved_tensors
+        n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
+        dtype = out.dtype
+        c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
+        grad_out = grad_out.to(dtype).contiguous()
+        delta = (grad_out * out).sum(dim=-1)  # [n_out]: D_p
+        answered = out_index >= 0
+        row = out_index.clamp(min=0)
+        # w_i, 0 for empty slots and rows without keys; probabilities are exp(s − lse_i), 0 where lse_i = -inf.
+        share = (slot_lse - lse[row]).exp().masked_fill_(~answered | torch.isneginf(slot_lse), 0.0)
+        lse_shift = slot_lse.masked_fill(torch.isneginf(slot_lse), math.inf).view(n_windows, c, 1)
+        share, slot_delta = share.view(n_windows, c, 1), delta[row].view(n_windows, c, 1)
+        # One spare row takes the gradients of -1 indices (empty slots, zero key rows).
+        grad_q = torch.zeros(q_rows.shape[0] + 1, d, dtype=dtype, device=out.device)
+        grad_k = torch.zeros(k_rows.shape[0] + 1, d, dtype=dtype, device=out.device)
+        grad_v = torch.zeros(v_rows.shape[0] + 1, d_v, dtype=dtype, device=out.device)
+        query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
+        key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
+        value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
+                          dtype, scale)
+        hidden = None if mask is None else ~mask
+        for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
+            g = stop - start
+            queries, keys, values = rows.group(start, stop)
+            torch.bmm(queries, keys.transpose(1, 2), out=probs)
+            _hide(probs, start, stop, hidden, first, last, self_column)
+            probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
+            # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
+            grad_slot = grad_out.index_select(0, row[start * c:stop * c]).view(g, c, d_v)  # dC_p
+            grad_scores = torch.bmm(grad_slot, values.transpose(1, 2)).sub_(slot_delta[start:stop]).mul_(probs)
+            if self_column is not None:
+                _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
+            window_rows = (torch.arange(start, stop, device=out.device)[:, None] * stride
+                           + torch.arange(w, device=out.device)).view(-1)  # [g·w]
+            grad_v.index_add_(0, value_target[window_rows], torch.bmm(probs.transpose(1, 2), grad_slot).view(-1, d_v))
+            grad_k.index_add_(0, key_target[window_rows], torch.bmm(grad_scores.transpose(1, 2), queries).view(-1, d))
+            grad_q.index_add_(0, query_target[start * c:stop * c], torch.bmm(grad_scores, keys).view(-1, d))
+        if scale != 1.0:
+            grad_q.mul_(scale)  # the keys' gradient got the scale through the scaled queries
+        grad_q, grad_k, grad_v = grad_q[:-1], grad_k[:-1], grad_v[:-1]
+        if key_factor is not None:
+            # Through y = x·s with s = (mean(x²) + eps)^(-1/2) / sqrt(d):  dx = s·(dy − x·s²·(dy·x)).
+            dot = (grad_k * k_rows).sum(dim=-1, keepdim=True)
+            grad_k.addcmul_(k_rows, dot.mul_(key_factor.square()), value=-1.0).mul_(key_factor)
+        if ctx.shared_keys:
+            grad_q.add_(grad_k)
+            grad_k = None
+        else:
+            grad_k = grad_k.to(k_rows.dtype)
+        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14)
+
+
+def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: torch.device):
+    """`(start, stop, scores)` over groups of windows, `scores` a reused `[stop - start, c, w]` buffer of about
+    `_GATHERED_GROUP_ELEMENTS` elements."""
+    step = max(1, _GATHERED_GROUP_ELEMENTS // (c * w))
+    buffer = torch.empty(min(step, n_windows), c, w, dtype=dtype, device=device)
+    for start in range(0, n_windows, step):
+        stop = min(n_windows, start + step)
+        yield start, stop, buffer[: stop - start]
+
+
+class _GroupRows:
+    """The rows of each group of windows, gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value
+    windows `[g, w, d]` (keys times `key_factor [Nk, 1]` when given). A -1 index reads row 0: such a key is hidden
+    by the mask and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+
+    def __init__(self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype,
+                 scale):
+        self.q_rows, self.k_rows, self.v_rows, self.key_factor = q_rows, k_rows, v_rows, key_factor
+        self.query_index, self.key_index = query_index.clamp(min=0), key_index.clamp(min=0)
+        self.value_index = value_index.clamp(min=0)
+        self.c, self.stride, self.w, self.dtype, self.scale = c, stride, w, dtype, scale
+
+    def group(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
+        c, stride, w, dtype = self.c, self.stride, self.w, self.dtype
+        queries = self.q_rows.index_select(0, self.query_index[start * c:stop * c]).to(dtype)
+        queries = queries.view(stop - start, c, -1)
+        if self.scale != 1.0:
+            queries.mul_(self.scale)
+        span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
+        keys = self.k_rows.index_select(0, self.key_index[span]).to(dtype)
+        if self.key_factor is not None:
+            keys.mul_(self.key_factor.index_select(0, self.key_index[span]))
+        values = self.v_rows.index_select(0, self.value_index[span]).to(dtype)
+        return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
+
+
+def _hide(scores: Tensor, start: int, stop: int, hidden: Tensor | None, first: Tensor | None, last: Tensor | None,
+          self_column: int | None) -> None:
+    """Hidden keys of windows start..stop, `scores [g, c, w]`, to -inf (`hidden`: the negated `mask` of
+    `attend_gathered_windows`; `first`, `last` as there), then Reformer's self rule (see `attend_windows`)."""
+    if hidden is not None:
+        scores.masked_fill_(hidden[start:stop], -math.inf)
+    if first is not None:
+        c, w = scores.shape[1], scores.shape[2]
+        columns = torch.arange(w, device=scores.device)
+        lo, hi = first[start * c:stop * c].view(-1, c, 1), last[start * c:stop * c].view(-1, c, 1)
+        scores.masked_fill_((columns < lo) | (columns >= hi), -math.inf)
+    if self_column is not None:
+        _self_diagonal(scores, self_column).fill_(SELF_SCORE)
+
+
+def _merge_slots(slot_out: Tensor, slot_lse: Tensor, out_index: Tensor, n_out: int) -> tuple[Tensor, Tensor]:
+    """Merge slot outputs `[S, d_v]` with log-normalisers `[S]` into output rows `out_index [S]` (-1: dropped):
+    `(out [n_out, d_v], lse [n_out])`, zeros and -inf for rows no slot answers or whose slots saw no key."""
+    answered = out_index >= 0
+    row = out_index.clamp(min=0)
+    lse_answered = slot_lse.masked_fill(~answered, -math.inf)
+    shift = slot_lse.new_full((n_out,), -math.inf).scatter_reduce_(0, row, lse_answered, reduce="amax")
+    shift.masked_fill_(torch.isneginf(shift), 0.0)
+    weight = (lse_answered - shift[row]).exp_()  # exactly 0 for dropped slots and slots without keys
+    total = slot_lse.new_zeros(n_out).index_add_(0, row, weight)
+    lse = torch.where(total > 0, shift + total.log(), -math.inf)
+    weight.div_(torch.where(total > 0, total, 1.0)[row])
+    out = slot_out.new_zeros(n_out, slot_out.shape[-1]).index_add_(0, row, slot_out.mul_(weight.unsqueeze(-1)))
+    return out, lse
+
+
+def attend_gathered_windows(
+    q_rows: Tensor,
+    k_rows: Tensor,
+    v_rows: Tensor,
+    *,
+    query_index: Tensor,
+    key_index: Tensor,
+    value_index: Tensor,
+    out_index: Tensor,
+    n_out: int,
+    chunk: int,
+    width: int,
+    stride: int,
+    scale: float,
+    mask: Tensor | None = None,
+    first: Tensor | None = None,
+    last: Tensor | None = None,
+    self_column: int | None = None,
+    key_norm_eps: float | None = None,
+) -> Tensor:
+    """`attend_windows` over rows gathered by index, its slots merged into output rows: memory O(n·d) + indices.
+
+    Content-based kinds sort (LSH) or select (routing) their tokens; instead of materialising the sorted copies
+    and keeping them (and the probabilities) for backward, they pass the unsorted rows and where each slot comes
+    from: slot s of window u (row u·c + s) is query row `query_index[u·c + s]`, window u's keys are rows
+    `key_index[u·stride .. u·stride + w]`, and its output goes to row `out_index[u·c + s]`, merged with the other
+    slots of that row by log-sum-exp (one softmax over the union of their keys, counted with multiplicity).
+    Rows are gathered group by group in forward and again in backward (`_GatheredWindows`), so only
+    O(n·d) floats, the indices, the mask and one log-sum-exp per slot are kept. No dropout (use `attend_windows`).
+
+    Which keys a slot sees is given by `mask`, by a range of window columns `first <= j < last` per slot (a
+    causal band within a cluster or bucket: two integers per query instead of w flags), or by both.
+
+    Args:
+        q_rows: Query rows `[Nq, d]`.
+        k_rows: Key rows `[Nk, d]`.
+        v_rows: Value rows `[Nv, d_v]`.
+        query_index: Long `[U·c]`, the query row of every slot (-1: an empty slot; its `out_index` must be -1).
+        key_index: Long `[R]`, R >= (U − 1)·stride + w: the key row of every window row (-1: no key; the mask or
+            the column range must hide it).
+        value_index: Long `[R]`, likewise for values.
+        out_index: Long `[U·c]`, the output row every slot answers (-1: none).
+        n_out: Output rows.
+        chunk: c, query slots per window (U·c / c windows).
+        width: w, key rows per window.
+        stride, scale: As in `attend_windows`.
+        mask: Bool `[U, c or 1, w]`, True = visible; None: every column (within `first`/`last`).
+        first, last: Long `[U·c]`: slot s sees window columns `first[s] <= j < last[s]` only; None: no limit.
+        self_column: As in `attend_windows`.
+        key_norm_eps: Keys are the rows of k_rows normalised as `normalize_keys(k_rows, key_norm_eps)` (Reformer's
+            shared-QK keys), row by row as they are gathered, so no normalised copy is kept; None: as they are.
+            Pass the same tensor as q_rows and k_rows for shared queries and keys.
+
+    Returns:
+        `[n_out, d_v]` in q_rows' dtype; zeros for a row no slot answers or whose slots see no key.
+    """
+    if width > stride and width % stride:
+        raise ValueError(f"overlapping windows must be a multiple of the stride: w={width}, stride={stride}.")
+    if (first is None) != (last is None):
+        raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
+    n_windows = query_index.shape[0] // chunk
+    return _GatheredWindows.apply(q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask,
+                                  first, last, n_windows, width, n_out, float(scale), stride, self_column,
+                                  key_norm_eps)
 
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
@@ -710,22 +967,40 @@ def lsh_attention(
         real = positions[:n]
         query_index = _scatter_index(n_queries * c, buffer_row[..., :n], qk_row_of(bi, hi, real))
         value_index = _scatter_index(n_queries * c, buffer_row[..., :n], v_row_of(bi, hi, real))
-        # Backward maps: copy `round` of source row p sits at buffer row buffer_row[.., round, p].
-        query_inverse = _scatter_index(r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0],
-                                       buffer_row[..., :n]).view(r, -1)
-        value_inverse = _scatter_index(r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0],
-                                       buffer_row[..., :n]).view(r, -1)
         lead = torch.full((before * c,), -1, dtype=torch.long, device=device)
         tail = torch.full((after * c,), -1, dtype=torch.long, device=device)
         key_index = torch.cat([lead, query_index, tail])  # keys: the query buffer with zero chunks around it
         value_index = torch.cat([lead, value_index, tail])
-        key_inverse = torch.where(query_inverse >= 0, query_inverse + before * c, -1)
-        value_inverse = torch.where(value_inverse >= 0, value_inverse + before * c, -1)
 
         key_rows = before * c + buffer_row[..., :n].reshape(-1)  # key-buffer rows of the real positions
         row_valid = torch.zeros(key_index.shape[0], dtype=torch.bool, device=device)
         row_valid[key_rows] = valid[:, None, None, :].expand(b, h, r, n).reshape(-1)
         mask = _windows(row_valid[:, None], 0, n_queries, c, w).view(n_queries, 1, w)  # [U, 1, w]
+
+    if windows is attend_windows and dropout_p == 0.0:
+        # Neither the sorted copies nor the probabilities are kept: the kernel gathers the rows of each group of
+        # chunks in forward and again in backward, and merges the rounds of every position by log-sum-exp.
+        with torch.no_grad():
+            out_index = _scatter_index(n_queries * c, buffer_row[..., :n], (bi * h + hi) * n + real)
+            first = last = None
+            if causal:
+                # The visible keys of a causal query are the last (at most before·c) entries of its bucket before
+                # it in sorted order: window columns [column − back, column) with column = before·c + slot.
+                sorted_buckets = buckets.gather(-1, order)
+                bucket_start = torch.searchsorted(sorted_buckets, sorted_buckets).gather(-1, rank)  # [b, h, r, n_pad]
+                back = (rank - bucket_start).clamp_(max=before * c)
+                back.masked_fill_(buckets == math.prod(factors), 0)  # padding sees no key
+                column = before * c + buffer_row % c
+                first = _scatter_index(n_queries * c, buffer_row[..., :n], (column - back)[..., :n]).clamp_(min=0)
+                last = _scatter_index(n_queries * c, buffer_row[..., :n], column[..., :n]).clamp_(min=0)
+        out = attend_gathered_windows(
+            qk_rows, qk_rows, v_rows, key_norm_eps=KEY_NORM_EPS, query_index=query_index, key_index=key_index,
+            value_index=value_index, out_index=out_index, n_out=b * h * n, chunk=c, width=w, stride=c, scale=1.0,
+            mask=None if causal else mask, first=first, last=last, self_column=before * c,
+        )
+        return out.view(b, h, n, d_v)
+
+    with torch.no_grad():
         if causal:
             row_bucket = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
             row_bucket[key_rows] = buckets[..., :n].reshape(-1)
@@ -736,9 +1011,13 @@ def lsh_attention(
             distance = before * c + torch.arange(c, device=device)[:, None] - torch.arange(w, device=device)
             band = (distance > 0) & (distance <= before * c)  # [c, w]
             mask = mask & band & (key_bucket == query_bucket)  # [U, c, w]
+        # Backward maps: copy `round` of source row p sits at key-buffer row before·c + buffer_row[.., round, p].
+        key_inverse = _scatter_index(r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0],
+                                     key_rows.view(b, h, r, n)).view(r, -1)
+        value_inverse = _scatter_index(r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0],
+                                       key_rows.view(b, h, r, n)).view(r, -1)
         unsort = buffer_row[..., :n].reshape(-1)  # [b·h·r·n], where each (b, h, r, position) was answered
         unsort_inverse = _scatter_index(n_queries * c, unsort, torch.arange(unsort.numel(), device=device))
-
     qk_sorted = gather_rows(qk_rows, key_index, key_inverse)  # [rows, d]: zero chunks, then the segments
     q_sorted = qk_sorted[before * c:before * c + n_queries * c].view(n_queries, c, d)
     k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero

@@ -109,3 +109,40 @@ def assert_mixed_stack_trains(model_class, config):
     assert torch.isfinite(out.loss)
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
+
+
+def saved_tensor_bytes(fn):
+    """`(floating, other)`: bytes of the distinct tensor storages autograd keeps for backward while `fn()` runs
+    (floating point: values and activations; other: integer indices and bool masks)."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(), tensor.is_floating_point())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    floating = sum(size for size, is_float in storages.values() if is_float)
+    return floating, sum(size for size, is_float in storages.values() if not is_float)
+
+
+def peak_tensor_bytes(fn):
+    """Peak of allocated-minus-freed CPU tensor bytes while `fn()` runs, from the profiler's allocation events
+    (the tensor MB column of scripts/benchmark.py): what a step adds to memory, workspaces included."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
+            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak

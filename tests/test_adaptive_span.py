@@ -150,3 +150,26 @@ def test_encoder_and_decoder_paths_agree_with_the_explicit_weights():
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         config(**fields)
+
+
+def test_forward_and_backward_keep_rows_not_band_tensors_and_small_workspaces():
+    """Saved for backward: q, the padded k and v, the output and two numbers per query (O(n·d)); the soft mask is
+    one [h, c, w] table. Forward + backward add O(n·d) tensors and chunk workspaces of about 1 MB each: at this
+    size, less than two [n, w] band tensors in all."""
+    from attention_checks import peak_tensor_bytes, saved_tensor_bytes
+
+    b, h, n, d, max_span = 1, 2, 1024, 16, 256
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    span = torch.full((h,), float(max_span), requires_grad=True)
+
+    def step():
+        out = adaptive_span_attention(q, k, v, span=span, max_span=max_span, ramp=32, causal=False)
+        out.backward(torch.ones_like(out))
+
+    floating, _ = saved_tensor_bytes(step)
+    rows = b * h * (n + 2 * max_span) * d * 4  # one float32 [b, h, n + 2S, d] tensor
+    table = h * 64 * (64 + 2 * max_span) * 4  # one float32 [h, c, w] table (the soft mask and its autograd inputs)
+    assert floating <= 5 * rows + 3 * table, floating
+    band = b * h * n * (64 + 2 * max_span) * 4  # one float32 [n, w] band tensor: 4.5 MB here
+    peak = peak_tensor_bytes(step)
+    assert peak <= 2 * band, (peak, band)  # about 1.6 band tensors; 4 MB chunk workspaces made it 4.5

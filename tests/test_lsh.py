@@ -476,3 +476,19 @@ def test_content_based_kinds_with_dropout_and_in_bf16(kind, fields, causal):
     # Loose: in bf16 a few tokens can land in another bucket, cluster or sorted block than in float32.
     error = (low - reference)[keep].abs().mean() / reference[keep].abs().mean()
     assert error < 0.1, error
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_keeps_rows_and_indices_not_sorted_copies_or_probabilities(causal):
+    """Saved for backward: qk, v, the output and a few numbers per (round, position), O(n·d) floats, plus integer
+    indices; neither the r sorted copies of q, k, v nor the r·n·w probabilities (nor a causal [r·n, w] mask)."""
+    from attention_checks import saved_tensor_bytes
+
+    b, h, n, d, r, c = 1, 2, 512, 16, 2, 32
+    qk, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(2))
+    floating, other = saved_tensor_bytes(lambda: lsh_attention(
+        qk, v, num_hashes=r, bucket_size=c, num_buckets=8, seed=0, causal=causal))
+    rows = b * h * n  # float32 rows of d: qk, v and the output take 3·rows·d·4 bytes
+    assert floating <= 4 * rows * d * 4 + 2 * r * rows * 4, floating  # + a log-sum-exp per slot (and slack)
+    # Integer indices: query, key, value and output slots (and a causal band's two ends), about r·rows each.
+    assert other <= 8 * (r * rows + 4 * c * r * b * h) * 8, other

@@ -388,3 +388,19 @@ def test_routing_mixes_with_sliding_layers_in_every_stack(model_class):
                             decoder_attention_type=["routing", "full"], sliding_window=3, routing_num_clusters=3,
                             routing_causal_window=5, max_position_embeddings=64)
     assert_mixed_stack_trains(model_class, config)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_keeps_rows_and_indices_not_gathered_copies_or_probabilities(causal):
+    """Saved for backward: q, k, v, the output and a number per slot, O(n·d) floats, plus integer indices;
+    neither the gathered copies of the clusters' rows nor their [k, k] probabilities (nor a causal [n, 2W] bias)."""
+    from attention_checks import saved_tensor_bytes
+
+    b, h, n, d, clusters, window = 1, 2, 512, 16, 4, 64
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    centroids = F.normalize(torch.randn(h, clusters, d), dim=-1)
+    floating, other = saved_tensor_bytes(lambda: routing_attention(
+        q, k, v, centroids, causal=causal, causal_window=window))
+    rows = b * h * n
+    assert floating <= 5 * rows * d * 4, floating  # q, k, v, the output, and per-slot numbers
+    assert other <= 8 * (4 * rows + 4 * rows) * 8, other
