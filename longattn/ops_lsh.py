@@ -211,14 +211,18 @@ def lsh_buckets(
     return buckets
 
 
+def _key_norm_factor(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`(factor, mean_square)` of `normalize_keys` for rows `x [.., d]`: factor = (mean(x²) + eps)^(-1/2) / sqrt(d)."""
+    mean_square = x.pow(2).mean(dim=-1, keepdim=True) + eps  # [.., 1]
+    return torch.rsqrt(mean_square) / math.sqrt(x.shape[-1]), mean_square
+
+
 class _NormalizeKeys(torch.autograd.Function):
     """`x / sqrt(|x|² + d·eps)` with a two-pass backward (autograd's chain of pow/mean/rsqrt/div took six)."""
 
     @staticmethod
     def forward(ctx, x, eps):
-        d = x.shape[-1]
-        mean_square = x.pow(2).mean(dim=-1, keepdim=True) + eps  # [.., 1]
-        factor = torch.rsqrt(mean_square) / math.sqrt(d)
+        factor, mean_square = _key_norm_factor(x, eps)
         ctx.save_for_backward(x, factor, mean_square)
         return x * factor
 
@@ -517,8 +521,7 @@ class _GatheredWindows(torch.autograd.Function):
         c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
         key_factor = None
         if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
-            key_factor = torch.rsqrt(k_rows.to(dtype).pow(2).mean(dim=-1, keepdim=True) + key_norm_eps)
-            key_factor.div_(math.sqrt(k_rows.shape[-1]))  # [Nk, 1]
+            key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
         rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
