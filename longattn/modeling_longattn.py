@@ -802,19 +802,31 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
-        _check_labels("labels", labels, [logits.shape[:2]])
-        loss = None
-        if labels is not None:
-            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
-                                   num_items_in_batch=num_items_in_batch)
+        loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, MaskedLMOutput, outputs, return_dict, loss=loss, logits=logits)
 
 
 def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
     return return_dict if return_dict is not None else model.config.return_dict
+
+
+def _head_output(head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput,
+                 return_dict: bool | None, **fields) -> ModelOutput | tuple:
+    """A head's `output_class(**fields)` with the backbone `outputs`' hidden states and attentions, as a tuple unless
+    `return_dict` (default: the config's) asks for the ModelOutput."""
+    output = output_class(**fields, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output if _return_dict(head, return_dict) else output.to_tuple()
+
+
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, *,
+                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | None:
+    """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
+    labels."""
+    _check_labels("labels", labels, [logits.shape[:2]])
+    if labels is None:
+        return None
+    return ForMaskedLMLoss(logits, labels.contiguous(), vocab_size, num_items_in_batch=num_items_in_batch)
 
 
 def _classifier_dropout(config: LongAttnConfig) -> float:
@@ -855,9 +867,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                          attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, SequenceClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
 
 
 def _classification_loss(
@@ -925,9 +935,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
             loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
                                        num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                       attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, TokenClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
 
 
 class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
@@ -964,9 +972,8 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
             loss = (F.cross_entropy(start_logits, start, ignore_index=length)
                     + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
         loss = _with_auxiliary_loss(loss, self.longattn)
-        output = QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                              hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, QuestionAnsweringModelOutput, outputs, return_dict, loss=loss,
+                            start_logits=start_logits, end_logits=end_logits)
 
 
 # ---------------------------------------------------------------------------------------------- decoder heads
@@ -1014,9 +1021,8 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
                                    shift_labels=shift_labels.contiguous())
         loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-                                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, CausalLMOutputWithPast, outputs, return_dict, loss=loss, logits=logits,
+                            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)})
 
 
 class LongAttnDecoder(nn.Module):
@@ -1101,12 +1107,8 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, t, V]
-        _check_labels("labels", labels, [logits.shape[:2]])
-        loss = None
-        if labels is not None:
-            # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
-            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
-                                   num_items_in_batch=num_items_in_batch)
+        # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
+        loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
