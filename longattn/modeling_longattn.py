@@ -797,10 +797,8 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> MaskedLMOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
@@ -809,6 +807,16 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
 
 def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
     return return_dict if return_dict is not None else model.config.return_dict
+
+
+def _backbone_outputs(head: PreTrainedModel, input_ids, attention_mask, global_attention_mask, inputs_embeds,
+                      position_ids, output_hidden_states, output_attentions, **extra) -> ModelOutput:
+    """`head.longattn` on the inputs of the head's `forward` (same names, same order), always as a ModelOutput: the
+    head applies `return_dict` to its own output. `extra`: the decoder heads' cache arguments."""
+    return head.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
+                         inputs_embeds=inputs_embeds, position_ids=position_ids,
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, **extra)
 
 
 def _head_output(head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput,
@@ -859,10 +867,8 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
@@ -924,10 +930,8 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> TokenClassifierOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
@@ -955,10 +959,8 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, start_positions=None, end_positions=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, **kwargs) -> QuestionAnsweringModelOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
         batch = start_logits.shape[0]
         _check_labels("start_positions", start_positions, [(batch,), (batch, 1)])
@@ -1002,11 +1004,9 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
                 position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
                 num_items_in_batch=None, cache=None, **kwargs) -> CausalLMOutputWithPast | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions,
+                                    past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache)
         hidden_states = outputs.last_hidden_state
         _check_labels("labels", labels, [hidden_states.shape[:2]])
         _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
