@@ -625,10 +625,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             self.embeddings, self.rotary, self.encoder, self.config,
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             global_attention_mask=global_attention_mask, position_ids=position_ids, past_key_values=None,
-            output_hidden_states=bool(output_hidden_states if output_hidden_states is not None
-                                      else self.config.output_hidden_states),
-            output_attentions=bool(output_attentions if output_attentions is not None
-                                   else self.config.output_attentions),
+            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
+            output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -674,10 +672,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             global_attention_mask=global_attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
-            output_hidden_states=bool(output_hidden_states if output_hidden_states is not None
-                                      else self.config.output_hidden_states),
-            output_attentions=bool(output_attentions if output_attentions is not None
-                                   else self.config.output_attentions),
+            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
+            output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -686,10 +682,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
                          past_key_values, use_cache, output_hidden_states, output_attentions,
                          return_dict) -> Seq2SeqModelOutput | tuple:
         """Encode (unless `encoder_outputs` is given), then decode with cross-attention to the encoder states."""
-        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
-                                    else self.config.output_hidden_states)
-        output_attentions = bool(output_attentions if output_attentions is not None
-                                 else self.config.output_attentions)
+        output_hidden_states = _flag(self.config, "output_hidden_states", output_hidden_states)
+        output_attentions = _flag(self.config, "output_attentions", output_attentions)
         if encoder_outputs is None:
             encoder_outputs = self.encode(input_ids, attention_mask=attention_mask,
                                           global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
@@ -803,6 +797,11 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         return _head_output(self, MaskedLMOutput, outputs, return_dict, loss=loss, logits=logits)
+
+
+def _flag(config: LongAttnConfig, name: str, value: bool | None) -> bool:
+    """The caller's flag `value`, or the config's field `name` where it is None."""
+    return bool(value if value is not None else getattr(config, name))
 
 
 def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
