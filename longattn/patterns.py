@@ -76,11 +76,7 @@ def _check_positive_int(value: int, name: str, meaning: str) -> int:
 
 
 def check_window(window: int, *, name: str = "window") -> int:
-    """Validate a window, the number of keys on each side of a query: an int >= 1, returned as is.
-
-    Raises:
-        ValueError: If `window` is not an int >= 1 (the message names the argument `name`).
-    """
+    """Validate a window (keys on each side of a query): an int >= 1, else a ValueError naming `name`."""
     return _check_positive_int(window, name, "keys on each side of a query")
 
 
@@ -348,11 +344,7 @@ def materialize_mask(
 
 # ---------------------------------------------------------------------------------------------- Sparse Transformer
 def check_stride(stride: int, *, name: str = "stride") -> int:
-    """Validate the stride l of the strided pattern: an int >= 1, returned as is.
-
-    Raises:
-        ValueError: If `stride` is not an int >= 1 (the message names the argument `name`).
-    """
+    """Validate the stride l of the strided pattern: an int >= 1, else a ValueError naming `name`."""
     return _check_positive_int(stride, name, "the stride l of the strided pattern")
 
 
