@@ -56,14 +56,7 @@ for _auto_class, _model_class in AUTO_CLASSES.items():
 
 __all__ = [
     "LongAttnConfig",
-    "LongAttnPreTrainedModel",
-    "LongAttnModel",
-    "LongAttnForMaskedLM",
-    "LongAttnForSequenceClassification",
-    "LongAttnForTokenClassification",
-    "LongAttnForQuestionAnswering",
-    "LongAttnForCausalLM",
-    "LongAttnForSeq2SeqLM",
+    *modeling_longattn.__all__,
     "apply_longattn",
     "auxiliary_loss",
     "available_attention_types",

@@ -625,10 +625,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             self.embeddings, self.rotary, self.encoder, self.config,
             input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             global_attention_mask=global_attention_mask, position_ids=position_ids, past_key_values=None,
-            output_hidden_states=bool(output_hidden_states if output_hidden_states is not None
-                                      else self.config.output_hidden_states),
-            output_attentions=bool(output_attentions if output_attentions is not None
-                                   else self.config.output_attentions),
+            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
+            output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -674,10 +672,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             global_attention_mask=global_attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
-            output_hidden_states=bool(output_hidden_states if output_hidden_states is not None
-                                      else self.config.output_hidden_states),
-            output_attentions=bool(output_attentions if output_attentions is not None
-                                   else self.config.output_attentions),
+            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
+            output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -686,10 +682,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
                          past_key_values, use_cache, output_hidden_states, output_attentions,
                          return_dict) -> Seq2SeqModelOutput | tuple:
         """Encode (unless `encoder_outputs` is given), then decode with cross-attention to the encoder states."""
-        output_hidden_states = bool(output_hidden_states if output_hidden_states is not None
-                                    else self.config.output_hidden_states)
-        output_attentions = bool(output_attentions if output_attentions is not None
-                                 else self.config.output_attentions)
+        output_hidden_states = _flag(self.config, "output_hidden_states", output_hidden_states)
+        output_attentions = _flag(self.config, "output_attentions", output_attentions)
         if encoder_outputs is None:
             encoder_outputs = self.encode(input_ids, attention_mask=attention_mask,
                                           global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
@@ -797,24 +791,49 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> MaskedLMOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
-        _check_labels("labels", labels, [logits.shape[:2]])
-        loss = None
-        if labels is not None:
-            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
-                                   num_items_in_batch=num_items_in_batch)
+        loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, MaskedLMOutput, outputs, return_dict, loss=loss, logits=logits)
+
+
+def _flag(config: LongAttnConfig, name: str, value: bool | None) -> bool:
+    """The caller's flag `value`, or the config's field `name` where it is None."""
+    return bool(value if value is not None else getattr(config, name))
 
 
 def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
     return return_dict if return_dict is not None else model.config.return_dict
+
+
+def _backbone_outputs(head: PreTrainedModel, input_ids, attention_mask, global_attention_mask, inputs_embeds,
+                      position_ids, output_hidden_states, output_attentions, **extra) -> ModelOutput:
+    """`head.longattn` on the inputs of the head's `forward` (same names, same order), always as a ModelOutput: the
+    head applies `return_dict` to its own output. `extra`: the decoder heads' cache arguments."""
+    return head.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
+                         inputs_embeds=inputs_embeds, position_ids=position_ids,
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                         return_dict=True, **extra)
+
+
+def _head_output(head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput,
+                 return_dict: bool | None, **fields) -> ModelOutput | tuple:
+    """A head's `output_class(**fields)` with the backbone `outputs`' hidden states and attentions, as a tuple unless
+    `return_dict` (default: the config's) asks for the ModelOutput."""
+    output = output_class(**fields, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output if _return_dict(head, return_dict) else output.to_tuple()
+
+
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, *,
+                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | None:
+    """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
+    labels."""
+    _check_labels("labels", labels, [logits.shape[:2]])
+    if labels is None:
+        return None
+    return ForMaskedLMLoss(logits, labels.contiguous(), vocab_size, num_items_in_batch=num_items_in_batch)
 
 
 def _classifier_dropout(config: LongAttnConfig) -> float:
@@ -847,17 +866,13 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                          attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, SequenceClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
 
 
 def _classification_loss(
@@ -914,10 +929,8 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
                 num_items_in_batch=None, **kwargs) -> TokenClassifierOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
@@ -925,9 +938,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
             loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
                                        num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                       attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, TokenClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
 
 
 class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
@@ -947,10 +958,8 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
                 position_ids=None, start_positions=None, end_positions=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, **kwargs) -> QuestionAnsweringModelOutput | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
         batch = start_logits.shape[0]
         _check_labels("start_positions", start_positions, [(batch,), (batch, 1)])
@@ -964,9 +973,8 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
             loss = (F.cross_entropy(start_logits, start, ignore_index=length)
                     + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
         loss = _with_auxiliary_loss(loss, self.longattn)
-        output = QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                              hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, QuestionAnsweringModelOutput, outputs, return_dict, loss=loss,
+                            start_logits=start_logits, end_logits=end_logits)
 
 
 # ---------------------------------------------------------------------------------------------- decoder heads
@@ -995,11 +1003,9 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
                 position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
                 num_items_in_batch=None, cache=None, **kwargs) -> CausalLMOutputWithPast | tuple:
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, position_ids=position_ids,
-                                past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
+                                    output_hidden_states, output_attentions,
+                                    past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache)
         hidden_states = outputs.last_hidden_state
         _check_labels("labels", labels, [hidden_states.shape[:2]])
         _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
@@ -1014,9 +1020,8 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
                                    shift_labels=shift_labels.contiguous())
         loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-                                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return _head_output(self, CausalLMOutputWithPast, outputs, return_dict, loss=loss, logits=logits,
+                            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)})
 
 
 class LongAttnDecoder(nn.Module):
@@ -1101,12 +1106,8 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
                                 output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                                 return_dict=True)
         logits = self.lm_head(outputs.last_hidden_state)  # [b, t, V]
-        _check_labels("labels", labels, [logits.shape[:2]])
-        loss = None
-        if labels is not None:
-            # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
-            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size,
-                                   num_items_in_batch=num_items_in_batch)
+        # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
+        loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},

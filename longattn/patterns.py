@@ -14,6 +14,7 @@ This module depends on torch only (no other longattn module), so every layer abo
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,22 +64,20 @@ def mask_reach(mask_fn: MaskFn) -> int | None:
     return getattr(mask_fn, "reach", None)
 
 
-def check_window(window: int, *, name: str = "window") -> int:
-    """Validate a window (keys on each side of a query).
-
-    Args:
-        window: Number of keys on each side, >= 1.
-        name: Argument name used in the error message.
-
-    Returns:
-        The window as a Python int.
+def _check_positive_int(value: int, name: str, meaning: str) -> int:
+    """`value` if it is an int >= 1 (a bool is not).
 
     Raises:
-        ValueError: If `window` is not an int >= 1.
+        ValueError: Otherwise, naming the argument `name`, the value and what it means (`meaning`).
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"{name} must be an int >= 1 (keys on each side of a query), got {window!r}")
-    return window
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 ({meaning}), got {value!r}")
+    return value
+
+
+def check_window(window: int, *, name: str = "window") -> int:
+    """Validate a window (keys on each side of a query): an int >= 1, else a ValueError naming `name`."""
+    return _check_positive_int(window, name, "keys on each side of a query")
 
 
 def check_dilation(
@@ -233,46 +232,36 @@ def global_token_mask(global_mask: Tensor) -> MaskFn:
     return _named(global_tokens, "global_tokens")
 
 
-def and_masks(*mask_fns: MaskFn) -> MaskFn:
-    """A key is visible when every predicate allows it (no predicate: everything is visible).
+def _fold_masks(mask_fns: tuple[MaskFn, ...], *, every: bool, reach: int | None) -> MaskFn:
+    """The predicates' AND (`every`, True with no predicate) or OR (False with no predicate), named `and(...)` /
+    `or(...)` after its parts."""
+    combine = operator.and_ if every else operator.or_
 
-    Args:
-        *mask_fns: Predicates to intersect.
-
-    Returns:
-        A `MaskFn` named `and(...)` after its parts.
-    """
-
-    def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = torch.ones((), dtype=torch.bool, device=q_idx.device)
+    def folded(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = torch.full((), every, dtype=torch.bool, device=q_idx.device)
         for fn in mask_fns:
-            result = result & fn(b, h, q_idx, kv_idx)
+            result = combine(result, fn(b, h, q_idx, kv_idx))
         return result
 
+    name = ("and(" if every else "or(") + ", ".join(fn.__name__ for fn in mask_fns) + ")"
+    return _named(folded, name, reach=reach)
+
+
+def and_masks(*mask_fns: MaskFn) -> MaskFn:
+    """A key is visible when every predicate in `mask_fns` allows it (no predicate: everything is visible).
+
+    Returns:
+        A `MaskFn` named `and(...)` after its parts, in the narrowest band of theirs.
+    """
     bounded = [reach for reach in map(mask_reach, mask_fns) if reach is not None]
-    return _named(and_mask, "and(" + ", ".join(fn.__name__ for fn in mask_fns) + ")",
-                  reach=min(bounded) if bounded else None)
+    return _fold_masks(mask_fns, every=True, reach=min(bounded) if bounded else None)
 
 
 def or_masks(*mask_fns: MaskFn) -> MaskFn:
-    """A key is visible when any predicate allows it (no predicate: nothing is visible).
-
-    Args:
-        *mask_fns: Predicates to unite.
-
-    Returns:
-        A `MaskFn` named `or(...)` after its parts.
-    """
-
-    def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = torch.zeros((), dtype=torch.bool, device=q_idx.device)
-        for fn in mask_fns:
-            result = result | fn(b, h, q_idx, kv_idx)
-        return result
-
+    """A key is visible when any predicate in `mask_fns` allows it; with none, nothing is: a `MaskFn` named
+    `or(...)` after its parts, unbounded as soon as one part is."""
     reaches = [mask_reach(fn) for fn in mask_fns]
-    return _named(or_mask, "or(" + ", ".join(fn.__name__ for fn in mask_fns) + ")",
-                  reach=None if not reaches or None in reaches else max(reaches))
+    return _fold_masks(mask_fns, every=False, reach=None if not reaches or None in reaches else max(reaches))
 
 
 def sliding_window_pattern(
@@ -355,21 +344,8 @@ def materialize_mask(
 
 # ---------------------------------------------------------------------------------------------- Sparse Transformer
 def check_stride(stride: int, *, name: str = "stride") -> int:
-    """Validate the stride l of the strided pattern.
-
-    Args:
-        stride: The stride, >= 1.
-        name: Argument name used in the error message.
-
-    Returns:
-        The stride as a Python int.
-
-    Raises:
-        ValueError: If `stride` is not an int >= 1.
-    """
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"{name} must be an int >= 1 (the stride l of the strided pattern), got {stride!r}")
-    return stride
+    """Validate the stride l of the strided pattern: an int >= 1, else a ValueError naming `name`."""
+    return _check_positive_int(stride, name, "the stride l of the strided pattern")
 
 
 def check_fixed_sizes(
@@ -389,8 +365,7 @@ def check_fixed_sizes(
         ValueError: If `block_size` is not an int >= 1 or `num_summary` is not an int in [1, block_size].
     """
     block_name, summary_name = names
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"{block_name} must be an int >= 1 (the block length l), got {block_size!r}")
+    _check_positive_int(block_size, block_name, "the block length l")
     if isinstance(num_summary, bool) or not isinstance(num_summary, int) or not 1 <= num_summary <= block_size:
         raise ValueError(
             f"{summary_name} must be an int in [1, {block_name}] = [1, {block_size}] (summary cells per block), "

@@ -372,3 +372,24 @@ def test_invalid_shapes_are_reported():
         ops.full_attention(q, k, v, key_padding_mask=torch.ones(2, 11, dtype=torch.bool))
     with pytest.raises(ValueError, match="q_len"):
         patterns.materialize_mask(patterns.causal_mask(), batch=1, heads=1, q_len=-1, kv_len=3)
+
+
+def test_and_or_masks_names_reach_and_empty_identity():
+    """`and_masks` / `or_masks` share one fold: names after the parts, narrowest / widest reach, and the empty
+    intersection sees everything while the empty union sees nothing."""
+    window = patterns.sliding_window_mask(2)
+    causal = patterns.causal_mask()
+    both, either = patterns.and_masks(window, causal), patterns.or_masks(window, causal)
+    assert both.__name__ == f"and({window.__name__}, causal)" and either.__name__ == f"or({window.__name__}, causal)"
+    assert patterns.mask_reach(both) == patterns.mask_reach(window) and patterns.mask_reach(either) is None
+    nothing, everything = patterns.or_masks(), patterns.and_masks()
+    dense = {fn: patterns.materialize_mask(fn, batch=1, heads=1, q_len=5, kv_len=5)
+             for fn in (window, causal, both, either, nothing, everything)}
+    assert torch.equal(dense[both], dense[window] & dense[causal])
+    assert torch.equal(dense[either], dense[window] | dense[causal])
+    assert dense[everything].all() and not dense[nothing].any()
+    for check, name in ((patterns.check_window, "window"), (patterns.check_stride, "stride")):
+        assert check(3) == 3
+        for bad in (0, True, 1.5):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+                check(bad)
