@@ -14,7 +14,11 @@ Three layers, each usable on its own:
    and other "attend within a gathered key set" kinds reuse it.
 2. `merge_attention([(out, lse), ...])`: combine partial attentions over disjoint key sets exactly (log-sum-exp).
 3. `banded_attention(q, k, v, mask_fn=..., window_left=..., ...)`: sliding window, dilated sliding window (per-head
-   dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band.
+   dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
+   band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
+   keys of a block read as a strided view of the padded keys (they are contiguous positions), the masks evaluated
+   from the predicate in forward and again in backward (nothing n x keys is saved). Dilated bands, dropout, other
+   devices and compilers use `attend_blocks`.
 
 The block masks are never written by hand: they come from evaluating the pattern's `MaskFn` (see
 `longattn.patterns`) on the ORIGINAL positions of each block's queries and gathered keys, so the dense reference
