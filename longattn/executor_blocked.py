@@ -14,7 +14,11 @@ Three layers, each usable on its own:
    and other "attend within a gathered key set" kinds reuse it.
 2. `merge_attention([(out, lse), ...])`: combine partial attentions over disjoint key sets exactly (log-sum-exp).
 3. `banded_attention(q, k, v, mask_fn=..., window_left=..., ...)`: sliding window, dilated sliding window (per-head
-   dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band.
+   dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
+   band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
+   keys of a block read as a strided view of the padded keys (they are contiguous positions), the masks evaluated
+   from the predicate in forward and again in backward (nothing n x keys is saved). Dilated bands, dropout, other
+   devices and compilers use `attend_blocks`.
 
 The block masks are never written by hand: they come from evaluating the pattern's `MaskFn` (see
 `longattn.patterns`) on the ORIGINAL positions of each block's queries and gathered keys, so the dense reference
@@ -661,14 +665,16 @@ def banded_attention(
     global_mask: Tensor | None = None,
     scale: float,
     dropout_p: float = 0.0,
-    block_size: int = 128,
+    block_size: int | None = None,
 ) -> Tensor:
     """Attention whose pattern is a (dilated) band plus optional Longformer global tokens, in O(n · w).
 
-    Local part: for each head group sharing a dilation, `attend_blocks` over a `band_layout`; the block masks come
-    from `mask_fn` evaluated on original positions, with the band copies of global keys hidden. Global keys: every
-    query block gathers its batch row's global keys after its band keys, in the same softmax. Global queries: a dense row over
-    all keys, O(g · n), written over the local result. `mask_fn` decides visibility everywhere; the geometry
+    Local part, per head group sharing a dilation, over a `band_layout`; the block masks come from `mask_fn`
+    evaluated on original positions, with the band copies of global keys hidden. A plain band without dropout on CPU
+    runs `_BandAttention` (torch's fused CPU attention per chunk of blocks, keys read as strided views, global keys
+    merged by log-sum-exp, masks evaluated again in backward instead of saved). Otherwise (dilation, dropout, other
+    devices, compilers) `attend_blocks`: every query block gathers its band keys and its batch row's global keys, one
+    softmax. Global queries: a dense row over all keys, O(g · n), written over the local result. `mask_fn` decides visibility everywhere; the geometry
     arguments only say where visible keys can be, so they must cover `mask_fn`'s local part.
 
     Args:
@@ -683,8 +689,9 @@ def banded_attention(
         scale: Multiplier of q·k.
         dropout_p: Dropout on the attention probabilities.
         block_size: Queries per block; smaller blocks gather fewer unused keys (c + 2w keys serve c queries),
-            larger ones give larger matrix products and fewer steps. 128 was fastest for w = 256 on a 2-core CPU
-            (16K tokens, forward + backward: 64 -> 0.59 s, 96 -> 0.63 s, 128 -> 0.50 s, median of 5).
+            larger ones give larger matrix products and fewer steps. None: 128 for `attend_blocks` (fastest for
+            w = 256 on a 2-core CPU, 16K tokens, forward + backward: 64 -> 0.59 s, 96 -> 0.63 s, 128 -> 0.50 s), and
+            for the fused path `_fused_block_size`.
 
     Returns:
         Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
@@ -716,6 +723,8 @@ def banded_attention(
             q_g, k_g, v_g = (t.index_select(1, heads_t) for t in (q, k, v))
         hg = len(heads)
         class_len = -(-n_k // d)
+        fused = _fused_band_applies(q_g, d, dropout_p)
+        c = block_size or (_fused_block_size(hg // k_g.shape[1]) if fused else 128)
         # Beyond the length of a residue class the band holds no key; clipping keeps "window >= length" cheap.
         layout = band_layout(
             q_len=n_q,
@@ -723,11 +732,19 @@ def banded_attention(
             window_left=min(window_left, class_len),
             window_right=min(window_right, class_len),
             dilation=d,
-            block_size=block_size,
+            block_size=c,
             q_offset=q_offset,
             device=device,
         )
         nb, c = layout.q_pos.shape
+        if fused:
+            plan = _BandPlan(
+                layout=layout, local_fn=local_fn, mask_fn=mask_fn, heads=heads_t, global_index=global_index,
+                global_valid=global_valid, scale=float(scale), first_key=q_offset - min(window_left, class_len),
+            )
+            group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
+            group_heads.extend(heads)
+            continue
         if layout.slot_of_query is None:
             q_blocks = q_g.reshape(b, hg, nb, c, q_g.shape[3])
         else:
@@ -774,6 +791,23 @@ def banded_attention(
     return out
 
 
+def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:
+    """Whether a head group runs `_BandAttention`: eager CPU code (the fused kernel is torch's CPU one; compilers
+    trace `attend_blocks`' plain-op form), no dropout (the kernel has none), a plain band (dilation 1)."""
+    return q.device.type == "cpu" and dropout_p == 0 and dilation == 1 and not torch.compiler.is_compiling()
+
+
+def _fused_block_size(group: int) -> int:
+    """Queries per block of the fused path for `group` query heads per key/value head.
+
+    The fused kernel tiles a block's group·c stacked query rows by 32 below 192 rows and by 64 from 192 on, and a
+    block reads c + 2w keys for its c queries: c = 256 / group within [64, 128] balances the two. Measured on one core
+    (process time, forward + backward, against dense SDPA's / the window's share): 4K tokens, 12 heads, w = 256 per
+    side: c = 64 -> 2.13x, 128 -> 2.03x, 256 -> 2.21x; 8K tokens, 16 heads on 4 key/value heads, causal w = 512:
+    c = 64 -> 1.28x, 128 -> 1.46x, 256 -> 1.66x."""
+    return max(64, min(128, 256 // group))
+
+
 def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p):
     """Global queries see every key: a dense row per global token (O(g · n)), written over the local result."""
     b, h, n_q, d = q.shape
@@ -803,3 +837,252 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
     padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n_q + 1, d_v]
     padded = padded.scatter(2, target.view(b, 1, -1, 1).expand(b, h, nb * c, d_v), out_global.view(b, h, nb * c, d_v))
     return padded[:, :, :n_q]
+
+
+# ------------------------------------------------------------------------------------------------ fused band path
+# torch's fused CPU attention (the kernel behind `scaled_dot_product_attention` on CPU): it never writes a block's
+# scores to memory, takes an additive mask and returns the log-sum-exp, and its backward recomputes the
+# probabilities tile by tile. It has no dropout, so `banded_attention` with dropout runs `attend_blocks`.
+_FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+# Key-gradient elements [n_blk, h_kv, m, d] of one chunk of the fused band path (the kernel's backward writes one such
+# tensor, m/c times the chunk's keys, per call). At 4K tokens, 12 heads of 64, w = 256, blocks of 128 (2**19 elements a
+# block) chunks of 2**19 to 2**23 elements took the same time; small chunks keep those tensors and masks small.
+_BAND_CHUNK_ELEMENTS = 2**20
+
+
+@dataclass
+class _BandPlan:
+    """What `_BandAttention` needs besides q, k, v: the block layout of a plain band and the predicates that give
+    every chunk's masks (evaluated on original positions in forward, and again in backward instead of being saved).
+
+    Padded keys: row r of `k_pad` `[b, rows, h_kv, d]` holds position `first_key + r` (zero outside the sequence),
+    so block i's keys are the contiguous rows `i·c … i·c + m − 1`: a strided view, no gather.
+    """
+
+    layout: BandLayout
+    local_fn: MaskFn
+    mask_fn: MaskFn
+    heads: Tensor  # [h], original head of each head slot
+    global_index: Tensor | None  # [b, g]
+    global_valid: Tensor | None  # [b, g]
+    scale: float
+    first_key: int  # position of padded row 0: q_offset - window_left
+
+    def local_bias(self, batch: int, start: int, stop: int) -> Tensor:
+        """Bool `[b|1, h|1, n_blk, c, m]` mask of blocks start:stop against their band keys."""
+        layout = self.layout
+        return evaluate_block_mask(
+            self.local_fn, batch=batch, heads=self.heads, q_pos=layout.q_pos[None, start:stop],
+            kv_pos=layout.kv_pos[None, start:stop], q_valid=layout.q_valid[None, start:stop],
+            kv_valid=layout.kv_valid[None, start:stop],
+        )
+
+    def global_bias(self, batch: int, start: int, stop: int) -> Tensor:
+        """Bool `[b, h|1, n_blk, c, g]` mask of blocks start:stop against their row's global keys."""
+        layout = self.layout
+        return evaluate_block_mask(
+            self.mask_fn, batch=batch, heads=self.heads, q_pos=layout.q_pos[None, start:stop],
+            kv_pos=self.global_index[:, None, :], q_valid=layout.q_valid[None, start:stop],
+            kv_valid=self.global_valid[:, None, :],
+        )
+
+
+def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspace, name: str) -> Tensor:
+    """Bool `[b|1, h|1, n_blk, c, m]` -> the additive mask of batch row `row` as the fused kernel reads it,
+    `[n_blk, h_kv|1, group·c, m]`: 0 where visible, `HIDDEN_LOGIT` where hidden (finite, so a row that sees
+    nothing stays finite; its log-sum-exp, about `HIDDEN_LOGIT`, tells it apart)."""
+    mask = mask[row if mask.shape[0] > 1 else 0].transpose(0, 1)  # [n_blk, h|1, c, m]
+    n_blk, heads, c, m = mask.shape
+    # [n_blk, h_kv|1, group, c, m]: one mask row per stacked query row
+    mask = mask.unflatten(1, (h_kv, group)) if heads > 1 else mask.unsqueeze(1).expand(n_blk, 1, group, c, m)
+    bias = workspace.get(name, mask.shape)
+    visible, hidden = (torch.tensor(value, dtype=bias.dtype, device=bias.device) for value in (0.0, HIDDEN_LOGIT))
+    torch.where(mask, visible, hidden, out=bias)
+    return bias.flatten(2, 3)
+
+
+class _BandAttention(torch.autograd.Function):
+    """Forward and backward of a plain band (plus global keys) through torch's fused CPU attention, block by block.
+
+    q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`, v `[b, h_kv, n_k, d_v]` -> out `[b, h, n_q, d_v]`. Each block of c
+    queries (with its group of query heads stacked as rows, `[n_blk, h_kv, group·c, d]`) attends to the m band keys
+    of its key/value head, read as an overlapping strided view of the padded keys, and to its row's g global keys in
+    a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
+    output and the log-sum-exp (O(n · d)); the masks are evaluated again from the predicates. Backward calls the
+    fused backward on both key sets with the MERGED output and log-sum-exp: it recomputes P = exp(S − lse) and
+    rowsum(dO ∘ O) from them, which are exactly the merged softmax's, so the two calls give the exact gradient.
+    Band key gradients `[n_blk, h_kv, m, d]` are added back to the padded rows by ceil(m / c) strided additions.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _BandPlan):
+        b, h, n_q, d = q.shape
+        h_kv, d_v = v.shape[1], v.shape[3]
+        group = h // h_kv
+        nb, c = plan.layout.q_pos.shape
+        m = plan.layout.kv_pos.shape[1]
+        dtype = compute_dtype(q.dtype)
+        k_pad, v_pad = (_pad_keys(t, plan, nb * c + m - c, dtype) for t in (k, v))  # [b, rows, h_kv, d]
+        glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
+        out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
+        lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
+        workspace = _Workspace(dtype, q.device)
+        for start, stop in _band_chunks(nb, h_kv * m * d):
+            n_blk = stop - start
+            local = plan.local_bias(b, start, stop)
+            global_mask = None if glob is None else plan.global_bias(b, start, stop)
+            for row in range(b):
+                q_chunk = _gather_queries(q, row, start, stop, c, group, workspace, "q")  # [n_blk, h_kv, group·c, d]
+                keys, values = (_band_view(t, row, start, n_blk, c, m) for t in (k_pad, v_pad))
+                bias = _additive(local, row, h_kv, group, workspace, "bias")
+                o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
+                if glob is not None:
+                    g_bias = _additive(global_mask, row, h_kv, group, workspace, "g_bias")
+                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
+                    o_g, lse_g = _FLASH_FORWARD(q_chunk, g_keys, g_values, attn_mask=g_bias, scale=plan.scale)
+                    o, row_lse = merge_attention([(o, row_lse), (o_g, lse_g)])
+                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in `attend_blocks`.
+                o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
+                lse[row, start:stop] = row_lse
+                _scatter_queries(out, o, row, start, stop, c, group)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        result = out[:, :n_q].transpose(1, 2)  # [b, h, n_q, d_v]
+        return result if result.dtype == q.dtype else result.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        b, h, n_q, d = q.shape
+        h_kv, n_k, d_v = v.shape[1], v.shape[2], v.shape[3]
+        group = h // h_kv
+        nb, c = plan.layout.q_pos.shape
+        m = plan.layout.kv_pos.shape[1]
+        dtype = compute_dtype(q.dtype)
+        rows = nb * c + m - c
+        k_pad, v_pad = (_pad_keys(t, plan, rows, dtype) for t in (k, v))
+        glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
+        grad_q = torch.empty(b, nb * c, h, d, dtype=dtype, device=q.device)
+        grad_k_pad = torch.zeros(b, rows, h_kv, d, dtype=dtype, device=q.device)
+        grad_v_pad = torch.zeros(b, rows, h_kv, d_v, dtype=dtype, device=q.device)
+        grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
+        workspace = _Workspace(dtype, q.device)
+        for start, stop in _band_chunks(nb, h_kv * m * d):
+            n_blk = stop - start
+            local = plan.local_bias(b, start, stop)
+            global_mask = None if glob is None else plan.global_bias(b, start, stop)
+            for row in range(b):
+                q_chunk = _gather_queries(q, row, start, stop, c, group, workspace, "q")
+                grad_out_chunk = _gather_queries(grad_out, row, start, stop, c, group, workspace, "grad_out")
+                out_chunk = _gather_queries(out, row, start, stop, c, group, workspace, "out", slots_first=True)
+                row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
+                grad_out_chunk.mul_((row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1))  # zeroed rows get no gradient
+                keys, values = (_band_view(t, row, start, n_blk, c, m) for t in (k_pad, v_pad))
+                bias = _additive(local, row, h_kv, group, workspace, "bias")
+                grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
+                    grad_out_chunk, q_chunk, keys, values, out_chunk, row_lse, 0.0, False, attn_mask=bias,
+                    scale=plan.scale)
+                if glob is not None:
+                    g_bias = _additive(global_mask, row, h_kv, group, workspace, "g_bias")
+                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
+                    grad_q_g, grad_g_keys, grad_g_values = _FLASH_BACKWARD(
+                        grad_out_chunk, q_chunk, g_keys, g_values, out_chunk, row_lse, 0.0, False, attn_mask=g_bias,
+                        scale=plan.scale)
+                    grad_q_chunk.add_(grad_q_g)
+                    grad_glob[0][row] += grad_g_keys.sum(0)
+                    grad_glob[1][row] += grad_g_values.sum(0)
+                _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
+                _add_band_grad(grad_k_pad, grad_keys, row, start, c)
+                _add_band_grad(grad_v_pad, grad_values, row, start, c)
+        grad_k, grad_v = (_unpad_keys(t, plan, n_k) for t in (grad_k_pad, grad_v_pad))  # [b, h_kv, n_k, d]
+        if glob is not None:
+            index = plan.global_index  # [b, g]; padding slots hold position 0 and got zero gradients
+            for grad, grad_g in zip((grad_k, grad_v), grad_glob):
+                grad.scatter_add_(2, index[:, None, :, None].expand_as(grad_g), grad_g)
+        grad_q = grad_q[:, :n_q].transpose(1, 2)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+
+
+def _band_chunks(nb: int, per_block: int):
+    step = max(1, min(nb, _BAND_CHUNK_ELEMENTS // max(1, per_block)))
+    for start in range(0, nb, step):
+        yield start, min(nb, start + step)
+
+
+def _pad_keys(t: Tensor, plan: _BandPlan, rows: int, dtype: torch.dtype) -> Tensor:
+    """Keys `[b, h_kv, n_k, d]` -> `[b, rows, h_kv, d]`, row r holding position `plan.first_key + r` (zeros outside)."""
+    b, h_kv, n_k, d = t.shape
+    padded = t.new_zeros(b, rows, h_kv, d, dtype=dtype)
+    lo, hi = max(0, plan.first_key), min(n_k, plan.first_key + rows)
+    if hi > lo:
+        padded[:, lo - plan.first_key : hi - plan.first_key] = t[:, :, lo:hi].transpose(1, 2)
+    return padded
+
+
+def _unpad_keys(padded: Tensor, plan: _BandPlan, n_k: int) -> Tensor:
+    """Inverse of `_pad_keys` for gradients: `[b, rows, h_kv, d]` -> `[b, h_kv, n_k, d]` (positions never gathered
+    get zeros; a view of `padded` when it covers every position)."""
+    b, rows, h_kv, d = padded.shape
+    lo, hi = max(0, plan.first_key), min(n_k, plan.first_key + rows)
+    if lo == 0 and hi == n_k:
+        return padded[:, -plan.first_key : n_k - plan.first_key].transpose(1, 2)
+    grad = padded.new_zeros(b, n_k, h_kv, d)
+    grad[:, lo:hi] = padded[:, lo - plan.first_key : hi - plan.first_key]
+    return grad.transpose(1, 2)
+
+
+def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:
+    """The global keys (or values) of each batch row, `[b, h_kv, g, d]`."""
+    index = plan.global_index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+    return t.gather(2, index).to(dtype)
+
+
+def _band_view(padded: Tensor, row: int, start: int, n_blk: int, c: int, m: int) -> Tensor:
+    """Blocks start … start + n_blk − 1 of batch row `row`: their m keys each, `[n_blk, h_kv, m, d]` (a view)."""
+    _, _, h_kv, d = padded.shape
+    base = padded[row, start * c :]
+    return base.as_strided((n_blk, h_kv, m, d), (c * h_kv * d, d, h_kv * d, 1))
+
+
+def _gather_queries(t, row, start, stop, c, group, workspace, name, slots_first=False) -> Tensor:
+    """Queries (or output gradients, or saved outputs) of blocks start:stop of one batch row, in the fused
+    kernel's layout `[n_blk, h_kv, group·c, d]`, copied into a workspace (zero rows past the last query).
+
+    t is `[b, h, n, d]`, or `[b, slots, h, d]` with `slots_first`."""
+    if slots_first:
+        t = t.transpose(1, 2)
+    h, n, d = t.shape[1], t.shape[2], t.shape[3]
+    n_blk = stop - start
+    chunk = workspace.get(name, (n_blk, h // group, group, c, d))
+    lo, hi = start * c, min(n, stop * c)
+    if hi - lo < n_blk * c:
+        chunk.zero_()
+    source = t[row, :, lo:hi].unflatten(0, (h // group, group))  # [h_kv, group, rows, d]
+    target = chunk.permute(1, 2, 0, 3, 4)  # [h_kv, group, n_blk, c, d]
+    full, rest = divmod(hi - lo, c)
+    if full:
+        target[:, :, :full].copy_(source[:, :, : full * c].unflatten(2, (full, c)))
+    if rest:
+        target[:, :, full, :rest].copy_(source[:, :, full * c :])
+    return chunk.flatten(2, 3)
+
+
+def _scatter_queries(target: Tensor, chunk: Tensor, row: int, start: int, stop: int, c: int, group: int) -> None:
+    """Write a chunk `[n_blk, h_kv, group·c, d]` into `target` `[b, slots, h, d]` at blocks start:stop of `row`."""
+    n_blk, h_kv, _, d = chunk.shape
+    source = chunk.view(n_blk, h_kv, group, c, d).permute(0, 3, 1, 2, 4)  # [n_blk, c, h_kv, group, d]
+    target[row, start * c : stop * c].view(n_blk, c, h_kv, group, d).copy_(source)
+
+
+def _add_band_grad(grad_pad: Tensor, grad_blocks: Tensor, row: int, start: int, c: int) -> None:
+    """Add band key gradients `[n_blk, h_kv, m, d]` to the padded rows they were read from: pieces of c keys at a
+    time, so that within one addition no two blocks touch the same row."""
+    n_blk, h_kv, m, d = grad_blocks.shape
+    for offset in range(0, m, c):
+        width = min(c, m - offset)
+        base = grad_pad[row, start * c + offset :]
+        rows = base.as_strided((n_blk, width, h_kv, d), (c * h_kv * d, h_kv * d, d, 1))
+        rows.add_(grad_blocks[:, :, offset : offset + width].transpose(1, 2))

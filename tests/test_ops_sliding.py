@@ -60,8 +60,20 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["fused", "attend_blocks"])
+def band_path(request, monkeypatch):
+    """Run a test through both local paths of `banded_attention`: the fused kernel (a plain band without dropout on
+    CPU) and `attend_blocks` (always taken by dilated bands, dropout and compilers)."""
+    import longattn.executor_blocked as executor
+
+    if request.param == "attend_blocks":
+        monkeypatch.setattr(executor, "_fused_band_applies", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("batch, heads, length, window, dilation, causal, padding, global_tokens", CASES)
-def test_sliding_window_equals_reference(batch, heads, length, window, dilation, causal, padding, global_tokens):
+def test_sliding_window_equals_reference(batch, heads, length, window, dilation, causal, padding, global_tokens,
+                                         band_path):
     q, k, v = random_qkv(batch, heads, length, seed=length + window)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
     pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
@@ -250,10 +262,11 @@ def test_traceable_blocks_equal_the_eager_kernel_with_grouped_heads(per_row):
 
 
 def test_global_keys_join_the_band_in_one_pass(monkeypatch):
-    """With global tokens, the band and the global keys are one `attend_blocks` call (no merge), plus one for the
-    global queries' dense rows."""
+    """With global tokens, `attend_blocks`' band and global keys are one call (no merge), plus one for the global
+    queries' dense rows (the fused path, which merges per chunk, is switched off here)."""
     import longattn.executor_blocked as executor
 
+    monkeypatch.setattr(executor, "_fused_band_applies", lambda *args: False)
     calls = []
     original = executor.attend_blocks
     monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw))
@@ -393,3 +406,28 @@ def test_and_or_masks_names_reach_and_empty_identity():
         for bad in (0, True, 1.5):
             with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
                 check(bad)
+
+
+@pytest.mark.parametrize("causal, heads, kv_heads", [(False, 2, 2), (True, 4, 2)])
+def test_fused_band_saves_no_mask(causal, heads, kv_heads, monkeypatch):
+    """A plain band runs torch's fused CPU kernel and saves only O(n · d) tensors for backward (q, k, v, the output
+    and its log-sum-exp), never a `[blocks, c, keys]` mask: it is evaluated again from the pattern in backward. Only
+    the global queries' rows (g x n) keep a mask. The gradients still equal the dense reference's."""
+    import longattn.executor_blocked as executor
+
+    n, window = 300, 40
+    q, _, _ = random_qkv(2, heads, n, head_dim=16, dtype=torch.float32, seed=4)
+    _, k, v = random_qkv(2, kv_heads, n, head_dim=16, dtype=torch.float32, seed=5)
+    key_padding_mask, global_mask = _token_masks(2, n, padding=True, global_tokens=True)
+    pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    calls, saved = [], []
+    original = executor._BandAttention.apply
+    monkeypatch.setattr(executor._BandAttention, "apply", lambda *args: calls.append(1) or original(*args))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    assert calls == [1]
+    assert all(t.numel() <= 2 * q.numel() for t in saved if t.dtype != torch.bool), [tuple(t.shape) for t in saved]
+    assert all(t.numel() < n * window for t in saved if t.dtype == torch.bool), [tuple(t.shape) for t in saved]
+    expected = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern),
+                                 *(t.detach().double().requires_grad_() for t in (q, k, v)))
+    assert_all_close(actual, [t.float() for t in expected], atol=2e-5, rtol=2e-5)
