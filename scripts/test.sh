@@ -7,5 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# Lint and format check first (seconds): a style slip fails fast, before the long pytest run.
+ruff check .
+ruff format --check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
