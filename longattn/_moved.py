@@ -26,8 +26,12 @@ _OWN_SPECS: dict = {}  # new module name -> its own spec
 
 
 def _warn(old: str, stacklevel: int) -> None:
-    warnings.warn(f"`{old}` moved to `{MOVED[old]}`: import it from there (or use its console script); the old path "
-                  f"goes away in the next release.", DeprecationWarning, stacklevel=stacklevel)
+    warnings.warn(
+        f"`{old}` moved to `{MOVED[old]}`: import it from there (or use its console script); the old path "
+        f"goes away in the next release.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -49,8 +53,12 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def get_code(self, name):
         """`python -m longattn.data ...`: warn (from `__main__`, so that the default filters show it), then run the
         moved module's command line."""
-        return compile(f"import sys\nfrom longattn._moved import _warn\n_warn({name!r}, stacklevel=2)\n"
-                       f"from {MOVED[name]} import main\nsys.exit(main())\n", f"<{name}>", "exec")
+        return compile(
+            f"import sys\nfrom longattn._moved import _warn\n_warn({name!r}, stacklevel=2)\n"
+            f"from {MOVED[name]} import main\nsys.exit(main())\n",
+            f"<{name}>",
+            "exec",
+        )
 
 
 def install() -> None:

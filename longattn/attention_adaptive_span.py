@@ -126,8 +126,9 @@ def adaptive_span_attention(
     scale = default_scale(d) if scale is None else scale
     dtype = compute_dtype(q.dtype)
     if dense:
-        return _dense_span_attention(q, k, v, span.to(dtype), max_span, ramp, causal, key_padding_mask, scale,
-                                     dropout_p)
+        return _dense_span_attention(
+            q, k, v, span.to(dtype), max_span, ramp, causal, key_padding_mask, scale, dropout_p
+        )
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
     # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
@@ -146,7 +147,7 @@ def adaptive_span_attention(
     v_padded = nn.functional.pad(v.to(dtype), (0, 0, left, extra))[:, :, q_offset:]
     q_padded = q if nb * c == n_q else nn.functional.pad(q, (0, 0, 0, nb * c - n_q))  # [b, h, nb·c, d]
 
-    relative = (torch.arange(c, device=q.device)[:, None] + left - torch.arange(w, device=q.device)[None, :])  # i - j
+    relative = torch.arange(c, device=q.device)[:, None] + left - torch.arange(w, device=q.device)[None, :]  # i - j
     in_band = (relative <= left) & (relative >= (0 if causal else -right))  # [c, w]
     soft = soft_span_mask(relative.abs().to(dtype), span.to(dtype).view(h, 1, 1), ramp) * in_band  # [h, c, w]
     key_real = torch.ones(b, n_k, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
@@ -163,8 +164,9 @@ def adaptive_span_attention(
         out = nn.functional.dropout(weights, p=dropout_p) @ _windows(v_padded, 0, nb, c, w)  # [nb, b, h, c, d_v]
         out = out.permute(1, 2, 0, 3, 4).reshape(b, h, nb * c, d_v)
     else:
-        out = _SoftBandAttention.apply(q_padded, k_padded.contiguous(), v_padded.contiguous(), soft, key_real,
-                                       in_band, scale)  # [b, h, nb·c, d_v]
+        out = _SoftBandAttention.apply(
+            q_padded, k_padded.contiguous(), v_padded.contiguous(), soft, key_real, in_band, scale
+        )  # [b, h, nb·c, d_v]
     return out[:, :, :n_q].to(q.dtype)
 
 
@@ -254,7 +256,7 @@ def _query_blocks(rows: Tensor, start: int, stop: int, c: int, dtype: torch.dtyp
     """Rows of blocks start..stop of `rows [b, h, nb·c, d]` as a contiguous `[(stop - start)·b·h, c, d]` in
     `dtype`, times `scale`: the block-major order of one chunk's batched matmuls."""
     b, h, _, d = rows.shape
-    blocks = rows[:, :, start * c:stop * c].reshape(b, h, stop - start, c, d).permute(2, 0, 1, 3, 4)
+    blocks = rows[:, :, start * c : stop * c].reshape(b, h, stop - start, c, d).permute(2, 0, 1, 3, 4)
     blocks = blocks.to(dtype).reshape(-1, c, d)
     return blocks * scale if scale != 1.0 else blocks
 
@@ -264,8 +266,9 @@ def _put_blocks(target: Tensor, blocks: Tensor, start: int, stop: int) -> None:
     `[b, h, nb·c, d]`."""
     b, h, _, d = target.shape
     c = blocks.shape[1]
-    target[:, :, start * c:stop * c].view(b, h, stop - start, c, d).copy_(
-        blocks.view(stop - start, b, h, c, d).permute(1, 2, 0, 3, 4))
+    target[:, :, start * c : stop * c].view(b, h, stop - start, c, d).copy_(
+        blocks.view(stop - start, b, h, c, d).permute(1, 2, 0, 3, 4)
+    )
 
 
 def _chunks(elements_per_block: int, blocks: int):
@@ -365,8 +368,14 @@ class AdaptiveSpanAttention(LongAttnAttention):
 
     def _pattern(self) -> dict[str, Any]:
         """The settings the banded executor and the dense form share."""
-        return dict(span=self.spans(), max_span=self.max_span, ramp=self.ramp, causal=self.is_causal,
-                    scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0)
+        return dict(
+            span=self.spans(),
+            max_span=self.max_span,
+            ramp=self.ramp,
+            causal=self.is_causal,
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return adaptive_span_attention(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())

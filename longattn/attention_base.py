@@ -147,13 +147,21 @@ class LongAttnAttention(nn.Module):
         m = k.shape[2]
         mask = materialize_mask(
             self.pattern(key_padding_mask=key_padding_mask, global_mask=global_mask),
-            batch=b, heads=self.num_heads, q_len=n, kv_len=m, q_offset=m - n, device=q.device,
+            batch=b,
+            heads=self.num_heads,
+            q_len=n,
+            kv_len=m,
+            q_offset=m - n,
+            device=q.device,
         )
         dropout_p = self.dropout_p if self.training else 0.0
         return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
 
     def attention_inputs(
-        self, hidden_states: Tensor, *, key_padding_mask: Tensor | None,
+        self,
+        hidden_states: Tensor,
+        *,
+        key_padding_mask: Tensor | None,
         position_embeddings: tuple[Tensor, Tensor] | None,
     ) -> tuple[Tensor | None, Tensor, Tensor]:
         """The queries, and the keys and values they attend to, from the hidden states.
@@ -177,8 +185,15 @@ class LongAttnAttention(nn.Module):
         return q, k, v
 
     def attend_inputs(
-        self, q: Tensor | None, k: Tensor, v: Tensor, *, hidden_states: Tensor, key_padding_mask: Tensor | None,
-        global_mask: Tensor | None, dense: bool,
+        self,
+        q: Tensor | None,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden_states: Tensor,
+        key_padding_mask: Tensor | None,
+        global_mask: Tensor | None,
+        dense: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention over the keys and values of `attention_inputs` (with the cached ones before them).
 
@@ -200,9 +215,14 @@ class LongAttnAttention(nn.Module):
         return self.attend(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask), None
 
     def forward(
-        self, hidden_states: Tensor, *, attention_mask: Tensor | None = None,
-        global_attention_mask: Tensor | None = None, position_embeddings: tuple[Tensor, Tensor] | None = None,
-        past_key_values: Any = None, output_attentions: bool = False,
+        self,
+        hidden_states: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        global_attention_mask: Tensor | None = None,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        past_key_values: Any = None,
+        output_attentions: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Self-attention: the one forward of every kind (they state what differs in `attention_inputs`,
         `attend_inputs`, `attend` and `attend_dense`).
@@ -227,7 +247,12 @@ class LongAttnAttention(nn.Module):
             # Cached decoding: the n new queries are the last of m keys, which only the dense form takes.
             decoding = k.shape[2] != hidden_states.shape[1]
         out, weights = self.attend_inputs(
-            q, k, v, hidden_states=hidden_states, key_padding_mask=attention_mask, global_mask=global_attention_mask,
+            q,
+            k,
+            v,
+            hidden_states=hidden_states,
+            key_padding_mask=attention_mask,
+            global_mask=global_attention_mask,
             dense=output_attentions or decoding or self.backend == "reference",
         )
         return self.o_proj(self.merge_heads(out)), weights

@@ -164,10 +164,12 @@ def _edges(positions: Tensor, node_level: Tensor, node_start: Tensor, *, n: int,
     in_right = (start >= lo_r) & (start < hi_r) & (not causal)
     in_left = (start >= lo_l) & (start + size <= hi_l)
     edges = torch.full(shape, -1, dtype=torch.long, device=positions.device)
-    edges = torch.where(in_right, _edge_type(level, torch.div(start - lo_r, size, rounding_mode="floor"),
-                                             False, context), edges)
-    edges = torch.where(in_left, _edge_type(level, torch.div(hi_l - start, size, rounding_mode="floor") - 1,
-                                            True, context), edges)
+    edges = torch.where(
+        in_right, _edge_type(level, torch.div(start - lo_r, size, rounding_mode="floor"), False, context), edges
+    )
+    edges = torch.where(
+        in_left, _edge_type(level, torch.div(hi_l - start, size, rounding_mode="floor") - 1, True, context), edges
+    )
     return edges.masked_fill((level == 0) & (start == positions[..., None]), 0)
 
 
@@ -216,8 +218,14 @@ def block_layout(
         node_start.append(index * size)
     nodes, exists = torch.cat(nodes, 1), torch.cat(exists, 1)  # [nb, m]
     positions = first[:, None] + torch.arange(block, device=device)  # [nb, c]; positions >= n are padding
-    edges = _edges(positions, torch.cat(node_level, 1)[:, None], torch.cat(node_start, 1)[:, None], n=n,
-                   context=context, causal=causal)  # [nb, c, m]
+    edges = _edges(
+        positions,
+        torch.cat(node_level, 1)[:, None],
+        torch.cat(node_start, 1)[:, None],
+        n=n,
+        context=context,
+        causal=causal,
+    )  # [nb, c, m]
     return nodes, edges.masked_fill(~exists[:, None], -1)
 
 
@@ -279,8 +287,16 @@ def _cached_block_layout(n: int, context: int, causal: bool, device: torch.devic
     return block_layout(n, context=context, causal=causal, device=device)
 
 
-def _attend_chunk(q_blocks: Tensor, nodes_k: Tensor, nodes_v: Tensor, nodes: Tensor, bias: Tensor, visible: Tensor,
-                  scale: float, dropout_p: float) -> Tensor:
+def _attend_chunk(
+    q_blocks: Tensor,
+    nodes_k: Tensor,
+    nodes_v: Tensor,
+    nodes: Tensor,
+    bias: Tensor,
+    visible: Tensor,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
     """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]` -> out
     `[b, h, nb, c, d]`."""
     dtype = compute_dtype(q_blocks.dtype)
@@ -290,8 +306,16 @@ def _attend_chunk(q_blocks: Tensor, nodes_k: Tensor, nodes_v: Tensor, nodes: Ten
 
 
 def binary_partition_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
-    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    context: int,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    relative_bias: Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`).
 
@@ -324,8 +348,16 @@ def binary_partition_attention(
     for start in range(0, blocks, chunk):
         rows = slice(start, min(blocks, start + chunk))
         visible = ((edges[rows] >= 0) & real[:, nodes[rows]][:, :, None, :])[:, None]  # [b, 1, nb, c, m]
-        args = (q_blocks[:, :, rows], nodes_k, nodes_v, nodes[rows], relative_bias[:, edges[rows].clamp(min=0)],
-                visible, scale, dropout_p)
+        args = (
+            q_blocks[:, :, rows],
+            nodes_k,
+            nodes_v,
+            nodes[rows],
+            relative_bias[:, edges[rows].clamp(min=0)],
+            visible,
+            scale,
+            dropout_p,
+        )
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # Recomputed in backward: the gathered keys, values and scores are not kept.
             outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
@@ -335,8 +367,16 @@ def binary_partition_attention(
 
 
 def binary_partition_reference(
-    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
-    relative_bias: Tensor, scale: float, dropout_p: float = 0.0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    context: int,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    relative_bias: Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """The dense form: the n queries (the last n of m positions) against all N nodes, with the explicit edge table.
 
@@ -393,13 +433,13 @@ def _from_first_real_token(run, q: Tensor, k: Tensor, v: Tensor, key_padding_mas
     def along(x: Tensor, index: Tensor, dim: int) -> Tensor:
         shape = [b, 1, 1, 1]
         shape[dim] = n_k
-        return x.gather(dim, index.view(shape).expand(*x.shape[:dim], n_k, *x.shape[dim + 1:]))
+        return x.gather(dim, index.view(shape).expand(*x.shape[:dim], n_k, *x.shape[dim + 1 :]))
 
     q = F.pad(q, (0, 0, n_k - n_q, 0))  # [b, h, n_k, d]
     out, weights = run(*(along(x, rolled_index, 2) for x in (q, k, v)), key_padding_mask.gather(1, rolled_index))
-    out = along(out, unrolled_index, 2)[:, :, n_k - n_q:]
+    out = along(out, unrolled_index, 2)[:, :, n_k - n_q :]
     if weights is not None:
-        weights = along(along(weights, unrolled_index, 2), unrolled_index, 3)[:, :, n_k - n_q:]
+        weights = along(along(weights, unrolled_index, 2), unrolled_index, 3)[:, :, n_k - n_q :]
     return out, weights
 
 
@@ -421,8 +461,13 @@ class BinaryPartitionAttention(LongAttnAttention):
         init.zeros_(self.relative_bias)
 
     def _kwargs(self) -> dict[str, Any]:
-        return dict(context=self.context, causal=self.is_causal, relative_bias=self.relative_bias, scale=self.scale,
-                    dropout_p=self.dropout_p if self.training else 0.0)
+        return dict(
+            context=self.context,
+            causal=self.is_causal,
+            relative_bias=self.relative_bias,
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         def run(q, k, v, key_padding_mask):
@@ -432,6 +477,7 @@ class BinaryPartitionAttention(LongAttnAttention):
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         """The dense form (cached decoding, `output_attentions`, "reference"): weights `[b, h, n, m]` over tokens."""
+
         def run(q, k, v, key_padding_mask):
             return binary_partition_reference(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())
 

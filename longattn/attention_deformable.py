@@ -115,9 +115,7 @@ def real_cells(key_padding_mask: Tensor | None, batch: int, n: int, levels: int,
     return torch.div(length[:, None] + ratios - 1, ratios, rounding_mode="floor")
 
 
-def deformable_attention(
-    v: Tensor, offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None
-) -> Tensor:
+def deformable_attention(v: Tensor, offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """The fast path: each query's L·P weighted samples, read by gathering two neighbouring cells per sample.
 
     Args:
@@ -142,7 +140,7 @@ def deformable_attention(
     limit = real_cells(key_padding_mask, b, n, levels, v.device)[:, None, None, :, None, None]  # [b, 1, 1, L, 1, 1]
     inside = (neighbour >= 0) & (neighbour < limit)
     size = torch.tensor(sizes, device=v.device)[:, None, None]  # [L, 1, 1]
-    start = (size.cumsum(0) - size)  # [L, 1, 1]: first cell of each level in the concatenation
+    start = size.cumsum(0) - size  # [L, 1, 1]: first cell of each level in the concatenation
     index = start + torch.minimum(neighbour.clamp(min=0), size - 1)  # [b, h, n, L, P, 2]
     coef = (probs[..., None] * weight * inside).to(v.dtype)  # [b, h, n, L, P, 2]
     # One weighted bag of 2·L·P cells per (row, head, query): embedding_bag sums them without materialising the
@@ -151,15 +149,15 @@ def deformable_attention(
     s2, total = 2 * offsets.shape[3] * offsets.shape[4], sum(sizes)
     row = (torch.arange(b * h, device=v.device) * total).view(b, h, 1, 1, 1, 1)  # first cell of each (row, head)
     out = nn.functional.embedding_bag(
-        (index + row).view(b * h * n, s2), cells.reshape(b * h * total, d),
-        per_sample_weights=coef.view(b * h * n, s2), mode="sum",
+        (index + row).view(b * h * n, s2),
+        cells.reshape(b * h * total, d),
+        per_sample_weights=coef.view(b * h * n, s2),
+        mode="sum",
     )
     return out.view(b, h, n, d)
 
 
-def deformable_weights(
-    offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None, n: int
-) -> Tensor:
+def deformable_weights(offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None, n: int) -> Tensor:
     """The dense form: the linear map from the per-token values to the output, `[b, h, n, n]` (O(n²): for tests,
     `output_attentions` and the "reference" back end).
 

@@ -148,8 +148,9 @@ class Field:
         """
         value = getattr(config, name)
         if self.type == "int" and self.per:
-            return check_int_field(config, name, layer_idx, minimum=int(self.minimum), per=self.per,
-                                   optional=self.optional)
+            return check_int_field(
+                config, name, layer_idx, minimum=int(self.minimum), per=self.per, optional=self.optional
+            )
         if self.optional and value is None:
             return None
         if self.type == "int":
@@ -157,8 +158,14 @@ class Field:
                 allowed = f"{'None or ' if self.optional else ''}an integer >= {int(self.minimum)}"
                 raise ValueError(f"`{name}`={value!r} is invalid: expected {allowed}.")
         elif self.type == "number":
-            check_number(name, value, minimum=self.minimum, maximum=self.maximum,
-                         exclusive_minimum=self.exclusive_minimum, exclusive_maximum=self.exclusive_maximum)
+            check_number(
+                name,
+                value,
+                minimum=self.minimum,
+                maximum=self.maximum,
+                exclusive_minimum=self.exclusive_minimum,
+                exclusive_maximum=self.exclusive_maximum,
+            )
         elif self.type == "bool":
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}`={value!r} is invalid: expected True or False.")
@@ -211,8 +218,10 @@ def _linformer_one_length(config: Any, layer_idx: int, is_causal: bool) -> None:
 def _lsh_even_buckets(config: Any, layer_idx: int, is_causal: bool) -> None:
     buckets = _layer_value(config, "lsh_num_buckets", layer_idx)
     if buckets is not None and buckets % 2:
-        raise ValueError(f"`lsh_num_buckets`={config.lsh_num_buckets!r} is invalid: expected even integers "
-                         "(a rotation gives buckets in ± pairs), or None.")
+        raise ValueError(
+            f"`lsh_num_buckets`={config.lsh_num_buckets!r} is invalid: expected even integers "
+            "(a rotation gives buckets in ± pairs), or None."
+        )
 
 
 def _lsh_causal_band(config: Any, layer_idx: int, is_causal: bool) -> None:
@@ -258,11 +267,13 @@ def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optiona
 
 # `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
 KINDS: dict[str, KindSpec] = {
-    "adaptive_span": KindSpec({
-        "adaptive_span_max": _positive_int(1024),
-        "adaptive_span_ramp": _positive_int(32, per=""),
-        "adaptive_span_loss_coef": Field(2e-6, "number"),
-    }),
+    "adaptive_span": KindSpec(
+        {
+            "adaptive_span_max": _positive_int(1024),
+            "adaptive_span_ramp": _positive_int(32, per=""),
+            "adaptive_span_loss_coef": Field(2e-6, "number"),
+        }
+    ),
     "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
     "deformable": KindSpec(
         {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
@@ -331,12 +342,14 @@ KINDS: dict[str, KindSpec] = {
         backends=_XFORMERS_BLOCKS,
         rules=(_sortcut_not_causal,),
     ),
-    "synthesizer": KindSpec({
-        "synthesizer_mode": Field("dense", "choice", choices=SYNTHESIZER_MODES),
-        "synthesizer_random_trainable": Field(True, "bool"),
-        "synthesizer_factor_k": _positive_int(8, per=""),
-        "synthesizer_mix": Field(False, "bool"),
-    }),
+    "synthesizer": KindSpec(
+        {
+            "synthesizer_mode": Field("dense", "choice", choices=SYNTHESIZER_MODES),
+            "synthesizer_random_trainable": Field(True, "bool"),
+            "synthesizer_factor_k": _positive_int(8, per=""),
+            "synthesizer_mix": Field(False, "bool"),
+        }
+    ),
 }
 """Attention name -> what the kind declares. The registry (`attention_registry`) holds one class per row."""
 

@@ -21,7 +21,9 @@ class FullAttention(LongAttnAttention):
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return full_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
             scale=self.scale,

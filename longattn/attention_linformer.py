@@ -191,8 +191,14 @@ class LinformerAttention(LongAttnAttention):
         return self._attend_projected(q, k, v, f_rows, key_padding_mask, with_weights=dense)
 
     def _attend_projected(
-        self, q: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor, f_rows: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None, *, with_weights: bool,
+        self,
+        q: torch.Tensor,
+        k_bar: torch.Tensor,
+        v_bar: torch.Tensor,
+        f_rows: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        *,
+        with_weights: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """softmax(Q K̄ᵀ / sqrt(d)) V̄ with q `[b, h, n, d]`, k̄, v̄ `[b, h, k, d]`; optionally the weights `P̄ Fᵀ`.
 
@@ -202,7 +208,9 @@ class LinformerAttention(LongAttnAttention):
         dropout_p = self.dropout_p if self.training else 0.0
         if not with_weights:
             # Every projected key is visible (padding was removed inside the projection): plain SDPA, [n, k] scores.
-            return nn.functional.scaled_dot_product_attention(q, k_bar, v_bar, dropout_p=dropout_p, scale=self.scale), None
+            return nn.functional.scaled_dot_product_attention(
+                q, k_bar, v_bar, dropout_p=dropout_p, scale=self.scale
+            ), None
         scores = (q @ k_bar.transpose(-1, -2)).float() * self.scale  # [b, h, n, k]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         dropped = nn.functional.dropout(probs, p=dropout_p) if dropout_p > 0 else probs

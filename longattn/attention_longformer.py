@@ -44,7 +44,9 @@ class LongformerAttention(LongAttnAttention):
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return sliding_window_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             window=self.window,
             dilation=self.dilation,
             causal=self.is_causal,

@@ -62,14 +62,20 @@ class LSHAttention(LongAttnAttention):
         self.bucket_size = config.per_layer("lsh_bucket_size", layer_idx)
         num_buckets = config.per_layer("lsh_num_buckets", layer_idx)
         self.num_buckets = (
-            default_num_buckets(config.max_position_embeddings, self.bucket_size) if num_buckets is None
+            default_num_buckets(config.max_position_embeddings, self.bucket_size)
+            if num_buckets is None
             else num_buckets
         )
         self.num_chunks_before = config.per_layer("lsh_num_chunks_before", layer_idx)
         self.num_chunks_after = config.per_layer("lsh_num_chunks_after", layer_idx)
-        self.seed = None if config.lsh_seed is None else layer_seed(
-            config.lsh_seed, layer_idx,
-            decoder_offset=config.num_hidden_layers if is_causal and config.is_encoder_decoder else 0,
+        self.seed = (
+            None
+            if config.lsh_seed is None
+            else layer_seed(
+                config.lsh_seed,
+                layer_idx,
+                decoder_offset=config.num_hidden_layers if is_causal and config.is_encoder_decoder else 0,
+            )
         )
         self.rotations: Tensor | None = None
         columns = sum(factor // 2 for factor in hash_factors(self.num_buckets))
@@ -92,8 +98,14 @@ class LSHAttention(LongAttnAttention):
                 f"{'' if self.seed is None else f' from lsh_seed (layer seed {self.seed})'}: its eval outputs differ "
                 "from those it gave before. Save the model again to keep these."
             )
-        rotations = lsh_rotations(heads=self.num_heads, head_dim=self.head_dim, num_hashes=self.num_hashes,
-                                  num_buckets=self.num_buckets, seed=self.seed, device="cpu")
+        rotations = lsh_rotations(
+            heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_hashes=self.num_hashes,
+            num_buckets=self.num_buckets,
+            seed=self.seed,
+            device="cpu",
+        )
         init.copy_(self.eval_rotations, rotations)
 
     def set_rotations(self, rotations: Tensor | None) -> None:
@@ -104,8 +116,10 @@ class LSHAttention(LongAttnAttention):
         """
         columns = sum(factor // 2 for factor in hash_factors(self.num_buckets))
         if rotations is not None and (
-            rotations.dim() != 4 or rotations.shape[0] not in (1, self.num_heads)
-            or rotations.shape[1] != self.head_dim or rotations.shape[3] != columns
+            rotations.dim() != 4
+            or rotations.shape[0] not in (1, self.num_heads)
+            or rotations.shape[1] != self.head_dim
+            or rotations.shape[3] != columns
         ):
             raise ValueError(
                 f"rotations must have shape [{self.num_heads} or 1, {self.head_dim}, num_hashes, {columns}] "
@@ -118,8 +132,13 @@ class LSHAttention(LongAttnAttention):
         if self.rotations is not None:
             return self.rotations.to(device)
         if self.training:
-            return lsh_rotations(heads=self.num_heads, head_dim=self.head_dim, num_hashes=self.num_hashes,
-                                 num_buckets=self.num_buckets, device=device)
+            return lsh_rotations(
+                heads=self.num_heads,
+                head_dim=self.head_dim,
+                num_hashes=self.num_hashes,
+                num_buckets=self.num_buckets,
+                device=device,
+            )
         return self.eval_rotations.to(device)
 
     def project(self, hidden_states):
@@ -139,8 +158,14 @@ class LSHAttention(LongAttnAttention):
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return lsh_attention(q, v, num_hashes=self.num_hashes, key_padding_mask=key_padding_mask,
-                             backend=self.backend, **self._pattern(q.device))
+        return lsh_attention(
+            q,
+            v,
+            num_hashes=self.num_hashes,
+            key_padding_mask=key_padding_mask,
+            backend=self.backend,
+            **self._pattern(q.device),
+        )
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         return lsh_attention_dense(q, k, v, key_padding_mask=key_padding_mask, **self._pattern(q.device))

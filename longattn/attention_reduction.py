@@ -97,7 +97,11 @@ class ReductionAttention(LongAttnAttention):
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         """R = 1: no reduction, plain dense attention (the path `attend_inputs` takes only then)."""
         return full_attention(
-            q, k, v, key_padding_mask=key_padding_mask, scale=self.scale,
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
         )
 
@@ -133,7 +137,12 @@ class ReductionAttention(LongAttnAttention):
         """The n queries over the g reduced keys; with `dense`, the weights over the reduced keys `[b, h, n, g]`."""
         if self.ratio == 1:
             return super().attend_inputs(
-                q, k, v, hidden_states=hidden_states, key_padding_mask=key_padding_mask, global_mask=global_mask,
+                q,
+                k,
+                v,
+                hidden_states=hidden_states,
+                key_padding_mask=key_padding_mask,
+                global_mask=global_mask,
                 dense=dense,
             )
         group_valid = None if key_padding_mask is None else valid_groups(key_padding_mask, k.shape[2], self.ratio)
@@ -151,7 +160,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attend_reduced(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_valid: torch.Tensor | None, *, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_valid: torch.Tensor | None,
+    *,
+    scale: float,
     dropout_p: float,
 ) -> torch.Tensor:
     """Dense SDPA of n queries over g reduced keys (g < n, so not the ops' "queries are the last keys" layout)."""
@@ -159,6 +173,6 @@ def _attend_reduced(
         return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     # A row without any real group (a fully padded row) would be NaN in SDPA: let it see every group, then zero it.
     has_keys = group_valid.any(dim=-1)[:, None, None, None]  # [b, 1, 1, 1]
-    mask = (group_valid[:, None, None, :] | ~has_keys)  # [b, 1, 1, g]
+    mask = group_valid[:, None, None, :] | ~has_keys  # [b, 1, 1, g]
     out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     return out.masked_fill(~has_keys, 0.0)

@@ -116,9 +116,7 @@ def _nearest(x: Tensor, centroids: Tensor) -> Tensor:
     return torch.matmul(x.detach().float(), centroids.float().transpose(-1, -2)).argmax(-1)
 
 
-def _balanced_members(
-    x: Tensor, centroids: Tensor, valid: Tensor | None, size: int
-) -> tuple[Tensor, Tensor]:
+def _balanced_members(x: Tensor, centroids: Tensor, valid: Tensor | None, size: int) -> tuple[Tensor, Tensor]:
     """Each centroid's `size` most similar real positions `[b, h, C, size]` (by cosine, most similar first), and which
     slots count `[b, 1, 1, size]` (the first ceil(real_b / C) of them, real_b the number of real tokens of row b).
 
@@ -204,8 +202,9 @@ def _member_statistics(x: Tensor, top: Tensor, used: Tensor) -> tuple[Tensor, Te
     """
     b, h, clusters, size = top.shape
     rows, row_of = head_rows(x.detach().float())  # [b·h·n, d] in some order, and the row of (batch, head, position)
-    index = row_of(torch.arange(b, device=x.device).view(b, 1, 1, 1), torch.arange(h, device=x.device).view(1, h, 1, 1),
-                   top)  # [b, h, C, k]
+    index = row_of(
+        torch.arange(b, device=x.device).view(b, 1, 1, 1), torch.arange(h, device=x.device).view(1, h, 1, 1), top
+    )  # [b, h, C, k]
     inverse_norm = rows.norm(dim=-1).clamp_min(1e-12).reciprocal()  # F.normalize's eps
     weight = inverse_norm[index] * used
     sums = F.embedding_bag(index.view(-1, size), rows, mode="sum", per_sample_weights=weight.view(-1, size))
@@ -303,12 +302,21 @@ def routing_attention(
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
-    choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
-    ))
+    choice = (
+        "torch"
+        if backend == "auto"
+        else select_backend(
+            backend,
+            AttentionRequest.for_inputs(
+                q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
+            ),
+        )
+    )
     if choice not in ("torch", "xformers"):
-        raise ValueError(f"`backend`={backend!r} cannot run routing attention here: use 'auto', 'torch' or "
-                         "'xformers' (the kind's dense form is `routing_attention_dense`).")
+        raise ValueError(
+            f"`backend`={backend!r} cannot run routing attention here: use 'auto', 'torch' or "
+            "'xformers' (the kind's dense form is `routing_attention_dense`)."
+        )
     windows = attend_windows_on_kernel if choice == "xformers" else attend_windows
     with torch.no_grad():
         if causal:
@@ -318,7 +326,8 @@ def routing_attention(
                 key_cluster.masked_fill_(~valid[:, None, :], -1)
             statistics = (
                 _statistics((_unit(q), query_cluster), (_unit(k), key_cluster), clusters=clusters)
-                if return_statistics else None
+                if return_statistics
+                else None
             )
         else:
             size = -(-q.shape[2] // clusters)  # k for the full length; shorter rows use fewer slots
@@ -327,12 +336,23 @@ def routing_attention(
             statistics = None
             if return_statistics:
                 (q_sums, q_counts), (k_sums, k_counts) = (
-                    _member_statistics(q, query_top, used), _member_statistics(k, key_top, used)
+                    _member_statistics(q, query_top, used),
+                    _member_statistics(k, key_top, used),
                 )
                 statistics = (q_sums + k_sums, q_counts + k_counts)
     if causal:
-        out = _causal_routing(q, k, v, query_cluster, key_cluster, clusters=clusters, window=causal_window,
-                              scale=scale, dropout_p=dropout_p, windows=windows)
+        out = _causal_routing(
+            q,
+            k,
+            v,
+            query_cluster,
+            key_cluster,
+            clusters=clusters,
+            window=causal_window,
+            scale=scale,
+            dropout_p=dropout_p,
+            windows=windows,
+        )
     else:
         out = _balanced_routing(q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows)
     return (out, statistics) if return_statistics else out
@@ -358,8 +378,18 @@ def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, wi
     """
     b, _, n, _ = q.shape
     outs = [
-        _balanced_head(q_h, k_h, v_h, query_top[:, head], key_top[:, head], used, n=n, scale=scale,
-                       dropout_p=dropout_p, windows=windows)
+        _balanced_head(
+            q_h,
+            k_h,
+            v_h,
+            query_top[:, head],
+            key_top[:, head],
+            used,
+            n=n,
+            scale=scale,
+            dropout_p=dropout_p,
+            windows=windows,
+        )
         for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
     ]
     return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
@@ -380,12 +410,28 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
         with torch.no_grad():
             slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
         return attend_gathered_windows(
-            q, k, v, query_index=slots, key_index=key_index, value_index=key_index, out_index=slots, n_out=b * n,
-            chunk=size, width=size, stride=size, scale=scale, mask=slot_used.reshape(-1, 1, size),
+            q,
+            k,
+            v,
+            query_index=slots,
+            key_index=key_index,
+            value_index=key_index,
+            out_index=slots,
+            n_out=b * n,
+            chunk=size,
+            width=size,
+            stride=size,
+            scale=scale,
+            mask=slot_used.reshape(-1, 1, size),
         )
     out, lse = windows(
-        q.index_select(0, query_index).view(-1, size, d), k.index_select(0, key_index), v.index_select(0, key_index),
-        slot_used.reshape(-1, 1, size), stride=size, scale=scale, dropout_p=dropout_p,
+        q.index_select(0, query_index).view(-1, size, d),
+        k.index_select(0, key_index),
+        v.index_select(0, key_index),
+        slot_used.reshape(-1, 1, size),
+        stride=size,
+        scale=scale,
+        dropout_p=dropout_p,
     )  # [b·C, k, d_v], [b·C, k]
     # A query in several clusters: one softmax over the union of their keys, i.e. each cluster's output weighted by
     # exp(lse) / (the sum of exp(lse) over the query's clusters). The weights are one scalar per slot, so only the
@@ -394,17 +440,18 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
     slot_used = slot_used.reshape(-1)
     with torch.no_grad():
         shift = torch.full((b * n,), -math.inf, dtype=lse.dtype, device=q.device).scatter_reduce(
-            0, query_index, lse.detach().reshape(-1).masked_fill(~slot_used, -math.inf), reduce="amax")
+            0, query_index, lse.detach().reshape(-1).masked_fill(~slot_used, -math.inf), reduce="amax"
+        )
         shift = shift.masked_fill(torch.isneginf(shift), 0.0)[query_index]  # the largest lse of each slot's query
     weight = ((lse.reshape(-1) - shift).exp() * slot_used).to(compute)  # exactly 0 where lse = -inf or unused
     total = torch.zeros(b * n, dtype=compute, device=q.device).index_add(0, query_index, weight)[query_index]
     weight = weight / torch.where(total > 0, total, 1.0)
     return torch.zeros(b * n, d_v, dtype=compute, device=q.device).index_add(
-        0, query_index, out.reshape(-1, d_v).to(compute) * weight.unsqueeze(-1))
+        0, query_index, out.reshape(-1, d_v).to(compute) * weight.unsqueeze(-1)
+    )
 
 
-def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p,
-                    windows=attend_windows):
+def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p, windows=attend_windows):
     """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding)."""
     b, h, n, d = q.shape
     d_v = v.shape[-1]
@@ -429,8 +476,8 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         starts = (index % chunk == 0) | F.pad(block[..., 1:] != block[..., :-1], (1, 0), value=True)
         task = starts.long().cumsum(-1) - 1  # [b, h, n]
         slot = index - torch.cummax(torch.where(starts, index, 0), dim=-1).values
-        bh = (torch.arange(b, device=device).view(b, 1, 1) * h + torch.arange(h, device=device).view(1, h, 1))
-        query_row = ((bh * n_tasks + task) * chunk + slot)  # [b, h, n] buffer row of each sorted query
+        bh = torch.arange(b, device=device).view(b, 1, 1) * h + torch.arange(h, device=device).view(1, h, 1)
+        query_row = (bh * n_tasks + task) * chunk + slot  # [b, h, n] buffer row of each sorted query
         task_block = torch.zeros(b * h * n_tasks, dtype=torch.long, device=device)
         task_block[(bh * n_tasks + task).reshape(-1)] = block.reshape(-1)
         task_block = task_block.view(b, h, n_tasks)
@@ -455,11 +502,20 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
             first_slot, last_slot = torch.zeros_like(query_index), torch.zeros_like(query_index)
             first_slot[slot_rows], last_slot[slot_rows] = first.reshape(-1), last.reshape(-1)
         out = attend_gathered_windows(
-            q_rows, k_rows, v_rows, query_index=query_index,
+            q_rows,
+            k_rows,
+            v_rows,
+            query_index=query_index,
             key_index=torch.where(in_range, k_row_of(bi, hi_, key_position), -1).reshape(-1),
             value_index=torch.where(in_range, v_row_of(bi, hi_, key_position), -1).reshape(-1),
-            out_index=out_index, n_out=b * h * n, chunk=chunk, width=2 * window, stride=2 * window, scale=scale,
-            first=first_slot, last=last_slot,
+            out_index=out_index,
+            n_out=b * h * n,
+            chunk=chunk,
+            width=2 * window,
+            stride=2 * window,
+            scale=scale,
+            first=first_slot,
+            last=last_slot,
         )
         return out.view(b, h, n, d_v)
     with torch.no_grad():
@@ -471,8 +527,9 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         # The additive bias the kernel takes, written directly (a bool mask would be converted at 4x the cost).
         dtype = compute_dtype(q.dtype)
         bias = torch.full((b * h * n_tasks * chunk, 2 * window), -math.inf, dtype=dtype, device=device)
-        bias[query_row.reshape(-1)] = torch.zeros((), dtype=dtype, device=device).masked_fill(
-            ~visible, -math.inf).reshape(-1, 2 * window)
+        bias[query_row.reshape(-1)] = (
+            torch.zeros((), dtype=dtype, device=device).masked_fill(~visible, -math.inf).reshape(-1, 2 * window)
+        )
         bias = bias.view(-1, chunk, 2 * window)
         # Original position p of (b, h) is sorted query rank[p]; its buffer row, and the inverse for backward.
         rank = torch.empty_like(query_order).scatter_(-1, query_order, index)
@@ -484,8 +541,13 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
     keys = torch.cat([k_rows, k_rows.new_zeros(1, d)]).index_select(0, key_index)  # [b·h·T·2W, d]
     values = torch.cat([v_rows, v_rows.new_zeros(1, d_v)]).index_select(0, value_index)
     out, _ = windows(
-        gather_rows(q_rows, query_index, query_inverse).view(-1, chunk, d), keys, values, bias,
-        stride=2 * window, scale=scale, dropout_p=dropout_p,
+        gather_rows(q_rows, query_index, query_inverse).view(-1, chunk, d),
+        keys,
+        values,
+        bias,
+        stride=2 * window,
+        scale=scale,
+        dropout_p=dropout_p,
     )  # [b·h·T, c, d_v]
     return gather_rows(out.reshape(-1, d_v), answer_row, answer_inverse).view(b, h, n, d_v)
 
@@ -525,7 +587,7 @@ def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, 
         same &= q_pos[:, None] >= torch.arange(m, device=q.device)
         back = same.flip(-1).cumsum(-1).flip(-1)  # same-cluster keys from this one up to the query
         bias = torch.zeros_like(scores).masked_fill_(~(same & (back <= causal_window)), -math.inf)
-        query_valid = valid[:, m - n:]
+        query_valid = valid[:, m - n :]
     else:
         if n != m:
             raise ValueError(f"bidirectional routing needs every query (n={n}) to be a key position (m={m}).")
@@ -574,8 +636,9 @@ class RoutingAttention(LongAttnAttention):
         window = config.per_layer("routing_causal_window", layer_idx)
         self.causal_window = -(-config.max_position_embeddings // self.num_clusters) if window is None else window
         self.ema_decay = config.routing_ema_decay
-        self.register_buffer("centroids", torch.empty(self.num_routing_heads, self.num_clusters, self.head_dim),
-                             persistent=True)
+        self.register_buffer(
+            "centroids", torch.empty(self.num_routing_heads, self.num_clusters, self.head_dim), persistent=True
+        )
         self.reset_kind_parameters()
 
     def reset_kind_parameters(self) -> None:
@@ -598,7 +661,7 @@ class RoutingAttention(LongAttnAttention):
         self.centroids.copy_(torch.where(has_members.unsqueeze(-1), moved, self.centroids.float()))
 
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return x[:, : self.num_routing_heads], x[:, self.num_routing_heads:]
+        return x[:, : self.num_routing_heads], x[:, self.num_routing_heads :]
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         dropout_p = self.dropout_p if self.training else 0.0
@@ -606,8 +669,16 @@ class RoutingAttention(LongAttnAttention):
         # The centroids move when the backward pass reaches this layer (see the module docstring).
         learn = self.training and q_r.requires_grad
         out = routing_attention(
-            q_r, k_r, v_r, self.centroids, causal=self.is_causal, causal_window=self.causal_window,
-            key_padding_mask=key_padding_mask, scale=self.scale, dropout_p=dropout_p, return_statistics=learn,
+            q_r,
+            k_r,
+            v_r,
+            self.centroids,
+            causal=self.is_causal,
+            causal_window=self.causal_window,
+            key_padding_mask=key_padding_mask,
+            scale=self.scale,
+            dropout_p=dropout_p,
+            return_statistics=learn,
             backend=self.backend,
         )
         if learn:
@@ -615,8 +686,14 @@ class RoutingAttention(LongAttnAttention):
             q_r.register_hook(lambda grad: self.update_centroids(sums, counts))
         if self.num_local_heads:
             local = sliding_window_attention(
-                q_l, k_l, v_l, window=self.local_window, causal=self.is_causal, key_padding_mask=key_padding_mask,
-                scale=self.scale, dropout_p=dropout_p,
+                q_l,
+                k_l,
+                v_l,
+                window=self.local_window,
+                causal=self.is_causal,
+                key_padding_mask=key_padding_mask,
+                scale=self.scale,
+                dropout_p=dropout_p,
             )
             out = torch.cat([out, local], dim=1)
         return out
@@ -625,8 +702,15 @@ class RoutingAttention(LongAttnAttention):
         dropout_p = self.dropout_p if self.training else 0.0
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         out, weights = routing_attention_dense(
-            q_r, k_r, v_r, self.centroids, causal=self.is_causal, causal_window=self.causal_window,
-            key_padding_mask=key_padding_mask, scale=self.scale, dropout_p=dropout_p,
+            q_r,
+            k_r,
+            v_r,
+            self.centroids,
+            causal=self.is_causal,
+            causal_window=self.causal_window,
+            key_padding_mask=key_padding_mask,
+            scale=self.scale,
+            dropout_p=dropout_p,
         )
         if self.num_local_heads:
             n, m = q.shape[2], k.shape[2]

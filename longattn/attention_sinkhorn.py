@@ -60,6 +60,7 @@ __all__ = [
     "sinkhorn_sort_matrix",
 ]
 
+
 # ---------------------------------------------------------------------------------------------- Sinkhorn
 def log_sinkhorn(logits: Tensor, allowed: Tensor | None, *, iterations: int, causal: bool) -> Tensor:
     """Sinkhorn balancing in log space: alternately normalise columns and rows; returns S = exp(result).
@@ -252,30 +253,79 @@ def sinkhorn_attention(
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
-        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
-                                sortcut, scale, noise, dropout_p)
+        return _dense_attention(
+            q,
+            k,
+            v,
+            sort_weight,
+            key_padding_mask,
+            block_size,
+            iterations,
+            temperature,
+            causal,
+            sortcut,
+            scale,
+            noise,
+            dropout_p,
+        )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
-    choice = "torch" if backend == "auto" else select_backend(backend, AttentionRequest.for_inputs(
-        q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
-    ))
+    choice = (
+        "torch"
+        if backend == "auto"
+        else select_backend(
+            backend,
+            AttentionRequest.for_inputs(
+                q,
+                k,
+                v,
+                pattern="sinkhorn",
+                dropout_p=dropout_p,
+                causal=causal,
+                key_padding=key_padding_mask is not None,
+            ),
+        )
+    )
     if choice == "reference":
-        return _dense_attention(q, k, v, sort_weight, key_padding_mask, block_size, iterations, temperature, causal,
-                                sortcut, scale, noise, dropout_p)[0]
+        return _dense_attention(
+            q,
+            k,
+            v,
+            sort_weight,
+            key_padding_mask,
+            block_size,
+            iterations,
+            temperature,
+            causal,
+            sortcut,
+            scale,
+            noise,
+            dropout_p,
+        )[0]
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale
     padded = key_padding_mask is not None or n % s != 0
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
-    sort = sinkhorn_sort_matrix(k, valid, sort_weight, block_size=s, iterations=iterations,
-                                temperature=temperature, causal=causal, noise=noise, padded=padded)  # [b, h, B, B]
+    sort = sinkhorn_sort_matrix(
+        k,
+        valid,
+        sort_weight,
+        block_size=s,
+        iterations=iterations,
+        temperature=temperature,
+        causal=causal,
+        noise=noise,
+        padded=padded,
+    )  # [b, h, B, B]
     if sortcut:
         keys, values, visible = _sortcut_keys(k, v, sort, min(sortcut, blocks), s)
         if choice == "xformers":  # one key block that all queries share
-            out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=q.shape[2], scale=scale,
-                                    dropout_p=dropout_p)
+            out = _attend_on_kernel(
+                q, keys, values, visible=visible, queries_per_key_block=q.shape[2], scale=scale, dropout_p=dropout_p
+            )
             return _restore(out, n, rotation)
         kv_index = kv_weight = None
     else:
@@ -283,21 +333,31 @@ def sinkhorn_attention(
         kv_weight = kv_weight.to(k.dtype)
         if choice == "xformers":  # the gathered, weighted keys materialised per block: [b, h, B·2s, d]
             keys, values = (_gather_blocks(x, kv_index, kv_weight).flatten(2, 3) for x in (k, v))
-            out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=s, scale=scale,
-                                    dropout_p=dropout_p)
+            out = _attend_on_kernel(
+                q, keys, values, visible=visible, queries_per_key_block=s, scale=scale, dropout_p=dropout_p
+            )
             return _restore(out, n, rotation)
         keys, values = k, v
     m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
     if visible is None:  # every key visible: a broadcast view, nothing allocated
         visible = torch.ones((), dtype=torch.bool, device=q.device)
     mask = visible.expand(b, h, blocks, s, m)
-    out, _ = attend_blocks(q.view(b, h, blocks, s, d), keys, values, kv_index=kv_index, mask=mask, scale=scale,
-                           dropout_p=dropout_p, kv_weight=kv_weight)  # [b, h, B, s, d_v]
+    out, _ = attend_blocks(
+        q.view(b, h, blocks, s, d),
+        keys,
+        values,
+        kv_index=kv_index,
+        mask=mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        kv_weight=kv_weight,
+    )  # [b, h, B, s, d_v]
     return _restore(out.flatten(2, 3), n, rotation)
 
 
-def _own_and_sorted_keys(sort: Tensor, valid: Tensor, s: int, *, causal: bool,
-                         padded: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _own_and_sorted_keys(
+    sort: Tensor, valid: Tensor, s: int, *, causal: bool, padded: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Each query block's keys: its own block, then its sorted block j* = argmax_j S_ij, weighted by S_ij*.
 
     The sorted block is the soft permutation truncated to its largest entry (module docstring): `w · K_j*` and
@@ -357,8 +417,16 @@ def _gather_blocks(x: Tensor, kv_index: Tensor, kv_weight: Tensor) -> Tensor:
     return rows.view(b, h, blocks, m, -1) * kv_weight[..., None]
 
 
-def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tensor | None, queries_per_key_block: int,
-                      scale: float, dropout_p: float) -> Tensor:
+def _attend_on_kernel(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    *,
+    visible: Tensor | None,
+    queries_per_key_block: int,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
     """Query blocks over their own key blocks as one call of the xformers kernel (`executor_xformers`' contract).
 
     Query block i (`queries_per_key_block` = m queries) attends to key block i (w keys): q `[b, h, B·m, d]`,
@@ -387,8 +455,9 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
         attn_bias = torch.zeros(b, blocks, h, visible.shape[3], aligned, dtype=q.dtype, device=q.device)[..., :w]
         attn_bias.masked_fill_(~visible.permute(0, 2, 1, 3, 4), -HALF_HIDDEN_PENALTY)
         attn_bias = attn_bias.reshape(b * blocks, h, visible.shape[3], w).expand(b * blocks, h, m, w)
-    out = current_kernel().attention(kernel_layout(q, m), kernel_layout(keys, w), kernel_layout(values, w), attn_bias,
-                                     p=dropout_p, scale=scale)  # [b·B, m, h, d_v]
+    out = current_kernel().attention(
+        kernel_layout(q, m), kernel_layout(keys, w), kernel_layout(values, w), attn_bias, p=dropout_p, scale=scale
+    )  # [b·B, m, h, d_v]
     out = out.view(b, blocks, m, h, -1).permute(0, 3, 1, 2, 4)  # [b, h, B, m, d_v]
     if has_key is not None:
         out = out * has_key
@@ -396,8 +465,9 @@ def _attend_on_kernel(q: Tensor, keys: Tensor, values: Tensor, *, visible: Tenso
 
 
 # ---------------------------------------------------------------------------------------------- dense form
-def sinkhorn_attention_dense(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor,
-                             **settings: Any) -> tuple[Tensor, Tensor]:
+def sinkhorn_attention_dense(
+    q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor, **settings: Any
+) -> tuple[Tensor, Tensor]:
     """The same attention as `sinkhorn_attention`, written over all m key positions (with its weights).
 
     `sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)`: the same
@@ -416,8 +486,9 @@ def sinkhorn_attention_dense(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tenso
     return sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)
 
 
-def _dense_attention(q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale,
-                     noise, dropout_p):
+def _dense_attention(
+    q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale, noise, dropout_p
+):
     """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
     b, h, n, d = q.shape
     m = k.shape[2]
@@ -436,10 +507,18 @@ def _dense_attention(q, k, v, sort_weight, key_padding_mask, s, iterations, temp
     keep = valid_l[:, None, :, None].to(dtype)
     k_l, v_l = k_l * keep, v_l * keep
     blocks = m_pad // s
-    sort = sinkhorn_sort_matrix(k_l, valid_l, sort_weight, block_size=s, iterations=iterations,
-                                temperature=temperature, causal=causal, noise=noise).to(dtype)  # [b, h, B, B]
+    sort = sinkhorn_sort_matrix(
+        k_l,
+        valid_l,
+        sort_weight,
+        block_size=s,
+        iterations=iterations,
+        temperature=temperature,
+        causal=causal,
+        noise=noise,
+    ).to(dtype)  # [b, h, B, B]
     layout = torch.empty_like(rotation).scatter_(1, rotation, torch.arange(m, device=q.device).expand_as(rotation))
-    q_layout = layout[:, m - n:]  # [b, n], layout position of each query
+    q_layout = layout[:, m - n :]  # [b, n], layout position of each query
     q_block = torch.div(q_layout, s, rounding_mode="floor")
     key_block = torch.arange(m_pad, device=q.device) // s  # [m_pad]
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k_l) * scale  # [b, h, n, m_pad]
@@ -466,11 +545,12 @@ def _dense_attention(q, k, v, sort_weight, key_padding_mask, s, iterations, temp
             own = own & (torch.arange(m_pad, device=q.device) <= q_layout[..., None])[:, None]
         other = (key_block == q_source[..., None]) & valid_l[:, None, None, :] & q_has[..., None]  # [b, h, n, m_pad]
         # Sorted keys are scaled by S_ij*: score w·(q·k), value w·v; the same key may appear twice (own = sorted).
-        both = torch.cat([scores.masked_fill(~own, -math.inf),
-                          (scores * q_weight[..., None]).masked_fill(~other, -math.inf)], dim=-1)
+        both = torch.cat(
+            [scores.masked_fill(~own, -math.inf), (scores * q_weight[..., None]).masked_fill(~other, -math.inf)], dim=-1
+        )
         probs = _softmax_or_zero(both)  # [b, h, n, 2·m_pad]
         weights_layout = probs[..., :m_pad] + probs[..., m_pad:] * q_weight[..., None]
-    weights_layout = weights_layout * valid[:, None, m - n:, None]  # padding queries: zero (as the fast path's
+    weights_layout = weights_layout * valid[:, None, m - n :, None]  # padding queries: zero (as the fast path's
     # rotated-away padding would give garbage, not a defined output)
     dropped = F.dropout(weights_layout, p=dropout_p) if dropout_p > 0 else weights_layout
     out = torch.matmul(dropped, v_l)  # [b, h, n, d_v]

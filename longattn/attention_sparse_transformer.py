@@ -42,7 +42,9 @@ class StridedAttention(LongAttnAttention):
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return strided_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             stride=self.stride,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
@@ -80,7 +82,9 @@ class FixedAttention(LongAttnAttention):
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return fixed_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             block_size=self.block_size,
             num_summary=self.num_summary,
             summary_per_head=self.summary_per_head,

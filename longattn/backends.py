@@ -63,6 +63,7 @@ strided and fixed, within-bucket blocks after sorting (`executor_xformers.bucket
 sorted chunks that LSH and routing attend with (`ops_lsh.attend_windows`), and Sinkhorn's blocks (each query block
 over its own and its sorted key block, or SortCut's kept blocks)."""
 
+
 @dataclass(frozen=True)
 class AttentionRequest:
     """What one attention call needs from a back end (the facts the back ends decide on).
@@ -102,7 +103,9 @@ class AttentionRequest:
     dilation: int | tuple[int, ...] = 1
 
     @classmethod
-    def for_inputs(cls, q: Tensor, k: Tensor, v: Tensor, *, pattern: str, dropout_p: float = 0.0, **fields) -> "AttentionRequest":
+    def for_inputs(
+        cls, q: Tensor, k: Tensor, v: Tensor, *, pattern: str, dropout_p: float = 0.0, **fields
+    ) -> "AttentionRequest":
         """The request of a call on q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]`.
 
         Args:
@@ -232,21 +235,31 @@ class XformersBackend(Backend):
         )
         if not reasons and request.device == "cuda":
             # Only now touch the GPU: a tiny forward and backward of every layout this request needs.
-            reasons += xformers_probe_reasons(request.dtype, needs_tensor_bias=needs_tensor_bias(
-                pattern=request.pattern, causal=request.causal, global_tokens=request.global_tokens
-            ))
+            reasons += xformers_probe_reasons(
+                request.dtype,
+                needs_tensor_bias=needs_tensor_bias(
+                    pattern=request.pattern, causal=request.causal, global_tokens=request.global_tokens
+                ),
+            )
         return reasons
 
     def auto_reasons(self, request):
         if request.pattern == "full" and not request.key_padding:
             return ["dense attention without padding: SDPA runs the same flash kernel without a layout copy"]
         if request.pattern in ("sinkhorn", "windows"):
-            return [f"the {request.pattern!r} mapping has not been run on a GPU yet: 'auto' keeps the PyTorch "
-                    "executor (ask for 'xformers' to use it)"]
+            return [
+                f"the {request.pattern!r} mapping has not been run on a GPU yet: 'auto' keeps the PyTorch "
+                "executor (ask for 'xformers' to use it)"
+            ]
         dilations = {request.dilation} if isinstance(request.dilation, int) else set(request.dilation)
         undilated = dilations == {1}
-        if (request.pattern == "sliding" and undilated and not request.global_tokens and not request.key_padding
-                and not BACKENDS["flex"].reasons_not_supported(request)):
+        if (
+            request.pattern == "sliding"
+            and undilated
+            and not request.global_tokens
+            and not request.key_padding
+            and not BACKENDS["flex"].reasons_not_supported(request)
+        ):
             # Measured on an H100 with xformers 0.0.35 on PyTorch's FlashAttention-2 (docs/benchmarks_gpu.md): a plain
             # band is FlexAttention's best case, and the permutations that make xformers win need a dilation.
             return ["an undilated window runs faster on FlexAttention's block-sparse kernel (1.2-2.5x on an H100)"]
@@ -315,5 +328,9 @@ def _log_choice(name: str, request: AttentionRequest, passed_over: list[str]) ->
     why = f" (passed over: {' | '.join(passed_over)})" if passed_over else ""
     logger.info(
         "longattn: attention back end %r for %r attention on %s/%s%s",
-        name, request.pattern, request.device, str(request.dtype).removeprefix("torch."), why,
+        name,
+        request.pattern,
+        request.device,
+        str(request.dtype).removeprefix("torch."),
+        why,
     )

@@ -43,8 +43,10 @@ def parse_config_overrides(overrides: str | None, *, flag: str = "--config_overr
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not all(part.isidentifier() for part in key.split(".")):
-            raise ValueError(f"{flag}: {item.strip()!r} is not of the form key=value; expected comma-separated "
-                             f"key=value pairs, lists in brackets, e.g. 'sliding_window=4,sliding_dilation=[1,3]'.")
+            raise ValueError(
+                f"{flag}: {item.strip()!r} is not of the form key=value; expected comma-separated "
+                f"key=value pairs, lists in brackets, e.g. 'sliding_window=4,sliding_dilation=[1,3]'."
+            )
         if value.startswith("[") and value.endswith("]"):
             inner = value[1:-1].strip()
             parsed[key] = [_scalar(v.strip()) for v in inner.split(",")] if inner else []

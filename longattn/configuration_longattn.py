@@ -210,8 +210,15 @@ class LongAttnConfig(PreTrainedConfig):
     # ------------------------------------------------------------------ validation
     def validate_longattn(self) -> None:
         """Check every field; raise `ValueError` naming the field, the value and what is allowed."""
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                      "max_position_embeddings", "num_decoder_layers"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "num_decoder_layers",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{field}`={value!r} is invalid: expected an integer >= 1.")
@@ -220,14 +227,26 @@ class LongAttnConfig(PreTrainedConfig):
                 f"`num_attention_heads`={self.num_attention_heads} must divide `hidden_size`={self.hidden_size}."
             )
         for field in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
-            check_number(field, getattr(self, field), minimum=0.0, maximum=1.0, exclusive_maximum=True,
-                         optional=field == "classifier_dropout")
+            check_number(
+                field,
+                getattr(self, field),
+                minimum=0.0,
+                maximum=1.0,
+                exclusive_maximum=True,
+                optional=field == "classifier_dropout",
+            )
         for field in ("rope_theta", "layer_norm_eps"):
             check_number(field, getattr(self, field), minimum=0.0, exclusive_minimum=True)
         check_number("initializer_range", self.initializer_range, minimum=0.0)
         # A truthy string such as "no" would silently turn an encoder causal: booleans must be bools.
-        for field in ("is_decoder", "is_encoder_decoder", "tie_word_embeddings", "use_cache", "output_hidden_states",
-                      "return_dict"):
+        for field in (
+            "is_decoder",
+            "is_encoder_decoder",
+            "tie_word_embeddings",
+            "use_cache",
+            "output_hidden_states",
+            "return_dict",
+        ):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 raise ValueError(f"`{field}`={value!r} is invalid: expected True or False.")
@@ -290,7 +309,8 @@ def _check_model_type(model_type: Any, *, source: str) -> None:
 def _longattn_fields() -> frozenset[str]:
     """The fields longattn defines: the arguments of `LongAttnConfig.__init__` and every kind's own fields."""
     arguments = {
-        name for name, parameter in inspect.signature(LongAttnConfig.__init__).parameters.items()
+        name
+        for name, parameter in inspect.signature(LongAttnConfig.__init__).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY or parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     } - {"self"}
     return frozenset(arguments | set(field_defaults()))
@@ -304,10 +324,26 @@ def _transformers_keys() -> frozenset[str]:
     keys |= {name for name in dir(PreTrainedConfig) if not name.startswith("__")}
     keys |= set(GenerationConfig().to_dict())
     keys |= {
-        "model_type", "transformers_version", "name_or_path", "torch_dtype", "attn_implementation",
-        "experts_implementation", "per_layer_config", "num_labels", "auto_map", "tokenizer_class", "prefix",
-        "task_specific_params", "finetuning_task", "add_cross_attention", "cross_attention_hidden_size",
-        "tie_encoder_decoder", "rope_parameters", "rope_scaling", "custom_pipelines", "head_dim",
+        "model_type",
+        "transformers_version",
+        "name_or_path",
+        "torch_dtype",
+        "attn_implementation",
+        "experts_implementation",
+        "per_layer_config",
+        "num_labels",
+        "auto_map",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "finetuning_task",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "rope_parameters",
+        "rope_scaling",
+        "custom_pipelines",
+        "head_dim",
     }
     return frozenset(keys)
 
@@ -329,7 +365,13 @@ def _check_near_misses(kwargs: dict[str, Any]) -> None:
     are kept, as transformers' configs do."""
     fields, known = _longattn_fields(), _transformers_keys()
     for key in kwargs:
-        if not isinstance(key, str) or key in fields or key in known or key.startswith("_") or key.endswith("_token_id"):
+        if (
+            not isinstance(key, str)
+            or key in fields
+            or key in known
+            or key.startswith("_")
+            or key.endswith("_token_id")
+        ):
             continue
         close = sorted((distance, field) for field in fields if (distance := _edit_distance(key, field)) <= 2)
         if not close:

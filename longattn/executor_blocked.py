@@ -102,7 +102,7 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
     s0, s1, s2 = row_strides
     rows = (b - 1) * s0 + (h - 1) * s1 + (n - 1) * s2 + 1
     flat = t.as_strided((rows, d), (d, 1))
-    base = (torch.arange(b, device=t.device).view(b, 1) * s0 + torch.arange(h, device=t.device).view(1, h) * s1)
+    base = torch.arange(b, device=t.device).view(b, 1) * s0 + torch.arange(h, device=t.device).view(1, h) * s1
     return flat, base.view(b * h), s2
 
 
@@ -226,7 +226,9 @@ class _BlockAttention(torch.autograd.Function):
                 grad_out_chunk.zero_()
             else:
                 # Rows without a visible key had their output zeroed: their probabilities get no gradient.
-                torch.mul(grad_out6[:, :, :, start:stop], has_key6[:, :, :, start:stop], out=chunk.view6(grad_out_chunk))
+                torch.mul(
+                    grad_out6[:, :, :, start:stop], has_key6[:, :, :, start:stop], out=chunk.view6(grad_out_chunk)
+                )
             grad_scores = workspace.get("grad_scores", chunk.scores_shape)
             torch.bmm(grad_out_chunk, chunk.values.transpose(1, 2), out=grad_scores)  # dP
             if generator is not None:
@@ -238,8 +240,12 @@ class _BlockAttention(torch.autograd.Function):
                 chunk.view6(grad_scores).addcmul_(chunk.view6(probs), grad_lse[:, :, :, start:stop])
             if generator is not None:
                 probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-            grad_values = torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape))
-            grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
+            grad_values = torch.bmm(
+                probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape)
+            )
+            grad_keys = torch.bmm(
+                grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape)
+            )
             grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
             torch.mul(chunk.view6(grad_q_chunk), scale, out=grad_q6[:, :, :, start:stop])
             if grad_weight is not None:
@@ -248,8 +254,12 @@ class _BlockAttention(torch.autograd.Function):
                 grad_k.add_(grad_keys.view(b, h_kv, -1, d))
                 grad_v.add_(grad_values.view(b, h_kv, -1, d_v))
             else:
-                grad_k_rows.index_add_(0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.view(-1, d))
-                grad_v_rows.index_add_(0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.view(-1, d_v))
+                grad_k_rows.index_add_(
+                    0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.view(-1, d)
+                )
+                grad_v_rows.index_add_(
+                    0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.view(-1, d_v)
+                )
 
         return (
             grad_q.to(q_blocks.dtype),
@@ -264,15 +274,16 @@ class _BlockAttention(torch.autograd.Function):
         )
 
 
-def _weight_backward(chunk: _Chunk, grad_keys: Tensor, grad_values: Tensor, grad_weight: Tensor,
-                     workspace: _Workspace) -> None:
+def _weight_backward(
+    chunk: _Chunk, grad_keys: Tensor, grad_values: Tensor, grad_weight: Tensor, workspace: _Workspace
+) -> None:
     """Weighted gathered keys and values (K_w = w·K, V_w = w·V): writes dw = Σ_d dK_w ∘ K + Σ_d dV_w ∘ V into the
     chunk's slice of grad_weight `[b, h_kv, nb, m]`, and turns grad_keys, grad_values into the gradients of the
     unweighted gathered rows (dK = w·dK_w, dV = w·dV_w), in place, before they are scattered back."""
     product = torch.mul(grad_keys, chunk.raw_keys, out=workspace.get("weight_product", grad_keys.shape))
     dw = product.sum(dim=-1)  # [b·h_kv·n_blk, m]
     dw += torch.mul(grad_values, chunk.raw_values, out=workspace.get("weight_product", grad_values.shape)).sum(dim=-1)
-    grad_weight[:, :, chunk.start:chunk.stop] = dw.view(grad_weight.shape[0], grad_weight.shape[1], -1, dw.shape[-1])
+    grad_weight[:, :, chunk.start : chunk.stop] = dw.view(grad_weight.shape[0], grad_weight.shape[1], -1, dw.shape[-1])
     grad_keys.mul_(chunk.weight)
     grad_values.mul_(chunk.weight)
 
@@ -318,7 +329,13 @@ class _Chunk:
 
 
 def _chunks(
-    q_blocks: Tensor, k: Tensor, v: Tensor, kv_index: Tensor | None, mask: Tensor, scale: float, workspace: _Workspace,
+    q_blocks: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_index: Tensor | None,
+    mask: Tensor,
+    scale: float,
+    workspace: _Workspace,
     kv_weight: Tensor | None = None,
 ):
     """Yield a `_Chunk` per group of query blocks small enough for the workspace budget."""
@@ -341,7 +358,9 @@ def _chunks(
         hidden = torch.logical_not(mask_chunk, out=workspace.get("hidden", mask_chunk.shape, torch.bool))
         if kv_index is None:
             q_scaled = torch.mul(q_chunk, scale, out=workspace.get("q", (b, h_kv, group, n_blk, c, d)))
-            yield _Chunk(start, stop, q_scaled.view(b * h_kv, group * n_blk * c, d), all_keys, all_values, hidden, shape6)
+            yield _Chunk(
+                start, stop, q_scaled.view(b * h_kv, group * n_blk * c, d), all_keys, all_values, hidden, shape6
+            )
             continue
         # Each block's queries of one group side by side: [b, h_kv, n_blk, group, c, d] memory.
         q_scaled = workspace.get("q", (b, h_kv, n_blk, group, c, d))
@@ -355,8 +374,13 @@ def _chunks(
             v_rows, 0, _gather_rows(v_base, v_step, kv_index, start, stop), out=workspace.get("values", (count, d_v))
         )
         chunk = _Chunk(
-            start, stop, q_scaled.view(b * h_kv * n_blk, group * c, d), keys.view(b * h_kv * n_blk, m, d),
-            values.view(b * h_kv * n_blk, m, d_v), hidden, shape6,
+            start,
+            stop,
+            q_scaled.view(b * h_kv * n_blk, group * c, d),
+            keys.view(b * h_kv * n_blk, m, d),
+            values.view(b * h_kv * n_blk, m, d_v),
+            hidden,
+            shape6,
         )
         yield chunk if kv_weight is None else _weighted(chunk, kv_weight, workspace)
 
@@ -364,7 +388,7 @@ def _chunks(
 def _weighted(chunk: _Chunk, kv_weight: Tensor, workspace: _Workspace) -> _Chunk:
     """The chunk with its gathered keys and values multiplied by their `kv_weight` (see `attend_blocks`); the
     unweighted rows and the weights stay in the chunk for `_weight_backward`."""
-    weight = kv_weight[:, :, chunk.start:chunk.stop].reshape(*chunk.keys.shape[:2], 1).to(chunk.keys.dtype)
+    weight = kv_weight[:, :, chunk.start : chunk.stop].reshape(*chunk.keys.shape[:2], 1).to(chunk.keys.dtype)
     keys = torch.mul(chunk.keys, weight, out=workspace.get("weighted_keys", chunk.keys.shape))
     values = torch.mul(chunk.values, weight, out=workspace.get("weighted_values", chunk.values.shape))
     return replace(chunk, keys=keys, values=values, raw_keys=chunk.keys, raw_values=chunk.values, weight=weight)
@@ -416,19 +440,26 @@ def attend_blocks(
         )
     b, h, nb, c, d = q_blocks.shape
     if k.shape[0] != b or k.shape[1] == 0 or h % k.shape[1] or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-        raise ValueError(f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     m = k.shape[2] if kv_index is None else kv_index.shape[-1]
-    if kv_index is not None and (kv_index.dim() not in (2, 3, 4) or kv_index.shape[-2] != nb
-                                 or (kv_index.dim() == 3 and kv_index.shape[0] != b)):
+    if kv_index is not None and (
+        kv_index.dim() not in (2, 3, 4) or kv_index.shape[-2] != nb or (kv_index.dim() == 3 and kv_index.shape[0] != b)
+    ):
         raise ValueError(f"kv_index must have shape [nb={nb}, m] or [b={b}, nb={nb}, m], got {tuple(kv_index.shape)}")
     if kv_index is not None and kv_index.dim() == 4 and tuple(kv_index.shape[:2]) != (b, k.shape[1]):
-        raise ValueError(f"kv_index of one key set per head must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m], "
-                         f"got {tuple(kv_index.shape)}")
+        raise ValueError(
+            f"kv_index of one key set per head must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m], "
+            f"got {tuple(kv_index.shape)}"
+        )
     if kv_weight is not None and (kv_index is None or tuple(kv_weight.shape) != (b, k.shape[1], nb, m)):
-        raise ValueError(f"kv_weight must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m={m}] and comes with a "
-                         f"kv_index; got {tuple(kv_weight.shape)} with kv_index "
-                         f"{None if kv_index is None else tuple(kv_index.shape)}")
+        raise ValueError(
+            f"kv_weight must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m={m}] and comes with a "
+            f"kv_index; got {tuple(kv_weight.shape)} with kv_index "
+            f"{None if kv_index is None else tuple(kv_index.shape)}"
+        )
     if (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
@@ -439,14 +470,22 @@ def attend_blocks(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if torch.compiler.is_compiling():
-        return _attend_blocks_traceable(q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p,
-                                        kv_weight=kv_weight)
+        return _attend_blocks_traceable(
+            q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p, kv_weight=kv_weight
+        )
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
     return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed, kv_weight)
 
 
 def _attend_blocks_traceable(
-    q_blocks: Tensor, k: Tensor, v: Tensor, *, kv_index: Tensor | None, mask: Tensor, scale: float, dropout_p: float,
+    q_blocks: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    kv_index: Tensor | None,
+    mask: Tensor,
+    scale: float,
+    dropout_p: float,
     kv_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
@@ -460,8 +499,12 @@ def _attend_blocks_traceable(
     if kv_index is None:
         keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
     elif kv_index.dim() == 4:  # one key set per head: [b, h_kv, nb, m, d]
-        keys, values = (t.to(dtype).gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, t.shape[3]))
-                        .view(*kv_index.shape, t.shape[3]) for t in (k, v))
+        keys, values = (
+            t.to(dtype)
+            .gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, t.shape[3]))
+            .view(*kv_index.shape, t.shape[3])
+            for t in (k, v)
+        )
     else:
         rows = torch.arange(b, device=k.device).view(b, 1, 1)
         index = kv_index.expand(b, *kv_index.shape[-2:])  # [b, nb, m]
@@ -529,9 +572,7 @@ def evaluate_block_mask(
         if stop - start == nb:
             return chunk
         if result is None:
-            result = torch.empty(
-                chunk.shape[0], chunk.shape[1], nb, c, m, dtype=torch.bool, device=q_pos.device
-            )
+            result = torch.empty(chunk.shape[0], chunk.shape[1], nb, c, m, dtype=torch.bool, device=q_pos.device)
         result[:, :, start:stop] = chunk
     return result
 
@@ -739,8 +780,14 @@ def banded_attention(
         nb, c = layout.q_pos.shape
         if fused:
             plan = _BandPlan(
-                layout=layout, local_fn=local_fn, mask_fn=mask_fn, heads=heads_t, global_index=global_index,
-                global_valid=global_valid, scale=float(scale), first_key=q_offset - min(window_left, class_len),
+                layout=layout,
+                local_fn=local_fn,
+                mask_fn=mask_fn,
+                heads=heads_t,
+                global_index=global_index,
+                global_valid=global_valid,
+                scale=float(scale),
+                first_key=q_offset - min(window_left, class_len),
             )
             group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
             group_heads.extend(heads)
@@ -774,10 +821,12 @@ def banded_attention(
                 kv_valid=global_valid[:, None, :],
             )  # [b, 1|hg, nb, c, g]
             heads_dim = max(local_mask.shape[1], global_key_mask.shape[1])
-            local_mask = torch.cat([local_mask.expand(b, heads_dim, -1, -1, -1),
-                                    global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4)  # [b, 1|hg, nb, c, m + g]
-        out_blocks, _ = attend_blocks(q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale,
-                                      dropout_p=dropout_p)  # [b, hg, nb, c, d_v]
+            local_mask = torch.cat(
+                [local_mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
+            )  # [b, 1|hg, nb, c, m + g]
+        out_blocks, _ = attend_blocks(
+            q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale, dropout_p=dropout_p
+        )  # [b, hg, nb, c, d_v]
         out_g = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
         out_g = out_g[:, :, :n_q] if layout.slot_of_query is None else out_g.index_select(2, layout.slot_of_query)
         group_outputs.append(out_g)
@@ -874,8 +923,12 @@ class _BandPlan:
         """Bool `[b|1, h|1, n_blk, c, m]` mask of blocks start:stop against their band keys."""
         layout = self.layout
         return evaluate_block_mask(
-            self.local_fn, batch=batch, heads=self.heads, q_pos=layout.q_pos[None, start:stop],
-            kv_pos=layout.kv_pos[None, start:stop], q_valid=layout.q_valid[None, start:stop],
+            self.local_fn,
+            batch=batch,
+            heads=self.heads,
+            q_pos=layout.q_pos[None, start:stop],
+            kv_pos=layout.kv_pos[None, start:stop],
+            q_valid=layout.q_valid[None, start:stop],
             kv_valid=layout.kv_valid[None, start:stop],
         )
 
@@ -883,8 +936,12 @@ class _BandPlan:
         """Bool `[b, h|1, n_blk, c, g]` mask of blocks start:stop against their row's global keys."""
         layout = self.layout
         return evaluate_block_mask(
-            self.mask_fn, batch=batch, heads=self.heads, q_pos=layout.q_pos[None, start:stop],
-            kv_pos=self.global_index[:, None, :], q_valid=layout.q_valid[None, start:stop],
+            self.mask_fn,
+            batch=batch,
+            heads=self.heads,
+            q_pos=layout.q_pos[None, start:stop],
+            kv_pos=self.global_index[:, None, :],
+            q_valid=layout.q_valid[None, start:stop],
             kv_valid=self.global_valid[:, None, :],
         )
 
@@ -983,14 +1040,32 @@ class _BandAttention(torch.autograd.Function):
                 keys, values = (_band_view(t, row, start, n_blk, c, m) for t in (k_pad, v_pad))
                 bias = _additive(local, row, h_kv, group, workspace, "bias")
                 grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
-                    grad_out_chunk, q_chunk, keys, values, out_chunk, row_lse, 0.0, False, attn_mask=bias,
-                    scale=plan.scale)
+                    grad_out_chunk,
+                    q_chunk,
+                    keys,
+                    values,
+                    out_chunk,
+                    row_lse,
+                    0.0,
+                    False,
+                    attn_mask=bias,
+                    scale=plan.scale,
+                )
                 if glob is not None:
                     g_bias = _additive(global_mask, row, h_kv, group, workspace, "g_bias")
                     g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
                     grad_q_g, grad_g_keys, grad_g_values = _FLASH_BACKWARD(
-                        grad_out_chunk, q_chunk, g_keys, g_values, out_chunk, row_lse, 0.0, False, attn_mask=g_bias,
-                        scale=plan.scale)
+                        grad_out_chunk,
+                        q_chunk,
+                        g_keys,
+                        g_values,
+                        out_chunk,
+                        row_lse,
+                        0.0,
+                        False,
+                        attn_mask=g_bias,
+                        scale=plan.scale,
+                    )
                     grad_q_chunk.add_(grad_q_g)
                     grad_glob[0][row] += grad_g_keys.sum(0)
                     grad_glob[1][row] += grad_g_values.sum(0)

@@ -36,7 +36,11 @@ from torch import Tensor
 from .patterns import MaskFn, mask_reach
 
 __all__ = [
-    "flex_pattern_attention", "block_mask", "banded_block_mask", "clear_block_mask_cache", "unavailable_reasons",
+    "flex_pattern_attention",
+    "block_mask",
+    "banded_block_mask",
+    "clear_block_mask_cache",
+    "unavailable_reasons",
 ]
 
 _CACHE_SIZE = 32
@@ -51,7 +55,9 @@ _FLEX_FOUND = importlib.util.find_spec("torch.nn.attention.flex_attention") is n
 
 def unavailable_reasons() -> list[str]:
     """Why FlexAttention cannot be used with this torch (empty when it can)."""
-    return [] if _FLEX_FOUND else [f"torch {torch.__version__} has no FlexAttention (torch.nn.attention.flex_attention)"]
+    return (
+        [] if _FLEX_FOUND else [f"torch {torch.__version__} has no FlexAttention (torch.nn.attention.flex_attention)"]
+    )
 
 
 def _flex():
@@ -109,8 +115,9 @@ def block_mask(
     mask_mod.__name__ = getattr(mask_fn, "__name__", "mask_mod")
     reach = mask_reach(mask_fn)
     if reach is not None:
-        result = banded_block_mask(mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, reach=reach,
-                                   device=device)
+        result = banded_block_mask(
+            mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, reach=reach, device=device
+        )
     else:
         result = _flex().create_block_mask(
             mask_mod, batch, heads, q_len, kv_len, device=device, _compile=device.type == "cuda"
@@ -191,7 +198,12 @@ def banded_block_mask(
     kv_num_blocks, kv_indices = _ordered(partial)
     full_kv_num_blocks, full_kv_indices = _ordered(full)
     return _flex().BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
     )
 
@@ -232,8 +244,13 @@ def flex_pattern_attention(
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
     mask = block_mask(
-        mask_fn, batch=b if per_batch else None, heads=h if per_head else None, q_len=n_q, kv_len=n_k,
-        device=q.device, cache_key=cache_key,
+        mask_fn,
+        batch=b if per_batch else None,
+        heads=h if per_head else None,
+        q_len=n_q,
+        kv_len=n_k,
+        device=q.device,
+        cache_key=cache_key,
     )
     if q.device.type == "cuda":
         return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)

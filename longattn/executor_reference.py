@@ -102,7 +102,12 @@ def reference_pattern_attention(
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
     mask = materialize_mask(
-        mask_fn, batch=b, heads=h if per_head else 1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0),
+        mask_fn,
+        batch=b,
+        heads=h if per_head else 1,
+        q_len=n_q,
+        kv_len=n_k,
+        q_offset=max(n_k - n_q, 0),
         device=q.device,
     )  # [b, h or 1, n_q, n_k]
     return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)

@@ -50,7 +50,9 @@ def _beyond_band(reach: int) -> MaskFn:
 
 def _same_block(block_size: int, same: bool) -> MaskFn:
     def block_test(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        equal = torch.div(q_idx, block_size, rounding_mode="floor") == torch.div(kv_idx, block_size, rounding_mode="floor")
+        equal = torch.div(q_idx, block_size, rounding_mode="floor") == torch.div(
+            kv_idx, block_size, rounding_mode="floor"
+        )
         return equal if same else ~equal
 
     return block_test
@@ -81,8 +83,13 @@ def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, bl
     q_offset = n_k - n_q
     reach = min(stride, n_k)  # a band wider than the sequence gathers nothing more
     layout = band_layout(
-        q_len=n_q, kv_len=n_k, window_left=reach, window_right=0 if causal else reach,
-        block_size=block_size, q_offset=q_offset, device=q.device,
+        q_len=n_q,
+        kv_len=n_k,
+        window_left=reach,
+        window_right=0 if causal else reach,
+        block_size=block_size,
+        q_offset=q_offset,
+        device=q.device,
     )
     nb, rows = layout.q_pos.shape
     if nb * rows == n_q:
@@ -91,9 +98,12 @@ def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, bl
         q_blocks = torch.nn.functional.pad(q, (0, 0, 0, nb * rows - n_q)).view(b, h, nb, rows, d)
     mask = evaluate_block_mask(
         and_masks(mask_fn, _within_band(stride)),
-        batch=b, heads=torch.arange(h, device=q.device),
-        q_pos=layout.q_pos[None], kv_pos=layout.kv_pos[None],
-        q_valid=layout.q_valid[None], kv_valid=layout.kv_valid[None],
+        batch=b,
+        heads=torch.arange(h, device=q.device),
+        q_pos=layout.q_pos[None],
+        kv_pos=layout.kv_pos[None],
+        q_valid=layout.q_valid[None],
+        kv_valid=layout.kv_valid[None],
     )  # [b|1, h|1, nb, rows, m]
     out, lse = attend_blocks(q_blocks, k, v, kv_index=layout.kv_pos, mask=mask, scale=scale, dropout_p=dropout_p)
     # Dilation 1: slots are the queries in order, then padding slots at the end.
@@ -129,16 +139,23 @@ def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, c
 
     def run(q_pos_call, q_valid_call, key_steps, repeat):
         """One attend_blocks call: blocks `[nb, rows]` of queries, each gathering `key_steps` steps of its class."""
-        kv_pos = (torch.arange(classes, device=device).view(classes, 1)
-                  + torch.arange(key_steps, device=device).view(1, key_steps) * stride)  # [classes, m]
+        kv_pos = (
+            torch.arange(classes, device=device).view(classes, 1)
+            + torch.arange(key_steps, device=device).view(1, key_steps) * stride
+        )  # [classes, m]
         kv_valid = kv_pos < n_k
         kv_pos = kv_pos.clamp(max=n_k - 1)
         if repeat > 1:  # blocks are (class, sub-block) in that order
             kv_pos = kv_pos.repeat_interleave(repeat, dim=0)
             kv_valid = kv_valid.repeat_interleave(repeat, dim=0)
         mask = evaluate_block_mask(
-            beyond_fn, batch=b, heads=heads, q_pos=q_pos_call[None], kv_pos=kv_pos[None],
-            q_valid=q_valid_call[None], kv_valid=kv_valid[None],
+            beyond_fn,
+            batch=b,
+            heads=heads,
+            q_pos=q_pos_call[None],
+            kv_pos=kv_pos[None],
+            q_valid=q_valid_call[None],
+            kv_valid=kv_valid[None],
         )
         q_blocks = _gather_queries(q, q_pos_call, q_offset)
         return attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=mask, scale=scale, dropout_p=dropout_p)
@@ -219,9 +236,12 @@ def _fixed_summary_positions(n_k: int, block_size: int, num_summary: int, group:
     """Sorted positions of the summary cells of head group `group`: `[l − (g + 1)·c, l − g·c)` in every block."""
     blocks = -(-n_k // block_size)
     first_cell = block_size - (group + 1) * num_summary
-    positions = (torch.arange(blocks, device=device).view(blocks, 1) * block_size + first_cell
-                 + torch.arange(num_summary, device=device).view(1, num_summary)).reshape(-1)
-    return positions[:_fixed_summary_count(n_k, block_size, num_summary, group)]
+    positions = (
+        torch.arange(blocks, device=device).view(blocks, 1) * block_size
+        + first_cell
+        + torch.arange(num_summary, device=device).view(1, num_summary)
+    ).reshape(-1)
+    return positions[: _fixed_summary_count(n_k, block_size, num_summary, group)]
 
 
 def _fixed_summary_count(limit: int, block_size: int, num_summary: int, group: int) -> int:
@@ -291,8 +311,9 @@ def fixed_blocked_attention(
     rows = min(keys_per_block, max_block_rows)
     subs = -(-keys_per_block // rows)
     block_start = (first_block + torch.arange(q_pattern_blocks, device=device)) * block_size  # [nbq]
-    offset_in_block = (torch.arange(subs, device=device).view(subs, 1) * rows
-                       + torch.arange(rows, device=device).view(1, rows))  # [subs, rows]
+    offset_in_block = torch.arange(subs, device=device).view(subs, 1) * rows + torch.arange(rows, device=device).view(
+        1, rows
+    )  # [subs, rows]
     q_pos = block_start.view(-1, 1, 1) + offset_in_block  # [nbq, subs, rows]
     q_valid = (offset_in_block < block_size) & (q_pos >= q_offset) & (q_pos < n_k)
     q_pos = q_pos.clamp(q_offset, n_k - 1).reshape(-1, rows)  # [nb, rows], nb = nbq · subs
@@ -306,8 +327,13 @@ def fixed_blocked_attention(
     kv_pos = kv_pos.clamp(max=n_k - 1).repeat_interleave(subs, dim=0)  # [nb, m]
     kv_valid = kv_valid.repeat_interleave(subs, dim=0)
     block_mask = evaluate_block_mask(
-        and_masks(mask_fn, _same_block(block_size, True)), batch=b, heads=heads,
-        q_pos=q_pos[None], kv_pos=kv_pos[None], q_valid=q_valid[None], kv_valid=kv_valid[None],
+        and_masks(mask_fn, _same_block(block_size, True)),
+        batch=b,
+        heads=heads,
+        q_pos=q_pos[None],
+        kv_pos=kv_pos[None],
+        q_valid=q_valid[None],
+        kv_valid=kv_valid[None],
     )
     block_part = attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=block_mask, scale=scale, dropout_p=dropout_p)
 
@@ -345,11 +371,20 @@ def fixed_blocked_attention(
                 k_summary = k_g.index_select(2, key_pos)  # [b, hg, S, d]
                 v_summary = v_g.index_select(2, key_pos)  # [b, hg, S, d_v]
                 mask = evaluate_block_mask(
-                    other_block_fn, batch=b, heads=group_heads_t,
-                    q_pos=q_pos[None, blocks], kv_pos=key_pos.view(1, 1, keys), q_valid=q_valid[None, blocks],
+                    other_block_fn,
+                    batch=b,
+                    heads=group_heads_t,
+                    q_pos=q_pos[None, blocks],
+                    kv_pos=key_pos.view(1, 1, keys),
+                    q_valid=q_valid[None, blocks],
                 )
                 out, lse = attend_blocks(
-                    q_g[:, :, blocks], k_summary, v_summary, kv_index=None, mask=mask, scale=scale,
+                    q_g[:, :, blocks],
+                    k_summary,
+                    v_summary,
+                    kv_index=None,
+                    mask=mask,
+                    scale=scale,
                     dropout_p=dropout_p,
                 )
             outs.append(out)
@@ -369,5 +404,7 @@ def fixed_blocked_attention(
     out, _ = merge_attention([block_part, summary_part])  # [b, h, nb, rows, d_v]
     # Query p sits in pattern block p // l − first_block at offset p mod l: slot (p // l − first_block)·subs·rows + p mod l.
     position = torch.arange(q_offset, n_k, device=device)
-    slot = (torch.div(position, block_size, rounding_mode="floor") - first_block) * (subs * rows) + position % block_size
+    slot = (torch.div(position, block_size, rounding_mode="floor") - first_block) * (
+        subs * rows
+    ) + position % block_size
     return out.reshape(b, h, nb * rows, -1).index_select(2, slot)

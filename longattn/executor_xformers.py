@@ -91,7 +91,6 @@ def _attn_bias():
     return import_xformers_ops().fmha.attn_bias
 
 
-
 # ----------------------------------------------------------------------------------------------- layouts
 @dataclass
 class Part:
@@ -247,10 +246,15 @@ def sliding_window_layout(
             if d == 1:  # the one class is the sequence itself
                 parts.append(Part(None, None, band, key_hidden=hidden, heads=head_index))
             else:
-                parts.append(Part(
-                    _rows(q_pos, batch, q_len, q_offset), _rows(k_pos, batch, kv_len), band,
-                    key_hidden=_hidden_keys(hidden, k_pos, batch), heads=head_index,
-                ))
+                parts.append(
+                    Part(
+                        _rows(q_pos, batch, q_len, q_offset),
+                        _rows(k_pos, batch, kv_len),
+                        band,
+                        key_hidden=_hidden_keys(hidden, k_pos, batch),
+                        heads=head_index,
+                    )
+                )
     layout = XformersLayout(parts, disjoint=hidden is None)
     if global_index is None:
         return layout
@@ -262,7 +266,7 @@ def sliding_window_layout(
     visible = None
     if causal:
         query_pos = q_offset + torch.arange(q_len, device=device)
-        visible = (global_index[:, None, None, :] <= query_pos.view(1, 1, q_len, 1))  # [b, 1, n_q, g]
+        visible = global_index[:, None, None, :] <= query_pos.view(1, 1, q_len, 1)  # [b, 1, n_q, g]
     layout.parts.append(Part(None, batch_rows * kv_len + global_index, visible=visible, key_hidden=global_hidden))
 
     # Global queries see every (real, and causal: earlier) key: one dense call over all keys per global query.
@@ -280,7 +284,13 @@ def sliding_window_layout(
 
 
 def strided_layout(
-    *, batch: int, heads: int, length: int, stride: int, causal: bool = True, key_padding_mask: Tensor | None = None,
+    *,
+    batch: int,
+    heads: int,
+    length: int,
+    stride: int,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
     device=None,
 ) -> XformersLayout:
     """Sparse Transformer's strided pattern as xformers calls (queries = keys = `length` positions).
@@ -305,26 +315,52 @@ def strided_layout(
     bias = _attn_bias()
     reach = min(stride - 1, length)
     hidden = _token_flags(key_padding_mask)
-    parts = [Part(None, None, bias.LocalAttentionFromBottomRightMask(window_left=reach, window_right=0 if causal else reach),
-                  key_hidden=hidden)]
+    parts = [
+        Part(
+            None,
+            None,
+            bias.LocalAttentionFromBottomRightMask(window_left=reach, window_right=0 if causal else reach),
+            key_hidden=hidden,
+        )
+    ]
     for q_pos, k_pos in residue_classes(length, length, stride, device=device):
         if q_pos.shape[1] < 2:
             continue
         # Query step t (t >= 1) against class steps 0 .. t-1: a causal triangle between steps 1.. and steps ..-1.
         earlier_q, earlier_k = q_pos[:, 1:], k_pos[:, :-1]
-        parts.append(Part(_rows(earlier_q, batch, length), _rows(earlier_k, batch, length), bias.LowerTriangularMask(),
-                          key_hidden=_hidden_keys(hidden, earlier_k, batch)))
+        parts.append(
+            Part(
+                _rows(earlier_q, batch, length),
+                _rows(earlier_k, batch, length),
+                bias.LowerTriangularMask(),
+                key_hidden=_hidden_keys(hidden, earlier_k, batch),
+            )
+        )
         if not causal:
             # The later members: the same triangle over the reversed class.
             later_q, later_k = q_pos[:, :-1].flip(1), k_pos[:, 1:].flip(1)
-            parts.append(Part(_rows(later_q, batch, length), _rows(later_k, batch, length), bias.LowerTriangularMask(),
-                              key_hidden=_hidden_keys(hidden, later_k, batch)))
+            parts.append(
+                Part(
+                    _rows(later_q, batch, length),
+                    _rows(later_k, batch, length),
+                    bias.LowerTriangularMask(),
+                    key_hidden=_hidden_keys(hidden, later_k, batch),
+                )
+            )
     return XformersLayout(parts, disjoint=False)
 
 
 def fixed_layout(
-    *, batch: int, heads: int, length: int, block_size: int, num_summary: int, summary_per_head: bool = False,
-    causal: bool = True, key_padding_mask: Tensor | None = None, device=None,
+    *,
+    batch: int,
+    heads: int,
+    length: int,
+    block_size: int,
+    num_summary: int,
+    summary_per_head: bool = False,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    device=None,
 ) -> XformersLayout:
     """Sparse Transformer's fixed pattern as xformers calls (queries = keys = `length` positions, blocks from 0).
 
@@ -356,7 +392,7 @@ def fixed_layout(
     if n_full:
         blocks.append(positions[: n_full * block_size].view(n_full, block_size))
     if length % block_size:
-        blocks.append(positions[n_full * block_size:].view(1, -1))
+        blocks.append(positions[n_full * block_size :].view(1, -1))
     groups = block_size // num_summary if summary_per_head else 1
     from_end = block_size - 1 - positions % block_size  # [n]
     parts = []
@@ -366,18 +402,38 @@ def fixed_layout(
         block_hidden = _token_flags(key_padding_mask, is_summary.view(1, length).expand(batch, length))
         for block_pos in blocks:
             rows = _rows(block_pos, batch, length)
-            parts.append(Part(rows, rows, bias.LowerTriangularMask() if causal else None,
-                              key_hidden=_hidden_keys(block_hidden, block_pos, batch), heads=head_index))
+            parts.append(
+                Part(
+                    rows,
+                    rows,
+                    bias.LowerTriangularMask() if causal else None,
+                    key_hidden=_hidden_keys(block_hidden, block_pos, batch),
+                    heads=head_index,
+                )
+            )
         summary = positions[is_summary]  # [S]
         if summary.numel():
             visible = (summary.view(1, 1, 1, -1) <= positions.view(1, 1, -1, 1)) if causal else None  # [1, 1, n, S]
-            parts.append(Part(None, _rows(summary.view(1, -1), batch, length), visible=visible,
-                              key_hidden=_hidden_keys(hidden, summary.view(1, -1), batch), heads=head_index))
+            parts.append(
+                Part(
+                    None,
+                    _rows(summary.view(1, -1), batch, length),
+                    visible=visible,
+                    key_hidden=_hidden_keys(hidden, summary.view(1, -1), batch),
+                    heads=head_index,
+                )
+            )
     return XformersLayout(parts, disjoint=False)
 
 
 def full_layout(
-    *, batch: int, heads: int, q_len: int, kv_len: int, causal: bool = False, key_padding_mask: Tensor | None = None,
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
     device=None,
 ) -> XformersLayout:
     """Dense attention as one call (causal: bottom-right aligned triangle); padding keys hidden."""
@@ -411,8 +467,9 @@ def bucket_order(buckets: Tensor) -> tuple[Tensor, list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------- dense pictures
-def materialize_layout(layout: XformersLayout, *, batch: int, heads: int, q_len: int, kv_len: int,
-                       device=None) -> tuple[Tensor, Tensor]:
+def materialize_layout(
+    layout: XformersLayout, *, batch: int, heads: int, q_len: int, kv_len: int, device=None
+) -> tuple[Tensor, Tensor]:
     """The pattern a layout computes, as a dense mask, and how often each (query, key) is covered.
 
     Evaluates every part's bias (`materialize`), dense mask and hidden keys and scatters them back to original
@@ -462,8 +519,9 @@ def _identity_rows(batch: int, length: int, device) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- execution
-def run_layout(q: Tensor, k: Tensor, v: Tensor, layout: XformersLayout, *, scale: float,
-               dropout_p: float = 0.0) -> Tensor:
+def run_layout(
+    q: Tensor, k: Tensor, v: Tensor, layout: XformersLayout, *, scale: float, dropout_p: float = 0.0
+) -> Tensor:
     """Compute a layout on q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]` -> `[b, h, n_q, d_v]`.
 
     Disjoint layouts run every part as one autograd kernel call (dropout allowed); the others through
@@ -507,8 +565,14 @@ def _run_disjoint(q, k, v, parts, *, scale, dropout_p):
     d_v = v.shape[3]
     if len(parts) == 1 and parts[0].q_rows is None and parts[0].k_rows is None and parts[0].heads is None:
         part = parts[0]
-        out = kernel.attention(_gather(q, None, None, None), _gather(k, None, None, None), _gather(v, None, None, None),
-                               part.bias, p=dropout_p, scale=scale)
+        out = kernel.attention(
+            _gather(q, None, None, None),
+            _gather(k, None, None, None),
+            _gather(v, None, None, None),
+            part.bias,
+            p=dropout_p,
+            scale=scale,
+        )
         return out.transpose(1, 2)  # [b, h, n_q, d_v]
     q_table = _flat_table(q) if any(p.q_rows is not None for p in parts) else None
     k_table = _flat_table(k) if any(p.k_rows is not None for p in parts) else None
@@ -517,8 +581,12 @@ def _run_disjoint(q, k, v, parts, *, scale, dropout_p):
     for part in parts:
         heads = part.heads if part.heads is not None else torch.arange(h, device=q.device)
         out_part = kernel.attention(
-            _gather(q, q_table, part.q_rows, part.heads), _gather(k, k_table, part.k_rows, part.heads),
-            _gather(v, v_table, part.k_rows, part.heads), part.bias, p=dropout_p, scale=scale,
+            _gather(q, q_table, part.q_rows, part.heads),
+            _gather(k, k_table, part.k_rows, part.heads),
+            _gather(v, v_table, part.k_rows, part.heads),
+            part.bias,
+            p=dropout_p,
+            scale=scale,
         )  # [B, M, h_p, d_v]
         rows = part.q_rows if part.q_rows is not None else _identity_rows(b, n_q, q.device)
         out = out.index_put((rows.reshape(-1, 1), heads.view(1, -1)), out_part.reshape(-1, len(heads), d_v))
@@ -565,8 +633,16 @@ def _part_inputs(part: Part, q: Tensor, k: Tensor, v: Tensor, tables, scale: flo
     q_rows = part.q_rows if part.q_rows is not None else _identity_rows(b, n_q, q.device)
     k_rows = part.k_rows if part.k_rows is not None else _identity_rows(b, n_k, q.device)
     heads = part.heads if part.heads is not None else torch.arange(h, device=q.device)
-    return _PartInputs(q_in.contiguous(), k_in.contiguous(), v_in.contiguous(), bias, q_rows.reshape(-1),
-                       k_rows.reshape(-1), heads, width)
+    return _PartInputs(
+        q_in.contiguous(),
+        k_in.contiguous(),
+        v_in.contiguous(),
+        bias,
+        q_rows.reshape(-1),
+        k_rows.reshape(-1),
+        heads,
+        width,
+    )
 
 
 class _MergedParts(torch.autograd.Function):
@@ -619,7 +695,9 @@ class _MergedParts(torch.autograd.Function):
         acc = out.dtype
         tables = _tables(q, k, v, parts)
         has_key = torch.isfinite(lse)  # [b·n_q + 1, h]
-        grad = torch.cat([grad_out.transpose(1, 2).reshape(b * n_q, h, d_v).to(acc), grad_out.new_zeros(1, h, d_v).to(acc)])
+        grad = torch.cat(
+            [grad_out.transpose(1, 2).reshape(b * n_q, h, d_v).to(acc), grad_out.new_zeros(1, h, d_v).to(acc)]
+        )
         grad = torch.where(has_key[..., None], grad, 0.0)
         # Rows without a key get no gradient; any finite lse keeps their (zero-weighted) probabilities finite.
         lse = torch.where(has_key, lse, 0.0)
@@ -634,8 +712,9 @@ class _MergedParts(torch.autograd.Function):
             grad_part = F.pad(grad[index], (0, pad)).view(*shape[:3], -1).to(q.dtype)
             out_part = F.pad(out[index], (0, pad)).view(*shape[:3], -1).to(q.dtype)
             lse_part = lse[index].view(*shape[:3]).transpose(1, 2)  # [B, h_p, M], float32 (float64 inputs: float64)
-            dq, dk, dv = kernel.backward(grad_part, out_part, lse_part, inputs.q, inputs.k, inputs.v, inputs.bias,
-                                         scale=scale)
+            dq, dk, dv = kernel.backward(
+                grad_part, out_part, lse_part, inputs.q, inputs.k, inputs.v, inputs.bias, scale=scale
+            )
             h_p = inputs.heads.numel()
             grad_q.index_put_(index, dq[..., :d].reshape(-1, h_p, d).to(acc), accumulate=True)
             k_index = (inputs.k_rows[:, None], inputs.heads[None, :])
@@ -662,17 +741,35 @@ def _tables(q, k, v, parts):
 
 # ----------------------------------------------------------------------------------------------- executors
 def xformers_sliding_window_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, window: int, dilation: int | Sequence[int] = 1, causal: bool = False,
-    global_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, scale: float, dropout_p: float = 0.0,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    dilation: int | Sequence[int] = 1,
+    causal: bool = False,
+    global_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """`ops.sliding_window_attention` on xformers kernels (arguments validated there): `[b, h, n_q, d_v]`."""
     b, h, n_q, _ = q.shape
     if _residue_views_apply(q, k, dilation, key_padding_mask, global_mask):
-        return _dilated_band_on_views(q, k, v, window=window, dilation=dilation, causal=causal, scale=scale,
-                                      dropout_p=dropout_p)
+        return _dilated_band_on_views(
+            q, k, v, window=window, dilation=dilation, causal=causal, scale=scale, dropout_p=dropout_p
+        )
     layout = sliding_window_layout(
-        batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], window=window, dilation=dilation, causal=causal,
-        key_padding_mask=key_padding_mask, global_mask=global_mask, device=q.device,
+        batch=b,
+        heads=h,
+        q_len=n_q,
+        kv_len=k.shape[2],
+        window=window,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        global_mask=global_mask,
+        device=q.device,
     )
     return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
 
@@ -680,8 +777,14 @@ def xformers_sliding_window_attention(
 def _residue_views_apply(q: Tensor, k: Tensor, dilation, key_padding_mask, global_mask) -> bool:
     """Whether a dilated window can run on strided views of q, k, v instead of gathered copies."""
     n = k.shape[2]
-    return (isinstance(dilation, int) and dilation > 1 and n % dilation == 0 and q.shape[2] == n
-            and key_padding_mask is None and global_mask is None)
+    return (
+        isinstance(dilation, int)
+        and dilation > 1
+        and n % dilation == 0
+        and q.shape[2] == n
+        and key_padding_mask is None
+        and global_mask is None
+    )
 
 
 def residue_view(x: Tensor, modulus: int) -> Tensor:
@@ -709,18 +812,36 @@ def _dilated_band_on_views(q, k, v, *, window, dilation, causal, scale, dropout_
     return out.permute(0, 3, 2, 1, 4).reshape(b, h, n, v.shape[-1])
 
 
-def xformers_strided_attention(q: Tensor, k: Tensor, v: Tensor, *, stride: int, causal: bool = True,
-                               key_padding_mask: Tensor | None = None, scale: float) -> Tensor:
+def xformers_strided_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    stride: int,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    scale: float,
+) -> Tensor:
     """Strided attention (see `strided_layout`) on xformers kernels; q, k, v `[b, h, n, d]`."""
     b, h, n, _ = q.shape
-    layout = strided_layout(batch=b, heads=h, length=n, stride=stride, causal=causal,
-                            key_padding_mask=key_padding_mask, device=q.device)
+    layout = strided_layout(
+        batch=b, heads=h, length=n, stride=stride, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+    )
     return run_layout(q, k, v, layout, scale=scale)
 
 
-def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int, num_summary: int,
-                             summary_per_head: bool = False, causal: bool = True,
-                             key_padding_mask: Tensor | None = None, scale: float) -> Tensor:
+def xformers_fixed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    num_summary: int,
+    summary_per_head: bool = False,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    scale: float,
+) -> Tensor:
     """Fixed attention (see `fixed_layout`) on xformers kernels; q, k, v `[b, h, n, d]`.
 
     Blocks count from position 0 in every row, padded or not. The pattern of `patterns.fixed_pattern` counts them
@@ -728,23 +849,47 @@ def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, block_size: int
     directly only on rows whose padding is at the end.
     """
     b, h, n, _ = q.shape
-    layout = fixed_layout(batch=b, heads=h, length=n, block_size=block_size, num_summary=num_summary,
-                          summary_per_head=summary_per_head, causal=causal, key_padding_mask=key_padding_mask,
-                          device=q.device)
+    layout = fixed_layout(
+        batch=b,
+        heads=h,
+        length=n,
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        device=q.device,
+    )
     return run_layout(q, k, v, layout, scale=scale)
 
 
-def xformers_full_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                            key_padding_mask: Tensor | None = None, scale: float, dropout_p: float = 0.0) -> Tensor:
+def xformers_full_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
     """Dense attention on xformers kernels; q `[b, h, n_q, d]` are the last n_q positions."""
     b, h, n_q, _ = q.shape
-    layout = full_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], causal=causal,
-                         key_padding_mask=key_padding_mask, device=q.device)
+    layout = full_layout(
+        batch=b,
+        heads=h,
+        q_len=n_q,
+        kv_len=k.shape[2],
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        device=q.device,
+    )
     return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
 
 
-def bucketed_attention(q: Tensor, k: Tensor, v: Tensor, *, buckets: Tensor, causal: bool = False, scale: float,
-                       dropout_p: float = 0.0) -> Tensor:
+def bucketed_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, buckets: Tensor, causal: bool = False, scale: float, dropout_p: float = 0.0
+) -> Tensor:
     """Attention within buckets (LSH buckets, routing clusters, Sinkhorn blocks) as one block-diagonal call.
 
     The inner step the content-based kinds share: every query sees the keys of its own bucket (causal: the earlier
@@ -790,12 +935,24 @@ def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> boo
     """Whether the layout of a request carries a dense part mask (an additive tensor bias, served by cutlass)."""
     # Sinkhorn's blocks and LSH / routing windows hide keys (padding, causality, empty blocks) with an additive bias.
     return pattern in ("sinkhorn", "windows") or (
-        causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed"))
+        causal and ((pattern == "sliding" and global_tokens) or pattern == "fixed")
+    )
 
 
 def request_reasons(
-    *, pattern: str, dtype: torch.dtype, head_dim: int, value_head_dim: int, q_len: int, kv_len: int, batch: int,
-    causal: bool, dropout: bool, key_padding: bool, global_tokens: bool, dilation: int | Sequence[int] = 1,
+    *,
+    pattern: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    value_head_dim: int,
+    q_len: int,
+    kv_len: int,
+    batch: int,
+    causal: bool,
+    dropout: bool,
+    key_padding: bool,
+    global_tokens: bool,
+    dilation: int | Sequence[int] = 1,
 ) -> list[str]:
     """Why the xformers layouts cannot serve a request, decided without touching a GPU."""
     reasons = []
@@ -804,24 +961,31 @@ def request_reasons(
     hides_keys = key_padding or global_tokens or pattern == "fixed"
     limit = _MAX_HEAD_DIM - 8 if hides_keys else _MAX_HEAD_DIM
     if head_dim % 8 or head_dim > limit:
-        reasons.append(f"head dim {head_dim} must be a multiple of 8 and at most {limit} for xformers' flash kernels"
-                       + (" (one column carries the hidden-key flag)" if hides_keys else ""))
+        reasons.append(
+            f"head dim {head_dim} must be a multiple of 8 and at most {limit} for xformers' flash kernels"
+            + (" (one column carries the hidden-key flag)" if hides_keys else "")
+        )
     if value_head_dim != head_dim:
         reasons.append(f"value head dim {value_head_dim} differs from the query/key head dim {head_dim}")
     if pattern in ("strided", "fixed") and q_len != kv_len:
         reasons.append(f"the {pattern} layout needs as many queries as keys (got {q_len} and {kv_len})")
     if pattern == "fixed" and causal and key_padding:
-        reasons.append("causal fixed attention with padding counts blocks from each row's first real token; the "
-                       "xformers layout counts them from position 0")
+        reasons.append(
+            "causal fixed attention with padding counts blocks from each row's first real token; the "
+            "xformers layout counts them from position 0"
+        )
     if pattern == "windows" and dropout:
-        reasons.append("the key windows of LSH and routing need the kernel's log-sum-exp, whose forward has no "
-                       "attention dropout")
+        reasons.append(
+            "the key windows of LSH and routing need the kernel's log-sum-exp, whose forward has no attention dropout"
+        )
     if pattern == "blocks" and key_padding:
         reasons.append("bucketed attention takes no key padding mask (put padding in a bucket of its own)")
     merges = global_tokens or key_padding or pattern in ("strided", "fixed")
     if dropout and merges:
-        reasons.append("attention dropout is only available on single-call layouts (no key padding, global tokens, "
-                       "strided or fixed parts): the merged path runs xformers' forward/backward, which have none")
+        reasons.append(
+            "attention dropout is only available on single-call layouts (no key padding, global tokens, "
+            "strided or fixed parts): the merged path runs xformers' forward/backward, which have none"
+        )
     return reasons
 
 
@@ -852,18 +1016,27 @@ def _probe(device, dtype, needs_tensor_bias) -> list[str]:
     try:
         bias = _attn_bias()
     except Exception as error:  # noqa: BLE001 - any import failure is a reason
-        return [f"import xformers.ops failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"]
+        return [
+            f"import xformers.ops failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ]
     kernel = XformersKernel()
     checks = {
-        "local band (autograd)": lambda q, k, v: kernel.attention(
-            q, k, v, bias.LocalAttentionFromBottomRightMask(window_left=8, window_right=8), p=0.0, scale=0.125
-        ).float().sum().backward(),
+        "local band (autograd)": lambda q, k, v: (
+            kernel.attention(
+                q, k, v, bias.LocalAttentionFromBottomRightMask(window_left=8, window_right=8), p=0.0, scale=0.125
+            )
+            .float()
+            .sum()
+            .backward()
+        ),
         "causal triangle forward/backward with log-sum-exp": lambda q, k, v: _probe_merged(
-            kernel, q, k, v, bias.LowerTriangularMask()),
+            kernel, q, k, v, bias.LowerTriangularMask()
+        ),
     }
     if needs_tensor_bias:
         checks["dense additive bias forward/backward"] = lambda q, k, v: _probe_merged(
-            kernel, q, k, v, torch.zeros(1, 1, 64, 64, dtype=dtype, device=device).expand(1, 2, 64, 64))
+            kernel, q, k, v, torch.zeros(1, 1, 64, 64, dtype=dtype, device=device).expand(1, 2, 64, 64)
+        )
     reasons = []
     for name, check in checks.items():
         try:
@@ -873,8 +1046,10 @@ def _probe(device, dtype, needs_tensor_bias) -> list[str]:
         except Exception as error:  # noqa: BLE001 - a failing kernel is a reason, whatever it raises
             # xformers explains a refusal over several lines (one block per operator): keep them all, on one line.
             message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-            reasons.append(f"xformers {name} failed on {device} in {str(dtype).removeprefix('torch.')}: "
-                           f"{type(error).__name__}: {message[:600]}")
+            reasons.append(
+                f"xformers {name} failed on {device} in {str(dtype).removeprefix('torch.')}: "
+                f"{type(error).__name__}: {message[:600]}"
+            )
     return reasons
 
 

@@ -59,8 +59,11 @@ def xformers_call() -> Iterator[Any]:
     common = importlib.import_module("xformers.ops.fmha.common")
     previous = getattr(common, "_built_with_cuda", None)
     cpp_lib = importlib.import_module("xformers._cpp_lib")
-    admit = (previous is False and getattr(cpp_lib, "_cpp_library_load_exception", None) is not None
-             and torch.cuda.is_available())
+    admit = (
+        previous is False
+        and getattr(cpp_lib, "_cpp_library_load_exception", None) is not None
+        and torch.cuda.is_available()
+    )
     if admit:
         common._built_with_cuda = True
     try:
@@ -174,4 +177,3 @@ def use_kernel(kernel: Any) -> Iterator[Any]:
         yield kernel
     finally:
         _KERNEL = previous
-

@@ -116,8 +116,12 @@ def allowed_fields() -> list[str]:
 
 # ------------------------------------------------------------------------------------------ config of the kinds
 def _check_fields(fields: dict[str, Any]) -> None:
-    check_override_fields(fields, allowed_fields(), where="`longattn` dict",
-                          hint=" (LongAttnConfig's fields: `longattn.integration_transformers.allowed_fields()`)")
+    check_override_fields(
+        fields,
+        allowed_fields(),
+        where="`longattn` dict",
+        hint=" (LongAttnConfig's fields: `longattn.integration_transformers.allowed_fields()`)",
+    )
     names = _kind_names(fields)
     refused = sorted(names & set(REFUSED_KINDS))
     if refused:
@@ -173,8 +177,8 @@ def kind_config(config: Any, stack: str, *, is_causal: bool, fields: dict[str, A
     _check_fields(fields)
     layers, heads, head_dim = _stack_geometry(config, stack)
     kind_fields = {key: value for key, value in fields.items() if key not in _GENERAL_FIELDS}
-    attention_type = fields.get("decoder_attention_type", "full") if stack == "decoder" else fields.get(
-        "attention_type", "sliding"
+    attention_type = (
+        fields.get("decoder_attention_type", "full") if stack == "decoder" else fields.get("attention_type", "sliding")
     )
     return LongAttnConfig(
         hidden_size=heads * head_dim,
@@ -191,7 +195,7 @@ def kind_config(config: Any, stack: str, *, is_causal: bool, fields: dict[str, A
 
 # ------------------------------------------------------------------------------------------ attention modules
 def _role(module: nn.Module) -> str:
-    """"cross" (decoder-to-encoder), "decoder" (an encoder-decoder's decoder self-attention), "encoder" (its
+    """ "cross" (decoder-to-encoder), "decoder" (an encoder-decoder's decoder self-attention), "encoder" (its
     encoder's) or "self" (the one stack of an encoder or decoder-only model)."""
     if getattr(module, "is_cross_attention", False) or "Cross" in type(module).__name__:
         return "cross"
@@ -246,7 +250,8 @@ def _stock_kind_class(kind_class: type[LongAttnAttention]) -> type[LongAttnAtten
             self.__dict__["_longattn_initialized"] = value
 
         _STOCK_KIND_CLASSES[kind_class] = type(
-            kind_class.__name__, (kind_class,),
+            kind_class.__name__,
+            (kind_class,),
             {"_is_hf_initialized": property(get_initialized, set_initialized), "__module__": kind_class.__module__},
         )
     return _STOCK_KIND_CLASSES[kind_class]
@@ -270,8 +275,11 @@ def _self_attention_modules(model: nn.Module) -> list[nn.Module]:
     supported = [m for m in model.modules() if _original_class(type(m)).__name__ in SUPPORTED_ATTENTION_CLASSES]
     if supported:
         return [m for m in supported if _role(m) != "cross"]
-    callers = {type(m) for m in model.modules() if type(m).__module__.startswith("transformers.models")
-               and _calls_attention_interface(type(m))}
+    callers = {
+        type(m)
+        for m in model.modules()
+        if type(m).__module__.startswith("transformers.models") and _calls_attention_interface(type(m))
+    }
     if not callers:
         raise ValueError(
             f"{family} cannot run longattn attention: its layers never call transformers' AttentionInterface (they "
@@ -352,8 +360,10 @@ def apply_longattn(model: nn.Module, **fields: Any) -> nn.Module:
             messages as `LongAttnConfig`), or a family that cannot run a kind (named, with the reason).
     """
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"`model` must be a built transformers model (a PreTrainedModel), got "
-                         f"{type(model).__name__}: load it first, e.g. `AutoModel.from_pretrained(...)`.")
+        raise ValueError(
+            f"`model` must be a built transformers model (a PreTrainedModel), got "
+            f"{type(model).__name__}: load it first, e.g. `AutoModel.from_pretrained(...)`."
+        )
     config = model.config
     fields = dict(fields) if fields else dict(getattr(config, "longattn", None) or {})
     modules = _self_attention_modules(model)
@@ -387,8 +397,11 @@ def _runs_longattn(config: Any) -> bool:
 
 def _attached_kinds(model: nn.Module) -> list[LongAttnAttention]:
     """The kinds attached to the self-attention modules of a stock model (`<attention>.longattn`)."""
-    return [kind for module in model.modules()
-            if isinstance(kind := module._modules.get(_KIND_MODULE_NAME), LongAttnAttention)]
+    return [
+        kind
+        for module in model.modules()
+        if isinstance(kind := module._modules.get(_KIND_MODULE_NAME), LongAttnAttention)
+    ]
 
 
 def auxiliary_loss(model: nn.Module) -> torch.Tensor | None:
@@ -425,8 +438,11 @@ def _follow_implementation_switches() -> None:
 
     @functools.wraps(original)
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
-        requested = (attn_implementation.get("", self.config._attn_implementation)
-                     if isinstance(attn_implementation, dict) else attn_implementation)
+        requested = (
+            attn_implementation.get("", self.config._attn_implementation)
+            if isinstance(attn_implementation, dict)
+            else attn_implementation
+        )
         if requested != ATTN_IMPLEMENTATION and _runs_longattn(self.config):
             holding = sorted({kind.attention_type for kind in _attached_kinds(self) if kind.state_dict()})
             if holding:
@@ -498,12 +514,14 @@ def _build_hook(original: type[nn.Module]) -> type[nn.Module]:
                 logger.warning(
                     "%s: the config holds a `longattn` dict but the model is built with attn_implementation=%r: "
                     "the longattn kinds are not used (pass attn_implementation='longattn' to use them).",
-                    type(module).__name__, config._attn_implementation,
+                    type(module).__name__,
+                    config._attn_implementation,
                 )
         return module
 
-    return _BuildHookMeta(original.__name__, (original,), {"__new__": __new__, "original_class": original,
-                                                          "__module__": __name__})
+    return _BuildHookMeta(
+        original.__name__, (original,), {"__new__": __new__, "original_class": original, "__module__": __name__}
+    )
 
 
 def register_build_hooks() -> None:
@@ -593,8 +611,13 @@ def longattn_attention_forward(
     # Grouped-query attention: the sliding kinds' fast path reads each key/value head in place for its group of
     # query heads (`ops.sliding_window_attention`); every other path gets k/v repeated to the query heads.
     grouped_fast_path = (
-        role != "cross" and kind is not None and kind.attention_type in GROUPED_KINDS and not four_d
-        and query.shape[2] == key.shape[2] and kind.backend != "reference" and not kwargs.get("output_attentions")
+        role != "cross"
+        and kind is not None
+        and kind.attention_type in GROUPED_KINDS
+        and not four_d
+        and query.shape[2] == key.shape[2]
+        and kind.backend != "reference"
+        and not kwargs.get("output_attentions")
     )
     if not grouped_fast_path:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]

@@ -73,8 +73,10 @@ def _extend_learned_positions(model: nn.Module, max_length: int) -> None:
         table = owner._modules[name]
         tokens = table.num_embeddings - offset
         if max_length < tokens:
-            raise ValueError(f"`max_length`={max_length} is shorter than the {tokens} tokens {type(model).__name__} "
-                             f"already reads: expected max_length >= {tokens}.")
+            raise ValueError(
+                f"`max_length`={max_length} is shorter than the {tokens} tokens {type(model).__name__} "
+                f"already reads: expected max_length >= {tokens}."
+            )
         _extend_table(table, max_length + offset, offset)
         # BERT / RoBERTa embeddings keep [1, rows] buffers of position and token type ids.
         if isinstance(getattr(owner, "position_ids", None), torch.Tensor):
@@ -89,11 +91,15 @@ def _extend_rotary(model: nn.Module, max_length: int, rope_type: str | None) -> 
     current = config.max_position_embeddings
     if rope_type is not None:
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"`rope_type`={rope_type!r} is not a rotary scaling lengthen writes: expected one of "
-                             f"{list(ROPE_TYPES)} (or None: no scaling).")
+            raise ValueError(
+                f"`rope_type`={rope_type!r} is not a rotary scaling lengthen writes: expected one of "
+                f"{list(ROPE_TYPES)} (or None: no scaling)."
+            )
         if max_length <= current:
-            raise ValueError(f"`rope_type`={rope_type!r} scales by max_length / max_position_embeddings, but "
-                             f"`max_length`={max_length} is not beyond the model's {current} positions.")
+            raise ValueError(
+                f"`rope_type`={rope_type!r} scales by max_length / max_position_embeddings, but "
+                f"`max_length`={max_length} is not beyond the model's {current} positions."
+            )
         previous = config.rope_parameters
         parameters = {"rope_type": rope_type, "rope_theta": previous["rope_theta"], "factor": max_length / current}
         if rope_type == "yarn":
@@ -119,8 +125,9 @@ def _load(source: str | Path) -> nn.Module:
     return model_class.from_pretrained(source, config=config)
 
 
-def lengthen(model_or_path: nn.Module | str | Path, max_length: int, *, rope_type: str | None = None,
-             **fields: Any) -> nn.Module:
+def lengthen(
+    model_or_path: nn.Module | str | Path, max_length: int, *, rope_type: str | None = None, **fields: Any
+) -> nn.Module:
     """A model of the same family that reads `max_length` tokens with longattn's kinds.
 
     Args:
@@ -147,11 +154,14 @@ def lengthen(model_or_path: nn.Module | str | Path, max_length: int, *, rope_typ
         _extend_rotary(model, max_length, rope_type)
     else:
         if rope_type is not None:
-            raise ValueError(f"`rope_type`={rope_type!r}: {type(model).__name__} has learned position tables, "
-                             "not rotary positions (they are extended by copying instead).")
+            raise ValueError(
+                f"`rope_type`={rope_type!r}: {type(model).__name__} has learned position tables, "
+                "not rotary positions (they are extended by copying instead)."
+            )
         if not _position_tables(model):
-            raise ValueError(f"{type(model).__name__} has neither a learned position table nor rotary positions "
-                             "that lengthen knows.")
+            raise ValueError(
+                f"{type(model).__name__} has neither a learned position table nor rotary positions that lengthen knows."
+            )
         _extend_learned_positions(model, max_length)
     return apply_longattn(model, **fields)
 
@@ -173,15 +183,18 @@ def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None,
     from .tools.hub import is_stock_longattn, save_hub_folder, stock_model_card
 
     if not is_stock_longattn(model.config):
-        raise ValueError(f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "
-                         "dict): pass what `longattn.lengthen` returns.")
+        raise ValueError(
+            f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "
+            "dict): pass what `longattn.lengthen` returns."
+        )
     limit = max_tokens(model.config)
     if tokenizer is not None and limit is not None:
         tokenizer.model_max_length = limit
     local = source is not None and Path(source).exists()
     facts = {"lengthened from": f"`{Path(source).name if local else source}`"} if source else {}
-    card = stock_model_card(model.config, base_model=None if local else source,
-                            extra={**facts, "lengthened to": f"{limit} tokens"})
+    card = stock_model_card(
+        model.config, base_model=None if local else source, extra={**facts, "lengthened to": f"{limit} tokens"}
+    )
     return save_hub_folder(model, tokenizer, output_dir, card=card)
 
 

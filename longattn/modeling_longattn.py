@@ -204,8 +204,11 @@ class LongAttnStack(nn.Module):
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
-        if past_key_values is not None and self.training and torch.is_grad_enabled() and any(
-            layer.gradient_checkpointing for layer in self.layers
+        if (
+            past_key_values is not None
+            and self.training
+            and torch.is_grad_enabled()
+            and any(layer.gradient_checkpointing for layer in self.layers)
         ):
             # The backward pass runs each checkpointed layer again, which would write its keys into the cache twice.
             logger.warning_once("Gradient checkpointing in training: the KV cache is not used (`use_cache=False`).")
@@ -333,8 +336,10 @@ def _check_token_inputs(
             shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"`{ids_name}` has shape {shape}: expected a tensor [batch, length].")
         if not _is_integer(input_ids):
-            raise ValueError(f"`{ids_name}` has dtype {input_ids.dtype}: {ids_name} must be integer token ids "
-                             f"(torch.long); pass vectors as `{embeds_name}`.")
+            raise ValueError(
+                f"`{ids_name}` has dtype {input_ids.dtype}: {ids_name} must be integer token ids "
+                f"(torch.long); pass vectors as `{embeds_name}`."
+            )
         if check_values:
             _check_range(ids_name, input_ids, config.vocab_size, "vocab_size")
         return input_ids.shape[0], input_ids.shape[1]
@@ -347,8 +352,10 @@ def _check_token_inputs(
     # model's dtype.
     autocast = torch.is_autocast_enabled(inputs_embeds.device.type)
     if not inputs_embeds.is_floating_point() or (inputs_embeds.dtype != table_dtype and not autocast):
-        raise ValueError(f"`{embeds_name}` has dtype {inputs_embeds.dtype}: expected the model's {table_dtype} "
-                         f"(e.g. `{embeds_name}.to({table_dtype})`).")
+        raise ValueError(
+            f"`{embeds_name}` has dtype {inputs_embeds.dtype}: expected the model's {table_dtype} "
+            f"(e.g. `{embeds_name}.to({table_dtype})`)."
+        )
     return inputs_embeds.shape[0], inputs_embeds.shape[1]
 
 
@@ -365,8 +372,10 @@ def _check_position_ids(
         return
     _check_tensor_on("position_ids", position_ids, device)
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
-        raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
-                         f"[{batch}, {length}] (or [1, {length}]).")
+        raise ValueError(
+            f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
+            f"[{batch}, {length}] (or [1, {length}])."
+        )
     if not _is_integer(position_ids):
         raise ValueError(f"`position_ids` has dtype {position_ids.dtype}: expected integer positions (torch.long).")
     if config.position_embedding_type == "learned":
@@ -513,19 +522,22 @@ def _run_backbone(
             f"sequence length {past + length} exceeds `max_position_embeddings`={config.max_position_embeddings}: "
             f"pass at most {config.max_position_embeddings} tokens or build the model with a larger limit."
         )
-    attention_mask = _as_bool_mask(attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length,
-                                   device=device)
+    attention_mask = _as_bool_mask(
+        attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length, device=device
+    )
     global_attention_mask = _as_bool_mask(
         global_attention_mask, name="global_attention_mask", batch=batch, length=past + length, device=device
     )
     if encoder_hidden_states is not None:
         encoder_attention_mask = _as_bool_mask(
-            encoder_attention_mask, name="encoder_attention_mask", batch=batch, length=encoder_hidden_states.shape[1],
+            encoder_attention_mask,
+            name="encoder_attention_mask",
+            batch=batch,
+            length=encoder_hidden_states.shape[1],
             device=device,
         )
     if position_ids is None:
-        position_ids = _position_ids(attention_mask, batch=batch, past=past, length=length,
-                                     device=inputs_embeds.device)
+        position_ids = _position_ids(attention_mask, batch=batch, past=past, length=length, device=inputs_embeds.device)
     hidden_states = embeddings(inputs_embeds, position_ids)
     position_embeddings = rotary(position_ids) if rotary is not None else None
     return stack(
@@ -580,8 +592,9 @@ class LongAttnModel(LongAttnPreTrainedModel):
         self.is_causal = bool(config.is_decoder) and not config.is_encoder_decoder
         self.embeddings = LongAttnEmbeddings(config)
         self.rotary = LongAttnRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        self.encoder = LongAttnStack(config, attention_types=config.layer_attention_types, is_causal=self.is_causal,
-                                     has_cross_attention=False)
+        self.encoder = LongAttnStack(
+            config, attention_types=config.layer_attention_types, is_causal=self.is_causal, has_cross_attention=False
+        )
         self.decoder = LongAttnDecoder(config) if add_decoder else None
         if add_decoder:
             # Instance attribute: an encoder alone has no decoder weight to tie.
@@ -612,19 +625,39 @@ class LongAttnModel(LongAttnPreTrainedModel):
         return self.decoder
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        losses = [loss for loss in (self.encoder.auxiliary_loss(),
-                                    self.decoder.stack.auxiliary_loss() if self.decoder is not None else None)
-                  if loss is not None]
+        losses = [
+            loss
+            for loss in (
+                self.encoder.auxiliary_loss(),
+                self.decoder.stack.auxiliary_loss() if self.decoder is not None else None,
+            )
+            if loss is not None
+        ]
         return torch.stack(losses).sum() if losses else None
 
-    def encode(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-               position_ids=None, output_hidden_states=None, output_attentions=None,
-               return_dict=None) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+    def encode(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
         """The encoder alone (bidirectional, no cache): `last_hidden_state` `[b, n, D]`."""
         outputs = _run_backbone(
-            self.embeddings, self.rotary, self.encoder, self.config,
-            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask, position_ids=position_ids, past_key_values=None,
+            self.embeddings,
+            self.rotary,
+            self.encoder,
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            position_ids=position_ids,
+            past_key_values=None,
             output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
             output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
@@ -652,11 +685,19 @@ class LongAttnModel(LongAttnPreTrainedModel):
         past_key_values = _cache_argument(cache, past_key_values)
         if self.decoder is not None:
             return self._seq2seq_forward(
-                input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                inputs_embeds=inputs_embeds, position_ids=position_ids, decoder_input_ids=decoder_input_ids,
-                decoder_attention_mask=decoder_attention_mask, decoder_inputs_embeds=decoder_inputs_embeds,
-                encoder_outputs=encoder_outputs, past_key_values=past_key_values, use_cache=use_cache,
-                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                global_attention_mask=global_attention_mask,
+                inputs_embeds=inputs_embeds,
+                position_ids=position_ids,
+                decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=decoder_attention_mask,
+                decoder_inputs_embeds=decoder_inputs_embeds,
+                encoder_outputs=encoder_outputs,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
                 return_dict=return_dict,
             )
         use_cache = self.is_causal and (use_cache if use_cache is not None else self.config.use_cache)
@@ -665,7 +706,10 @@ class LongAttnModel(LongAttnPreTrainedModel):
         if not use_cache:
             past_key_values = None
         outputs = _run_backbone(
-            self.embeddings, self.rotary, self.encoder, self.config,
+            self.embeddings,
+            self.rotary,
+            self.encoder,
+            self.config,
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -677,18 +721,38 @@ class LongAttnModel(LongAttnPreTrainedModel):
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
-    def _seq2seq_forward(self, *, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                         decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, encoder_outputs,
-                         past_key_values, use_cache, output_hidden_states, output_attentions,
-                         return_dict) -> Seq2SeqModelOutput | tuple:
+    def _seq2seq_forward(
+        self,
+        *,
+        input_ids,
+        attention_mask,
+        global_attention_mask,
+        inputs_embeds,
+        position_ids,
+        decoder_input_ids,
+        decoder_attention_mask,
+        decoder_inputs_embeds,
+        encoder_outputs,
+        past_key_values,
+        use_cache,
+        output_hidden_states,
+        output_attentions,
+        return_dict,
+    ) -> Seq2SeqModelOutput | tuple:
         """Encode (unless `encoder_outputs` is given), then decode with cross-attention to the encoder states."""
         output_hidden_states = _flag(self.config, "output_hidden_states", output_hidden_states)
         output_attentions = _flag(self.config, "output_attentions", output_attentions)
         if encoder_outputs is None:
-            encoder_outputs = self.encode(input_ids, attention_mask=attention_mask,
-                                          global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
-                                          position_ids=position_ids, output_hidden_states=output_hidden_states,
-                                          output_attentions=output_attentions, return_dict=True)
+            encoder_outputs = self.encode(
+                input_ids,
+                attention_mask=attention_mask,
+                global_attention_mask=global_attention_mask,
+                inputs_embeds=inputs_embeds,
+                position_ids=position_ids,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
+                return_dict=True,
+            )
         elif not isinstance(encoder_outputs, ModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
         use_cache = use_cache if use_cache is not None else self.config.use_cache
@@ -697,18 +761,24 @@ class LongAttnModel(LongAttnPreTrainedModel):
         if not use_cache:
             past_key_values = None
         decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids, inputs_embeds=decoder_inputs_embeds, attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values, output_hidden_states=output_hidden_states,
+            input_ids=decoder_input_ids,
+            inputs_embeds=decoder_inputs_embeds,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             **{_CACHE_FIELD: getattr(decoder_outputs, _CACHE_FIELD)},
-            decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
         )
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
@@ -725,13 +795,28 @@ class LongAttnEncoder(nn.Module):
         super().__init__()
         self._model = (model,)
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                **kwargs) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        return self._model[0].encode(input_ids, attention_mask=attention_mask,
-                                     global_attention_mask=global_attention_mask, inputs_embeds=inputs_embeds,
-                                     position_ids=position_ids, output_hidden_states=output_hidden_states,
-                                     output_attentions=output_attentions, return_dict=return_dict)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        return self._model[0].encode(
+            input_ids,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=return_dict,
+        )
 
 
 def _with_auxiliary_loss(
@@ -788,11 +873,30 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head.decoder = value
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                num_items_in_batch=None, **kwargs) -> MaskedLMOutput | tuple:
-        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                                    output_hidden_states, output_attentions)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        labels=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> MaskedLMOutput | tuple:
+        outputs = _backbone_outputs(
+            self,
+            input_ids,
+            attention_mask,
+            global_attention_mask,
+            inputs_embeds,
+            position_ids,
+            output_hidden_states,
+            output_attentions,
+        )
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
@@ -808,26 +912,48 @@ def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
     return return_dict if return_dict is not None else model.config.return_dict
 
 
-def _backbone_outputs(head: PreTrainedModel, input_ids, attention_mask, global_attention_mask, inputs_embeds,
-                      position_ids, output_hidden_states, output_attentions, **extra) -> ModelOutput:
+def _backbone_outputs(
+    head: PreTrainedModel,
+    input_ids,
+    attention_mask,
+    global_attention_mask,
+    inputs_embeds,
+    position_ids,
+    output_hidden_states,
+    output_attentions,
+    **extra,
+) -> ModelOutput:
     """`head.longattn` on the inputs of the head's `forward` (same names, same order), always as a ModelOutput: the
     head applies `return_dict` to its own output. `extra`: the decoder heads' cache arguments."""
-    return head.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                         inputs_embeds=inputs_embeds, position_ids=position_ids,
-                         output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                         return_dict=True, **extra)
+    return head.longattn(
+        input_ids,
+        attention_mask=attention_mask,
+        global_attention_mask=global_attention_mask,
+        inputs_embeds=inputs_embeds,
+        position_ids=position_ids,
+        output_hidden_states=output_hidden_states,
+        output_attentions=output_attentions,
+        return_dict=True,
+        **extra,
+    )
 
 
-def _head_output(head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput,
-                 return_dict: bool | None, **fields) -> ModelOutput | tuple:
+def _head_output(
+    head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput, return_dict: bool | None, **fields
+) -> ModelOutput | tuple:
     """A head's `output_class(**fields)` with the backbone `outputs`' hidden states and attentions, as a tuple unless
     `return_dict` (default: the config's) asks for the ModelOutput."""
     output = output_class(**fields, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     return output if _return_dict(head, return_dict) else output.to_tuple()
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int, *,
-                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | None:
+def _masked_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor | None:
     """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
     labels."""
     _check_labels("labels", labels, [logits.shape[:2]])
@@ -853,21 +979,43 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                num_items_in_batch=None, **kwargs) -> SequenceClassifierOutput | tuple:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        labels=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> SequenceClassifierOutput | tuple:
         # Shapes only: the backbone checks the ids' values (one host sync per forward, not two).
-        batch, length = _check_token_inputs(self.config, self.longattn.embeddings, input_ids, inputs_embeds,
-                                            check_values=False)
+        batch, length = _check_token_inputs(
+            self.config, self.longattn.embeddings, input_ids, inputs_embeds, check_values=False
+        )
         if length == 0:
-            raise ValueError("`input_ids` has length 0: sequence classification reads the first token's state, so "
-                             "pass at least one token.")
+            raise ValueError(
+                "`input_ids` has length 0: sequence classification reads the first token's state, so "
+                "pass at least one token."
+            )
         if global_attention_mask is None:
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
-        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                                    output_hidden_states, output_attentions)
+        outputs = _backbone_outputs(
+            self,
+            input_ids,
+            attention_mask,
+            global_attention_mask,
+            inputs_embeds,
+            position_ids,
+            output_hidden_states,
+            output_attentions,
+        )
         pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
@@ -926,17 +1074,37 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, labels=None, output_hidden_states=None, output_attentions=None, return_dict=None,
-                num_items_in_batch=None, **kwargs) -> TokenClassifierOutput | tuple:
-        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                                    output_hidden_states, output_attentions)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        labels=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> TokenClassifierOutput | tuple:
+        outputs = _backbone_outputs(
+            self,
+            input_ids,
+            attention_mask,
+            global_attention_mask,
+            inputs_embeds,
+            position_ids,
+            output_hidden_states,
+            output_attentions,
+        )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
         if labels is not None:
-            loss = fixed_cross_entropy(logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device),
-                                       num_items_in_batch)
+            loss = fixed_cross_entropy(
+                logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device), num_items_in_batch
+            )
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         return _head_output(self, TokenClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
 
@@ -955,11 +1123,30 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, start_positions=None, end_positions=None, output_hidden_states=None,
-                output_attentions=None, return_dict=None, **kwargs) -> QuestionAnsweringModelOutput | tuple:
-        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                                    output_hidden_states, output_attentions)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        start_positions=None,
+        end_positions=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        outputs = _backbone_outputs(
+            self,
+            input_ids,
+            attention_mask,
+            global_attention_mask,
+            inputs_embeds,
+            position_ids,
+            output_hidden_states,
+            output_attentions,
+        )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
         batch = start_logits.shape[0]
         _check_labels("start_positions", start_positions, [(batch,), (batch, 1)])
@@ -970,11 +1157,20 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
             # Positions outside the sequence are ignored, as in transformers' QA heads.
             start = start_positions.view(-1).clamp(0, length).to(start_logits.device)
             end = end_positions.view(-1).clamp(0, length).to(end_logits.device)
-            loss = (F.cross_entropy(start_logits, start, ignore_index=length)
-                    + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
+            loss = (
+                F.cross_entropy(start_logits, start, ignore_index=length)
+                + F.cross_entropy(end_logits, end, ignore_index=length)
+            ) / 2
         loss = _with_auxiliary_loss(loss, self.longattn)
-        return _head_output(self, QuestionAnsweringModelOutput, outputs, return_dict, loss=loss,
-                            start_logits=start_logits, end_logits=end_logits)
+        return _head_output(
+            self,
+            QuestionAnsweringModelOutput,
+            outputs,
+            return_dict,
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- decoder heads
@@ -999,13 +1195,37 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                position_ids=None, past_key_values=None, use_cache=None, labels=None, output_hidden_states=None,
-                output_attentions=None, return_dict=None, logits_to_keep: int = 0, shift_labels=None,
-                num_items_in_batch=None, cache=None, **kwargs) -> CausalLMOutputWithPast | tuple:
-        outputs = _backbone_outputs(self, input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids,
-                                    output_hidden_states, output_attentions,
-                                    past_key_values=_cache_argument(cache, past_key_values), use_cache=use_cache)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=None,
+        labels=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        logits_to_keep: int = 0,
+        shift_labels=None,
+        num_items_in_batch=None,
+        cache=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        outputs = _backbone_outputs(
+            self,
+            input_ids,
+            attention_mask,
+            global_attention_mask,
+            inputs_embeds,
+            position_ids,
+            output_hidden_states,
+            output_attentions,
+            past_key_values=_cache_argument(cache, past_key_values),
+            use_cache=use_cache,
+        )
         hidden_states = outputs.last_hidden_state
         _check_labels("labels", labels, [hidden_states.shape[:2]])
         _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
@@ -1017,11 +1237,23 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             # `shift_labels` `[b, n]` (padding-free collators) are the targets of every position, already aligned.
             if shift_labels is None:
                 shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
-            loss = ForCausalLMLoss(logits, None, self.config.vocab_size, num_items_in_batch=num_items_in_batch,
-                                   shift_labels=shift_labels.contiguous())
+            loss = ForCausalLMLoss(
+                logits,
+                None,
+                self.config.vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                shift_labels=shift_labels.contiguous(),
+            )
         loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(self, CausalLMOutputWithPast, outputs, return_dict, loss=loss, logits=logits,
-                            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)})
+        return _head_output(
+            self,
+            CausalLMOutputWithPast,
+            outputs,
+            return_dict,
+            loss=loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+        )
 
 
 class LongAttnDecoder(nn.Module):
@@ -1033,18 +1265,37 @@ class LongAttnDecoder(nn.Module):
         self.config = config
         self.embeddings = LongAttnEmbeddings(config)
         self.rotary = LongAttnRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        self.stack = LongAttnStack(config, attention_types=config.decoder_layer_attention_types, is_causal=True,
-                                   has_cross_attention=True)
+        self.stack = LongAttnStack(
+            config, attention_types=config.decoder_layer_attention_types, is_causal=True, has_cross_attention=True
+        )
 
-    def forward(self, input_ids=None, inputs_embeds=None, attention_mask=None, encoder_hidden_states=None,
-                encoder_attention_mask=None, past_key_values=None, output_hidden_states=False,
-                output_attentions=False) -> BaseModelOutputWithPastAndCrossAttentions:
+    def forward(
+        self,
+        input_ids=None,
+        inputs_embeds=None,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        output_hidden_states=False,
+        output_attentions=False,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         return _run_backbone(
-            self.embeddings, self.rotary, self.stack, self.config,
-            input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            global_attention_mask=None, position_ids=None, past_key_values=past_key_values,
-            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions, prefix="decoder_",
+            self.embeddings,
+            self.rotary,
+            self.stack,
+            self.config,
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            global_attention_mask=None,
+            position_ids=None,
+            past_key_values=past_key_values,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            prefix="decoder_",
         )
 
 
@@ -1088,33 +1339,60 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, inputs_embeds=None,
-                decoder_input_ids=None, decoder_attention_mask=None, decoder_inputs_embeds=None,
-                encoder_outputs=None, past_key_values=None, use_cache=None, labels=None,
-                output_hidden_states=None, output_attentions=None, return_dict=None, num_items_in_batch=None,
-                cache=None, **kwargs) -> Seq2SeqLMOutput | tuple:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        global_attention_mask=None,
+        inputs_embeds=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        decoder_inputs_embeds=None,
+        encoder_outputs=None,
+        past_key_values=None,
+        use_cache=None,
+        labels=None,
+        output_hidden_states=None,
+        output_attentions=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        cache=None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput | tuple:
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         past_key_values = _cache_argument(cache, past_key_values)
-        outputs = self.longattn(input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                                inputs_embeds=inputs_embeds, decoder_input_ids=decoder_input_ids,
-                                decoder_attention_mask=decoder_attention_mask,
-                                decoder_inputs_embeds=decoder_inputs_embeds, encoder_outputs=encoder_outputs,
-                                past_key_values=past_key_values, use_cache=use_cache,
-                                output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                                return_dict=True)
+        outputs = self.longattn(
+            input_ids,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            inputs_embeds=inputs_embeds,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
+        )
         logits = self.lm_head(outputs.last_hidden_state)  # [b, t, V]
         # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
+            loss=loss,
+            logits=logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
         )
         return output if _return_dict(self, return_dict) else output.to_tuple()
 

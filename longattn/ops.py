@@ -87,8 +87,14 @@ class _Checked(NamedTuple):
 
 
 def _check_shared(
-    q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None = None,
-    scale: float | None, dropout_p: float, backend: str,
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding_mask: Tensor | None,
+    global_mask: Tensor | None = None,
+    scale: float | None,
+    dropout_p: float,
+    backend: str,
 ) -> _Checked:
     """Validate the masks, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`."""
     b, n_k = q.shape[0], k.shape[2]
@@ -101,22 +107,40 @@ def _check_shared(
 
 def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
     """The back end that runs this call (`backends.select_backend` on its request)."""
-    return select_backend(call.backend, AttentionRequest.for_inputs(
-        q, k, v, pattern=pattern, dropout_p=call.dropout_p, causal=causal, key_padding=call.padding is not None,
-        global_tokens=call.global_tokens is not None, **fields,
-    ))
+    return select_backend(
+        call.backend,
+        AttentionRequest.for_inputs(
+            q,
+            k,
+            v,
+            pattern=pattern,
+            dropout_p=call.dropout_p,
+            causal=causal,
+            key_padding=call.padding is not None,
+            global_tokens=call.global_tokens is not None,
+            **fields,
+        ),
+    )
 
 
-def _run_pattern(backend: str, q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, mask_fn: MaskFn,
-                 per_head: bool) -> Tensor:
+def _run_pattern(
+    backend: str, q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, mask_fn: MaskFn, per_head: bool
+) -> Tensor:
     """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
     if backend == "reference":
-        return reference_pattern_attention(q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p,
-                                           per_head=per_head)
+        return reference_pattern_attention(
+            q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p, per_head=per_head
+        )
     # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
     per_batch = call.padding is not None or call.global_tokens is not None
     return flex_pattern_attention(
-        q, k, v, mask_fn=mask_fn, scale=call.scale, per_batch=per_batch, per_head=per_head,
+        q,
+        k,
+        v,
+        mask_fn=mask_fn,
+        scale=call.scale,
+        per_batch=per_batch,
+        per_head=per_head,
         cache_key=None if per_batch else mask_fn.__name__,
     )
 
@@ -171,8 +195,9 @@ def full_attention(
     )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
     # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=call.dropout_p,
-                                         scale=call.scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=call.dropout_p, scale=call.scale
+    )
     return out.masked_fill(~sees_a_key, 0.0)
 
 
@@ -217,8 +242,15 @@ def sliding_window_attention(
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
         dilation = dilation[0]  # one group of heads, and a mask without a head dimension
     causal = check_flag("causal", causal)
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, global_mask=global_mask, scale=scale,
-                         dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        global_mask=global_mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     mask_fn = sliding_window_pattern(
@@ -229,16 +261,32 @@ def sliding_window_attention(
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
     if choice == "xformers":
         return xformers_sliding_window_attention(
-            q, k, v, window=window, dilation=dilation, causal=causal, global_mask=call.global_tokens,
-            key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p,
+            q,
+            k,
+            v,
+            window=window,
+            dilation=dilation,
+            causal=causal,
+            global_mask=call.global_tokens,
+            key_padding_mask=call.padding,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
         )
     if choice != "torch":
         return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=not isinstance(dilation, int))
     if dilation == 1 and window >= n_k - 1:
         # The window reaches every key, so the pattern is exactly (causal) full attention: global tokens add no
         # key. SDPA computes it without the blocked executor's per-block overhead, which dominates short inputs.
-        return full_attention(q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale,
-                              dropout_p=call.dropout_p, backend="torch")
+        return full_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=call.padding,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            backend="torch",
+        )
     return banded_attention(
         q,
         k,
@@ -346,7 +394,10 @@ def fixed_attention(
         return empty_attention(q, k, v)
     padding = call.padding
     mask_fn = fixed_pattern(
-        block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
         key_padding_mask=padding,
     )
     choice = _select(q, k, v, call, pattern="fixed", causal=causal)
@@ -359,17 +410,32 @@ def fixed_attention(
         # tested as position s, real or wrapped padding, which is what the layout's blocks from 0 compute.
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
             return xformers_fixed_attention(
-                q, k, v, block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head,
-                causal=causal, key_padding_mask=padding if rolled_index is None else padding.gather(1, rolled_index),
+                q,
+                k,
+                v,
+                block_size=block_size,
+                num_summary=num_summary,
+                summary_per_head=summary_per_head,
+                causal=causal,
+                key_padding_mask=padding if rolled_index is None else padding.gather(1, rolled_index),
                 scale=call.scale,
             )
     else:
+
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
             # In rolled rows, the SAME predicate evaluated on the original positions of the slots.
             rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
             return fixed_blocked_attention(
-                q, k, v, mask_fn=rolled_mask_fn, block_size=block_size, num_summary=num_summary,
-                summary_per_head=summary_per_head, causal=causal, scale=call.scale, dropout_p=call.dropout_p,
+                q,
+                k,
+                v,
+                mask_fn=rolled_mask_fn,
+                block_size=block_size,
+                num_summary=num_summary,
+                summary_per_head=summary_per_head,
+                causal=causal,
+                scale=call.scale,
+                dropout_p=call.dropout_p,
             )
 
     # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
@@ -419,4 +485,4 @@ def _run_rolled(execute, q: Tensor, k: Tensor, v: Tensor, first: Tensor) -> Tens
     out = execute(rolled(q), rolled(k), rolled(v), rolled_index)
     unrolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) - first.view(b, 1)) % n_k  # [b, n_k]
     out = out.gather(2, unrolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
-    return out[:, :, n_k - n_q:]
+    return out[:, :, n_k - n_q :]

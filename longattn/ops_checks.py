@@ -29,8 +29,9 @@ __all__ = [
 ]
 
 
-def check_backend_support(backend: str, *, attention: str, supported: tuple[str, ...],
-                          unsupported: dict[str, str]) -> str:
+def check_backend_support(
+    backend: str, *, attention: str, supported: tuple[str, ...], unsupported: dict[str, str]
+) -> str:
     """Validate `backend=` for a functional attention that runs on some back ends only.
 
     Args:
@@ -55,7 +56,12 @@ def check_backend_support(backend: str, *, attention: str, supported: tuple[str,
 
 
 def check_qkv(
-    q: Tensor, k: Tensor, v: Tensor, *, names: tuple[str, str, str] = ("q", "k", "v"), queries_last: bool = True,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+    queries_last: bool = True,
     grouped: bool = False,
 ) -> tuple[int, int, int, int]:
     """Check q `[b, h, n_q, d]`, k `[b, h, n_k, d]`, v `[b, h, n_k, d_v]`; return (b, h, n_q, n_k).
@@ -74,32 +80,42 @@ def check_qkv(
     """
     for name, tensor in zip(names, (q, k, v)):
         if not isinstance(tensor, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor [batch, heads, length, head_dim], got {type(tensor).__name__}")
+            raise ValueError(
+                f"{name} must be a torch.Tensor [batch, heads, length, head_dim], got {type(tensor).__name__}"
+            )
         if tensor.dim() != 4:
             raise ValueError(f"{name} must have shape [batch, heads, length, head_dim], got {tuple(tensor.shape)}")
         if not tensor.is_floating_point():
-            raise ValueError(f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64), "
-                             f"got {tensor.dtype}")
+            raise ValueError(
+                f"{name} must have a floating-point dtype (float16, bfloat16, float32, float64), got {tensor.dtype}"
+            )
         if tensor.shape[3] == 0:
             raise ValueError(f"{name} has head_dim 0 (shape {tuple(tensor.shape)}): head_dim must be >= 1")
     q_name, k_name, v_name = names
     for name, tensor in ((k_name, k), (v_name, v)):
         if tensor.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {tensor.dtype} but {q_name} has {q.dtype}: {q_name}, {k_name}, "
-                             f"{v_name} must share one dtype")
+            raise ValueError(
+                f"{name} has dtype {tensor.dtype} but {q_name} has {q.dtype}: {q_name}, {k_name}, "
+                f"{v_name} must share one dtype"
+            )
         if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device} but {q_name} is on {q.device}: {q_name}, {k_name}, "
-                             f"{v_name} must be on one device")
+            raise ValueError(
+                f"{name} is on {tensor.device} but {q_name} is on {q.device}: {q_name}, {k_name}, "
+                f"{v_name} must be on one device"
+            )
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     heads_ok = k.shape[1] == h or (grouped and k.shape[1] > 0 and h % k.shape[1] == 0)
     if k.shape[0] != b or not heads_ok or k.shape[3] != d:
         heads = f"h_kv dividing {h}" if grouped else str(h)
-        raise ValueError(f"{k_name} must have shape [{b}, {heads}, n_k, {d}] to match {q_name} {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}")
+        raise ValueError(
+            f"{k_name} must have shape [{b}, {heads}, n_k, {d}] to match {q_name} {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
     if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"{v_name} must have shape [{b}, {h}, {n_k}, d_v] to match {k_name} {tuple(k.shape)}, "
-                         f"got {tuple(v.shape)}")
+        raise ValueError(
+            f"{v_name} must have shape [{b}, {h}, {n_k}, d_v] to match {k_name} {tuple(k.shape)}, got {tuple(v.shape)}"
+        )
     if queries_last and n_q > n_k:
         raise ValueError(
             f"{q_name} has more positions ({n_q}) than {k_name} ({n_k}); queries are the last n_q key positions, "
@@ -129,7 +145,9 @@ def check_bool_mask(name: str, mask: Tensor | None, *, device: torch.device | No
             f"`{name} == 0`, and a 1/0 mask (1 = keep) with `{name}.bool()`"
         )
     if device is not None and mask.device != device:
-        raise ValueError(f"{name} is on {mask.device} but the queries are on {device}: move it with `.to({device.type!r})`")
+        raise ValueError(
+            f"{name} is on {mask.device} but the queries are on {device}: move it with `.to({device.type!r})`"
+        )
     return mask
 
 

@@ -35,9 +35,9 @@ __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORM
 # under a mask, and efficient attention never forms a score matrix to mask or take a softmax over.
 _UNSUPPORTED_BACKENDS = {
     "flex": "FlexAttention computes softmax(Q Kᵀ) V under a block mask, and efficient attention has no score "
-            "matrix (it multiplies ρ_q(Q) by the [d, d_v] context ρ_k(K)ᵀ V)",
+    "matrix (it multiplies ρ_q(Q) by the [d, d_v] context ρ_k(K)ᵀ V)",
     "xformers": "xformers' kernels compute softmax(Q Kᵀ) V, and efficient attention has no softmax over keys to "
-                "hand to a kernel (it normalises queries and keys separately)",
+    "hand to a kernel (it normalises queries and keys separately)",
 }
 _SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this module's computation
 
@@ -50,13 +50,20 @@ _CAUSAL_SOFTMAX_CHUNK = 16
 
 
 def _check(
-    q: Tensor, k: Tensor, v: Tensor, normalization: str, causal: bool, key_padding_mask: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    normalization: str,
+    causal: bool,
+    key_padding_mask: Tensor | None,
     names: tuple[str, str, str] = ("q", "k", "v"),
 ) -> Tensor | None:
     """The shared checks of both entry points; returns the padding mask (bool `[b, n_k]` or None)."""
     b, _, _, n_k = check_qkv(q, k, v, names=names)
     if normalization not in EFFICIENT_NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}")
+        raise ValueError(
+            f"normalization={normalization!r} is unknown: expected one of {list(EFFICIENT_NORMALIZATIONS)}"
+        )
     check_flag("causal", causal)
     return check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
 
@@ -121,8 +128,9 @@ def efficient_attention(
 
 def _check_backend(backend: str) -> str:
     """Validate `backend=` for efficient attention (`ops_checks.check_backend_support`)."""
-    return check_backend_support(backend, attention="efficient (linear)", supported=_SUPPORTED_BACKENDS,
-                                 unsupported=_UNSUPPORTED_BACKENDS)
+    return check_backend_support(
+        backend, attention="efficient (linear)", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS
+    )
 
 
 def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:

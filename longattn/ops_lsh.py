@@ -104,7 +104,7 @@ KEY_NORM_EPS = 1e-6
 # The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
 _UNSUPPORTED_BACKENDS = {
     "flex": "FlexAttention evaluates a predicate over positions, and LSH's keys depend on the sorted hash buckets "
-            "and chunk boundaries of each round, merged over rounds by log-sum-exp, with the self key as a fallback",
+    "and chunk boundaries of each round, merged over rounds by log-sum-exp, with the self key as a fallback",
 }
 # "auto" is always the windowed kernel below; "xformers" runs its windows as one kernel call (explicit only).
 _SUPPORTED_BACKENDS = ("auto", "torch", "reference", "xformers")
@@ -189,8 +189,10 @@ def lsh_buckets(
     b, h, n, _ = qk.shape
     factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
     if sum(f // 2 for f in factors) != rotations.shape[-1]:
-        raise ValueError(f"num_buckets={num_buckets!r} needs rotations with {sum(f // 2 for f in factors)} columns, "
-                         f"got {rotations.shape[-1]}.")
+        raise ValueError(
+            f"num_buckets={num_buckets!r} needs rotations with {sum(f // 2 for f in factors)} columns, "
+            f"got {rotations.shape[-1]}."
+        )
     rotations = rotations.to(device=qk.device, dtype=torch.float32).expand(h, -1, -1, -1)
     buckets = torch.zeros(b, h, rotations.shape[2], n, dtype=torch.long, device=qk.device)
     for start in range(0, n, _HASH_SLICE):
@@ -199,7 +201,7 @@ def lsh_buckets(
         column, stride = 0, 1
         for factor in factors:
             half = factor // 2
-            part = rotated[..., column:column + half]
+            part = rotated[..., column : column + half]
             top, top_index = part.max(dim=-1)
             bottom, bottom_index = part.min(dim=-1)
             # argmax over the concatenation [x, -x] without building it; ties go to the first half, as argmax
@@ -374,11 +376,11 @@ class _WindowAttention(torch.autograd.Function):
             # which no last part reaches, and rows after the last window start at zero.
             grad_k[: w - stride].zero_()
             grad_v[: w - stride].zero_()
-            grad_k[(n_chunks - 1) * stride + w:].zero_()
-            grad_v[(n_chunks - 1) * stride + w:].zero_()
+            grad_k[(n_chunks - 1) * stride + w :].zero_()
+            grad_v[(n_chunks - 1) * stride + w :].zero_()
         else:
-            grad_k[n_chunks * stride:].zero_()  # rows after the last window (if any) get no gradient
-            grad_v[n_chunks * stride:].zero_()
+            grad_k[n_chunks * stride :].zero_()  # rows after the last window (if any) get no gradient
+            grad_v[n_chunks * stride :].zero_()
         step = max(1, (_GROUP_ELEMENTS if ctx.keep_probs else _LEAN_GROUP_ELEMENTS) // (c * w))
         grad_buffer = torch.empty(min(step, n_chunks), c, w, dtype=q.dtype, device=q.device)
         probs_buffer = None if ctx.keep_probs else torch.empty_like(grad_buffer)
@@ -400,14 +402,14 @@ class _WindowAttention(torch.autograd.Function):
             if overlapping:
                 grad_values = torch.bmm(probs.transpose(1, 2), grad_out[start:stop])  # [g, w, d_v]
             else:  # windows side by side: write straight into place
-                grad_values = grad_v[start * stride:stop * stride].view(stop - start, w, -1)
+                grad_values = grad_v[start * stride : stop * stride].view(stop - start, w, -1)
                 torch.bmm(probs.transpose(1, 2), grad_out[start:stop], out=grad_values)
             grad_scores.sub_(delta[start:stop]).mul_(probs)  # dS
             if self_column is not None:
                 _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
             torch.bmm(grad_scores, keys, out=grad_q[start:stop])
             if not overlapping:
-                grad_keys = grad_k[start * stride:stop * stride].view(stop - start, w, -1)
+                grad_keys = grad_k[start * stride : stop * stride].view(stop - start, w, -1)
                 torch.bmm(grad_scores.transpose(1, 2), q_group, out=grad_keys)  # q_group carries the scale
                 continue
             grad_keys = torch.bmm(grad_scores.transpose(1, 2), q_group)  # [g, w, d]
@@ -417,8 +419,8 @@ class _WindowAttention(torch.autograd.Function):
                     grad_k[rows] = grad_keys[:, part:].reshape(-1, k.shape[-1])
                     grad_v[rows] = grad_values[:, part:].reshape(-1, v.shape[-1])
                 else:
-                    grad_k[rows] += grad_keys[:, part:part + stride].reshape(-1, k.shape[-1])
-                    grad_v[rows] += grad_values[:, part:part + stride].reshape(-1, v.shape[-1])
+                    grad_k[rows] += grad_keys[:, part : part + stride].reshape(-1, k.shape[-1])
+                    grad_v[rows] += grad_values[:, part : part + stride].reshape(-1, v.shape[-1])
         if scale != 1.0:
             grad_q.mul_(scale)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
@@ -428,7 +430,7 @@ class _WindowAttention(torch.autograd.Function):
 def _self_diagonal(scores: Tensor, column: int) -> Tensor:
     """View of the entries (i, column + i) of `[g, c, w]` scores: each query's own key."""
     c = scores.shape[1]
-    return scores[:, :, column:column + c].diagonal(dim1=1, dim2=2)
+    return scores[:, :, column : column + c].diagonal(dim1=1, dim2=2)
 
 
 def attend_windows(
@@ -472,8 +474,9 @@ def attend_windows(
     if w > stride and w % stride:
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={w}, stride={stride}.")
     if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=compute_dtype(q.dtype),
-                           device=q.device).masked_fill_(~mask, -math.inf)  # added to the scores
+        bias = torch.zeros(mask.shape, dtype=compute_dtype(q.dtype), device=q.device).masked_fill_(
+            ~mask, -math.inf
+        )  # added to the scores
     else:
         bias, mask = mask, ~torch.isneginf(mask)
     if dropout_p == 0.0:
@@ -515,8 +518,26 @@ class _GatheredWindows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask, first, last,
-                n_windows, w, n_out, scale, stride, self_column, key_norm_eps):
+    def forward(
+        ctx,
+        q_rows,
+        k_rows,
+        v_rows,
+        query_index,
+        key_index,
+        value_index,
+        out_index,
+        mask,
+        first,
+        last,
+        n_windows,
+        w,
+        n_out,
+        scale,
+        stride,
+        self_column,
+        key_norm_eps,
+    ):
         dtype = compute_dtype(q_rows.dtype)
         c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
         key_factor = None
@@ -524,8 +545,9 @@ class _GatheredWindows(torch.autograd.Function):
             key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
-        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
-                          dtype, scale)
+        rows = _GroupRows(
+            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
+        )
         hidden = None if mask is None else ~mask
         for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
             queries, keys, values = rows.group(start, stop)
@@ -541,16 +563,44 @@ class _GatheredWindows(torch.autograd.Function):
             torch.bmm(scores, values, out=slot_out[start:stop])
         slot_lse = slot_lse.view(-1)
         out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
-        ctx.save_for_backward(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index,
-                              mask, first, last, slot_lse, out, lse)
+        ctx.save_for_backward(
+            q_rows,
+            k_rows,
+            v_rows,
+            key_factor,
+            query_index,
+            key_index,
+            value_index,
+            out_index,
+            mask,
+            first,
+            last,
+            slot_lse,
+            out,
+            lse,
+        )
         ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
         ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
         return out.to(q_rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, out_index, mask, first, last,
-         slot_lse, out, lse) = ctx.saved_tensors
+        (
+            q_rows,
+            k_rows,
+            v_rows,
+            key_factor,
+            query_index,
+            key_index,
+            value_index,
+            out_index,
+            mask,
+            first,
+            last,
+            slot_lse,
+            out,
+            lse,
+        ) = ctx.saved_tensors
         n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
@@ -569,8 +619,9 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
-        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w,
-                          dtype, scale)
+        rows = _GroupRows(
+            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
+        )
         hidden = None if mask is None else ~mask
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
@@ -579,15 +630,16 @@ class _GatheredWindows(torch.autograd.Function):
             _hide(probs, start, stop, hidden, first, last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
             # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
-            grad_slot = grad_out.index_select(0, row[start * c:stop * c]).view(g, c, d_v)  # dC_p
+            grad_slot = grad_out.index_select(0, row[start * c : stop * c]).view(g, c, d_v)  # dC_p
             grad_scores = torch.bmm(grad_slot, values.transpose(1, 2)).sub_(slot_delta[start:stop]).mul_(probs)
             if self_column is not None:
                 _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
-            window_rows = (torch.arange(start, stop, device=out.device)[:, None] * stride
-                           + torch.arange(w, device=out.device)).view(-1)  # [g·w]
+            window_rows = (
+                torch.arange(start, stop, device=out.device)[:, None] * stride + torch.arange(w, device=out.device)
+            ).view(-1)  # [g·w]
             grad_v.index_add_(0, value_target[window_rows], torch.bmm(probs.transpose(1, 2), grad_slot).view(-1, d_v))
             grad_k.index_add_(0, key_target[window_rows], torch.bmm(grad_scores.transpose(1, 2), queries).view(-1, d))
-            grad_q.index_add_(0, query_target[start * c:stop * c], torch.bmm(grad_scores, keys).view(-1, d))
+            grad_q.index_add_(0, query_target[start * c : stop * c], torch.bmm(grad_scores, keys).view(-1, d))
         if scale != 1.0:
             grad_q.mul_(scale)  # the keys' gradient got the scale through the scaled queries
         grad_q, grad_k, grad_v = grad_q[:-1], grad_k[:-1], grad_v[:-1]
@@ -618,8 +670,9 @@ class _GroupRows:
     windows `[g, w, d]` (keys times `key_factor [Nk, 1]` when given). A -1 index reads row 0: such a key is hidden
     by the mask and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
 
-    def __init__(self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype,
-                 scale):
+    def __init__(
+        self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
+    ):
         self.q_rows, self.k_rows, self.v_rows, self.key_factor = q_rows, k_rows, v_rows, key_factor
         self.query_index, self.key_index = query_index.clamp(min=0), key_index.clamp(min=0)
         self.value_index = value_index.clamp(min=0)
@@ -627,7 +680,7 @@ class _GroupRows:
 
     def group(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
         c, stride, w, dtype = self.c, self.stride, self.w, self.dtype
-        queries = self.q_rows.index_select(0, self.query_index[start * c:stop * c]).to(dtype)
+        queries = self.q_rows.index_select(0, self.query_index[start * c : stop * c]).to(dtype)
         queries = queries.view(stop - start, c, -1)
         if self.scale != 1.0:
             queries.mul_(self.scale)
@@ -639,8 +692,15 @@ class _GroupRows:
         return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
 
 
-def _hide(scores: Tensor, start: int, stop: int, hidden: Tensor | None, first: Tensor | None, last: Tensor | None,
-          self_column: int | None) -> None:
+def _hide(
+    scores: Tensor,
+    start: int,
+    stop: int,
+    hidden: Tensor | None,
+    first: Tensor | None,
+    last: Tensor | None,
+    self_column: int | None,
+) -> None:
     """Hidden keys of windows start..stop, `scores [g, c, w]`, to -inf (`hidden`: the negated `mask` of
     `attend_gathered_windows`; `first`, `last` as there), then Reformer's self rule (see `attend_windows`)."""
     if hidden is not None:
@@ -648,7 +708,7 @@ def _hide(scores: Tensor, start: int, stop: int, hidden: Tensor | None, first: T
     if first is not None:
         c, w = scores.shape[1], scores.shape[2]
         columns = torch.arange(w, device=scores.device)
-        lo, hi = first[start * c:stop * c].view(-1, c, 1), last[start * c:stop * c].view(-1, c, 1)
+        lo, hi = first[start * c : stop * c].view(-1, c, 1), last[start * c : stop * c].view(-1, c, 1)
         scores.masked_fill_((columns < lo) | (columns >= hi), -math.inf)
     if self_column is not None:
         _self_diagonal(scores, self_column).fill_(SELF_SCORE)
@@ -731,9 +791,25 @@ def attend_gathered_windows(
     if (first is None) != (last is None):
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
     n_windows = query_index.shape[0] // chunk
-    return _GatheredWindows.apply(q_rows, k_rows, v_rows, query_index, key_index, value_index, out_index, mask,
-                                  first, last, n_windows, width, n_out, float(scale), stride, self_column,
-                                  key_norm_eps)
+    return _GatheredWindows.apply(
+        q_rows,
+        k_rows,
+        v_rows,
+        query_index,
+        key_index,
+        value_index,
+        out_index,
+        mask,
+        first,
+        last,
+        n_windows,
+        width,
+        n_out,
+        float(scale),
+        stride,
+        self_column,
+        key_norm_eps,
+    )
 
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
@@ -777,9 +853,14 @@ class _KernelWindows(torch.autograd.Function):
         out_aug[..., 0] = -1.0
         grad_aug[..., 0] = g.transpose(1, 2).to(out.dtype)
         dq, dk, dv = ctx.kernel.backward(
-            torch.cat([grad_out, grad_aug], dim=-1), torch.cat([out, out_aug], dim=-1),
-            torch.where(seen, lse, 0.0), F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
-            F.pad(v, (0, width - d_v)), ctx.bias, scale=ctx.scale,
+            torch.cat([grad_out, grad_aug], dim=-1),
+            torch.cat([out, out_aug], dim=-1),
+            torch.where(seen, lse, 0.0),
+            F.pad(q, (0, width - d)),
+            F.pad(k, (0, width - d)),
+            F.pad(v, (0, width - d_v)),
+            ctx.bias,
+            scale=ctx.scale,
         )
         return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None
 
@@ -809,8 +890,10 @@ def attend_windows_on_kernel(
         ValueError: `dropout_p > 0` (the kernel's forward with log-sum-exp has no dropout).
     """
     if dropout_p > 0:
-        raise ValueError("attention dropout is not available on the xformers windows (its forward with "
-                         "log-sum-exp has none); set the dropout probability to 0 or use the 'torch' back end.")
+        raise ValueError(
+            "attention dropout is not available on the xformers windows (its forward with "
+            "log-sum-exp has none); set the dropout probability to 0 or use the 'torch' back end."
+        )
     w = mask.shape[-1]
     chunks, c, d = q.shape
     visible = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)  # [B, c or 1, w]
@@ -818,7 +901,7 @@ def attend_windows_on_kernel(
     bias = torch.zeros(chunks, 1, c, aligned, dtype=q.dtype, device=q.device)[..., :w]
     bias.masked_fill_(~visible.unsqueeze(1).expand(chunks, 1, c, w), -HALF_HIDDEN_PENALTY)
     if self_column is not None:
-        bias[:, 0, :, self_column:self_column + c].diagonal(dim1=-2, dim2=-1).fill_(-_SELF_PENALTY)
+        bias[:, 0, :, self_column : self_column + c].diagonal(dim1=-2, dim2=-1).fill_(-_SELF_PENALTY)
     keys = _windows(k.contiguous(), 0, chunks, stride, w)  # autograd folds the overlapping windows back
     values = _windows(v.contiguous(), 0, chunks, stride, w)
     out, lse = _KernelWindows.apply(q.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2), bias, float(scale))
@@ -835,11 +918,19 @@ def _check_rotations(rotations: Tensor, *, heads: int, head_dim: int, num_bucket
     columns = None if num_buckets is None else sum(f // 2 for f in hash_factors(num_buckets))
     expected = f"[{heads} or 1, {head_dim}, num_hashes >= 1, {columns if columns else 'num_buckets / 2 >= 1'}]"
     if not isinstance(rotations, Tensor) or not rotations.is_floating_point():
-        raise ValueError(f"rotations must be a floating-point tensor {expected}, got "
-                         f"{rotations.dtype if isinstance(rotations, Tensor) else type(rotations).__name__}")
+        raise ValueError(
+            f"rotations must be a floating-point tensor {expected}, got "
+            f"{rotations.dtype if isinstance(rotations, Tensor) else type(rotations).__name__}"
+        )
     shape = tuple(rotations.shape)
-    if (len(shape) != 4 or shape[0] not in (1, heads) or shape[1] != head_dim or shape[2] < 1 or shape[3] < 1
-            or (columns is not None and shape[3] != columns)):
+    if (
+        len(shape) != 4
+        or shape[0] not in (1, heads)
+        or shape[1] != head_dim
+        or shape[2] < 1
+        or shape[3] < 1
+        or (columns is not None and shape[3] != columns)
+    ):
         raise ValueError(f"rotations must have shape {expected}, got {shape}")
 
 
@@ -921,20 +1012,38 @@ def lsh_attention(
     device = qk.device
     if rotations is None:
         num_buckets = default_num_buckets(n, c) if num_buckets is None else num_buckets
-        rotations = lsh_rotations(heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed,
-                                  device=device)
+        rotations = lsh_rotations(
+            heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed, device=device
+        )
     windows = attend_windows
     if backend == "xformers":
-        select_backend(backend, AttentionRequest.for_inputs(
-            qk, qk, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=key_padding_mask is not None
-        ))  # raises with the reasons when the kernel cannot run here
+        select_backend(
+            backend,
+            AttentionRequest.for_inputs(
+                qk,
+                qk,
+                v,
+                pattern="windows",
+                dropout_p=dropout_p,
+                causal=causal,
+                key_padding=key_padding_mask is not None,
+            ),
+        )  # raises with the reasons when the kernel cannot run here
         windows = attend_windows_on_kernel
     if backend == "reference":
         # The dense form at the SAME rotations and bucket count, so both hash every token alike.
         out, _ = lsh_attention_dense(
-            qk, qk, v, rotations=rotations, bucket_size=c, num_buckets=num_buckets,
-            num_chunks_before=num_chunks_before, num_chunks_after=num_chunks_after, causal=causal,
-            key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+            qk,
+            qk,
+            v,
+            rotations=rotations,
+            bucket_size=c,
+            num_buckets=num_buckets,
+            num_chunks_before=num_chunks_before,
+            num_chunks_after=num_chunks_after,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            dropout_p=dropout_p,
         )
         return out
     r = rotations.shape[2]
@@ -997,9 +1106,23 @@ def lsh_attention(
                 first = _scatter_index(n_queries * c, buffer_row[..., :n], (column - back)[..., :n]).clamp_(min=0)
                 last = _scatter_index(n_queries * c, buffer_row[..., :n], column[..., :n]).clamp_(min=0)
         out = attend_gathered_windows(
-            qk_rows, qk_rows, v_rows, key_norm_eps=KEY_NORM_EPS, query_index=query_index, key_index=key_index,
-            value_index=value_index, out_index=out_index, n_out=b * h * n, chunk=c, width=w, stride=c, scale=1.0,
-            mask=None if causal else mask, first=first, last=last, self_column=before * c,
+            qk_rows,
+            qk_rows,
+            v_rows,
+            key_norm_eps=KEY_NORM_EPS,
+            query_index=query_index,
+            key_index=key_index,
+            value_index=value_index,
+            out_index=out_index,
+            n_out=b * h * n,
+            chunk=c,
+            width=w,
+            stride=c,
+            scale=1.0,
+            mask=None if causal else mask,
+            first=first,
+            last=last,
+            self_column=before * c,
         )
         return out.view(b, h, n, d_v)
 
@@ -1008,25 +1131,28 @@ def lsh_attention(
             row_bucket = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
             row_bucket[key_rows] = buckets[..., :n].reshape(-1)
             key_bucket = _windows(row_bucket[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
-            query_bucket = row_bucket[before * c:before * c + n_queries * c].view(n_queries, c, 1)
+            query_bucket = row_bucket[before * c : before * c + n_queries * c].view(n_queries, c, 1)
             # Sorted distance from query i to window key j is before·c + i − j: strictly earlier, at most
             # before·c back. Gap rows are invalid, so the band never leaves the round.
             distance = before * c + torch.arange(c, device=device)[:, None] - torch.arange(w, device=device)
             band = (distance > 0) & (distance <= before * c)  # [c, w]
             mask = mask & band & (key_bucket == query_bucket)  # [U, c, w]
         # Backward maps: copy `round` of source row p sits at key-buffer row before·c + buffer_row[.., round, p].
-        key_inverse = _scatter_index(r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0],
-                                     key_rows.view(b, h, r, n)).view(r, -1)
-        value_inverse = _scatter_index(r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0],
-                                       key_rows.view(b, h, r, n)).view(r, -1)
+        key_inverse = _scatter_index(
+            r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0], key_rows.view(b, h, r, n)
+        ).view(r, -1)
+        value_inverse = _scatter_index(
+            r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0], key_rows.view(b, h, r, n)
+        ).view(r, -1)
         unsort = buffer_row[..., :n].reshape(-1)  # [b·h·r·n], where each (b, h, r, position) was answered
         unsort_inverse = _scatter_index(n_queries * c, unsort, torch.arange(unsort.numel(), device=device))
     qk_sorted = gather_rows(qk_rows, key_index, key_inverse)  # [rows, d]: zero chunks, then the segments
-    q_sorted = qk_sorted[before * c:before * c + n_queries * c].view(n_queries, c, d)
+    q_sorted = qk_sorted[before * c : before * c + n_queries * c].view(n_queries, c, d)
     k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero
     v_sorted = gather_rows(v_rows, value_index, value_inverse)  # [rows, d_v]
-    out, lse = windows(q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p,
-                       self_column=before * c)  # [U, c, d_v], [U, c]
+    out, lse = windows(
+        q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p, self_column=before * c
+    )  # [U, c, d_v], [U, c]
     out = gather_rows(out.view(-1, d_v), unsort, unsort_inverse.view(1, -1)).view(b, h, r, n, d_v)
     lse = lse.reshape(-1).index_select(0, unsort).view(b, h, r, n)
     return _combine_rounds(out, lse)
@@ -1119,11 +1245,11 @@ def lsh_attention_dense(
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     q_pos = torch.arange(m - n, m, device=q.device)
     key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]
-    query_buckets = key_buckets[..., m - n:]  # shared QK: a query hashes like its key
+    query_buckets = key_buckets[..., m - n :]  # shared QK: a query hashes like its key
     same_position = q_pos[:, None] == torch.arange(m, device=q.device)  # [n, m]
     if causal:
         same = (query_buckets[..., :, None] == key_buckets[..., None, :]) & valid[:, None, None, None, :]
-        same &= (q_pos[:, None] > torch.arange(m, device=q.device))  # [b, h, r, n, m], earlier keys of the bucket
+        same &= q_pos[:, None] > torch.arange(m, device=q.device)  # [b, h, r, n, m], earlier keys of the bucket
         # Places back in sorted order = same-bucket keys from this one up to the query.
         back = same.flip(-1).cumsum(-1).flip(-1)
         visible = same & (back <= bucket_size * num_chunks_before)

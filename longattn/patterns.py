@@ -99,7 +99,9 @@ def check_dilation(
     if isinstance(dilation, Sequence) and not isinstance(dilation, (str, bytes)):
         values = tuple(dilation)
         if not values:
-            raise ValueError(f"{name} must be an int >= 1 or a non-empty sequence of them (one per head), got {dilation!r}")
+            raise ValueError(
+                f"{name} must be an int >= 1 or a non-empty sequence of them (one per head), got {dilation!r}"
+            )
         for value in values:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} entries must be ints >= 1, got {dilation!r}")
@@ -182,8 +184,9 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
         return (distance <= window * head_dilation) & (distance % head_dilation == 0)
 
     name = "_".join(str(value) for value in dilation)
-    return _named(per_head_dilated_sliding_window, f"sliding_window_{window}_dilated_{name}",
-                  reach=window * max(dilation))
+    return _named(
+        per_head_dilated_sliding_window, f"sliding_window_{window}_dilated_{name}", reach=window * max(dilation)
+    )
 
 
 def key_padding_predicate(key_padding_mask: Tensor) -> MaskFn:
@@ -199,9 +202,7 @@ def key_padding_predicate(key_padding_mask: Tensor) -> MaskFn:
         ValueError: If `key_padding_mask` is not 2-D.
     """
     if key_padding_mask.dim() != 2:
-        raise ValueError(
-            f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}"
-        )
+        raise ValueError(f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}")
     padding = key_padding_mask.bool()
 
     def key_padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -331,7 +332,13 @@ def materialize_mask(
     Raises:
         ValueError: If a size is negative or `q_offset` is negative.
     """
-    for name, value in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len), ("q_offset", q_offset)):
+    for name, value in (
+        ("batch", batch),
+        ("heads", heads),
+        ("q_len", q_len),
+        ("kv_len", kv_len),
+        ("q_offset", q_offset),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
@@ -510,9 +517,7 @@ def from_first_real_token(mask_fn: MaskFn, key_padding_mask: Tensor) -> MaskFn:
         ValueError: If `key_padding_mask` is not 2-D.
     """
     if key_padding_mask.dim() != 2:
-        raise ValueError(
-            f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}"
-        )
+        raise ValueError(f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}")
     first = first_real_token(key_padding_mask)
     length = key_padding_mask.shape[1]
 

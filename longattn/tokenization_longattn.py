@@ -48,8 +48,9 @@ def byte_tokenizer_object(add_eos_token: bool = True) -> Tokenizer:
     return tokenizer
 
 
-def byte_tokenizer(model_max_length: int = 4096, padding_side: str = "right",
-                   add_eos_token: bool = True) -> PreTrainedTokenizerFast:
+def byte_tokenizer(
+    model_max_length: int = 4096, padding_side: str = "right", add_eos_token: bool = True
+) -> PreTrainedTokenizerFast:
     """A byte-level `PreTrainedTokenizerFast` (260 ids, see the module docstring), built offline.
 
     Args:

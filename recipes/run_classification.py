@@ -29,12 +29,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--text_column", default="text")
     parser.add_argument("--text_pair_column", help="a second text, encoded as a pair (e.g. question + document)")
     parser.add_argument("--label_column", default="label")
-    parser.add_argument("--global_attention", choices=("first", "none"), default="first",
-                        help="global attention on the first token (default) or on no token")
-    parser.add_argument("--problem_type", choices=("single_label_classification", "regression"),
-                        default="single_label_classification",
-                        help="regression: one output trained with MSE on numeric labels (a label such as 1.5 "
-                             "is refused without it)")
+    parser.add_argument(
+        "--global_attention",
+        choices=("first", "none"),
+        default="first",
+        help="global attention on the first token (default) or on no token",
+    )
+    parser.add_argument(
+        "--problem_type",
+        choices=("single_label_classification", "regression"),
+        default="single_label_classification",
+        help="regression: one output trained with MSE on numeric labels (a label such as 1.5 is refused without it)",
+    )
     args = training.parse_args(parser, argv)
     config = training.load_config(args, task="classification")
     tokenizer = training.load_tokenizer(args, config)
@@ -78,13 +84,20 @@ def main(argv: list[str] | None = None) -> dict:
         return encoded
 
     with accelerator.main_process_first():
-        processed = raw.map(preprocess, batched=True, remove_columns=raw["train"].column_names,
-                            num_proc=args.preprocessing_num_workers, desc="tokenize")
+        processed = raw.map(
+            preprocess,
+            batched=True,
+            remove_columns=raw["train"].column_names,
+            num_proc=args.preprocessing_num_workers,
+            desc="tokenize",
+        )
 
     model = training.load_model(args, config, tokenizer, AutoModelForSequenceClassification)
-    collator = training.PadCollator(pad_token_id=training.pad_token_id(tokenizer),
-                                    pad_to_multiple_of=training.length_multiple(model.config),
-                                    max_length=max_length if args.pad_to_max_length else None)
+    collator = training.PadCollator(
+        pad_token_id=training.pad_token_id(tokenizer),
+        pad_to_multiple_of=training.length_multiple(model.config),
+        max_length=max_length if args.pad_to_max_length else None,
+    )
 
     def evaluate(model, dataloader) -> dict[str, float]:
         losses, hits = [], []
@@ -104,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
             metrics["accuracy"] = torch.cat(hits).mean().item()
         return metrics
 
-    results = training.train(args, accelerator, model, processed["train"], processed["validation"], collator,
-                             evaluate=evaluate)
+    results = training.train(
+        args, accelerator, model, processed["train"], processed["validation"], collator, evaluate=evaluate
+    )
     training.finish(args, accelerator, model, tokenizer, results, task="classification")
     return results
 

@@ -37,8 +37,9 @@ def tokenize_texts(tokenizer, texts: list[str], *, max_length: int | None = None
 def main(argv: list[str] | None = None) -> dict:
     parser = training.recipe_parser(__doc__, task="clm")
     parser.add_argument("--text_column", default="text")
-    parser.add_argument("--line_by_line", action="store_true",
-                        help="one example per text (truncated), instead of concatenated blocks")
+    parser.add_argument(
+        "--line_by_line", action="store_true", help="one example per text (truncated), instead of concatenated blocks"
+    )
     args = training.parse_args(parser, argv)
     config = training.load_config(args, task="clm")
     tokenizer = training.load_tokenizer(args, config)
@@ -48,25 +49,41 @@ def main(argv: list[str] | None = None) -> dict:
     raw = training.load_raw_datasets(args, {"text_column": args.text_column})
 
     def tokenize(examples):
-        ids = tokenize_texts(tokenizer, examples[args.text_column],
-                             max_length=max_length if args.line_by_line else None)
+        ids = tokenize_texts(
+            tokenizer, examples[args.text_column], max_length=max_length if args.line_by_line else None
+        )
         return {"input_ids": ids, "labels": [list(row) for row in ids]}
 
     with accelerator.main_process_first():
-        processed = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names,
-                            num_proc=args.preprocessing_num_workers, desc="tokenize")
+        processed = raw.map(
+            tokenize,
+            batched=True,
+            remove_columns=raw["train"].column_names,
+            num_proc=args.preprocessing_num_workers,
+            desc="tokenize",
+        )
         if not args.line_by_line:
-            processed = processed.map(training.group_texts, batched=True, fn_kwargs={"block_size": max_length},
-                                      num_proc=args.preprocessing_num_workers, desc=f"blocks of {max_length}")
+            processed = processed.map(
+                training.group_texts,
+                batched=True,
+                fn_kwargs={"block_size": max_length},
+                num_proc=args.preprocessing_num_workers,
+                desc=f"blocks of {max_length}",
+            )
     for split in ("train", "validation"):
         if len(processed[split]) == 0:
-            raise training.RecipeError(f"the {split} texts make no block of {max_length} tokens: lower "
-                                       f"--max_seq_length or pass --line_by_line.")
+            raise training.RecipeError(
+                f"the {split} texts make no block of {max_length} tokens: lower "
+                f"--max_seq_length or pass --line_by_line."
+            )
 
     model = training.load_model(args, config, tokenizer, AutoModelForCausalLM)
-    collator = training.PadCollator(pad_token_id=training.pad_token_id(tokenizer),
-                                    pad_to_multiple_of=training.length_multiple(model.config),
-                                    max_length=max_length if args.pad_to_max_length else None, align_labels=True)
+    collator = training.PadCollator(
+        pad_token_id=training.pad_token_id(tokenizer),
+        pad_to_multiple_of=training.length_multiple(model.config),
+        max_length=max_length if args.pad_to_max_length else None,
+        align_labels=True,
+    )
 
     def evaluate(model, dataloader) -> dict[str, float]:
         rows = []
@@ -76,8 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(accelerator.gather_for_metrics(stats).cpu())
         return training.summarize_token_stats(torch.cat(rows))
 
-    results = training.train(args, accelerator, model, processed["train"], processed["validation"], collator,
-                             evaluate=evaluate)
+    results = training.train(
+        args, accelerator, model, processed["train"], processed["validation"], collator, evaluate=evaluate
+    )
     training.finish(args, accelerator, model, tokenizer, results, task="clm")
     return results
 

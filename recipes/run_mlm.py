@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = training.recipe_parser(__doc__, task="mlm")
     parser.add_argument("--text_column", default="text")
     parser.add_argument("--mlm_probability", type=float, default=0.15)
-    parser.add_argument("--line_by_line", action="store_true",
-                        help="one example per text (truncated), instead of concatenated blocks")
+    parser.add_argument(
+        "--line_by_line", action="store_true", help="one example per text (truncated), instead of concatenated blocks"
+    )
     args = training.parse_args(parser, argv)
     if not 0 < args.mlm_probability < 1:
         raise training.RecipeError(f"--mlm_probability {args.mlm_probability} must be in (0, 1).")
@@ -48,29 +49,48 @@ def main(argv: list[str] | None = None) -> dict:
         return {"input_ids": encoded["input_ids"]}
 
     with accelerator.main_process_first():
-        processed = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names,
-                            num_proc=args.preprocessing_num_workers, desc="tokenize")
+        processed = raw.map(
+            tokenize,
+            batched=True,
+            remove_columns=raw["train"].column_names,
+            num_proc=args.preprocessing_num_workers,
+            desc="tokenize",
+        )
         if not args.line_by_line:
-            processed = processed.map(training.group_texts, batched=True, fn_kwargs={"block_size": max_length},
-                                      num_proc=args.preprocessing_num_workers, desc=f"blocks of {max_length}")
+            processed = processed.map(
+                training.group_texts,
+                batched=True,
+                fn_kwargs={"block_size": max_length},
+                num_proc=args.preprocessing_num_workers,
+                desc=f"blocks of {max_length}",
+            )
     for split in ("train", "validation"):
         if len(processed[split]) == 0:
-            raise training.RecipeError(f"the {split} texts make no block of {max_length} tokens: lower "
-                                       f"--max_seq_length or pass --line_by_line.")
+            raise training.RecipeError(
+                f"the {split} texts make no block of {max_length} tokens: lower "
+                f"--max_seq_length or pass --line_by_line."
+            )
     eval_dataset = processed["validation"].add_column("example_index", list(range(len(processed["validation"]))))
 
     model = training.load_model(args, config, tokenizer, AutoModelForMaskedLM)
-    collator = training.PadCollator(pad_token_id=training.pad_token_id(tokenizer),
-                                    pad_to_multiple_of=training.length_multiple(model.config),
-                                    max_length=max_length if args.pad_to_max_length else None)
+    collator = training.PadCollator(
+        pad_token_id=training.pad_token_id(tokenizer),
+        pad_to_multiple_of=training.length_multiple(model.config),
+        max_length=max_length if args.pad_to_max_length else None,
+    )
     special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)))
     vocab_size = model.config.vocab_size
 
     def mask(batch, draws):
         batch["input_ids"], batch["labels"] = training.mask_tokens(
-            batch["input_ids"], batch["attention_mask"], draws=draws.to(batch["input_ids"].device),
-            special_ids=special_ids.to(batch["input_ids"].device), mask_token_id=tokenizer.mask_token_id,
-            vocab_size=vocab_size, probability=args.mlm_probability)
+            batch["input_ids"],
+            batch["attention_mask"],
+            draws=draws.to(batch["input_ids"].device),
+            special_ids=special_ids.to(batch["input_ids"].device),
+            mask_token_id=tokenizer.mask_token_id,
+            vocab_size=vocab_size,
+            probability=args.mlm_probability,
+        )
         return batch
 
     def prepare_batch(batch, generator):
@@ -80,15 +100,28 @@ def main(argv: list[str] | None = None) -> dict:
         rows = []
         for batch in training.progress_bar(dataloader, accelerator, "eval"):
             length = batch["input_ids"].shape[1]
-            draws = torch.stack([torch.rand((3, length), generator=training.batch_generator(args.seed, "eval", i))
-                                 for i in batch.pop("example_index").tolist()], dim=1)  # [3, b, n]
+            draws = torch.stack(
+                [
+                    torch.rand((3, length), generator=training.batch_generator(args.seed, "eval", i))
+                    for i in batch.pop("example_index").tolist()
+                ],
+                dim=1,
+            )  # [3, b, n]
             batch = mask(batch, draws)
             logits = model(**batch).logits
             rows.append(accelerator.gather_for_metrics(training.token_stats(logits, batch["labels"])).cpu())
         return training.summarize_token_stats(torch.cat(rows))
 
-    results = training.train(args, accelerator, model, processed["train"], eval_dataset, collator,
-                             evaluate=evaluate, prepare_batch=prepare_batch)
+    results = training.train(
+        args,
+        accelerator,
+        model,
+        processed["train"],
+        eval_dataset,
+        collator,
+        evaluate=evaluate,
+        prepare_batch=prepare_batch,
+    )
     training.finish(args, accelerator, model, tokenizer, results, task="mlm")
     return results
 

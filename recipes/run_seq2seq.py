@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--source_column", default="source")
     parser.add_argument("--target_column", default="target")
     parser.add_argument("--max_target_length", type=int, default=128, help="longest target in tokens")
-    parser.add_argument("--generation_max_length", type=int,
-                        help="most new tokens at evaluation (default: --max_target_length)")
+    parser.add_argument(
+        "--generation_max_length", type=int, help="most new tokens at evaluation (default: --max_target_length)"
+    )
     parser.add_argument("--num_beams", type=int, default=1)
     args = training.parse_args(parser, argv)
     if args.num_beams < 1 or args.max_target_length < 1:
@@ -64,22 +65,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     def preprocess(examples):
         encoded = tokenizer(examples[args.source_column], truncation=True, max_length=max_length)
-        labels = tokenizer(text_target=examples[args.target_column], truncation=True,
-                           max_length=max_target_length + 1)["input_ids"]
+        labels = tokenizer(text_target=examples[args.target_column], truncation=True, max_length=max_target_length + 1)[
+            "input_ids"
+        ]
         # The decoder input starts with decoder_start_token_id; a tokenizer that also prepends it (the byte
         # tokenizer's <s>) would make the model learn to repeat it.
         labels = [ids[1:] if ids and ids[0] == start_id else ids[:max_target_length] for ids in labels]
         return {"input_ids": encoded["input_ids"], "labels": labels}
 
     with accelerator.main_process_first():
-        processed = raw.map(preprocess, batched=True, remove_columns=raw["train"].column_names,
-                            num_proc=args.preprocessing_num_workers, desc="tokenize")
+        processed = raw.map(
+            preprocess,
+            batched=True,
+            remove_columns=raw["train"].column_names,
+            num_proc=args.preprocessing_num_workers,
+            desc="tokenize",
+        )
 
     model = training.load_model(args, config, tokenizer, AutoModelForSeq2SeqLM)
     pad_id = training.pad_token_id(tokenizer)
-    collator = training.PadCollator(pad_token_id=pad_id, pad_to_multiple_of=training.length_multiple(model.config),
-                                    labels_multiple=training.length_multiple(model.config, decoder=True),
-                                    max_length=max_length if args.pad_to_max_length else None)
+    collator = training.PadCollator(
+        pad_token_id=pad_id,
+        pad_to_multiple_of=training.length_multiple(model.config),
+        labels_multiple=training.length_multiple(model.config, decoder=True),
+        max_length=max_length if args.pad_to_max_length else None,
+    )
 
     def evaluate(model, dataloader) -> dict[str, float]:
         rows, predictions, references = [], [], []
@@ -87,9 +97,15 @@ def main(argv: list[str] | None = None) -> dict:
         for batch in training.progress_bar(dataloader, accelerator, "eval (generate)"):
             logits = model(**batch).logits
             rows.append(accelerator.gather_for_metrics(training.token_stats(logits, batch["labels"])).cpu())
-            generated = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                           max_new_tokens=generation_max_length, num_beams=args.num_beams,
-                                           do_sample=False, decoder_start_token_id=start_id, pad_token_id=pad_id)
+            generated = generator.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                max_new_tokens=generation_max_length,
+                num_beams=args.num_beams,
+                do_sample=False,
+                decoder_start_token_id=start_id,
+                pad_token_id=pad_id,
+            )
             generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad_id)
             labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
             generated, labels = accelerator.gather_for_metrics((generated, labels))
@@ -103,8 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
         metrics["rougeL"] = sum(rouge_l(p, r) for p, r in pairs) / max(len(pairs), 1)
         return metrics
 
-    results = training.train(args, accelerator, model, processed["train"], processed["validation"], collator,
-                             evaluate=evaluate)
+    results = training.train(
+        args, accelerator, model, processed["train"], processed["validation"], collator, evaluate=evaluate
+    )
     training.finish(args, accelerator, model, tokenizer, results, task="seq2seq")
     return results
 

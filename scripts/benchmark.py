@@ -106,8 +106,10 @@ def check_installed(impls: list[str]) -> None:
     """Raise ValueError naming the first requested peer whose package is not installed, and how to install it."""
     for impl in impls:
         if (package := missing_package(impl)) is not None:
-            raise ValueError(f"implementation {impl} needs the `{package}` package, which is not installed: "
-                             f"install the peers (the `bench` extra) with `{INSTALL_PEERS}`")
+            raise ValueError(
+                f"implementation {impl} needs the `{package}` package, which is not installed: "
+                f"install the peers (the `bench` extra) with `{INSTALL_PEERS}`"
+            )
 
 
 def _longattn_kind(kind: str, **fields):
@@ -249,10 +251,19 @@ def _build_hf_lsh(args):
     from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
     config = ReformerConfig(
-        hidden_size=args.hidden, num_attention_heads=args.heads, attention_head_size=args.hidden // args.heads,
-        lsh_attn_chunk_length=64, num_hashes=2, num_buckets=None, lsh_num_chunks_before=1,
-        lsh_num_chunks_after=0, hash_seed=0, is_decoder=False, lsh_attention_probs_dropout_prob=0.0,
-        max_position_embeddings=max(args.length, 4096), attn_layers=["lsh"],
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        attention_head_size=args.hidden // args.heads,
+        lsh_attn_chunk_length=64,
+        num_hashes=2,
+        num_buckets=None,
+        lsh_num_chunks_before=1,
+        lsh_num_chunks_after=0,
+        hash_seed=0,
+        is_decoder=False,
+        lsh_attention_probs_dropout_prob=0.0,
+        max_position_embeddings=max(args.length, 4096),
+        attn_layers=["lsh"],
     )
     config.num_buckets = max(2, 2 * args.length // 64 // 2)  # transformers' rule: ~2 buckets per chunk
     attention = LSHSelfAttention(config)
@@ -265,13 +276,17 @@ def _build_hf_lsh(args):
     return layer
 
 
-@register("peer-linformer", "`linformer` package: LinformerSelfAttention(k=256), one E/F per layer",
-          package=("linformer", "linformer"))
+@register(
+    "peer-linformer",
+    "`linformer` package: LinformerSelfAttention(k=256), one E/F per layer",
+    package=("linformer", "linformer"),
+)
 def _build_peer_linformer(args):
     from linformer import LinformerSelfAttention
 
-    attention = LinformerSelfAttention(dim=args.hidden, seq_len=args.length, k=256, heads=args.heads,
-                                       one_kv_head=False, share_kv=False)
+    attention = LinformerSelfAttention(
+        dim=args.hidden, seq_len=args.length, k=256, heads=args.heads, one_kv_head=False, share_kv=False
+    )
 
     def layer(hidden_states):
         return attention(hidden_states)
@@ -280,9 +295,12 @@ def _build_peer_linformer(args):
     return layer
 
 
-@register("reformer-lsh", "`reformer-pytorch` package: LSHSelfAttention(bucket_size=64, n_hashes=2), shared-QK "
-          "projection + v + output (its design: 3 projections), one bucket before",
-          package=("reformer-pytorch", "reformer_pytorch"))
+@register(
+    "reformer-lsh",
+    "`reformer-pytorch` package: LSHSelfAttention(bucket_size=64, n_hashes=2), shared-QK "
+    "projection + v + output (its design: 3 projections), one bucket before",
+    package=("reformer-pytorch", "reformer_pytorch"),
+)
 def _build_reformer_lsh(args):
     from reformer_pytorch import LSHSelfAttention
 
@@ -311,14 +329,24 @@ def _with_aux_loss():
     return WithAuxLoss
 
 
-@register("routing-transformer", "`routing-transformer` package: SelfAttention(window_size=128, i.e. length/128 "
-          "clusters, local_attn_heads=0: all heads routed), its k-means commitment loss in the backward",
-          package=("routing-transformer", "routing_transformer"))
+@register(
+    "routing-transformer",
+    "`routing-transformer` package: SelfAttention(window_size=128, i.e. length/128 "
+    "clusters, local_attn_heads=0: all heads routed), its k-means commitment loss in the backward",
+    package=("routing-transformer", "routing_transformer"),
+)
 def _build_routing_transformer(args):
     from routing_transformer.routing_transformer import SelfAttention
 
-    attention = SelfAttention(dim=args.hidden, depth=1, max_seq_len=args.length, heads=args.heads,
-                              local_attn_heads=0, window_size=128, causal=False)
+    attention = SelfAttention(
+        dim=args.hidden,
+        depth=1,
+        max_seq_len=args.length,
+        heads=args.heads,
+        local_attn_heads=0,
+        window_size=128,
+        causal=False,
+    )
 
     with_aux_loss = _with_aux_loss()
 
@@ -330,14 +358,24 @@ def _build_routing_transformer(args):
     return layer
 
 
-@register("sinkhorn-transformer", "`sinkhorn-transformer` package: SinkhornSelfAttention(bucket_size=64, "
-          "non_permutative=False: Gumbel-Sinkhorn sorting, 5 iterations, temperature 0.75; no local heads)",
-          package=("sinkhorn-transformer", "sinkhorn_transformer"))
+@register(
+    "sinkhorn-transformer",
+    "`sinkhorn-transformer` package: SinkhornSelfAttention(bucket_size=64, "
+    "non_permutative=False: Gumbel-Sinkhorn sorting, 5 iterations, temperature 0.75; no local heads)",
+    package=("sinkhorn-transformer", "sinkhorn_transformer"),
+)
 def _build_sinkhorn_transformer(args):
     from sinkhorn_transformer import SinkhornSelfAttention
 
-    attention = SinkhornSelfAttention(dim=args.hidden, bucket_size=64, max_seq_len=args.length, heads=args.heads,
-                                      causal=False, non_permutative=False, n_local_attn_heads=0)
+    attention = SinkhornSelfAttention(
+        dim=args.hidden,
+        bucket_size=64,
+        max_seq_len=args.length,
+        heads=args.heads,
+        causal=False,
+        non_permutative=False,
+        n_local_attn_heads=0,
+    )
 
     def layer(hidden_states):
         return attention(hidden_states)
@@ -386,9 +424,11 @@ def _build_hf_longformer(args):
     return layer
 
 
-@register("local-attention",
-          "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)",
-          package=("local-attention", "local_attention"))
+@register(
+    "local-attention",
+    "`local-attention` package: LocalAttention(window_size=`--window`, look_backward=1, look_forward=1)",
+    package=("local-attention", "local_attention"),
+)
 def _build_local_attention(args):
     from local_attention import LocalAttention
     from torch import nn
@@ -510,7 +550,12 @@ def worker(args: argparse.Namespace) -> dict:
     step()  # warm-up
     warmup = time.perf_counter() - start
     if warmup > args.timeout:
-        return {"impl": args.impl, "length": args.length, "mode": args.mode, "error": f"one run took {warmup:.0f} s > --timeout"}
+        return {
+            "impl": args.impl,
+            "length": args.length,
+            "mode": args.mode,
+            "error": f"one run took {warmup:.0f} s > --timeout",
+        }
     # On a shared machine, keep measuring until `repeats` runs had the CPUs to themselves (or patience runs out).
     deadline = time.monotonic() + args.wait_idle
     times, others = [], []
@@ -569,7 +614,8 @@ def export_revision(revision: str, folder: Path) -> str:
     """
     found = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--short", f"{revision}^{{commit}}"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if found.returncode != 0:
         raise ValueError(f"--against: {revision!r} is not a git revision of {REPO} (e.g. main~20 or a commit hash)")
@@ -581,6 +627,7 @@ def export_revision(revision: str, folder: Path) -> str:
 
 def describe_checkout() -> str:
     """This checkout's commit (short hash), and whether its `longattn/` has uncommitted changes."""
+
     def git(*words):
         return subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True).stdout.strip()
 
@@ -607,13 +654,37 @@ def worker_launch(
     """The command line and environment of the worker that measures `row` (an implementation, or `IMPL@REV`: the
     implementation with the `longattn` package of the `--against` export, `args.against_tree`)."""
     impl, _, revision = row.partition("@")
-    command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--length", str(length),
-        "--mode", mode,
-        "--batch", str(args.batch), "--hidden", str(args.hidden), "--heads", str(args.heads),
-        "--window", str(args.window), "--global-tokens", str(args.global_tokens), "--repeats", str(args.repeats),
-        "--wait-idle", str(args.wait_idle), "--timeout", str(args.timeout),
-    ] + (["--no-tensor-memory"] if not args.tensor_memory else []) + [f"--set={item}" for item in args.set]
+    command = (
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--impl",
+            impl,
+            "--length",
+            str(length),
+            "--mode",
+            mode,
+            "--batch",
+            str(args.batch),
+            "--hidden",
+            str(args.hidden),
+            "--heads",
+            str(args.heads),
+            "--window",
+            str(args.window),
+            "--global-tokens",
+            str(args.global_tokens),
+            "--repeats",
+            str(args.repeats),
+            "--wait-idle",
+            str(args.wait_idle),
+            "--timeout",
+            str(args.timeout),
+        ]
+        + (["--no-tensor-memory"] if not args.tensor_memory else [])
+        + [f"--set={item}" for item in args.set]
+    )
     command += ["--compiled"] if compiled else []
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     env[PACKAGE_ROOT_VARIABLE] = str(args.against_tree if revision else REPO)
@@ -669,20 +740,29 @@ class ModelSet:
 MODEL_SETS = {
     "roberta-4k": ModelSet(
         "RoBERTa-base geometry (12 layers x 768, 12 heads, intermediate 3072), random weights, batch 1, forward + "
-        "backward, no dropout", "roberta", 4096, 256, ("longformer", "sdpa", "floor", "longattn")),
+        "backward, no dropout",
+        "roberta",
+        4096,
+        256,
+        ("longformer", "sdpa", "floor", "longattn"),
+    ),
     "llama-16k": ModelSet(
         "Llama geometry (4 layers x 1024, 16 heads, 4 key/value heads, intermediate 2816), random weights, batch 1, "
-        "causal, forward + backward; generation: greedy, batch 1", "llama", 16384, 512,
-        ("sdpa", "floor", "longattn", "generate-sdpa", "generate-longattn")),
+        "causal, forward + backward; generation: greedy, batch 1",
+        "llama",
+        16384,
+        512,
+        ("sdpa", "floor", "longattn", "generate-sdpa", "generate-longattn"),
+    ),
 }
 MODEL_ROWS = {
     "longformer": "transformers' LongformerModel, longformer-base-4096's geometry: attention_window 512 (256 per "
-                  "side), global first token",
+    "side), global first token",
     "sdpa": "the stock model under `sdpa` (dense attention)",
     "floor": "attention replaced by a zero-cost stand-in (returns v): the floor; slightly optimistic, no gradient "
-             "reaches the q/k projections",
+    "reaches the q/k projections",
     "longattn": "the stock model with `longattn.apply_longattn(attention_type='sliding', sliding_window=W)`, global "
-                "first token for the encoder",
+    "first token for the encoder",
     "generate-sdpa": "`generate()` under `sdpa`, the full dynamic cache",
     "generate-longattn": "`generate()` with longattn's sliding window (bounded cache of W + 1 keys per layer)",
 }
@@ -713,18 +793,31 @@ def _stock_model(model_set: ModelSet, row: str, length: int):
     _register_floor()
     implementation = {"floor": FLOOR}.get(row, "sdpa")
     if model_set.family == "roberta":
-        geometry = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        geometry = dict(
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         if row == "longformer":
-            config = transformers.LongformerConfig(**geometry, attention_window=2 * model_set.window,
-                                                   max_position_embeddings=length + 2)
+            config = transformers.LongformerConfig(
+                **geometry, attention_window=2 * model_set.window, max_position_embeddings=length + 2
+            )
             return transformers.LongformerModel(config)
         config = transformers.RobertaConfig(**geometry, max_position_embeddings=length + 2)
         model = transformers.RobertaModel(config, add_pooling_layer=False)
     else:
-        config = transformers.LlamaConfig(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                                          num_key_value_heads=4, intermediate_size=2816,
-                                          max_position_embeddings=length + 512, attention_dropout=0.0)
+        config = transformers.LlamaConfig(
+            hidden_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            intermediate_size=2816,
+            max_position_embeddings=length + 512,
+            attention_dropout=0.0,
+        )
         cls = transformers.LlamaForCausalLM if row.startswith("generate") else transformers.LlamaModel
         model = cls(config)
     model.set_attn_implementation(implementation)
@@ -749,8 +842,12 @@ def model_worker(args: argparse.Namespace) -> dict:
     result = {"impl": args.impl, "length": args.length, "mode": "fwdbwd", "threads": torch.get_num_threads()}
     rss_before = _rss_mb()
     if args.impl.startswith("generate"):
-        return {**result, "mode": "generate", **_measure_generation(model, input_ids, args.new_tokens), "peak_rss_mb":
-                _max_rss_mb() - rss_before}
+        return {
+            **result,
+            "mode": "generate",
+            **_measure_generation(model, input_ids, args.new_tokens),
+            "peak_rss_mb": _max_rss_mb() - rss_before,
+        }
     kwargs = {}
     if model_set.family == "roberta" and args.impl in ("longformer", "longattn"):
         kwargs["global_attention_mask"] = torch.zeros_like(input_ids).index_fill_(1, torch.tensor([0]), 1)
@@ -786,17 +883,42 @@ def _measure_generation(model, input_ids, new_tokens: int) -> dict:
     clock = Clock()
     with torch.no_grad():
         start = time.perf_counter()
-        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             streamer=clock, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            input_ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     prefill = clock.stamps[1] - start  # the first new token comes from the prefill's logits
     decode = clock.stamps[-1] - clock.stamps[1]
-    return {"prefill_s": prefill, "decode_s": decode, "decode_tokens_per_s": (new_tokens - 1) / decode,
-            "cache_bytes": _cache_bytes(out.past_key_values), "time_s": clock.stamps[-1] - start}
+    return {
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "decode_tokens_per_s": (new_tokens - 1) / decode,
+        "cache_bytes": _cache_bytes(out.past_key_values),
+        "time_s": clock.stamps[-1] - start,
+    }
 
 
 def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
-    command = [sys.executable, __file__, "--worker", "--models", args.models, "--impl", row, "--length", str(length),
-               "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--models",
+        args.models,
+        "--impl",
+        row,
+        "--length",
+        str(length),
+        "--repeats",
+        str(args.repeats),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     if completed.returncode != 0:
@@ -849,8 +971,10 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
         longformer = by_row.get("longformer")
         speedup = longformer["time_s"] / r["time_s"] if longformer else None
         memory = r["peak_rss_mb"] / sdpa["peak_rss_mb"] if sdpa else None
-        lines.append(f"| {row} | {r['time_s']:.1f} | {r['peak_rss_mb']:.0f} | {_format(cost, '{:.1f}')} | "
-                     f"{_format(ratio, '{:.2f}x')} | {_format(speedup, '{:.2f}x')} | {_format(memory, '{:.2f}')} |")
+        lines.append(
+            f"| {row} | {r['time_s']:.1f} | {r['peak_rss_mb']:.0f} | {_format(cost, '{:.1f}')} | "
+            f"{_format(ratio, '{:.2f}x')} | {_format(speedup, '{:.2f}x')} | {_format(memory, '{:.2f}')} |"
+        )
     lines += ["", f"Ideal attention cost: {_format(ideal, '{:.2f}')} s."]
     generated = [r for r in results if r["impl"].startswith("generate")]
     if generated:
@@ -870,8 +994,10 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
                 continue
             cache = r["cache_bytes"] / full["cache_bytes"] if full else None
             speed = r["decode_tokens_per_s"] / full["decode_tokens_per_s"] if full else None
-            lines.append(f"| {r['impl']} | {r['prefill_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
-                         f"{r['cache_bytes'] / 2**20:.1f} | {_format(cache, '{:.4f}')} | {_format(speed, '{:.2f}x')} |")
+            lines.append(
+                f"| {r['impl']} | {r['prefill_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
+                f"{r['cache_bytes'] / 2**20:.1f} | {_format(cache, '{:.4f}')} | {_format(speed, '{:.2f}x')} |"
+            )
     lines += ["", "Rows:", ""] + [f"- `{row}`: {MODEL_ROWS[row]}" for row in model_set.rows]
     return "\n".join(lines) + "\n"
 
@@ -922,17 +1048,26 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     ]
     lines += [f"- `{name}`: {IMPLS[name].description}" for name in args.impls]
     if getattr(args, "against", None):
-        lines += [f"- `IMPL@{args.against_hash}`: the same kind with the longattn package of `{args.against}` "
-                  f"({args.against_hash}), exported from git; each such worker checked that it imported that package"]
+        lines += [
+            f"- `IMPL@{args.against_hash}`: the same kind with the longattn package of `{args.against}` "
+            f"({args.against_hash}), exported from git; each such worker checked that it imported that package"
+        ]
     if args.set:
-        lines += ["", "Config fields set for every longattn kind (`--set`, over the settings above): "
-                  + ", ".join(f"`{item}`" for item in args.set)]
+        lines += [
+            "",
+            "Config fields set for every longattn kind (`--set`, over the settings above): "
+            + ", ".join(f"`{item}`" for item in args.set),
+        ]
     for mode in args.mode:
         lines += [
             "",
             f"## {mode}",
             "",
-            "| impl | length | time (s) | peak MB (RSS) | tensor MB | speed-up vs " + args.baseline + " | memory vs " + args.baseline + " |",
+            "| impl | length | time (s) | peak MB (RSS) | tensor MB | speed-up vs "
+            + args.baseline
+            + " | memory vs "
+            + args.baseline
+            + " |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for length in args.lengths:
@@ -984,8 +1119,10 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
                 lines.append(f"| {r['impl']} | {r['length']} | {r['mode']} | {r.get('error') or eager['error']} | | |")
                 continue
             noisy = " *" if max(r.get("other_load", 0.0), eager.get("other_load", 0.0)) > NOISY else ""
-            lines.append(f"| {r['impl']} | {r['length']} | {r['mode']} | {eager['time_s']:.3f} | {r['time_s']:.3f}{noisy} "
-                         f"| {eager['time_s'] / r['time_s']:.2f}x |")
+            lines.append(
+                f"| {r['impl']} | {r['length']} | {r['mode']} | {eager['time_s']:.3f} | {r['time_s']:.3f}{noisy} "
+                f"| {eager['time_s'] / r['time_s']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -1011,24 +1148,29 @@ def after_vs_before(args: argparse.Namespace, by_key: dict, mode: str) -> list[s
             if before is None or after is None:
                 continue
             if "error" in before or "error" in after:
-                reason = "; ".join(f"{side}: {r['error']}" for side, r in (("before", before), ("after", after))
-                                   if "error" in r)
+                reason = "; ".join(
+                    f"{side}: {r['error']}" for side, r in (("before", before), ("after", after)) if "error" in r
+                )
                 lines.append(f"| {impl} | {length} | {reason} | | | | | | |")
                 continue
             noisy = " *" if max(before.get("other_load", 0.0), after.get("other_load", 0.0)) > NOISY else ""
             time_ratio = after["time_s"] / before["time_s"]
             time_ratios.setdefault(impl, []).append(time_ratio)
             peak = after["peak_rss_mb"] / before["peak_rss_mb"] if before["peak_rss_mb"] > 0 else None
-            tensors = (after["tensor_peak_mb"] / before["tensor_peak_mb"]
-                       if after.get("tensor_peak_mb") is not None and before.get("tensor_peak_mb") else None)
+            tensors = (
+                after["tensor_peak_mb"] / before["tensor_peak_mb"]
+                if after.get("tensor_peak_mb") is not None and before.get("tensor_peak_mb")
+                else None
+            )
             lines.append(
                 f"| {impl} | {length} | {before['time_s']:.3f} | {after['time_s']:.3f} | {time_ratio:.2f}{noisy} | "
                 f"{before['peak_rss_mb']:.0f} | {after['peak_rss_mb']:.0f} | {_format(peak, '{:.2f}')} | "
                 f"{_format(tensors, '{:.2f}')} |"
             )
     if time_ratios:
-        means = [f"`{impl}` {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}"
-                 for impl, ratios in time_ratios.items()]
+        means = [
+            f"`{impl}` {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}" for impl, ratios in time_ratios.items()
+        ]
         lines += ["", f"Time after/before, geometric mean over the lengths: {', '.join(means)}."]
     return lines
 
@@ -1072,18 +1214,35 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def main(argv: list[str] | None = None) -> None:
     peers = sorted(impl for impl in IMPLS if IMPLS[impl].package)
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=_HelpFormatter,
         epilog=f"Peers from other packages ({', '.join(peers)}) are not installed by scripts/setup.sh; install them "
         f"(the `bench` extra of pyproject.toml, torch pinned first) with: {INSTALL_PEERS}",
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
-    parser.add_argument("--impls", nargs="+", default=default_impls(), choices=sorted(IMPLS), metavar="IMPL",
-                        help=f"implementations to measure, of: {', '.join(sorted(IMPLS))}; the default takes "
-                        "local-attention only where it is installed")
-    parser.add_argument("--baseline", default=BASELINE, choices=sorted(IMPLS), metavar="IMPL",
-                        help="the implementation the ratio columns compare against")
-    parser.add_argument("--mode", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"],
-                        help="fwd: forward only; fwdbwd: forward and backward")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=default_impls(),
+        choices=sorted(IMPLS),
+        metavar="IMPL",
+        help=f"implementations to measure, of: {', '.join(sorted(IMPLS))}; the default takes "
+        "local-attention only where it is installed",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE,
+        choices=sorted(IMPLS),
+        metavar="IMPL",
+        help="the implementation the ratio columns compare against",
+    )
+    parser.add_argument(
+        "--mode",
+        nargs="+",
+        default=["fwd", "fwdbwd"],
+        choices=["fwd", "fwdbwd"],
+        help="fwd: forward only; fwdbwd: forward and backward",
+    )
     parser.add_argument("--batch", type=int, default=1, help="batch size")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -1091,48 +1250,74 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-tokens", type=int, default=0, help="the first N tokens are global (where supported)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up run (the best counts)")
     parser.add_argument(
-        "--timeout", type=float, default=600.0,
+        "--timeout",
+        type=float,
+        default=600.0,
         help="give up on a configuration whose single (warm-up) run takes longer than this many seconds",
     )
     parser.add_argument(
-        "--max-length", nargs="*", default=[], metavar="IMPL=N",
+        "--max-length",
+        nargs="*",
+        default=[],
+        metavar="IMPL=N",
         help="skip lengths above N for IMPL (e.g. full=32768), recorded as skipped",
     )
     parser.add_argument(
-        "--wait-idle", type=float, default=0.0, metavar="SECONDS",
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
         help="patience per configuration on a shared machine: wait for idle CPUs before each timed run and repeat "
         "disturbed runs, for up to this many seconds (0: time whatever happens)",
     )
     parser.add_argument(
-        "--allocator", choices=sorted(ALLOCATORS), default="glibc",
+        "--allocator",
+        choices=sorted(ALLOCATORS),
+        default="glibc",
         help="glibc: its defaults; reuse: keep freed memory instead of unmapping it (see ALLOCATORS)",
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
         help="a LongAttnConfig field for every longattn kind of the run, over its registered setting (repeatable; "
         "peers ignore it; values as in the recipes' --config_overrides), e.g. --set fixed_num_summary=1 "
         "--set sliding_dilation=[1,2,4,8]",
     )
     parser.add_argument(
-        "--compile", action="store_true",
+        "--compile",
+        action="store_true",
         help="also time every implementation under torch.compile, side by side with eager (compiled speed-up table)",
     )
     parser.add_argument(
-        "--against", metavar="REV",
+        "--against",
+        metavar="REV",
         help="also measure every longattn kind of --impls with the longattn package of git revision REV (exported "
         "to a temporary folder), as rows IMPL@REV measured just before IMPL; the report adds after-vs-before ratios",
     )
-    parser.add_argument("--no-tensor-memory", dest="tensor_memory", action="store_false",
-                        help="skip the profiled run that measures the tensor MB column")
+    parser.add_argument(
+        "--no-tensor-memory",
+        dest="tensor_memory",
+        action="store_false",
+        help="skip the profiled run that measures the tensor MB column",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
-    parser.add_argument("--models", choices=sorted(MODEL_SETS),
-                        help="measure whole stock models instead of one layer: every row of the set side by side "
-                        "(" + "; ".join(f"{name}: {s.description}" for name, s in MODEL_SETS.items()) + "); "
-                        "uses --model-length, --new-tokens, --rows, --repeats, --allocator, --out, --json")
+    parser.add_argument(
+        "--models",
+        choices=sorted(MODEL_SETS),
+        help="measure whole stock models instead of one layer: every row of the set side by side "
+        "(" + "; ".join(f"{name}: {s.description}" for name, s in MODEL_SETS.items()) + "); "
+        "uses --model-length, --new-tokens, --rows, --repeats, --allocator, --out, --json",
+    )
     parser.add_argument("--model-length", type=int, help="tokens per sequence for --models (default: the set's length)")
-    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated by the generation rows of --models")
-    parser.add_argument("--rows", nargs="+", metavar="ROW", help=f"only these rows of --models, of: {', '.join(MODEL_ROWS)}")
+    parser.add_argument(
+        "--new-tokens", type=int, default=256, help="tokens generated by the generation rows of --models"
+    )
+    parser.add_argument(
+        "--rows", nargs="+", metavar="ROW", help=f"only these rows of --models, of: {', '.join(MODEL_ROWS)}"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
@@ -1145,8 +1330,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     if args.against and not args.worker and (args.models or not LONGATTN_IMPLS.intersection(args.impls)):
-        parser.error(f"--against {args.against} compares longattn kinds of the per-layer table: give at least one of "
-                     f"{', '.join(sorted(LONGATTN_IMPLS))} in --impls (and no --models)")
+        parser.error(
+            f"--against {args.against} compares longattn kinds of the per-layer table: give at least one of "
+            f"{', '.join(sorted(LONGATTN_IMPLS))} in --impls (and no --models)"
+        )
 
     if args.models:
         run_models(args, argv)

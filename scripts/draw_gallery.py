@@ -26,8 +26,9 @@ def draw_binary_partition(path: str, length: int, context: int = 2) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(7.4, 3.6))
     for ax, causal in zip(axes, (False, True)):
         levels = binary_partition_levels(length, context=context, causal=causal).float()
-        image = ax.imshow(levels.masked_fill(levels < 0, float("nan")).numpy(), cmap="viridis_r",
-                          interpolation="nearest")
+        image = ax.imshow(
+            levels.masked_fill(levels < 0, float("nan")).numpy(), cmap="viridis_r", interpolation="nearest"
+        )
         ax.set_title("causal" if causal else "bidirectional", fontsize=9)
         ax.set_xlabel("key")
     axes[0].set_ylabel("query")
@@ -38,8 +39,9 @@ def draw_binary_partition(path: str, length: int, context: int = 2) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--output_dir", default="docs/patterns", help="folder of the PNGs")
     parser.add_argument("--length", type=int, default=64, help="tokens of the random input")
     args = parser.parse_args()
@@ -48,8 +50,17 @@ def main() -> None:
             draw_binary_partition(f"{args.output_dir}/{kind}.png", args.length)
             continue
         extra = ["--global_tokens", "0"] if kind == "sliding" else []
-        draw(["--attention_type", kind, "--length", str(args.length), "--output", f"{args.output_dir}/{kind}.png",
-              *extra])
+        draw(
+            [
+                "--attention_type",
+                kind,
+                "--length",
+                str(args.length),
+                "--output",
+                f"{args.output_dir}/{kind}.png",
+                *extra,
+            ]
+        )
 
 
 if __name__ == "__main__":

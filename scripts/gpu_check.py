@@ -80,7 +80,7 @@ def _masks(b: int, n: int, device, *, padding: bool, global_tokens: bool):
     key_padding_mask = global_mask = None
     if padding:
         key_padding_mask = torch.ones(b, n, dtype=torch.bool, device=device)
-        key_padding_mask[-1, n - n // 10:] = False
+        key_padding_mask[-1, n - n // 10 :] = False
     if global_tokens:
         global_mask = torch.zeros(b, n, dtype=torch.bool, device=device)
         global_mask[:, 0] = True
@@ -91,15 +91,24 @@ def _masks(b: int, n: int, device, *, padding: bool, global_tokens: bool):
 def _sliding_case(name, *, window, dilation=1, causal=False, padding=False, global_tokens=False):
     def pattern(b, n, device):
         key_padding_mask, global_mask = _masks(b, n, device, padding=padding, global_tokens=global_tokens)
-        return patterns.sliding_window_pattern(window=window, dilation=dilation, causal=causal,
-                                               key_padding_mask=key_padding_mask, global_mask=global_mask)
+        return patterns.sliding_window_pattern(
+            window=window, dilation=dilation, causal=causal, key_padding_mask=key_padding_mask, global_mask=global_mask
+        )
 
     def run(backend, q, k, v):
         b, _, n, _ = q.shape
         key_padding_mask, global_mask = _masks(b, n, q.device, padding=padding, global_tokens=global_tokens)
-        return ops.sliding_window_attention(q, k, v, window=window, dilation=dilation, causal=causal,
-                                            key_padding_mask=key_padding_mask, global_mask=global_mask,
-                                            backend=backend)
+        return ops.sliding_window_attention(
+            q,
+            k,
+            v,
+            window=window,
+            dilation=dilation,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            global_mask=global_mask,
+            backend=backend,
+        )
 
     def density(n):
         return min(1.0, ((1 if causal else 2) * window + 1) / n)
@@ -129,8 +138,9 @@ def _fixed_case(name, *, block_size, num_summary, causal):
         return patterns.fixed_pattern(block_size=block_size, num_summary=num_summary, causal=causal)
 
     def run(backend, q, k, v):
-        return ops.fixed_attention(q, k, v, block_size=block_size, num_summary=num_summary, causal=causal,
-                                   backend=backend)
+        return ops.fixed_attention(
+            q, k, v, block_size=block_size, num_summary=num_summary, causal=causal, backend=backend
+        )
 
     def density(n):
         return min(1.0, (block_size + num_summary * n / block_size) / n / (2 if causal else 1))
@@ -151,7 +161,7 @@ def _bucket_case(name, *, num_buckets):
         if backend != "xformers":
             raise ValueError(f"bucketed attention is an xformers mapping here; {backend!r} runs it in the kinds")
         _require(backend, q, k, v, "blocks")
-        return executor_xformers.bucketed_attention(q, k, v, buckets=buckets(b, h, n, q.device), scale=d ** -0.5)
+        return executor_xformers.bucketed_attention(q, k, v, buckets=buckets(b, h, n, q.device), scale=d**-0.5)
 
     return Case(name, pattern, run, lambda n: 1.0 / num_buckets, buckets=buckets)
 
@@ -159,7 +169,7 @@ def _bucket_case(name, *, num_buckets):
 def _full_case(name, *, causal, padding):
     def pattern(b, n, device):
         key_padding_mask, _ = _masks(b, n, device, padding=padding, global_tokens=False)
-        parts = ([patterns.causal_mask()] if causal else [])
+        parts = [patterns.causal_mask()] if causal else []
         if key_padding_mask is not None:
             parts.append(patterns.key_padding_predicate(key_padding_mask))
         return patterns.and_masks(*parts)
@@ -182,8 +192,9 @@ CHECK_CASES = [
     _sliding_case("sliding w64", window=64),
     _sliding_case("sliding w64 causal", window=64, causal=True),
     _sliding_case("dilated w32 d4", window=32, dilation=4),
-    _sliding_case("dilated per head + global + padding", window=32, dilation=(1, 1, 2, 4), padding=True,
-                  global_tokens=True),
+    _sliding_case(
+        "dilated per head + global + padding", window=32, dilation=(1, 1, 2, 4), padding=True, global_tokens=True
+    ),
     _sliding_case("sliding causal + global + padding", window=32, causal=True, padding=True, global_tokens=True),
     _strided_case("strided 32", stride=32, causal=False),
     _strided_case("strided 32 causal", stride=32, causal=True),
@@ -217,9 +228,10 @@ def _reference(case: Case, q, k, v):
         buckets = case.buckets(b, h, n, q.device)
         mask = buckets[..., :, None] == buckets[..., None, :]
     else:
-        mask = patterns.materialize_mask(case.mask_fn(b, n, q.device), batch=b, heads=h, q_len=n, kv_len=n,
-                                         device=q.device)
-    return ops.reference_attention(q, k, v, mask, scale=d ** -0.5)
+        mask = patterns.materialize_mask(
+            case.mask_fn(b, n, q.device), batch=b, heads=h, q_len=n, kv_len=n, device=q.device
+        )
+    return ops.reference_attention(q, k, v, mask, scale=d**-0.5)
 
 
 def check(case: Case, backend: str, dtype: torch.dtype, *, n: int, heads: int, head_dim: int) -> str:
@@ -303,13 +315,16 @@ def _time(fn, *, warmup: int, repeats: int) -> tuple[float, float]:
 
 def _step(run, q, k, v, mode):
     if mode == "fwd":
+
         def step():
             with torch.no_grad():
                 run(q, k, v)
     else:
+
         def step():
             out = run(q, k, v)
             out.backward(torch.ones_like(out))
+
     return step
 
 
@@ -323,7 +338,8 @@ def _dense_flash(q, k, v):
 def run_benchmarks(args) -> list[str]:
     heads, head_dim, dtype = 16, 64, torch.bfloat16
     lines = [
-        "| pattern | n | mode | dense flash ms | ideal ms | " + " | ".join(f"{b} ms (MB)" for b in BACKENDS)
+        "| pattern | n | mode | dense flash ms | ideal ms | "
+        + " | ".join(f"{b} ms (MB)" for b in BACKENDS)
         + " | best / ideal | flex / xformers |",
         "|---|---|---|---|---|" + "---|" * len(BACKENDS) + "---|---|",
     ]
@@ -333,13 +349,15 @@ def run_benchmarks(args) -> list[str]:
         torch._dynamo.reset()
         executor_flex._compiled_flex_attention.cache_clear()
         torch.manual_seed(0)
-        q, k, v = (torch.randn(1, heads, n, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (torch.randn(1, heads, n, head_dim, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
         dense = {}
         for mode in args.modes:
             try:
-                dense[mode], _ = _time(_step(lambda q, k, v: _dense_flash(q, k, v), q, k, v, mode),
-                                       warmup=args.warmup, repeats=args.repeats)
+                dense[mode], _ = _time(
+                    _step(lambda q, k, v: _dense_flash(q, k, v), q, k, v, mode),
+                    warmup=args.warmup,
+                    repeats=args.repeats,
+                )
             except Exception as error:  # noqa: BLE001
                 dense[mode] = math.nan
                 print(f"dense flash {n} {mode}: {type(error).__name__}: {error}", flush=True)
@@ -352,8 +370,11 @@ def run_benchmarks(args) -> list[str]:
                         cells.append("skipped")
                         continue
                     try:
-                        ms, mb = _time(_step(lambda q, k, v, backend=backend: case.run(backend, q, k, v), q, k, v,
-                                             mode), warmup=args.warmup, repeats=args.repeats)
+                        ms, mb = _time(
+                            _step(lambda q, k, v, backend=backend: case.run(backend, q, k, v), q, k, v, mode),
+                            warmup=args.warmup,
+                            repeats=args.repeats,
+                        )
                         times[backend] = ms
                         cells.append(f"{ms:.2f} ({mb:.0f})")
                     except ValueError as error:
@@ -369,8 +390,11 @@ def run_benchmarks(args) -> list[str]:
                     q.grad = k.grad = v.grad = None
                 best = min(times.values()) if times else math.nan
                 flex_vs_xformers = times.get("flex", math.nan) / times.get("xformers", math.nan)
-                line = (f"| {case.name} | {n} | {mode} | {dense[mode]:.2f} | {ideal:.3f} | " + " | ".join(cells)
-                        + f" | {best / ideal:.2f} | {flex_vs_xformers:.2f} |")
+                line = (
+                    f"| {case.name} | {n} | {mode} | {dense[mode]:.2f} | {ideal:.3f} | "
+                    + " | ".join(cells)
+                    + f" | {best / ideal:.2f} | {flex_vs_xformers:.2f} |"
+                )
                 print(line, flush=True)
                 lines.append(line)
         del q, k, v
@@ -390,17 +414,31 @@ def run_million(args) -> list[str]:
     lines = ["| model | tokens | back end | forward s | peak GB |", "|---|---|---|---|---|"]
     for backend in args.million_backends:
         config = LongAttnConfig(
-            vocab_size=260, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048,
-            max_position_embeddings=n, attention_type="sliding", sliding_window=256, attention_backend=backend,
+            vocab_size=260,
+            hidden_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            intermediate_size=2048,
+            max_position_embeddings=n,
+            attention_type="sliding",
+            sliding_window=256,
+            attention_backend=backend,
             hidden_dropout_prob=0.0,
         )
         torch.manual_seed(0)
         model = LongAttnModel(config).to(DEVICE, torch.bfloat16).eval()
         name = backend
         if backend == "auto":
-            request = backends.AttentionRequest(pattern="sliding", device=torch.device(DEVICE).type,
-                                                dtype=torch.bfloat16, head_dim=64, value_head_dim=64, q_len=n,
-                                                kv_len=n, heads=8)
+            request = backends.AttentionRequest(
+                pattern="sliding",
+                device=torch.device(DEVICE).type,
+                dtype=torch.bfloat16,
+                head_dim=64,
+                value_head_dim=64,
+                q_len=n,
+                kv_len=n,
+                heads=8,
+            )
             name = f"auto -> {backends.select_backend('auto', request)}"
         try:
             with torch.inference_mode():
@@ -446,9 +484,15 @@ def run_kinds(args) -> list[str]:
         for model_class in (LongAttnModel, LongAttnForCausalLM):
             try:
                 config = LongAttnConfig(
-                    vocab_size=260, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                    intermediate_size=1024, max_position_embeddings=n, attention_type=kind,
-                    is_decoder=model_class is LongAttnForCausalLM, hidden_dropout_prob=0.0,
+                    vocab_size=260,
+                    hidden_size=256,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    intermediate_size=1024,
+                    max_position_embeddings=n,
+                    attention_type=kind,
+                    is_decoder=model_class is LongAttnForCausalLM,
+                    hidden_dropout_prob=0.0,
                     attention_backend=backend,
                 )
                 torch.manual_seed(0)
@@ -461,7 +505,8 @@ def run_kinds(args) -> list[str]:
                     return result
 
                 finite = bool(torch.isfinite(step()).all()) and all(
-                    bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+                    bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None
+                )
                 ms, mb = _time(step, warmup=args.warmup, repeats=args.repeats)
                 cells.append(f"{ms:.1f} ({mb:.0f})" + ("" if finite else " NON-FINITE"))
                 del model
@@ -488,16 +533,23 @@ def environment() -> list[str]:
         xformers_version = xformers.__version__
     except Exception as error:  # noqa: BLE001
         xformers_version = f"import failed ({type(error).__name__})"
-    request = backends.AttentionRequest(pattern="sliding", device="cuda", dtype=torch.bfloat16, head_dim=64,
-                                        value_head_dim=64, q_len=4096, kv_len=4096, requires_grad=True)
+    request = backends.AttentionRequest(
+        pattern="sliding",
+        device="cuda",
+        dtype=torch.bfloat16,
+        head_dim=64,
+        value_head_dim=64,
+        q_len=4096,
+        kv_len=4096,
+        requires_grad=True,
+    )
     reasons = {name: backends.backend_reasons(name, request) for name in BACKENDS}
     lines = [
         f"- date: {datetime.date.today().isoformat()}",
         f"- GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)",
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), xformers {xformers_version}, "
         f"Python {platform.python_version()}",
-        f"- `auto` for bf16 sliding attention with gradients: "
-        f"`{backends.select_backend('auto', request)}`",
+        f"- `auto` for bf16 sliding attention with gradients: `{backends.select_backend('auto', request)}`",
     ]
     for name, why in reasons.items():
         lines.append(f"- {name}: " + ("usable" if not why else "; ".join(why)))
@@ -510,13 +562,19 @@ def main(argv=None) -> int:
     parser.add_argument("--check-length", type=int, default=1000, help="length of the correctness checks")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536, 131072])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    parser.add_argument("--torch-max-length", type=int, default=65536,
-                        help="longest length timed on the torch executor (it is the slow fallback)")
+    parser.add_argument(
+        "--torch-max-length",
+        type=int,
+        default=65536,
+        help="longest length timed on the torch executor (it is the slow fallback)",
+    )
     parser.add_argument("--million-length", type=int, default=2**20)
-    parser.add_argument("--million-backends", nargs="+", default=["auto", "flex", "xformers"],
-                        choices=list(backends.BACKEND_NAMES))
-    parser.add_argument("--cases", nargs="+", default=None,
-                        help="only the check and benchmark cases whose name contains one of these")
+    parser.add_argument(
+        "--million-backends", nargs="+", default=["auto", "flex", "xformers"], choices=list(backends.BACKEND_NAMES)
+    )
+    parser.add_argument(
+        "--cases", nargs="+", default=None, help="only the check and benchmark cases whose name contains one of these"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-checks", action="store_true")
@@ -539,30 +597,55 @@ def main(argv=None) -> int:
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing to check. "
-              "Run this script on a CUDA machine; the CPU test suite covers the dispatcher and the mappings.")
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing to check. "
+            "Run this script on a CUDA machine; the CPU test suite covers the dispatcher and the mappings."
+        )
         return 0
 
     env = environment() if DEVICE == "cuda" else [f"- dry run on {DEVICE}: figures mean nothing"]
     print("\n".join(env), flush=True)
-    sections = ["# GPU back ends: correctness and benchmarks", "",
-                "Written by `python scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.",
-                "", *env, ""]
+    sections = [
+        "# GPU back ends: correctness and benchmarks",
+        "",
+        "Written by `python scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`.",
+        "",
+        *env,
+        "",
+    ]
     failures = 0
     if not args.skip_checks:
         lines, failures = run_checks(args)
-        sections += ["## Correctness against the dense reference (outputs and gradients)", "",
-                     f"Length {args.check_length}, batch 2, 4 heads of 64; tolerance (rtol = atol) "
-                     + ", ".join(f"{str(d).removeprefix('torch.')} {t[0]:g}" for d, t in TOLERANCE.items())
-                     + "; `n/a` = the back end declines (its reason follows).", "", *lines, ""]
+        sections += [
+            "## Correctness against the dense reference (outputs and gradients)",
+            "",
+            f"Length {args.check_length}, batch 2, 4 heads of 64; tolerance (rtol = atol) "
+            + ", ".join(f"{str(d).removeprefix('torch.')} {t[0]:g}" for d, t in TOLERANCE.items())
+            + "; `n/a` = the back end declines (its reason follows).",
+            "",
+            *lines,
+            "",
+        ]
     if not args.skip_bench:
-        sections += ["## Benchmarks (bfloat16, batch 1, 16 heads of 64)", "",
-                     "Milliseconds (median) and peak MB above the inputs. ideal = dense flash time x the pattern's "
-                     "density; best / ideal uses the fastest back end.", "", *run_benchmarks(args), ""]
+        sections += [
+            "## Benchmarks (bfloat16, batch 1, 16 heads of 64)",
+            "",
+            "Milliseconds (median) and peak MB above the inputs. ideal = dense flash time x the pattern's "
+            "density; best / ideal uses the fastest back end.",
+            "",
+            *run_benchmarks(args),
+            "",
+        ]
     if not args.skip_kinds:
-        sections += [f"## Every attention kind in a model (bfloat16, {args.kinds_length} tokens)", "",
-                     "Two layers, hidden 256, 4 heads, batch 1, `attention_backend='auto'`; forward + backward of a "
-                     "training step, milliseconds (median) and peak MB above the inputs.", "", *run_kinds(args), ""]
+        sections += [
+            f"## Every attention kind in a model (bfloat16, {args.kinds_length} tokens)",
+            "",
+            "Two layers, hidden 256, 4 heads, batch 1, `attention_backend='auto'`; forward + backward of a "
+            "training step, milliseconds (median) and peak MB above the inputs.",
+            "",
+            *run_kinds(args),
+            "",
+        ]
     if not args.skip_million:
         sections += ["## One forward pass at 1M tokens", "", *run_million(args), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)

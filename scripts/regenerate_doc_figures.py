@@ -42,15 +42,50 @@ MARKER = re.compile(r"<!-- figure:(?P<name>[^ ]*) -->(?P<value>.*?)<!-- /figure 
 OPEN, CLOSE = "<!-- figure:", "<!-- /figure -->"
 
 # The model part of the recipes' `--config_overrides` (recipes/README.md, "Demo results": `M`).
-MODEL = ("hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=128,hidden_dropout_prob=0.0,"
-         "max_position_embeddings=512")
+MODEL = (
+    "hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=128,hidden_dropout_prob=0.0,"
+    "max_position_embeddings=512"
+)
 DATA = {
-    "needle": ["needle", "--num_train", "6000", "--num_validation", "200", "--num_test", "500",
-               "--min_length", "128", "--max_length", "256"],
-    "listops": ["listops", "--num_train", "4000", "--num_validation", "200", "--num_test", "200",
-                "--min_length", "100", "--max_length", "300"],
-    "needles": ["needles", "--num_train", "8000", "--num_validation", "200", "--num_test", "200",
-                "--min_length", "128", "--max_length", "256"],
+    "needle": [
+        "needle",
+        "--num_train",
+        "6000",
+        "--num_validation",
+        "200",
+        "--num_test",
+        "500",
+        "--min_length",
+        "128",
+        "--max_length",
+        "256",
+    ],
+    "listops": [
+        "listops",
+        "--num_train",
+        "4000",
+        "--num_validation",
+        "200",
+        "--num_test",
+        "200",
+        "--min_length",
+        "100",
+        "--max_length",
+        "300",
+    ],
+    "needles": [
+        "needles",
+        "--num_train",
+        "8000",
+        "--num_validation",
+        "200",
+        "--num_test",
+        "200",
+        "--min_length",
+        "128",
+        "--max_length",
+        "256",
+    ],
 }
 TRAINING = ["--per_device_train_batch_size", "16", "--learning_rate", "2e-3", "--num_warmup_steps", "20"]
 
@@ -92,10 +127,24 @@ def _quickstart_stdout(stdout: str) -> dict[str, str]:
 def _recipe(script: str, data: str, window: int, steps: int, eval_steps: int, *extra: str) -> list[str]:
     """The recipes/README.md command of a demo run (same flags, output folder replaced)."""
     folder = f"data/generated/{data}"
-    return [sys.executable, f"recipes/{script}", "--train_file", f"{folder}/train.jsonl",
-            "--validation_file", f"{folder}/validation.jsonl",
-            "--config_overrides", f"attention_type=sliding,sliding_window={window},{MODEL}", *extra, *TRAINING,
-            "--max_train_steps", str(steps), "--eval_steps", str(eval_steps), "--output_dir", "{output}"]
+    return [
+        sys.executable,
+        f"recipes/{script}",
+        "--train_file",
+        f"{folder}/train.jsonl",
+        "--validation_file",
+        f"{folder}/validation.jsonl",
+        "--config_overrides",
+        f"attention_type=sliding,sliding_window={window},{MODEL}",
+        *extra,
+        *TRAINING,
+        "--max_train_steps",
+        str(steps),
+        "--eval_steps",
+        str(eval_steps),
+        "--output_dir",
+        "{output}",
+    ]
 
 
 FIGURE_SETS: dict[str, FigureSet] = {
@@ -104,24 +153,32 @@ FIGURE_SETS: dict[str, FigureSet] = {
         command=["bash", "scripts/quickstart.sh"],
         env={"QUICKSTART_SETUP": "0", "QUICKSTART_OUTPUT": "{output}"},
         metrics={"validation_loss": ("eval_loss", "{:.2f}")},
-        parse_stdout=_quickstart_stdout, stdout_fields=("validation_accuracy", "steps", "test_accuracy"),
+        parse_stdout=_quickstart_stdout,
+        stdout_fields=("validation_accuracy", "steps", "test_accuracy"),
     ),
     "needle_local_only": FigureSet(
         command=_recipe("run_classification.py", "needle", 8, 400, 100, "--global_attention", "none"),
-        data="needle", metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "loss": ("eval_loss", "{:.2f}")},
+        data="needle",
+        metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "loss": ("eval_loss", "{:.2f}")},
     ),
     "listops_mlm": FigureSet(
         command=_recipe("run_mlm.py", "listops", 16, 300, 100, "--max_seq_length", "256"),
-        data="listops", metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "perplexity": ("eval_perplexity", "{:.2f}")},
+        data="listops",
+        metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "perplexity": ("eval_perplexity", "{:.2f}")},
     ),
     "listops_clm": FigureSet(
         command=_recipe("run_clm.py", "listops", 16, 300, 100, "--max_seq_length", "256"),
-        data="listops", metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "perplexity": ("eval_perplexity", "{:.2f}")},
+        data="listops",
+        metrics={"accuracy": ("eval_accuracy", "{:.3f}"), "perplexity": ("eval_perplexity", "{:.2f}")},
     ),
     "needles_seq2seq": FigureSet(
         command=_recipe("run_seq2seq.py", "needles", 8, 500, 250, "--max_target_length", "8"),
-        data="needles", metrics={"exact_match": ("eval_exact_match", "{:.2f}"), "rougeL": ("eval_rougeL", "{:.2f}"),
-                                 "token_accuracy": ("eval_token_accuracy", "{:.2f}")},
+        data="needles",
+        metrics={
+            "exact_match": ("eval_exact_match", "{:.2f}"),
+            "rougeL": ("eval_rougeL", "{:.2f}"),
+            "token_accuracy": ("eval_token_accuracy", "{:.2f}"),
+        },
     ),
 }
 
@@ -142,8 +199,10 @@ def find_markers(text: str, source: str = "<text>") -> list[tuple[str, str, str]
     opened, closed = text.count(OPEN), text.count(CLOSE)
     found = MARKER.findall(text)
     if not opened == closed == len(found):
-        raise ValueError(f"{source}: {opened} `{OPEN}NAME -->` and {closed} `{CLOSE}` markers, {len(found)} pairs: "
-                         f"every figure must be `{OPEN}SET.FIELD -->VALUE{CLOSE}` on one line, not nested.")
+        raise ValueError(
+            f"{source}: {opened} `{OPEN}NAME -->` and {closed} `{CLOSE}` markers, {len(found)} pairs: "
+            f"every figure must be `{OPEN}SET.FIELD -->VALUE{CLOSE}` on one line, not nested."
+        )
     markers = []
     for name, value in found:
         set_name, dot, field_name = name.partition(".")
@@ -169,14 +228,17 @@ def check_markers(root: Path = REPO) -> list[str]:
             if set_name not in FIGURE_SETS:
                 problems.append(f"{source}: figure set {set_name!r} is unknown; known: {sorted(FIGURE_SETS)}.")
             elif field_name not in FIGURE_SETS[set_name].fields:
-                problems.append(f"{source}: figure set {set_name!r} has no field {field_name!r}; it has "
-                                f"{list(FIGURE_SETS[set_name].fields)}.")
+                problems.append(
+                    f"{source}: figure set {set_name!r} has no field {field_name!r}; it has "
+                    f"{list(FIGURE_SETS[set_name].fields)}."
+                )
     problems += [f"figure set {name!r} is quoted in no doc" for name in sorted(set(FIGURE_SETS) - quoted)]
     return problems
 
 
 def rewrite(text: str, figures: dict[str, dict[str, str]]) -> str:
     """`text` with the value of every marked figure of a set in `figures` replaced (others left as they are)."""
+
     def replace(match: re.Match) -> str:
         set_name, _, field_name = match["name"].partition(".")
         value = figures.get(set_name, {}).get(field_name, match["value"])
@@ -203,8 +265,12 @@ def run_set(name: str) -> dict[str, str]:
     env.update({key: value.format(output=output) for key, value in spec.env.items()})
     if spec.data:
         task, *knobs = DATA[spec.data]
-        subprocess.run([sys.executable, "-m", "longattn.train.data", task, "--output_dir", f"data/generated/{spec.data}",
-                        *knobs], cwd=REPO, env=env, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "longattn.train.data", task, "--output_dir", f"data/generated/{spec.data}", *knobs],
+            cwd=REPO,
+            env=env,
+            check=True,
+        )
     command = [part.format(output=output) for part in spec.command]
     print(f"[{name}] {' '.join(command)}", flush=True)
     cpu_before, start = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime, time.perf_counter()
@@ -217,17 +283,26 @@ def run_set(name: str) -> dict[str, str]:
     figures = {field_name: fmt.format(results[key]) for field_name, (key, fmt) in spec.metrics.items()}
     if spec.parse_stdout:
         figures.update(spec.parse_stdout(done.stdout))
-    figures.update(date=datetime.date.today().isoformat(), wall_time=f"{wall / 60:.1f} min",
-                   cpu_time=f"{cpu / 60:.1f} min")
+    figures.update(
+        date=datetime.date.today().isoformat(), wall_time=f"{wall / 60:.1f} min", cpu_time=f"{cpu / 60:.1f} min"
+    )
     return figures
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sets", nargs="+", choices=sorted(FIGURE_SETS), default=list(FIGURE_SETS), metavar="SET",
-                        help="figure sets to rerun")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--sets",
+        nargs="+",
+        choices=sorted(FIGURE_SETS),
+        default=list(FIGURE_SETS),
+        metavar="SET",
+        help="figure sets to rerun",
+    )
     parser.add_argument("--check", action="store_true", help="only check that the markers and sets agree")
     args = parser.parse_args(argv)
     problems = check_markers()

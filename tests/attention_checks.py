@@ -20,7 +20,9 @@ def dense_reference(mask_fn, q, k, v, **kwargs):
 def outputs_and_grads(fn, q, k, v, seed=1):
     """`(out, grad_q, grad_k, grad_v)` of `fn(q, k, v)` under a seeded random output gradient."""
     out = fn(q, k, v)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device, out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(
+        out.device, out.dtype
+    )
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
 
 
@@ -35,8 +37,12 @@ def random_qkv(batch, heads, n_q, head_dim=8, *, n_k=None, dtype=torch.float64, 
     seeded generator in float64, then cast to `dtype`."""
     generator = torch.Generator().manual_seed(seed)
     n_k = n_q if n_k is None else n_k
-    return [torch.randn(batch, heads, n, head_dim, generator=generator, dtype=torch.float64).to(dtype)
-            .requires_grad_(requires_grad) for n in (n_q, n_k, n_k)]
+    return [
+        torch.randn(batch, heads, n, head_dim, generator=generator, dtype=torch.float64)
+        .to(dtype)
+        .requires_grad_(requires_grad)
+        for n in (n_q, n_k, n_k)
+    ]
 
 
 def lengths_mask(length, lengths, *, left=False):
@@ -51,8 +57,9 @@ def assert_same_on_kept_rows(fast, slow, inputs, keep):
     keep = keep[:, None, :, None].to(fast.dtype)
     torch.testing.assert_close(fast * keep, slow * keep)
     cotangent = torch.randn_like(fast) * keep
-    for grad_fast, grad_slow in zip(torch.autograd.grad(fast, inputs, cotangent),
-                                    torch.autograd.grad(slow, inputs, cotangent), strict=True):
+    for grad_fast, grad_slow in zip(
+        torch.autograd.grad(fast, inputs, cotangent), torch.autograd.grad(slow, inputs, cotangent), strict=True
+    ):
         torch.testing.assert_close(grad_fast, grad_slow)
 
 
@@ -67,7 +74,7 @@ def assert_no_future_leak(model, ids, changed, t, *, seed=None):
             logits.append(model(input_ids=input_ids, use_cache=False).logits)
     before, after = logits
     torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
-    assert not torch.allclose(after[:, t + 1:], before[:, t + 1:]), "the test must be able to see a change"
+    assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :]), "the test must be able to see a change"
 
 
 def three_padded_rows(length, *, left=True):
@@ -76,7 +83,7 @@ def three_padded_rows(length, *, left=True):
     mask = torch.ones(3, length, dtype=torch.bool)
     if left:
         mask[0, : length // 3] = False
-    mask[1, length - length // 4:] = False
+    mask[1, length - length // 4 :] = False
     mask[2] = False
     return mask
 

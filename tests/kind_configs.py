@@ -19,8 +19,12 @@ KIND_OVERRIDES: dict[str, dict] = {
     "binary_partition": {"binary_partition_context": [1, 2]},
     "linformer": {"linformer_proj_len": 8, "linformer_sharing": "layerwise"},
     "lsh": {"lsh_bucket_size": 4, "lsh_num_buckets": 4, "lsh_seed": 0},
-    "routing": {"routing_num_clusters": 4, "routing_causal_window": 6, "routing_num_local_heads": [0, 1],
-                "routing_local_window": 3},
+    "routing": {
+        "routing_num_clusters": 4,
+        "routing_causal_window": 6,
+        "routing_num_local_heads": [0, 1],
+        "routing_local_window": 3,
+    },
     "reduction": {"reduction_ratio": [3, 4]},
     "synthesizer": {"synthesizer_mode": "factorized_dense", "synthesizer_factor_k": 5, "synthesizer_mix": True},
     "sinkhorn": {"sinkhorn_block_size": [4, 6]},
@@ -31,8 +35,16 @@ KIND_OVERRIDES: dict[str, dict] = {
 
 VOCAB = 50
 # Hidden 32, 2 layers, 2 heads, no dropout: the size of transformers' common model tests.
-TINY: dict = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TINY: dict = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def tiny_config(kind: str = "full", **fields) -> LongAttnConfig:

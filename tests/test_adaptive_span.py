@@ -17,16 +17,19 @@ from longattn.attention_adaptive_span import (
 )
 
 
-config = functools.partial(tiny_config, "adaptive_span", num_attention_heads=4, adaptive_span_max=[12, 20],
-                           adaptive_span_ramp=4)
+config = functools.partial(
+    tiny_config, "adaptive_span", num_attention_heads=4, adaptive_span_max=[12, 20], adaptive_span_ramp=4
+)
 
 
 def test_soft_mask_matches_the_formula():
     ramp, z = 4, 2.5
     distance = torch.arange(10, dtype=torch.float64)
     expected = [min(max((ramp + z - x) / ramp, 0.0), 1.0) for x in range(10)]  # m_z(x) = min(max((R+z-x)/R, 0), 1)
-    torch.testing.assert_close(soft_span_mask(distance, torch.tensor(z, dtype=torch.float64), ramp),
-                               torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(
+        soft_span_mask(distance, torch.tensor(z, dtype=torch.float64), ramp),
+        torch.tensor(expected, dtype=torch.float64),
+    )
     assert expected[:3] == [1.0, 1.0, 1.0] and expected[5] == 0.375 and expected[7:] == [0.0] * 3
 
 
@@ -38,8 +41,13 @@ def test_weights_are_the_masked_softmax_of_the_paper():
     t = 8  # a_tr = m_z(t - r) exp(s_tr) / Σ_q m_z(t - q) exp(s_tq), over r = t - S .. t
     for head in range(2):
         scores = (q[0, head, t] @ k[0, head].T) * 0.5
-        mask = torch.tensor([soft_span_mask(torch.tensor(float(t - r)), span[head], 2).item() if 0 <= t - r <= 6 else 0.0
-                             for r in range(9)], dtype=torch.float64)
+        mask = torch.tensor(
+            [
+                soft_span_mask(torch.tensor(float(t - r)), span[head], 2).item() if 0 <= t - r <= 6 else 0.0
+                for r in range(9)
+            ],
+            dtype=torch.float64,
+        )
         expected = mask * scores.exp() / (mask * scores.exp()).sum()
         torch.testing.assert_close(weights[0, head, t], expected)
 

@@ -29,8 +29,17 @@ SCALE = 0.3
 
 
 def _request(**fields) -> AttentionRequest:
-    defaults = dict(pattern="sliding", device="cpu", dtype=torch.float32, head_dim=64, value_head_dim=64,
-                    q_len=1024, kv_len=1024, batch=2, heads=4)
+    defaults = dict(
+        pattern="sliding",
+        device="cpu",
+        dtype=torch.float32,
+        head_dim=64,
+        value_head_dim=64,
+        q_len=1024,
+        kv_len=1024,
+        batch=2,
+        heads=4,
+    )
     return AttentionRequest(**{**defaults, **fields})
 
 
@@ -76,9 +85,24 @@ def test_explicit_backend_that_cannot_run_raises_with_its_reasons(monkeypatch):
 
 def test_xformers_declares_what_its_layouts_cannot_serve():
     def reasons(**fields):
-        return executor_xformers.request_reasons(**{**dict(
-            pattern="sliding", dtype=torch.bfloat16, head_dim=64, value_head_dim=64, q_len=64, kv_len=64, batch=1,
-            causal=False, dropout=False, key_padding=False, global_tokens=False), **fields})
+        return executor_xformers.request_reasons(
+            **{
+                **dict(
+                    pattern="sliding",
+                    dtype=torch.bfloat16,
+                    head_dim=64,
+                    value_head_dim=64,
+                    q_len=64,
+                    kv_len=64,
+                    batch=1,
+                    causal=False,
+                    dropout=False,
+                    key_padding=False,
+                    global_tokens=False,
+                ),
+                **fields,
+            }
+        )
 
     assert reasons() == []
     assert reasons(dropout=True) == []  # one band call: xformers' own autograd kernel has dropout
@@ -129,12 +153,21 @@ def test_auto_logs_its_choice_once(caplog, monkeypatch):
 def test_default_backend_keeps_the_cpu_executor_exactly():
     q, k, v = _qkv(dtype=torch.float32)
     key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    kwargs = dict(window=2, dilation=[1, 2, 3, 2], key_padding_mask=key_padding_mask, global_mask=global_mask,
-                  scale=SCALE)
-    torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **kwargs),
-                               ops.sliding_window_attention(q, k, v, backend="torch", **kwargs), rtol=0, atol=0)
-    torch.testing.assert_close(ops.full_attention(q, k, v, causal=True),
-                               ops.full_attention(q, k, v, causal=True, backend="torch"), rtol=0, atol=0)
+    kwargs = dict(
+        window=2, dilation=[1, 2, 3, 2], key_padding_mask=key_padding_mask, global_mask=global_mask, scale=SCALE
+    )
+    torch.testing.assert_close(
+        ops.sliding_window_attention(q, k, v, **kwargs),
+        ops.sliding_window_attention(q, k, v, backend="torch", **kwargs),
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        ops.full_attention(q, k, v, causal=True),
+        ops.full_attention(q, k, v, causal=True, backend="torch"),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("kind", ["sliding", "full"])
@@ -158,9 +191,15 @@ def test_config_backend_reaches_the_kinds(kind):
 
 @pytest.mark.parametrize("kind", sorted(ATTENTION_CLASSES))
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
-    gpu_paths = {"full": {"flex", "xformers"}, "sliding": {"flex", "xformers"}, "strided": {"flex", "xformers"},
-                 "fixed": {"flex", "xformers"}, "sinkhorn": {"xformers"}, "lsh": {"xformers"},
-                 "routing": {"xformers"}}.get(kind, set())
+    gpu_paths = {
+        "full": {"flex", "xformers"},
+        "sliding": {"flex", "xformers"},
+        "strided": {"flex", "xformers"},
+        "fixed": {"flex", "xformers"},
+        "sinkhorn": {"xformers"},
+        "lsh": {"xformers"},
+        "routing": {"xformers"},
+    }.get(kind, set())
     assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
@@ -177,8 +216,14 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
 def test_reference_backend_runs_a_kinds_dense_form(kind):
     def model(backend):
         torch.manual_seed(0)
-        config = tiny_config(kind, max_position_embeddings=64, attention_backend=backend, lsh_bucket_size=4, lsh_seed=0,
-                             sinkhorn_block_size=4)
+        config = tiny_config(
+            kind,
+            max_position_embeddings=64,
+            attention_backend=backend,
+            lsh_bucket_size=4,
+            lsh_seed=0,
+            sinkhorn_block_size=4,
+        )
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -191,22 +236,29 @@ def test_reference_backend_runs_a_kinds_dense_form(kind):
 
 
 # ---------------------------------------------------------------------------------------------- FlexAttention
-@pytest.mark.parametrize(("n_q", "causal", "dilation", "masks"), [
-    (N, False, 1, "none"),
-    (N, True, 1, "padding"),
-    (N, False, 3, "padding"),
-    (N, True, 3, "none"),
-    (N, False, [1, 2, 3, 2], "padding+global"),
-    (N, True, [1, 2, 3, 2], "padding+global"),
-    (5, True, 1, "padding+global"),
-    (5, False, 2, "padding"),
-])
+@pytest.mark.parametrize(
+    ("n_q", "causal", "dilation", "masks"),
+    [
+        (N, False, 1, "none"),
+        (N, True, 1, "padding"),
+        (N, False, 3, "padding"),
+        (N, True, 3, "none"),
+        (N, False, [1, 2, 3, 2], "padding+global"),
+        (N, True, [1, 2, 3, 2], "padding+global"),
+        (5, True, 1, "padding+global"),
+        (5, False, 2, "padding"),
+    ],
+)
 def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
     q, k, v = (t.detach() for t in _qkv(n_q=n_q))
     key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(window=2, dilation=dilation, causal=causal,
-                   key_padding_mask=None if masks == "none" else key_padding_mask,
-                   global_mask=global_mask if masks == "padding+global" else None)
+    pattern = dict(
+        window=2,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=None if masks == "none" else key_padding_mask,
+        global_mask=global_mask if masks == "padding+global" else None,
+    )
     expected = _reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q)(q, k, v)
     actual = ops.sliding_window_attention(q, k, v, scale=SCALE, backend="flex", **pattern)
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
@@ -218,15 +270,24 @@ def test_flex_full_attention_and_block_mask_cache():
     for causal in (False, True):
         parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         expected = _reference_fn(patterns.and_masks(*parts))(q, k, v)
-        actual = ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE,
-                                    backend="flex")
+        actual = ops.full_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="flex"
+        )
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
     executor_flex.clear_block_mask_cache()
     mask_fn = patterns.sliding_window_pattern(window=2, causal=True)
-    first = executor_flex.block_mask(mask_fn, batch=None, heads=None, q_len=N, kv_len=N, device=q.device,
-                                     cache_key=mask_fn.__name__)
-    again = executor_flex.block_mask(patterns.sliding_window_pattern(window=2, causal=True), batch=None, heads=None,
-                                     q_len=N, kv_len=N, device=q.device, cache_key=mask_fn.__name__)
+    first = executor_flex.block_mask(
+        mask_fn, batch=None, heads=None, q_len=N, kv_len=N, device=q.device, cache_key=mask_fn.__name__
+    )
+    again = executor_flex.block_mask(
+        patterns.sliding_window_pattern(window=2, causal=True),
+        batch=None,
+        heads=None,
+        q_len=N,
+        kv_len=N,
+        device=q.device,
+        cache_key=mask_fn.__name__,
+    )
     assert again is first
 
 
@@ -245,9 +306,13 @@ def _assert_layout_is_the_pattern(layout, mask_fn, *, n_q=N, n_k=N):
 def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation, masks):
     pytest.importorskip("xformers")
     key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(window=2, dilation=dilation, causal=causal,
-                   key_padding_mask=key_padding_mask if "padding" in masks else None,
-                   global_mask=global_mask if "global" in masks else None)
+    pattern = dict(
+        window=2,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=key_padding_mask if "padding" in masks else None,
+        global_mask=global_mask if "global" in masks else None,
+    )
     layout = executor_xformers.sliding_window_layout(batch=B, heads=H, q_len=n_q, kv_len=N, **pattern)
     _assert_layout_is_the_pattern(layout, patterns.sliding_window_pattern(**pattern), n_q=n_q)
     # Dilation runs over residue classes: a plain band per class, no dense mask anywhere but the causal global part.
@@ -260,8 +325,9 @@ def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation,
 def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, padding):
     pytest.importorskip("xformers")
     key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
-    layout = executor_xformers.strided_layout(batch=B, heads=H, length=N, stride=stride, causal=causal,
-                                              key_padding_mask=key_padding_mask)
+    layout = executor_xformers.strided_layout(
+        batch=B, heads=H, length=N, stride=stride, causal=causal, key_padding_mask=key_padding_mask
+    )
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     _assert_layout_is_the_pattern(layout, mask_fn)
 
@@ -273,8 +339,13 @@ def test_fixed_layout_biases_materialise_to_the_pattern(block_size, num_summary,
     pytest.importorskip("xformers")
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False  # blocks count from the first real token: right padding keeps them at 0
-    kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
-                  key_padding_mask=right_padding)
+    kwargs = dict(
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=right_padding,
+    )
     layout = executor_xformers.fixed_layout(batch=B, heads=H, length=N, **kwargs)
     _assert_layout_is_the_pattern(layout, patterns.fixed_pattern(**kwargs))
 
@@ -283,8 +354,9 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
     pytest.importorskip("xformers")
     key_padding_mask, _ = padding_and_global_masks(B, N)
     for n_q, causal in ((N, False), (N, True), (4, True)):
-        layout = executor_xformers.full_layout(batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal,
-                                               key_padding_mask=key_padding_mask)
+        layout = executor_xformers.full_layout(
+            batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal, key_padding_mask=key_padding_mask
+        )
         parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         _assert_layout_is_the_pattern(layout, patterns.and_masks(*parts), n_q=n_q)
     # Buckets sorted into a block-diagonal layout: un-sorted, the blocks are "same bucket".
@@ -306,22 +378,29 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
 
 
 # ---------------------------------------------------------------------------------------------- xformers end to end
-@pytest.mark.parametrize(("n_q", "causal", "dilation", "masks"), [
-    (N, False, 1, "none"),
-    (N, True, 1, "padding"),
-    (N, False, 3, "none"),
-    (N, False, 3, "padding+global"),
-    (N, True, [1, 2, 3, 2], "padding+global"),
-    (N, False, [1, 2, 3, 2], "global"),
-    (5, True, 2, "padding+global"),
-    (1, False, [1, 2, 3, 2], "padding"),
-])
+@pytest.mark.parametrize(
+    ("n_q", "causal", "dilation", "masks"),
+    [
+        (N, False, 1, "none"),
+        (N, True, 1, "padding"),
+        (N, False, 3, "none"),
+        (N, False, 3, "padding+global"),
+        (N, True, [1, 2, 3, 2], "padding+global"),
+        (N, False, [1, 2, 3, 2], "global"),
+        (5, True, 2, "padding+global"),
+        (1, False, [1, 2, 3, 2], "padding"),
+    ],
+)
 def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causal, dilation, masks):
     q, k, v = _qkv(n_q=n_q)
     key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(window=2, dilation=dilation, causal=causal,
-                   key_padding_mask=key_padding_mask if "padding" in masks else None,
-                   global_mask=global_mask if "global" in masks else None)
+    pattern = dict(
+        window=2,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=key_padding_mask if "padding" in masks else None,
+        global_mask=global_mask if "global" in masks else None,
+    )
     expected = outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q), q, k, v)
     actual = outputs_and_grads(
         lambda q, k, v: ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern), q, k, v
@@ -331,11 +410,15 @@ def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causa
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n, dilation", [(42, 3), (40, 4), (41, 4)])  # 41: not a multiple, the gathered layout
-def test_xformers_dilated_window_on_residue_views_equals_the_reference(reference_kernel, monkeypatch, n, dilation,
-                                                                       causal):
+def test_xformers_dilated_window_on_residue_views_equals_the_reference(
+    reference_kernel, monkeypatch, n, dilation, causal
+):
     calls = []
-    monkeypatch.setattr(executor_xformers, "residue_view",
-                        lambda x, m, view=executor_xformers.residue_view: calls.append(m) or view(x, m))
+    monkeypatch.setattr(
+        executor_xformers,
+        "residue_view",
+        lambda x, m, view=executor_xformers.residue_view: calls.append(m) or view(x, m),
+    )
     q, k, v = _qkv(n_q=n, n_k=n)
     pattern = dict(window=2, dilation=dilation, causal=causal)
     expected = outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n, n_k=n), q, k, v)
@@ -354,25 +437,34 @@ def test_residue_view_is_a_view_in_class_order():
         assert torch.equal(view[:, r], x[:, :, r::4].transpose(1, 2))
 
 
-@pytest.mark.parametrize(("n", "causal", "padding", "sortcut"), [
-    (24, False, False, None),  # no bias: every key visible, one plain call
-    (23, False, False, None),  # length not a multiple of the block
-    (25, True, True, None),
-    (24, False, True, None),
-    (24, False, False, 2),
-    (22, False, True, 3),
-])
+@pytest.mark.parametrize(
+    ("n", "causal", "padding", "sortcut"),
+    [
+        (24, False, False, None),  # no bias: every key visible, one plain call
+        (23, False, False, None),  # length not a multiple of the block
+        (25, True, True, None),
+        (24, False, True, None),
+        (24, False, False, 2),
+        (22, False, True, 3),
+    ],
+)
 def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, causal, padding, sortcut):
     from longattn.attention_sinkhorn import sinkhorn_attention
 
     q, k, v = _qkv(n_q=n, n_k=n)
-    sort_weight = torch.randn(D, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
-                              requires_grad=True)
+    sort_weight = torch.randn(D, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
     key_padding_mask = padding_and_global_masks(B, n)[0] if padding else None
     if padding:
         key_padding_mask[2, :3] = True  # the fully padded row gets three real tokens
-    kwargs = dict(block_size=4, iterations=3, temperature=0.75, causal=causal, sortcut=sortcut,
-                  key_padding_mask=key_padding_mask, scale=SCALE)
+    kwargs = dict(
+        block_size=4,
+        iterations=3,
+        temperature=0.75,
+        causal=causal,
+        sortcut=sortcut,
+        key_padding_mask=key_padding_mask,
+        scale=SCALE,
+    )
 
     def run(backend):
         out = sinkhorn_attention(q, k, v, sort_weight, backend=backend, **kwargs)
@@ -394,7 +486,8 @@ def test_sinkhorn_kernel_call_zeroes_rows_that_see_no_key(reference_kernel):
     visible[..., 0] |= ~visible.any(-1) & (torch.arange(4).view(1, 1, 1, 4) != 2)
     out = _attend_on_kernel(q, keys, values, visible=visible, queries_per_key_block=4, scale=0.5, dropout_p=0.0)
     mask = torch.block_diag(*[torch.ones(4, 6, dtype=torch.bool)] * 2).view(1, 1, 8, 12) & torch.cat(
-        [torch.nn.functional.pad(visible[:, :, 0], (0, 6)), torch.nn.functional.pad(visible[:, :, 1], (6, 0))], dim=2)
+        [torch.nn.functional.pad(visible[:, :, 0], (0, 6)), torch.nn.functional.pad(visible[:, :, 1], (6, 0))], dim=2
+    )
     expected = ops.reference_attention(q, keys, values, mask, scale=0.5)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     assert torch.equal(out[0, 1, 2], torch.zeros(8, dtype=torch.float64))
@@ -445,13 +538,14 @@ def test_kernel_windows_equal_attend_windows_outputs_lse_and_gradients(reference
         # their lse out of the loss; everything else must agree, gradients through lse included.
         sees_other = (mask if mask.dtype == torch.bool else ~torch.isneginf(mask)).clone()
         if self_column is not None:
-            sees_other[:, :, self_column:self_column + c].diagonal(dim1=-2, dim2=-1).fill_(False)
+            sees_other[:, :, self_column : self_column + c].diagonal(dim1=-2, dim2=-1).fill_(False)
         counted = sees_other.any(-1) & torch.isfinite(lse)
         loss = (out * weights).sum() + (torch.where(counted, lse, 0.0) * lse_weights).sum()
         return (out, torch.where(counted, lse, 0.0), *torch.autograd.grad(loss, (q, k, v)))
 
-    for name, actual, expected in zip(("out", "lse", "dq", "dk", "dv"), run(attend_windows_on_kernel),
-                                      run(attend_windows), strict=True):
+    for name, actual, expected in zip(
+        ("out", "lse", "dq", "dk", "dv"), run(attend_windows_on_kernel), run(attend_windows), strict=True
+    ):
         torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -465,8 +559,9 @@ def test_xformers_lsh_path_equals_the_torch_kernel(reference_kernel, causal, pad
         key_padding_mask = torch.ones(2, 37, dtype=torch.bool)
         key_padding_mask[0, :6] = False
         key_padding_mask[1, -9:] = False
-    kwargs = dict(num_hashes=hashes, bucket_size=4, num_buckets=4, causal=causal, key_padding_mask=key_padding_mask,
-                  seed=3)
+    kwargs = dict(
+        num_hashes=hashes, bucket_size=4, num_buckets=4, causal=causal, key_padding_mask=key_padding_mask, seed=3
+    )
 
     def run(backend):
         return outputs_and_grads(lambda qk, _, v: ops.lsh_attention(qk, v, backend=backend, **kwargs), qk, qk, v)
@@ -484,18 +579,19 @@ def test_xformers_routing_path_equals_the_torch_kernel(reference_kernel, causal,
     from longattn.attention_routing import routing_attention
 
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 41, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(2, 2, 41, 8, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(3))
     centroids = torch.nn.functional.normalize(torch.randn(2, 4, 8, generator=generator, dtype=torch.float64), dim=-1)
     key_padding_mask = None
     if padding:
         key_padding_mask = torch.ones(2, 41, dtype=torch.bool)
         key_padding_mask[1, -7:] = False
     kwargs = dict(causal=causal, causal_window=6, key_padding_mask=key_padding_mask)
-    expected = outputs_and_grads(lambda q, k, v: routing_attention(q, k, v, centroids, backend="torch", **kwargs),
-                                 q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: routing_attention(q, k, v, centroids, backend="xformers", **kwargs),
-                               q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: routing_attention(q, k, v, centroids, backend="torch", **kwargs), q, k, v
+    )
+    actual = outputs_and_grads(
+        lambda q, k, v: routing_attention(q, k, v, centroids, backend="xformers", **kwargs), q, k, v
+    )
     assert_all_close(actual, expected, rtol=1e-9, atol=1e-9)
 
 
@@ -517,20 +613,33 @@ def test_xformers_strided_path_equals_the_reference(reference_kernel, stride, ca
     key_padding_mask, _ = padding_and_global_masks(B, N)
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     expected = outputs_and_grads(_reference_fn(mask_fn), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: executor_xformers.xformers_strided_attention(
-        q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE), q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: executor_xformers.xformers_strided_attention(
+            q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE
+        ),
+        q,
+        k,
+        v,
+    )
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize(("block_size", "num_summary", "summary_per_head"), [(4, 1, False), (5, 2, True), (30, 3, False)])
+@pytest.mark.parametrize(
+    ("block_size", "num_summary", "summary_per_head"), [(4, 1, False), (5, 2, True), (30, 3, False)]
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_xformers_fixed_path_equals_the_reference(reference_kernel, block_size, num_summary, summary_per_head, causal):
     q, k, v = _qkv()
     right_padding = torch.ones(B, N, dtype=torch.bool)
     right_padding[0, 20:] = False
     right_padding[2, 9:] = False
-    kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
-                  key_padding_mask=right_padding)
+    kwargs = dict(
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=right_padding,
+    )
     expected = outputs_and_grads(_reference_fn(patterns.fixed_pattern(**kwargs)), q, k, v)
     actual = outputs_and_grads(
         lambda q, k, v: executor_xformers.xformers_fixed_attention(q, k, v, scale=SCALE, **kwargs), q, k, v
@@ -544,8 +653,14 @@ def test_xformers_full_path_equals_the_reference(reference_kernel, n_q, causal):
     key_padding_mask, _ = padding_and_global_masks(B, N)
     parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
     expected = outputs_and_grads(_reference_fn(patterns.and_masks(*parts), n_q=n_q), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: ops.full_attention(
-        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers"), q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: ops.full_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers"
+        ),
+        q,
+        k,
+        v,
+    )
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -557,8 +672,12 @@ def test_xformers_bucketed_attention_equals_same_bucket_attention(reference_kern
     if causal:
         mask &= torch.ones(17, 17, dtype=torch.bool).tril()
     expected = outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=SCALE), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: executor_xformers.bucketed_attention(
-        q, k, v, buckets=buckets, causal=causal, scale=SCALE), q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: executor_xformers.bucketed_attention(q, k, v, buckets=buckets, causal=causal, scale=SCALE),
+        q,
+        k,
+        v,
+    )
     assert_all_close(actual, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -567,8 +686,9 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
     out = ops.sliding_window_attention(q, k, v, window=2, dilation=3, dropout_p=0.5, backend="xformers")
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
-    layout = executor_xformers.sliding_window_layout(batch=B, heads=H, q_len=N, kv_len=N, window=2,
-                                                     key_padding_mask=padding_and_global_masks(B, N)[0])
+    layout = executor_xformers.sliding_window_layout(
+        batch=B, heads=H, q_len=N, kv_len=N, window=2, key_padding_mask=padding_and_global_masks(B, N)[0]
+    )
     with pytest.raises(ValueError, match="no attention dropout"):
         executor_xformers.run_layout(q, k, v, layout, scale=SCALE, dropout_p=0.5)
 
@@ -595,14 +715,22 @@ def _xformers_globals() -> dict:
     """Every plain module-level value (bool, number, string, None) of xformers' fmha package and its modules."""
     import sys
 
-    modules = [module for name, module in sorted(sys.modules.items())
-               if module is not None and (name == "xformers" or name.startswith(("xformers.ops", "xformers._cpp_lib")))]
-    return {(module.__name__, name): value for module in modules for name, value in vars(module).items()
-            if isinstance(value, (bool, int, float, str, type(None))) and not name.startswith("__")}
+    modules = [
+        module
+        for name, module in sorted(sys.modules.items())
+        if module is not None and (name == "xformers" or name.startswith(("xformers.ops", "xformers._cpp_lib")))
+    ]
+    return {
+        (module.__name__, name): value
+        for module in modules
+        for name, value in vars(module).items()
+        if isinstance(value, (bool, int, float, str, type(None))) and not name.startswith("__")
+    }
 
 
 def test_xformers_admits_its_pytorch_kernel_operators_only_when_its_extension_failed_and_only_during_a_call(
-        monkeypatch):
+    monkeypatch,
+):
     from longattn import fused_kernel
 
     cpp_lib, common = _xformers_modules()
@@ -643,8 +771,11 @@ def test_xformers_kernel_calls_leave_xformers_globals_as_they_were(monkeypatch, 
     import xformers.ops
 
     seen = []
-    name = {"attention": "memory_efficient_attention", "forward": "memory_efficient_attention_forward_requires_grad",
-            "backward": "memory_efficient_attention_backward"}[call]
+    name = {
+        "attention": "memory_efficient_attention",
+        "forward": "memory_efficient_attention_forward_requires_grad",
+        "backward": "memory_efficient_attention_backward",
+    }[call]
 
     def fake_kernel_entry(*args, **kwargs):
         seen.append(common._built_with_cuda)
@@ -680,9 +811,10 @@ def test_banded_block_mask_equals_create_block_mask(q_len, kv_len, window, dilat
     key_padding_mask = None
     if padded:
         key_padding_mask = torch.ones(2, kv_len, dtype=torch.bool)
-        key_padding_mask[1, kv_len - kv_len // 3:] = False
-    mask_fn = patterns.sliding_window_pattern(window=window, dilation=dilation, causal=causal,
-                                              key_padding_mask=key_padding_mask)
+        key_padding_mask[1, kv_len - kv_len // 3 :] = False
+    mask_fn = patterns.sliding_window_pattern(
+        window=window, dilation=dilation, causal=causal, key_padding_mask=key_padding_mask
+    )
     assert patterns.mask_reach(mask_fn) == window * (max(dilation) if isinstance(dilation, tuple) else dilation)
     q_offset = kv_len - q_len
 
@@ -692,9 +824,17 @@ def test_banded_block_mask_equals_create_block_mask(q_len, kv_len, window, dilat
     batch = 2 if padded else None
     heads = 4 if isinstance(dilation, tuple) else None
     # A small chunk bound makes the evaluation run in several chunks.
-    actual = executor_flex.banded_block_mask(mask_mod, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len,
-                                             reach=patterns.mask_reach(mask_fn), device=torch.device("cpu"),
-                                             block_size=block_size, max_elements=50_000)
+    actual = executor_flex.banded_block_mask(
+        mask_mod,
+        batch=batch,
+        heads=heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        reach=patterns.mask_reach(mask_fn),
+        device=torch.device("cpu"),
+        block_size=block_size,
+        max_elements=50_000,
+    )
     expected = flex.create_block_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size)
     kv_tiles = -(-kv_len // block_size)
     for fields in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
@@ -706,16 +846,29 @@ def test_banded_block_mask_equals_create_block_mask(q_len, kv_len, window, dilat
 
 def test_sliding_flex_block_mask_is_banded_and_global_tokens_are_not(monkeypatch):
     calls = []
-    monkeypatch.setattr(executor_flex, "banded_block_mask",
-                        lambda *args, **kwargs: calls.append(kwargs["reach"]) or "banded")
+    monkeypatch.setattr(
+        executor_flex, "banded_block_mask", lambda *args, **kwargs: calls.append(kwargs["reach"]) or "banded"
+    )
     executor_flex.clear_block_mask_cache()
-    executor_flex.block_mask(patterns.sliding_window_pattern(window=5, causal=True), batch=None, heads=None,
-                             q_len=50, kv_len=50, device=torch.device("cpu"))
+    executor_flex.block_mask(
+        patterns.sliding_window_pattern(window=5, causal=True),
+        batch=None,
+        heads=None,
+        q_len=50,
+        kv_len=50,
+        device=torch.device("cpu"),
+    )
     assert calls == [5]
     global_mask = torch.zeros(1, 50, dtype=torch.bool)
     global_mask[0, 3] = True
-    executor_flex.block_mask(patterns.sliding_window_pattern(window=5, global_mask=global_mask), batch=1,
-                             heads=None, q_len=50, kv_len=50, device=torch.device("cpu"))
+    executor_flex.block_mask(
+        patterns.sliding_window_pattern(window=5, global_mask=global_mask),
+        batch=1,
+        heads=None,
+        q_len=50,
+        kv_len=50,
+        device=torch.device("cpu"),
+    )
     assert calls == [5]  # global tokens see everything: no band, create_block_mask
 
 
@@ -737,8 +890,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _gpu_qkv(length=1000):
     """bf16 q, k, v `[2, 4, length, 64]` on the GPU that require grad, and the generator that drew them."""
     generator = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
-            for _ in range(3)], generator
+    return [
+        torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+        for _ in range(3)
+    ], generator
 
 
 @pytest.mark.gpu
@@ -753,18 +908,19 @@ def test_gpu_backends_equal_the_reference(backend):
     global_mask = torch.zeros(2, 1000, dtype=torch.bool, device="cuda")
     global_mask[:, 0] = True
     pattern = dict(window=64, dilation=[1, 1, 2, 4], key_padding_mask=key_padding_mask, global_mask=global_mask)
-    mask = patterns.materialize_mask(patterns.sliding_window_pattern(**pattern), batch=2, heads=4, q_len=1000,
-                                     kv_len=1000, device="cuda")
+    mask = patterns.materialize_mask(
+        patterns.sliding_window_pattern(**pattern), batch=2, heads=4, q_len=1000, kv_len=1000, device="cuda"
+    )
     expected = outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend=backend, **pattern),
-                                q, k, v)
+    actual = outputs_and_grads(
+        lambda q, k, v: ops.sliding_window_attention(q, k, v, backend=backend, **pattern), q, k, v
+    )
     assert_all_close(actual, expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize(("causal", "padding", "sortcut"), [(False, False, None), (True, True, None),
-                                                            (False, True, 2)])
+@pytest.mark.parametrize(("causal", "padding", "sortcut"), [(False, False, None), (True, True, None), (False, True, 2)])
 def test_gpu_sinkhorn_on_xformers_equals_the_torch_executor(causal, padding, sortcut):
     pytest.importorskip("xformers")
     from longattn.attention_sinkhorn import sinkhorn_attention
@@ -775,12 +931,15 @@ def test_gpu_sinkhorn_on_xformers_equals_the_torch_executor(causal, padding, sor
     if padding:
         key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
         key_padding_mask[1, :130] = False
-    kwargs = dict(block_size=64, iterations=5, temperature=0.75, causal=causal, sortcut=sortcut,
-                  key_padding_mask=key_padding_mask)
-    expected = outputs_and_grads(lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="torch", **kwargs),
-                                 q, k, v)
-    actual = outputs_and_grads(lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="xformers", **kwargs),
-                               q, k, v)
+    kwargs = dict(
+        block_size=64, iterations=5, temperature=0.75, causal=causal, sortcut=sortcut, key_padding_mask=key_padding_mask
+    )
+    expected = outputs_and_grads(
+        lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="torch", **kwargs), q, k, v
+    )
+    actual = outputs_and_grads(
+        lambda q, k, v: sinkhorn_attention(q, k, v, sort_weight, backend="xformers", **kwargs), q, k, v
+    )
     assert_all_close(actual, expected, rtol=3e-2, atol=3e-2)
 
 
@@ -791,8 +950,9 @@ def test_gpu_flex_banded_block_mask_at_a_length_of_many_tiles(causal):
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 2, 3001, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
     pattern = dict(window=200, dilation=3, causal=causal)
-    mask = patterns.materialize_mask(patterns.sliding_window_pattern(**pattern), batch=1, heads=2, q_len=3001,
-                                     kv_len=3001, device="cuda")
+    mask = patterns.materialize_mask(
+        patterns.sliding_window_pattern(**pattern), batch=1, heads=2, q_len=3001, kv_len=3001, device="cuda"
+    )
     with torch.no_grad():
         expected = ops.reference_attention(q, k, v, mask)
         actual = ops.sliding_window_attention(q, k, v, backend="flex", **pattern)
@@ -811,16 +971,28 @@ def test_gpu_lsh_and_routing_on_xformers_equal_the_torch_kernel(kind, causal):
     key_padding_mask = torch.ones(2, 1000, dtype=torch.bool, device="cuda")
     key_padding_mask[1, 870:] = False
     if kind == "lsh":
-        def run(backend):
-            return lambda q, k, v: ops.lsh_attention(q, v, num_hashes=2, bucket_size=64, causal=causal, seed=0,
-                                                     key_padding_mask=key_padding_mask, backend=backend)
-    else:
-        centroids = torch.nn.functional.normalize(
-            torch.randn(4, 8, 64, device="cuda", generator=generator), dim=-1).to(torch.bfloat16)
 
         def run(backend):
-            return lambda q, k, v: routing_attention(q, k, v, centroids, causal=causal, causal_window=128,
-                                                     key_padding_mask=key_padding_mask, backend=backend)
+            return lambda q, k, v: ops.lsh_attention(
+                q,
+                v,
+                num_hashes=2,
+                bucket_size=64,
+                causal=causal,
+                seed=0,
+                key_padding_mask=key_padding_mask,
+                backend=backend,
+            )
+    else:
+        centroids = torch.nn.functional.normalize(torch.randn(4, 8, 64, device="cuda", generator=generator), dim=-1).to(
+            torch.bfloat16
+        )
+
+        def run(backend):
+            return lambda q, k, v: routing_attention(
+                q, k, v, centroids, causal=causal, causal_window=128, key_padding_mask=key_padding_mask, backend=backend
+            )
+
     real = key_padding_mask[:, None, :, None]
     expected = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("torch"), q, k, v))]
     actual = [t * real if i == 0 else t for i, t in enumerate(outputs_and_grads(run("xformers"), q, k, v))]
@@ -845,8 +1017,16 @@ def test_ops_dispatch_down_to_leaf_executors():
 
     assert ops.reference_attention is executor_reference.reference_attention
     assert "executor_reference" in _sibling_imports("ops")
-    for module in ("backends", "patterns", "numerics", "executor_reference", "executor_blocked", "executor_sparse",
-                   "executor_flex", "executor_xformers"):
+    for module in (
+        "backends",
+        "patterns",
+        "numerics",
+        "executor_reference",
+        "executor_blocked",
+        "executor_sparse",
+        "executor_flex",
+        "executor_xformers",
+    ):
         assert not _sibling_imports(module) & {"ops", "ops_linear", "ops_lsh"}, module
 
 
@@ -857,8 +1037,12 @@ def test_executor_names_do_not_clash_with_the_ops():
 
     for executor in (executor_xformers, executor_flex, executor_reference):
         assert not set(executor.__all__) & (set(ops.__all__) - {"reference_attention"}), executor.__name__
-    assert {"xformers_sliding_window_attention", "xformers_strided_attention", "xformers_fixed_attention",
-            "xformers_full_attention"} <= set(executor_xformers.__all__)
+    assert {
+        "xformers_sliding_window_attention",
+        "xformers_strided_attention",
+        "xformers_fixed_attention",
+        "xformers_full_attention",
+    } <= set(executor_xformers.__all__)
     assert "key_padding_mask" not in patterns.__all__ and not hasattr(patterns, "key_padding_mask")
     padding = torch.tensor([[True, False, True]])
     mask = patterns.materialize_mask(patterns.key_padding_predicate(padding), batch=1, heads=1, q_len=2, kv_len=3)

@@ -41,14 +41,41 @@ OPS = {
 # The keyword arguments each op takes besides q, k, v (LSH takes no k).
 ARGUMENTS = {
     "full_attention": {"causal", "global_mask", "key_padding_mask", "scale", "dropout_p", "backend"},
-    "sliding_window_attention": {"window", "dilation", "causal", "global_mask", "key_padding_mask", "scale",
-                                 "dropout_p", "backend"},
+    "sliding_window_attention": {
+        "window",
+        "dilation",
+        "causal",
+        "global_mask",
+        "key_padding_mask",
+        "scale",
+        "dropout_p",
+        "backend",
+    },
     "strided_attention": {"stride", "causal", "key_padding_mask", "scale", "dropout_p", "backend"},
-    "fixed_attention": {"block_size", "num_summary", "causal", "summary_per_head", "key_padding_mask", "scale",
-                        "dropout_p", "backend"},
+    "fixed_attention": {
+        "block_size",
+        "num_summary",
+        "causal",
+        "summary_per_head",
+        "key_padding_mask",
+        "scale",
+        "dropout_p",
+        "backend",
+    },
     "efficient_attention": {"normalization", "causal", "key_padding_mask", "backend"},
-    "lsh_attention": {"num_hashes", "bucket_size", "num_buckets", "num_chunks_before", "num_chunks_after", "causal",
-                      "key_padding_mask", "rotations", "seed", "dropout_p", "backend"},
+    "lsh_attention": {
+        "num_hashes",
+        "bucket_size",
+        "num_buckets",
+        "num_chunks_before",
+        "num_chunks_after",
+        "causal",
+        "key_padding_mask",
+        "rotations",
+        "seed",
+        "dropout_p",
+        "backend",
+    },
     "reference_attention": {"mask", "scale", "dropout_p", "return_weights"},
 }
 
@@ -67,17 +94,21 @@ def _run(op: str, arguments: dict):
 def _bad_tensor_values(q: torch.Tensor, *, head_dim_fixed: bool, length_fixed: bool) -> list:
     """Bad values for one of q, k, v (the others stay good); another head_dim or length only where they must match."""
     d = q.shape[3]
-    return [
-        q[0],  # 3-d
-        q.unsqueeze(0),  # 5-d
-        q.tolist(),  # not a tensor
-        q.to(torch.long),  # not floating point
-        q.to(torch.float64),  # another dtype than the others
-        q.to("meta"),  # another device
-        q[..., :0],  # head_dim 0
-        q[:1],  # another batch
-        q[:, :1],  # other heads
-    ] + ([q[..., : d - 1]] if head_dim_fixed else []) + ([torch.cat([q, q], dim=2)] if length_fixed else [])
+    return (
+        [
+            q[0],  # 3-d
+            q.unsqueeze(0),  # 5-d
+            q.tolist(),  # not a tensor
+            q.to(torch.long),  # not floating point
+            q.to(torch.float64),  # another dtype than the others
+            q.to("meta"),  # another device
+            q[..., :0],  # head_dim 0
+            q[:1],  # another batch
+            q[:, :1],  # other heads
+        ]
+        + ([q[..., : d - 1]] if head_dim_fixed else [])
+        + ([torch.cat([q, q], dim=2)] if length_fixed else [])
+    )
 
 
 def _bad_token_masks(b: int, n: int) -> list:
@@ -132,15 +163,21 @@ def _bad_values(op: str, argument: str, q, k, v) -> list:
         # (cross-attention) take any number of queries (see `test_full_attention_takes_more_queries_than_keys...`).
         head_dim_fixed = argument == "k" or (argument == "q" and op != "lsh_attention")
         length_fixed = not (argument == "q" and op in ("reference_attention", "full_attention"))
-        return _bad_tensor_values({"q": q, "k": k, "v": v}[argument], head_dim_fixed=head_dim_fixed,
-                                  length_fixed=length_fixed)
+        return _bad_tensor_values(
+            {"q": q, "k": k, "v": v}[argument], head_dim_fixed=head_dim_fixed, length_fixed=length_fixed
+        )
     if argument in ("key_padding_mask", "global_mask"):
         return _bad_token_masks(q.shape[0], k.shape[2])
     if argument == "mask":
         keep = torch.rand(B, 1, N, N) > 0.3
         return [
-            torch.zeros(keep.shape).masked_fill(~keep, -math.inf), keep.float(), keep.long(),
-            keep[..., :-1], keep[None], keep.to("meta"), keep.tolist(),
+            torch.zeros(keep.shape).masked_fill(~keep, -math.inf),
+            keep.float(),
+            keep.long(),
+            keep[..., :-1],
+            keep[None],
+            keep.to("meta"),
+            keep.tolist(),
         ]
     if argument == "rotations":
         good = longattn.ops_lsh.lsh_rotations(heads=H, head_dim=D, num_hashes=2, num_buckets=4, seed=0)
@@ -165,9 +202,9 @@ def test_bad_argument_raises_value_error_naming_it(op, argument):
         assert _name_in(argument, str(raised.value)), (op, argument, value, str(raised.value))
 
 
-@pytest.mark.parametrize(("op", "name"), [
-    (op, name) for op in OPS for name in ("key_padding_mask", "global_mask") if name in ARGUMENTS[op]
-])
+@pytest.mark.parametrize(
+    ("op", "name"), [(op, name) for op in OPS for name in ("key_padding_mask", "global_mask") if name in ARGUMENTS[op]]
+)
 def test_float_mask_is_refused_with_how_to_convert(op, name):
     """An additive float mask (0 keep, -inf drop) used to be read inverted by `.bool()`; a 1/0 mask is refused too."""
     generator = torch.Generator().manual_seed(1)
@@ -193,8 +230,9 @@ def test_reference_attention_refuses_a_float_mask_and_checks_its_shape():
         ops.reference_attention(q, k, v, additive)
     with pytest.raises(ValueError, match=r"mask must be broadcastable to \[b, h, n_q, n_k\]"):
         ops.reference_attention(q, k, v, visible[:, :-1])
-    torch.testing.assert_close(ops.reference_attention(q, k, v, additive == 0),
-                               ops.full_attention(q, k, v, causal=True))
+    torch.testing.assert_close(
+        ops.reference_attention(q, k, v, additive == 0), ops.full_attention(q, k, v, causal=True)
+    )
 
 
 def test_full_attention_takes_more_queries_than_keys_unless_causal():
@@ -207,8 +245,10 @@ def test_full_attention_takes_more_queries_than_keys_unless_causal():
     keep = torch.ones(B, N, dtype=torch.bool)
     keep[0, :2] = False
     for backend in ("auto", "reference"):
-        torch.testing.assert_close(ops.full_attention(q, k, v, key_padding_mask=keep, backend=backend),
-                                   ops.reference_attention(q, k, v, keep[:, None, None, :]))
+        torch.testing.assert_close(
+            ops.full_attention(q, k, v, key_padding_mask=keep, backend=backend),
+            ops.reference_attention(q, k, v, keep[:, None, None, :]),
+        )
     with pytest.raises(ValueError, match=r"\bq has more positions"):
         ops.full_attention(q, k, v, causal=True)
 
@@ -246,6 +286,7 @@ def test_empty_inputs_give_empty_outputs_and_gradients(op, shape):
 
 def _random_valid_arguments(op: str, generator: torch.Generator) -> dict:
     """Random small valid inputs: lengths 1..9, queries the last n_q keys, masks with fully padded rows."""
+
     def draw(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (1,), generator=generator))
 
@@ -294,9 +335,20 @@ def test_random_valid_inputs_give_finite_outputs(op):
 def test_model_forward_bad_shapes_and_empty_inputs(kind):
     """The model forwards over the kinds built on `ops`: wrong shapes are refused, empty batches give empty outputs."""
     config = longattn.LongAttnConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=32, attention_type=kind, sliding_window=2, strided_stride=2, fixed_block_size=4,
-        fixed_num_summary=1, lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0,
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        attention_type=kind,
+        sliding_window=2,
+        strided_stride=2,
+        fixed_block_size=4,
+        fixed_num_summary=1,
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_seed=0,
     )
     model = longattn.LongAttnModel(config).eval()
     ids = torch.ones(2, 8, dtype=torch.long)
@@ -330,8 +382,14 @@ def _tiny_models(kind: str, **config_overrides) -> tuple:
     models = []
     for head in HEADS:
         config = longattn.LongAttnConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-            max_position_embeddings=MAX_POSITIONS, attention_type=kind, **KIND_OVERRIDES.get(kind, {}),
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=MAX_POSITIONS,
+            attention_type=kind,
+            **KIND_OVERRIDES.get(kind, {}),
             **config_overrides,
         )
         try:
@@ -405,14 +463,24 @@ def test_model_forward_bad_input_names_the_argument(kind):
             assert _name_in(argument, message), (kind, type(model).__name__, argument, message)
         # Out-of-range ids: the message gives the offending value and the vocabulary size.
         with pytest.raises(ValueError, match=rf"`input_ids` holds {VOCAB + 3}: .*vocab_size={VOCAB}"):
-            model(input_ids=torch.full((1, 4), VOCAB + 3), **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)}
-                                                               if model.config.is_encoder_decoder else {}))
+            model(
+                input_ids=torch.full((1, 4), VOCAB + 3),
+                **(
+                    {"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if model.config.is_encoder_decoder else {}
+                ),
+            )
         # A sequence longer than the limit: the message gives the length and the limit.
-        with pytest.raises(ValueError, match=rf"length {MAX_POSITIONS + 1} exceeds `max_position_embeddings`="
-                                             rf"{MAX_POSITIONS}"):
-            model(input_ids=torch.ones(1, MAX_POSITIONS + 1, dtype=torch.long),
-                  **({"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if model.config.is_encoder_decoder
-                     else {}))
+        with pytest.raises(
+            ValueError,
+            match=rf"length {MAX_POSITIONS + 1} exceeds `max_position_embeddings`="
+            rf"{MAX_POSITIONS}",
+        ):
+            model(
+                input_ids=torch.ones(1, MAX_POSITIONS + 1, dtype=torch.long),
+                **(
+                    {"decoder_input_ids": torch.ones(1, 2, dtype=torch.long)} if model.config.is_encoder_decoder else {}
+                ),
+            )
 
 
 def test_every_head_reads_the_token_ids_once_per_forward(monkeypatch):
@@ -484,17 +552,22 @@ def _kind_functions(h: int = H, d: int = D) -> dict:
     span = {"span": torch.full((h,), 3.0), "max_span": 4, "ramp": 2, "causal": False}
     return {
         "routing_attention": lambda q, k, v, mask: routing_attention(q, k, v, key_padding_mask=mask, **routing),
-        "routing_attention_dense": lambda q, k, v, mask: routing_attention_dense(q, k, v, key_padding_mask=mask,
-                                                                                 **routing)[0],
-        "cluster_statistics": lambda q, k, v, mask: cluster_statistics(q, k, centroids, causal=False,
-                                                                       key_padding_mask=mask),
+        "routing_attention_dense": lambda q, k, v, mask: routing_attention_dense(
+            q, k, v, key_padding_mask=mask, **routing
+        )[0],
+        "cluster_statistics": lambda q, k, v, mask: cluster_statistics(
+            q, k, centroids, causal=False, key_padding_mask=mask
+        ),
         "sinkhorn_attention": lambda q, k, v, mask: sinkhorn_attention(q, k, v, key_padding_mask=mask, **sinkhorn),
-        "sinkhorn_attention_dense": lambda q, k, v, mask: sinkhorn_attention_dense(q, k, v, key_padding_mask=mask,
-                                                                                   **sinkhorn)[0],
-        "adaptive_span_attention": lambda q, k, v, mask: adaptive_span_attention(q, k, v, key_padding_mask=mask,
-                                                                                 **span),
-        "adaptive_span_reference": lambda q, k, v, mask: adaptive_span_reference(q, k, v, key_padding_mask=mask,
-                                                                                 **span)[0],
+        "sinkhorn_attention_dense": lambda q, k, v, mask: sinkhorn_attention_dense(
+            q, k, v, key_padding_mask=mask, **sinkhorn
+        )[0],
+        "adaptive_span_attention": lambda q, k, v, mask: adaptive_span_attention(
+            q, k, v, key_padding_mask=mask, **span
+        ),
+        "adaptive_span_reference": lambda q, k, v, mask: adaptive_span_reference(
+            q, k, v, key_padding_mask=mask, **span
+        )[0],
         "pack_groups": lambda q, k, v, mask: pack_groups(q.transpose(1, 2), mask, 2)[0],
     }
 
@@ -507,8 +580,13 @@ def test_kind_functions_refuse_non_bool_masks_and_take_empty_inputs(function):
     q, k, v = _tensors(torch.Generator().manual_seed(8))
     keep = torch.ones(B, N, dtype=torch.bool)
     keep[0, :2] = False
-    for mask in (torch.zeros(B, N).masked_fill(~keep, -math.inf), keep.float(), keep.long(), keep[:, :-1],
-                 keep.to("meta")):
+    for mask in (
+        torch.zeros(B, N).masked_fill(~keep, -math.inf),
+        keep.float(),
+        keep.long(),
+        keep[:, :-1],
+        keep.to("meta"),
+    ):
         with pytest.raises(ValueError, match=r"\bkey_padding_mask\b"):
             call(q, k, v, mask)
     assert call(q, k, v, keep) is not None
@@ -528,6 +606,9 @@ def test_seq2seq_decoder_longer_than_its_encoder_input():
     as if queries had to be the last keys)."""
     model = _tiny_models("full")[-1]
     assert isinstance(model, longattn.LongAttnForSeq2SeqLM)
-    logits = model(input_ids=torch.ones(2, 4, dtype=torch.long), decoder_input_ids=torch.ones(2, 9, dtype=torch.long),
-                   attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])).logits
+    logits = model(
+        input_ids=torch.ones(2, 4, dtype=torch.long),
+        decoder_input_ids=torch.ones(2, 9, dtype=torch.long),
+        attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]),
+    ).logits
     assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()

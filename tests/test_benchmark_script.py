@@ -21,9 +21,13 @@ def benchmark():
 
 
 def test_overrides_are_parsed_in_the_recipes_grammar(benchmark):
-    assert benchmark.config_overrides(["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch",
-                                       "sliding_dilation=[1,2]"]) == {
-        "fixed_num_summary": 1, "lsh_seed": None, "attention_backend": "torch", "sliding_dilation": [1, 2],
+    assert benchmark.config_overrides(
+        ["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch", "sliding_dilation=[1,2]"]
+    ) == {
+        "fixed_num_summary": 1,
+        "lsh_seed": None,
+        "attention_backend": "torch",
+        "sliding_dilation": [1, 2],
     }
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         benchmark.config_overrides(["fixed_num_summary"])
@@ -38,7 +42,13 @@ def test_misspelt_field_is_refused(benchmark):
 
 def test_override_wins_over_the_registered_setting(benchmark):
     args = benchmark.argparse.Namespace(
-        length=256, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=["fixed_num_summary=2"],
+        length=256,
+        hidden=32,
+        heads=2,
+        batch=1,
+        global_tokens=0,
+        window=16,
+        set=["fixed_num_summary=2"],
     )
     layer = benchmark.IMPLS["fixed"].build(args)
     assert layer.module.num_summary == 2  # registered as 8
@@ -108,9 +118,15 @@ def test_model_report_compares_attention_cost_with_its_ideal(benchmark):
     assert benchmark.ideal_fraction(benchmark.MODEL_SETS["roberta-4k"], 4096) == 512 / 4096
     assert benchmark.ideal_fraction(benchmark.MODEL_SETS["llama-16k"], 16384) == 512 / 8192
     args = benchmark.argparse.Namespace(models="roberta-4k", repeats=1, new_tokens=256)
-    results = [{"impl": impl, "length": 4096, "time_s": t, "peak_rss_mb": mb, "threads": 2}
-               for impl, t, mb in (("longformer", 40.0, 9000), ("sdpa", 28.0, 4000), ("floor", 12.0, 3800),
-                                   ("longattn", 15.0, 3900))]
+    results = [
+        {"impl": impl, "length": 4096, "time_s": t, "peak_rss_mb": mb, "threads": 2}
+        for impl, t, mb in (
+            ("longformer", 40.0, 9000),
+            ("sdpa", 28.0, 4000),
+            ("floor", 12.0, 3800),
+            ("longattn", 15.0, 3900),
+        )
+    ]
     text = benchmark.model_report(args, results, "python scripts/benchmark.py --models roberta-4k")
     assert "| longattn | 15.0 | 3900 | 3.0 | 1.50x | 2.67x | 0.97 |" in text  # ideal (28 - 12) / 8 = 2 s
     assert "Ideal attention cost: 2.00 s." in text
@@ -118,8 +134,9 @@ def test_model_report_compares_attention_cost_with_its_ideal(benchmark):
 
 def test_longattn_rows_are_the_longattn_kinds(benchmark):
     """`--against` duplicates exactly the longattn kinds (peers and transformers' layers are measured once)."""
-    assert benchmark.LONGATTN_IMPLS == {name for name, impl in benchmark.IMPLS.items()
-                                        if impl.description.startswith("longattn ")}
+    assert benchmark.LONGATTN_IMPLS == {
+        name for name, impl in benchmark.IMPLS.items() if impl.description.startswith("longattn ")
+    }
 
 
 def test_against_interleaves_old_rows_that_import_the_exported_tree(benchmark, monkeypatch):
@@ -132,10 +149,12 @@ def test_against_interleaves_old_rows_that_import_the_exported_tree(benchmark, m
         return {"impl": impl, "length": length, "mode": mode, "error": "not run"}
 
     monkeypatch.setattr(benchmark, "run_one", run_one)
-    benchmark.main(["--lengths", "64", "128", "--mode", "fwd", "--impls", "full", "hf-longformer", "sliding",
-                    "--against", "HEAD"])
-    head = subprocess.run(["git", "-C", str(benchmark.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    benchmark.main(
+        ["--lengths", "64", "128", "--mode", "fwd", "--impls", "full", "hf-longformer", "sliding", "--against", "HEAD"]
+    )
+    head = subprocess.run(
+        ["git", "-C", str(benchmark.REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     rows = [f"full@{head}", "full", "hf-longformer", f"sliding@{head}", "sliding"]
     assert [impl for impl, *_ in launched] == rows * 2  # old just before new at every length; the peer once
     exported = {root for impl, _, root, _ in launched if "@" in impl}
@@ -151,8 +170,10 @@ def test_against_interleaves_old_rows_that_import_the_exported_tree(benchmark, m
 
 def test_against_refuses_unknown_revisions_and_runs_without_kinds(benchmark, monkeypatch, capsys):
     measured = _record_runs(benchmark, monkeypatch)
-    for argv, message in ((["--impls", "full", "--against", "no-such-revision"], "is not a git revision"),
-                          (["--impls", "hf-longformer", "--against", "HEAD"], "give at least one of")):
+    for argv, message in (
+        (["--impls", "full", "--against", "no-such-revision"], "is not a git revision"),
+        (["--impls", "hf-longformer", "--against", "HEAD"], "give at least one of"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             benchmark.main(["--lengths", "64", "--mode", "fwd", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -161,8 +182,18 @@ def test_against_refuses_unknown_revisions_and_runs_without_kinds(benchmark, mon
 
 def test_worker_that_imported_another_longattn_is_an_error(benchmark, monkeypatch, tmp_path):
     args = benchmark.argparse.Namespace(
-        batch=1, hidden=32, heads=2, window=16, global_tokens=0, repeats=1, wait_idle=0.0, timeout=60.0,
-        tensor_memory=False, set=[], allocator="glibc", against_tree=tmp_path,
+        batch=1,
+        hidden=32,
+        heads=2,
+        window=16,
+        global_tokens=0,
+        repeats=1,
+        wait_idle=0.0,
+        timeout=60.0,
+        tensor_memory=False,
+        set=[],
+        allocator="glibc",
+        against_tree=tmp_path,
     )
     imported = str(benchmark.REPO / "longattn" / "__init__.py")  # this checkout's package, not the export's
 
@@ -186,20 +217,50 @@ def test_kind_or_field_missing_in_a_revision_is_an_error(benchmark):
 
 def test_report_has_after_vs_before_ratios(benchmark):
     args = benchmark.argparse.Namespace(
-        hidden=32, heads=2, batch=1, window=16, global_tokens=0, repeats=3, allocator="glibc", baseline="full",
-        impls=["full", "sliding", "routing"], mode=["fwd"], lengths=[64, 128], set=[], compile=False,
-        against="main~1", against_hash="abc1234", after="working tree at def5678",
+        hidden=32,
+        heads=2,
+        batch=1,
+        window=16,
+        global_tokens=0,
+        repeats=3,
+        allocator="glibc",
+        baseline="full",
+        impls=["full", "sliding", "routing"],
+        mode=["fwd"],
+        lengths=[64, 128],
+        set=[],
+        compile=False,
+        against="main~1",
+        against_hash="abc1234",
+        after="working tree at def5678",
     )
 
     def row(impl, length, time_s, peak):
-        return {"impl": impl, "length": length, "mode": "fwd", "time_s": time_s, "peak_rss_mb": peak,
-                "tensor_peak_mb": peak / 2, "other_load": 0.0}
+        return {
+            "impl": impl,
+            "length": length,
+            "mode": "fwd",
+            "time_s": time_s,
+            "peak_rss_mb": peak,
+            "tensor_peak_mb": peak / 2,
+            "other_load": 0.0,
+        }
 
-    results = [row("full@abc1234", 64, 2.0, 10), row("full", 64, 1.0, 5), row("full@abc1234", 128, 2.0, 10),
-               row("full", 128, 4.0, 10), row("sliding@abc1234", 64, 1.0, 10), row("sliding", 64, 1.0, 10),
-               {"impl": "routing@abc1234", "length": 64, "mode": "fwd",
-                "error": "ValueError: kind 'routing' does not exist in this revision of longattn"},
-               row("routing", 64, 1.0, 10)]
+    results = [
+        row("full@abc1234", 64, 2.0, 10),
+        row("full", 64, 1.0, 5),
+        row("full@abc1234", 128, 2.0, 10),
+        row("full", 128, 4.0, 10),
+        row("sliding@abc1234", 64, 1.0, 10),
+        row("sliding", 64, 1.0, 10),
+        {
+            "impl": "routing@abc1234",
+            "length": 64,
+            "mode": "fwd",
+            "error": "ValueError: kind 'routing' does not exist in this revision of longattn",
+        },
+        row("routing", 64, 1.0, 10),
+    ]
     text = benchmark.report(args, results, "python scripts/benchmark.py --against main~1")
     assert "After: working tree at def5678; before: `main~1` (abc1234)." in text
     assert "| full | 64 | 2.000 | 1.000 | 0.50 | 10 | 5 | 0.50 | 0.50 |" in text
@@ -215,8 +276,18 @@ def test_real_worker_of_an_old_row_imports_the_export(benchmark, tmp_path):
     """One real worker (length 64) of `full@HEAD` measures the package exported from git, not this checkout's."""
     short = benchmark.export_revision("HEAD", tmp_path)
     args = benchmark.argparse.Namespace(
-        batch=1, hidden=32, heads=2, window=16, global_tokens=0, repeats=1, wait_idle=0.0, timeout=60.0,
-        tensor_memory=False, set=[], allocator="glibc", against_tree=tmp_path,
+        batch=1,
+        hidden=32,
+        heads=2,
+        window=16,
+        global_tokens=0,
+        repeats=1,
+        wait_idle=0.0,
+        timeout=60.0,
+        tensor_memory=False,
+        set=[],
+        allocator="glibc",
+        against_tree=tmp_path,
     )
     result = benchmark.run_one(args, f"full@{short}", 64, "fwd")
     assert "error" not in result, result

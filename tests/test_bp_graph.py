@@ -24,9 +24,18 @@ from longattn.attention_binary_partition import (
 
 
 def _config(**overrides) -> LongAttnConfig:
-    fields = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                  attention_type="binary_partition", binary_partition_context=2)
+    fields = dict(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attention_type="binary_partition",
+        binary_partition_context=2,
+    )
     fields.update(overrides)
     return LongAttnConfig(**fields)
 
@@ -88,7 +97,7 @@ def _inputs(n: int, *, dtype=torch.float64, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(3, 2, n, 8, generator=generator, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(3, n, dtype=torch.bool)
-    mask[1, n - min(n - 1, 5):] = False  # right padding
+    mask[1, n - min(n - 1, 5) :] = False  # right padding
     mask[2, : n // 2] = False  # left padding
     bias = (torch.randn(2, num_edge_types(2), generator=generator, dtype=dtype) * 0.5).requires_grad_(True)
     return q, k, v, mask, bias

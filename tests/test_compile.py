@@ -33,8 +33,9 @@ ONE_LAYER_OVERRIDES: dict[str, dict] = {
 
 
 def _tiny(kind: str, **overrides) -> LongAttnConfig:
-    return tiny_config(kind, **{"vocab_size": 64, "num_hidden_layers": 1, **ONE_LAYER_OVERRIDES.get(kind, {}),
-                                **overrides})
+    return tiny_config(
+        kind, **{"vocab_size": 64, "num_hidden_layers": 1, **ONE_LAYER_OVERRIDES.get(kind, {}), **overrides}
+    )
 
 
 def _inputs(batch: int = 2, length: int = 24) -> dict[str, torch.Tensor]:
@@ -147,13 +148,34 @@ def test_benchmark_compile_option_times_eager_and_compiled_side_by_side(monkeypa
 
     def fake_run_one(args, impl, length, mode, compiled=False):  # no worker process: the report is under test
         calls.append((impl, compiled))
-        return {"impl": impl, "length": length, "mode": mode, "time_s": 0.1 if compiled else 0.3, "other_load": 0.0,
-                "peak_rss_mb": 10.0, "tensor_peak_mb": None}
+        return {
+            "impl": impl,
+            "length": length,
+            "mode": mode,
+            "time_s": 0.1 if compiled else 0.3,
+            "other_load": 0.0,
+            "peak_rss_mb": 10.0,
+            "tensor_peak_mb": None,
+        }
 
     monkeypatch.setattr(benchmark, "run_one", fake_run_one)
     out = tmp_path / "report.md"
-    benchmark.main(["--impls", "full", "sliding", "--lengths", "64", "--mode", "fwd", "--baseline", "full",
-                    "--compile", "--out", str(out)])
+    benchmark.main(
+        [
+            "--impls",
+            "full",
+            "sliding",
+            "--lengths",
+            "64",
+            "--mode",
+            "fwd",
+            "--baseline",
+            "full",
+            "--compile",
+            "--out",
+            str(out),
+        ]
+    )
     assert calls == [("full", False), ("full", True), ("sliding", False), ("sliding", True)]
     report = out.read_text()
     assert "## torch.compile" in report

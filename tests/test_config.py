@@ -14,8 +14,14 @@ from transformers import AutoConfig, BertConfig, BertModel, LlamaConfig, LlamaFo
 import longattn
 from longattn import LongAttnConfig
 
-TINY = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=64)
+TINY = dict(
+    vocab_size=60,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 def tiny(**fields) -> LongAttnConfig:
@@ -67,14 +73,29 @@ def test_a_field_outside_its_type_or_range_is_refused_naming_it(fields):
 
 
 def test_values_inside_the_ranges_are_accepted():
-    config = tiny(rope_theta=500000, layer_norm_eps=1e-12, initializer_range=0.0, classifier_dropout=None,
-                  eos_token_id=[2, 3], pad_token_id=None, hidden_act="silu", is_decoder=True)
+    config = tiny(
+        rope_theta=500000,
+        layer_norm_eps=1e-12,
+        initializer_range=0.0,
+        classifier_dropout=None,
+        eos_token_id=[2, 3],
+        pad_token_id=None,
+        hidden_act="silu",
+        is_decoder=True,
+    )
     assert config.rope_theta == 500000 and config.eos_token_id == [2, 3]
 
 
 def test_a_saved_config_round_trips(tmp_path):
-    config = tiny(attention_type=["sliding", "lsh"], sliding_window=3, lsh_seed=4, classifier_dropout=0.2,
-                  rope_theta=1e6, is_decoder=True, num_labels=3)
+    config = tiny(
+        attention_type=["sliding", "lsh"],
+        sliding_window=3,
+        lsh_seed=4,
+        classifier_dropout=0.2,
+        rope_theta=1e6,
+        is_decoder=True,
+        num_labels=3,
+    )
     config.save_pretrained(tmp_path)
     expected = {**config.to_dict(), "_name_or_path": None}
     for loaded in (LongAttnConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
@@ -95,8 +116,17 @@ def test_the_recipes_overrides_of_a_saved_config_name_the_close_field(tmp_path):
 
     tiny().save_pretrained(tmp_path)
     args = training.recipe_parser(None, task="mlm").parse_args(
-        ["--train_file", __file__, "--output_dir", str(tmp_path / "out"), "--config_name", str(tmp_path),
-         "--config_overrides", "num_labels=3,slidingwindow=4"])
+        [
+            "--train_file",
+            __file__,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--config_name",
+            str(tmp_path),
+            "--config_overrides",
+            "num_labels=3,slidingwindow=4",
+        ]
+    )
     with pytest.raises(training.RecipeError, match=r"'slidingwindow' \(did you mean sliding_window.*\) for "):
         training.load_config(args, task="mlm")
     args.config_overrides = "num_labels=3,sliding_window=4"
@@ -138,26 +168,54 @@ def test_head_dim_is_accepted_when_it_agrees_and_refused_otherwise(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- foreign folders
 def _bert():
-    return BertModel(BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=64, max_position_embeddings=64))
+    return BertModel(
+        BertConfig(
+            vocab_size=60,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _roberta():
-    return RobertaModel(RobertaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                      intermediate_size=64, max_position_embeddings=64))
+    return RobertaModel(
+        RobertaConfig(
+            vocab_size=60,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _llama():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=60,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+    )
 
 
 @pytest.mark.parametrize("build, model_type", [(_bert, "bert"), (_roberta, "roberta"), (_llama, "llama")])
 def test_a_folder_of_another_model_type_is_refused_saying_what_to_use(tmp_path, build, model_type):
     torch.manual_seed(0)
     build().save_pretrained(tmp_path)
-    for load in (longattn.LongAttnModel.from_pretrained, longattn.LongAttnForMaskedLM.from_pretrained,
-                 LongAttnConfig.from_pretrained):
+    for load in (
+        longattn.LongAttnModel.from_pretrained,
+        longattn.LongAttnForMaskedLM.from_pretrained,
+        LongAttnConfig.from_pretrained,
+    ):
         with pytest.raises(ValueError, match=rf"holds a '{model_type}' model.*AutoModel"):
             load(tmp_path)
     with pytest.raises(ValueError, match=rf"holds a '{model_type}' model"):

@@ -99,8 +99,18 @@ def test_needles_target_is_the_sorted_hidden_digits():
 
 
 def test_generate_task_writes_disjoint_jsonl_splits(tmp_path):
-    paths = data.generate_task("listops", tmp_path, num_train=20, num_validation=10, num_test=10, seed=5,
-                               min_length=10, max_length=40, max_depth=4, max_args=4)
+    paths = data.generate_task(
+        "listops",
+        tmp_path,
+        num_train=20,
+        num_validation=10,
+        num_test=10,
+        seed=5,
+        min_length=10,
+        max_length=40,
+        max_depth=4,
+        max_args=4,
+    )
     splits = {split: data.read_jsonl(path) for split, path in paths.items()}
     assert [len(splits[s]) for s in data.SPLITS] == [20, 10, 10]
     texts = [{e["text"] for e in splits[s]} for s in data.SPLITS]
@@ -111,13 +121,46 @@ def test_generate_task_writes_disjoint_jsonl_splits(tmp_path):
 
 def test_cli_writes_files_and_reports_bad_knobs_in_one_line(tmp_path, capsys):
     out = tmp_path / "needles"
-    assert data.main(["needles", "--output_dir", str(out), "--num_train", "4", "--num_validation", "2",
-                      "--num_test", "1", "--min_length", "20", "--max_length", "30"]) == 0
+    assert (
+        data.main(
+            [
+                "needles",
+                "--output_dir",
+                str(out),
+                "--num_train",
+                "4",
+                "--num_validation",
+                "2",
+                "--num_test",
+                "1",
+                "--min_length",
+                "20",
+                "--max_length",
+                "30",
+            ]
+        )
+        == 0
+    )
     assert "train: " in capsys.readouterr().out
     rows = data.read_jsonl(out / "train.jsonl")
     assert len(rows) == 4 and set(rows[0]) == {"source", "target"}
-    bad = subprocess.run([sys.executable, "-m", "longattn.train.data", "needle", "--output_dir", str(tmp_path / "x"),
-                          "--min_length", "50", "--max_length", "10"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longattn.train.data",
+            "needle",
+            "--output_dir",
+            str(tmp_path / "x"),
+            "--min_length",
+            "50",
+            "--max_length",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "min_length" in bad.stderr
 
@@ -126,8 +169,9 @@ def test_empty_splits_are_not_written_and_the_folder_loads_as_a_dataset(tmp_path
     from datasets import load_dataset
 
     (tmp_path / "test.jsonl").write_text("stale\n")
-    paths = data.generate_task("needle", tmp_path, num_train=6, num_validation=3, num_test=0, seed=1,
-                               min_length=10, max_length=20)
+    paths = data.generate_task(
+        "needle", tmp_path, num_train=6, num_validation=3, num_test=0, seed=1, min_length=10, max_length=20
+    )
     assert set(paths) == {"train", "validation"} and not (tmp_path / "test.jsonl").exists()
     loaded = load_dataset(str(tmp_path), cache_dir=str(tmp_path / "cache"))
     assert {split: len(loaded[split]) for split in loaded} == {"train": 6, "validation": 3}

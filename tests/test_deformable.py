@@ -21,9 +21,17 @@ from longattn.attention_deformable import (
 
 def config(**overrides) -> LongAttnConfig:
     fields = dict(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=512, attention_type="deformable", deformable_levels=3, deformable_points=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        attention_type="deformable",
+        deformable_levels=3,
+        deformable_points=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     fields.update(overrides)
     return LongAttnConfig(**fields)
@@ -59,7 +67,7 @@ def written_out(v, offsets, probs, mask):
         positions = torch.arange(n) if mask is None else (mask[row].long().cumsum(0) - 1).clamp(min=0)
         for level in range(levels):
             ratio = 2**level
-            cells = [real[:, j * ratio:(j + 1) * ratio].mean(1) for j in range(-(-r // ratio))]  # each [h, d]
+            cells = [real[:, j * ratio : (j + 1) * ratio].mean(1) for j in range(-(-r // ratio))]  # each [h, d]
             for head in range(h):
                 for i in range(n):
                     reference = (positions[i].item() + 0.5) / ratio - 0.5
@@ -159,8 +167,9 @@ def test_padded_positions_are_never_sampled():
     mask = padding(13)
     changed = v.masked_fill(~mask[:, None, :, None], 1e3)
     real = mask[:, None, :, None].expand_as(v)
-    torch.testing.assert_close(deformable_attention(changed, offsets, probs, mask)[real],
-                               deformable_attention(v, offsets, probs, mask)[real])
+    torch.testing.assert_close(
+        deformable_attention(changed, offsets, probs, mask)[real], deformable_attention(v, offsets, probs, mask)[real]
+    )
     weights = deformable_weights(offsets, probs, mask, 13)
     assert not weights[~mask[:, None, None, :].expand_as(weights)].any()
 
@@ -175,8 +184,9 @@ def test_padded_positions_are_never_sampled():
         alone = model(input_ids=ids).last_hidden_state
         for pad in (0, 7):
             padded = torch.cat([torch.full((1, 5), pad), ids], 1)
-            torch.testing.assert_close(model(input_ids=padded, attention_mask=attention).last_hidden_state[:, 5:],
-                                       alone, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                model(input_ids=padded, attention_mask=attention).last_hidden_state[:, 5:], alone, rtol=1e-4, atol=1e-5
+            )
 
 
 def test_softmax_is_one_over_all_levels_and_points():
@@ -238,18 +248,26 @@ def test_model_trains_a_step_and_reloads_through_auto_model(tmp_path):
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert type(loaded.encoder.layers[1].self_attn) is DeformableAttention and loaded.config.deformable_levels == [2, 3]
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state,
-                                   model.longattn.eval()(input_ids=ids).last_hidden_state, rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded(input_ids=ids).last_hidden_state,
+            model.longattn.eval()(input_ids=ids).last_hidden_state,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_decoder_use_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"`attention_type`='deformable' cannot be causal: a pooled level averages "
-                                         r"later tokens and interpolation reads the next cell"):
+    with pytest.raises(
+        ValueError,
+        match=r"`attention_type`='deformable' cannot be causal: a pooled level averages "
+        r"later tokens and interpolation reads the next cell",
+    ):
         config(is_decoder=True)
 
 
-@pytest.mark.parametrize("field, value", [("deformable_levels", 0), ("deformable_points", [2, 2, 2]),
-                                          ("deformable_points", 1.5)])
+@pytest.mark.parametrize(
+    "field, value", [("deformable_levels", 0), ("deformable_points", [2, 2, 2]), ("deformable_points", 1.5)]
+)
 def test_bad_fields_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"`{field}`="):
         config(**{field: value})
@@ -258,7 +276,8 @@ def test_bad_fields_name_the_field(field, value):
 def test_stock_transformers_models_refuse_the_kind():
     from transformers import BertConfig, BertModel
 
-    model = BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=64))
+    model = BertModel(
+        BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    )
     with pytest.raises(ValueError, match="'deformable' cannot run in a stock transformers model.*hidden states"):
         longattn.apply_longattn(model, attention_type="deformable")

@@ -25,8 +25,9 @@ def test_markers_and_figure_sets_agree(figures):
 
 def test_malformed_or_unknown_markers_are_reported(figures, tmp_path):
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text("<!-- figure:quickstart.nope -->1<!-- /figure --> "
-                                        "<!-- figure:elsewhere.x -->2<!-- /figure -->")
+    (tmp_path / "README.md").write_text(
+        "<!-- figure:quickstart.nope -->1<!-- /figure --> <!-- figure:elsewhere.x -->2<!-- /figure -->"
+    )
     (tmp_path / "docs" / "a.md").write_text("<!-- figure:quickstart.steps -->400")
     problems = "\n".join(figures.check_markers(tmp_path))
     assert "has no field 'nope'" in problems and "figure set 'elsewhere' is unknown" in problems
@@ -34,8 +35,10 @@ def test_malformed_or_unknown_markers_are_reported(figures, tmp_path):
 
 
 def test_rewrite_replaces_only_the_sets_it_is_given(figures):
-    text = ("accuracy <!-- figure:quickstart.test_accuracy -->1.000<!-- /figure --> and "
-            "<!-- figure:listops_mlm.accuracy -->0.688<!-- /figure -->")
+    text = (
+        "accuracy <!-- figure:quickstart.test_accuracy -->1.000<!-- /figure --> and "
+        "<!-- figure:listops_mlm.accuracy -->0.688<!-- /figure -->"
+    )
     new = figures.rewrite(text, {"quickstart": {"test_accuracy": "0.892"}})
     assert new == text.replace("1.000", "0.892")
     assert figures.rewrite(new, {"quickstart": {"test_accuracy": "0.892"}}) == new  # a rerun is stable
@@ -65,5 +68,13 @@ def test_recipe_sets_run_the_commands_the_readme_shows(figures):
             continue  # the quickstart runs scripts/quickstart.sh itself
         assert _flags(spec.command) in recipes, name
         task, *knobs = figures.DATA[spec.data]
-        data_command = ["python", "-m", "longattn.train.data", task, "--output_dir", f"data/generated/{spec.data}", *knobs]
+        data_command = [
+            "python",
+            "-m",
+            "longattn.train.data",
+            task,
+            "--output_dir",
+            f"data/generated/{spec.data}",
+            *knobs,
+        ]
         assert data_command in shown, name

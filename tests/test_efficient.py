@@ -11,9 +11,7 @@ from longattn.ops_linear import efficient_attention, efficient_attention_weights
 
 def qkv(b=2, h=3, n=150, d=8, dtype=torch.float64, seed=0, grad=False):
     generator = torch.Generator().manual_seed(seed)
-    return tuple(
-        torch.randn(b, h, n, d, generator=generator, dtype=dtype).requires_grad_(grad) for _ in range(3)
-    )
+    return tuple(torch.randn(b, h, n, d, generator=generator, dtype=dtype).requires_grad_(grad) for _ in range(3))
 
 
 def padding_mask(b, n):
@@ -33,7 +31,9 @@ def test_scaling_normalisation_equals_dot_product_attention():
     q, k, v = qkv()
     n = q.shape[2]
     visible = torch.ones(n, n, dtype=torch.bool)
-    torch.testing.assert_close(efficient_attention(q, k, v, normalization="scaling"), dot_product_scaling(q, k, v, visible))
+    torch.testing.assert_close(
+        efficient_attention(q, k, v, normalization="scaling"), dot_product_scaling(q, k, v, visible)
+    )
     causal = visible.tril()
     torch.testing.assert_close(
         efficient_attention(q, k, v, normalization="scaling", causal=True), dot_product_scaling(q, k, v, causal)
@@ -155,8 +155,14 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("normalization", ["softmax", "scaling"])
 def test_kind_uses_the_kernel_and_explicit_weights_agree(normalization):
     config = longattn.LongAttnConfig(
-        attention_type="efficient", efficient_normalization=normalization, hidden_size=32, num_attention_heads=2,
-        num_hidden_layers=1, intermediate_size=64, vocab_size=50, max_position_embeddings=128,
+        attention_type="efficient",
+        efficient_normalization=normalization,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=50,
+        max_position_embeddings=128,
     )
     model = longattn.LongAttnModel(config).eval()
     ids = torch.randint(4, 50, (2, 45), generator=torch.Generator().manual_seed(0))

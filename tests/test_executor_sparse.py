@@ -34,8 +34,16 @@ def test_strided_equals_the_dense_reference(stride, causal, padding, n_q, n_k):
     key_padding_mask = three_padded_rows(n_k, left=True) if padding else None
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     # Small blocks: several band blocks and several class sub-blocks (each its own call when causal).
-    out = _check(executor_sparse.strided_blocked_attention, mask_fn, n_q, n_k, stride=stride, causal=causal,
-                 block_size=4, class_block=2)[0]
+    out = _check(
+        executor_sparse.strided_blocked_attention,
+        mask_fn,
+        n_q,
+        n_k,
+        stride=stride,
+        causal=causal,
+        block_size=4,
+        class_block=2,
+    )[0]
     if padding:
         assert not out[2].any(), "a query that sees no key gets zeros"
 
@@ -59,13 +67,26 @@ def test_fixed_equals_the_dense_reference(block_size, num_summary, summary_per_h
     # Right padding only: the executor's blocks start at position 0, as the pattern's do when the first real token
     # is at 0 (`ops.fixed_attention` rolls left-padded rows before calling the executor).
     key_padding_mask = three_padded_rows(n_k, left=False) if padding else None
-    mask_fn = patterns.fixed_pattern(block_size=block_size, num_summary=num_summary,
-                                     summary_per_head=summary_per_head, causal=causal,
-                                     key_padding_mask=key_padding_mask)
+    mask_fn = patterns.fixed_pattern(
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+    )
     # Sub-blocks of 2 rows and 3 causal groups: every loop of the executor runs more than once.
-    out = _check(executor_sparse.fixed_blocked_attention, mask_fn, n_q, n_k, block_size=block_size,
-                 num_summary=num_summary, summary_per_head=summary_per_head, causal=causal, max_block_rows=2,
-                 causal_groups=3)[0]
+    out = _check(
+        executor_sparse.fixed_blocked_attention,
+        mask_fn,
+        n_q,
+        n_k,
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        max_block_rows=2,
+        causal_groups=3,
+    )[0]
     if padding:
         assert not out[2].any(), "a query that sees no key gets zeros"
 
@@ -73,15 +94,27 @@ def test_fixed_equals_the_dense_reference(block_size, num_summary, summary_per_h
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_fixed_default_blocks_equal_the_dense_reference(causal):
     mask_fn = patterns.fixed_pattern(block_size=6, num_summary=2, summary_per_head=True, causal=causal)
-    _check(executor_sparse.fixed_blocked_attention, mask_fn, 53, 53, block_size=6, num_summary=2,
-           summary_per_head=True, causal=causal)
+    _check(
+        executor_sparse.fixed_blocked_attention,
+        mask_fn,
+        53,
+        53,
+        block_size=6,
+        num_summary=2,
+        summary_per_head=True,
+        causal=causal,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- edges
-@pytest.mark.parametrize("executor, kwargs", [
-    (executor_sparse.strided_blocked_attention, dict(stride=3)),
-    (executor_sparse.fixed_blocked_attention, dict(block_size=4, num_summary=1)),
-], ids=["strided", "fixed"])
+@pytest.mark.parametrize(
+    "executor, kwargs",
+    [
+        (executor_sparse.strided_blocked_attention, dict(stride=3)),
+        (executor_sparse.fixed_blocked_attention, dict(block_size=4, num_summary=1)),
+    ],
+    ids=["strided", "fixed"],
+)
 def test_no_query_gives_an_empty_output(executor, kwargs):
     q, k, v = random_qkv(B, H, 0, D, n_k=9)
     out = executor(q, k, v, mask_fn=patterns.causal_mask(), causal=True, scale=SCALE, **kwargs)

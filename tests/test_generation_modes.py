@@ -76,7 +76,8 @@ def test_seq2seq_assisted_and_beam_search(kind):
     model = longattn.LongAttnForSeq2SeqLM(kind_config(kind, eos_token_id=None, initializer_range=0.5)).eval()
     torch.manual_seed(1)
     assistant = longattn.LongAttnForSeq2SeqLM(
-        kind_config("full", num_hidden_layers=1, eos_token_id=None, initializer_range=0.5)).eval()
+        kind_config("full", num_hidden_layers=1, eos_token_id=None, initializer_range=0.5)
+    ).eval()
     source = random_ids(1, 21)
     greedy = model.generate(source, **GREEDY)
     torch.testing.assert_close(model.generate(source, assistant_model=assistant, **GREEDY), greedy, rtol=0, atol=0)

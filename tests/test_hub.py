@@ -24,8 +24,14 @@ from longattn.attention_registry import ATTENTION_CLASSES
 from longattn.tokenization_longattn import byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=128, hidden_dropout_prob=0.0)
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    hidden_dropout_prob=0.0,
+)
 
 # Runs in a fresh interpreter: longattn is made unimportable (the editable install's finder is shadowed and the repo
 # is off sys.path), then every folder is loaded with trust_remote_code and run on the given inputs.
@@ -82,9 +88,14 @@ def _outputs(model, tokenizer, decoder_input_ids=None) -> torch.Tensor:
 
 
 def _save(model, folder: Path, task: str = "mlm") -> Path:
-    card = hub.model_card(model.config, task=task, metrics={"eval_accuracy": 0.5, "eval_loss": 1.25},
-                          training_data="tiny test data", command="python recipes/run_x.py --flag",
-                          extra={"train_steps": 3})
+    card = hub.model_card(
+        model.config,
+        task=task,
+        metrics={"eval_accuracy": 0.5, "eval_loss": 1.25},
+        training_data="tiny test data",
+        command="python recipes/run_x.py --flag",
+        extra={"train_steps": 3},
+    )
     return hub.save_hub_folder(model, byte_tokenizer(model_max_length=128), folder, card=card)
 
 
@@ -94,8 +105,17 @@ def test_code_closure_holds_every_registered_kind():
         assert Path(sys.modules[kind_class.__module__].__file__).name in closure, kind_class
     assert {"modeling_longattn.py", "configuration_longattn.py", "attention_registry.py"} <= set(closure)
     # Every executor the ops dispatch to is a flat sibling the walk reaches.
-    assert {"ops.py", "backends.py", "executor_reference.py", "executor_blocked.py", "executor_sparse.py",
-            "executor_flex.py", "executor_xformers.py", "patterns.py", "numerics.py"} <= set(closure)
+    assert {
+        "ops.py",
+        "backends.py",
+        "executor_reference.py",
+        "executor_blocked.py",
+        "executor_sparse.py",
+        "executor_flex.py",
+        "executor_xformers.py",
+        "patterns.py",
+        "numerics.py",
+    } <= set(closure)
     assert "__init__.py" not in closure and "training.py" not in closure and "hub.py" not in closure
 
 
@@ -167,8 +187,10 @@ def test_trust_remote_code_without_longattn_matches_the_plain_load(tmp_path):
     specs, expected = [], {}
     mixed = longattn.LongAttnForMaskedLM(LongAttnConfig(**TINY, attention_type=["sliding", "full"], sliding_window=4))
     seq2seq = longattn.LongAttnForSeq2SeqLM(LongAttnConfig(**TINY, sliding_window=4))
-    models = [("mixed_mlm", mixed, "AutoModelForMaskedLM", AutoModelForMaskedLM, "mlm"),
-              ("seq2seq", seq2seq, "AutoModelForSeq2SeqLM", AutoModelForSeq2SeqLM, "seq2seq")]
+    models = [
+        ("mixed_mlm", mixed, "AutoModelForMaskedLM", AutoModelForMaskedLM, "mlm"),
+        ("seq2seq", seq2seq, "AutoModelForSeq2SeqLM", AutoModelForSeq2SeqLM, "seq2seq"),
+    ]
     for kind in longattn.available_attention_types():
         config = LongAttnConfig(**{**TINY, "attention_type": kind, **KIND_OVERRIDES.get(kind, {})})
         models.append((f"kind_{kind}", longattn.LongAttnModel(config), "AutoModel", AutoModel, "mlm"))
@@ -187,9 +209,14 @@ def test_trust_remote_code_without_longattn_matches_the_plain_load(tmp_path):
     (tmp_path / "loader.py").write_text(FRESH_LOADER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    done = subprocess.run([sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "spec.json"),
-                           str(tmp_path / "out.pt"), str(REPO)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "loader.py"), str(tmp_path / "spec.json"), str(tmp_path / "out.pt"), str(REPO)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     fresh = torch.load(tmp_path / "out.pt")
     assert set(fresh) == set(expected)

@@ -52,35 +52,107 @@ from longattn import LongAttnConfig, apply_longattn
 from longattn.integration_transformers import longattn_attention_forward
 
 VOCAB, LENGTH = 100, 48
-ROPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
-            vocab_size=VOCAB, max_position_embeddings=256)
+ROPE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+)
 FAMILIES = {
     # name: (model class, config, causal)
-    "bert": (BertModel, lambda: BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           intermediate_size=64, max_position_embeddings=256,
-                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), False),
-    "roberta": (RobertaModel, lambda: RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                    num_attention_heads=4, intermediate_size=64,
-                                                    max_position_embeddings=258, hidden_dropout_prob=0.0,
-                                                    attention_probs_dropout_prob=0.0), False),
-    "gpt2": (GPT2LMHeadModel, lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
-                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), True),
+    "bert": (
+        BertModel,
+        lambda: BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        False,
+    ),
+    "roberta": (
+        RobertaModel,
+        lambda: RobertaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=258,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        False,
+    ),
+    "gpt2": (
+        GPT2LMHeadModel,
+        lambda: GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        True,
+    ),
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(**ROPE), True),
     "mistral": (MistralForCausalLM, lambda: MistralConfig(**ROPE), True),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**ROPE), True),
-    "bart": (BartModel, lambda: BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-                                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                           decoder_ffn_dim=64, max_position_embeddings=256, dropout=0.0,
-                                           attention_dropout=0.0), False),
+    "bart": (
+        BartModel,
+        lambda: BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=256,
+            dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        False,
+    ),
 }
-ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-               max_position_embeddings=256, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+ENCODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=256,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 MORE_FAMILIES = {
     "xlm_roberta": (XLMRobertaModel, lambda: XLMRobertaConfig(**ENCODER), False),
     "electra": (ElectraModel, lambda: ElectraConfig(**ENCODER, embedding_size=32), False),
-    "opt": (OPTForCausalLM, lambda: OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                              num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0,
-                                              attention_dropout=0.0), True),
+    "opt": (
+        OPTForCausalLM,
+        lambda: OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        True,
+    ),
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**ROPE, head_dim=16), True),
     "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**ROPE, pad_token_id=0, eos_token_id=2, bos_token_id=1), True),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**ROPE, head_dim=16), True),
@@ -161,9 +233,11 @@ def test_mask_function_returns_the_padding_mask_cut_to_the_cached_keys():
 
 # ------------------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("family", [name for name in FAMILIES if name not in MORE_FAMILIES])
-@pytest.mark.parametrize("fields", [{"attention_type": "full"},
-                                    {"attention_type": "sliding", "sliding_window": LENGTH}],
-                         ids=["full", "covering_window"])
+@pytest.mark.parametrize(
+    "fields",
+    [{"attention_type": "full"}, {"attention_type": "sliding", "sliding_window": LENGTH}],
+    ids=["full", "covering_window"],
+)
 def test_equals_sdpa_with_padding(family, fields):
     """A window covering the sequence (or "full"): outputs and gradients equal the same model under sdpa."""
     reference = build(family)
@@ -177,8 +251,12 @@ SPARSE_FIELDS = {
     "sliding": {"attention_type": "sliding", "sliding_window": 5, "sliding_dilation": [1, 1, 2, 3]},
     "strided": {"attention_type": "strided", "strided_stride": [4, 6]},
     "fixed": {"attention_type": "fixed", "fixed_block_size": 8, "fixed_num_summary": 2},
-    "per_layer": {"attention_type": ["sliding", "fixed"], "sliding_window": 4, "fixed_block_size": 6,
-                  "fixed_num_summary": 1},
+    "per_layer": {
+        "attention_type": ["sliding", "fixed"],
+        "sliding_window": 4,
+        "fixed_block_size": 6,
+        "fixed_num_summary": 1,
+    },
 }
 
 
@@ -220,15 +298,19 @@ def test_bart_global_tokens_apply_to_the_encoder_only():
     out = model(**batch, global_attention_mask=global_mask)
     # the same encoder output fed to the decoder without global tokens gives the same decoder output
     decoder_only = model(
-        encoder_outputs=(out.encoder_last_hidden_state,), attention_mask=batch["attention_mask"],
+        encoder_outputs=(out.encoder_last_hidden_state,),
+        attention_mask=batch["attention_mask"],
         decoder_input_ids=batch["decoder_input_ids"],
     )
     torch.testing.assert_close(out.last_hidden_state, decoder_only.last_hidden_state)
 
 
 # ------------------------------------------------------------------------------------------ generation and cache
-GENERATE_CASES = [(family, "sliding") for family in CAUSAL] + [("llama", "dilated"), ("gpt2", "strided"),
-                                                                ("llama", "synthesizer")]
+GENERATE_CASES = [(family, "sliding") for family in CAUSAL] + [
+    ("llama", "dilated"),
+    ("gpt2", "strided"),
+    ("llama", "synthesizer"),
+]
 GENERATE_FIELDS = {
     "sliding": {"attention_type": "sliding", "sliding_window": 4},  # a bounded cache (window 5)
     "dilated": {"attention_type": "sliding", "sliding_window": 3, "sliding_dilation": 2},  # full cache layers
@@ -317,14 +399,22 @@ def test_qwen2_layer_types_follow_the_dict():
 PARAMETRIZED_KINDS = {
     "linformer": {"attention_type": "linformer", "linformer_proj_len": 8},
     "sinkhorn": {"attention_type": "sinkhorn", "sinkhorn_block_size": 8},
-    "routing": {"attention_type": "routing", "routing_num_clusters": 4, "routing_num_local_heads": 1,
-                "routing_local_window": 4},
+    "routing": {
+        "attention_type": "routing",
+        "routing_num_clusters": 4,
+        "routing_num_local_heads": 1,
+        "routing_local_window": 4,
+    },
     "adaptive_span": {"attention_type": "adaptive_span", "adaptive_span_max": 16, "adaptive_span_ramp": 4},
     "efficient": {"attention_type": "efficient"},
     "sliding": {"attention_type": "sliding", "sliding_window": 4},
     "random_synthesizer": {"attention_type": "synthesizer", "synthesizer_mode": "random"},
-    "factorized_random_mixed": {"attention_type": "synthesizer", "synthesizer_mode": "factorized_random",
-                                "synthesizer_factor_k": 4, "synthesizer_mix": True},
+    "factorized_random_mixed": {
+        "attention_type": "synthesizer",
+        "synthesizer_mode": "factorized_random",
+        "synthesizer_factor_k": 4,
+        "synthesizer_mix": True,
+    },
 }
 
 
@@ -394,8 +484,13 @@ def test_saved_implementation_follows_set_attn_implementation(tmp_path):
 def test_auxiliary_loss_of_a_stock_model_is_its_kinds_span_penalty():
     """A stock head's loss does not know the kinds: `longattn.auxiliary_loss(model)` is the sum of adaptive span's
     per-layer penalties (λ · S · mean fraction), differentiable in the spans; None for kinds without one."""
-    model = apply_longattn(build("bert"), attention_type="adaptive_span", adaptive_span_max=16, adaptive_span_ramp=4,
-                           adaptive_span_loss_coef=0.5)
+    model = apply_longattn(
+        build("bert"),
+        attention_type="adaptive_span",
+        adaptive_span_max=16,
+        adaptive_span_ramp=4,
+        adaptive_span_loss_coef=0.5,
+    )
     kinds = [module for name, module in model.named_modules() if name.endswith(".longattn")]
     assert len(kinds) == 2
     with torch.no_grad():
@@ -427,8 +522,9 @@ def test_direct_construction_is_refused_at_forward_with_what_to_call():
 
 
 def test_family_that_never_calls_the_interface_is_refused():
-    config = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=64)
+    config = DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
     with pytest.raises(ValueError, match="DebertaV2Model.*never call transformers' AttentionInterface"):
         apply_longattn(DebertaV2Model(config), attention_type="sliding")
 
@@ -462,8 +558,9 @@ def test_fields_are_validated_like_longattn_config():
     with pytest.raises(ValueError) as stock:
         apply_longattn(model, attention_type="sliding", sliding_window=0)
     assert str(stock.value) == str(native.value)
-    with pytest.raises(ValueError,
-                       match=r"`longattn` dict: unknown config field\(s\) 'sliding_windw' \(did you mean sliding_window"):
+    with pytest.raises(
+        ValueError, match=r"`longattn` dict: unknown config field\(s\) 'sliding_windw' \(did you mean sliding_window"
+    ):
         apply_longattn(model, attention_type="sliding", sliding_windw=4)
     with pytest.raises(ValueError, match="has 3 entries"):
         apply_longattn(model, attention_type=["sliding", "full", "full"])
@@ -496,15 +593,21 @@ def test_kind_parameters_missing_from_a_stock_checkpoint_are_initialised_by_the_
     from transformers import AutoConfig
 
     build("bert").save_pretrained(tmp_path)
-    for fields, name in (({"attention_type": "adaptive_span", "adaptive_span_max": 16}, "span_fraction"),
-                         ({"attention_type": "routing", "routing_num_clusters": 4}, "centroids")):
+    for fields, name in (
+        ({"attention_type": "adaptive_span", "adaptive_span_max": 16}, "span_fraction"),
+        ({"attention_type": "routing", "routing_num_clusters": 4}, "centroids"),
+    ):
         config = AutoConfig.from_pretrained(tmp_path)
         config.longattn = fields
-        model, info = AutoModel.from_pretrained(tmp_path, config=config, attn_implementation="longattn",
-                                                output_loading_info=True)
+        model, info = AutoModel.from_pretrained(
+            tmp_path, config=config, attn_implementation="longattn", output_loading_info=True
+        )
         assert {key.rsplit(".", 1)[-1] for key in info["missing_keys"]} == {name}
-        tensor = model.encoder.layer[1].attention.self.longattn.get_parameter(name) if name == "span_fraction" else (
-            model.encoder.layer[1].attention.self.longattn.centroids)
+        tensor = (
+            model.encoder.layer[1].attention.self.longattn.get_parameter(name)
+            if name == "span_fraction"
+            else (model.encoder.layer[1].attention.self.longattn.centroids)
+        )
         if name == "span_fraction":
             assert torch.equal(tensor, torch.zeros_like(tensor))
         else:
@@ -566,9 +669,14 @@ def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a dense [n, m] mask was built")
 
-    for target in ("longattn.ops.materialize_mask", "longattn.attention_base.materialize_mask",
-                   "longattn.executor_reference.materialize_mask", "longattn.executor_reference.reference_attention",
-                   "longattn.ops.reference_attention", "longattn.attention_base.reference_attention"):
+    for target in (
+        "longattn.ops.materialize_mask",
+        "longattn.attention_base.materialize_mask",
+        "longattn.executor_reference.materialize_mask",
+        "longattn.executor_reference.reference_attention",
+        "longattn.ops.reference_attention",
+        "longattn.attention_base.reference_attention",
+    ):
         monkeypatch.setattr(target, refuse)
     batch = inputs("roberta")
     model(**batch, global_attention_mask=batch["attention_mask"].bool() & (torch.arange(LENGTH) == 0))

@@ -40,7 +40,8 @@ def test_the_configuration_imports_no_kind_op_or_executor():
 
 def test_a_hub_folder_carries_the_field_table():
     assert code_closure(entry_points=("configuration_longattn.py",)) == [
-        "attention_fields.py", "configuration_longattn.py"
+        "attention_fields.py",
+        "configuration_longattn.py",
     ]
     assert "attention_fields.py" in code_closure()
 
@@ -69,9 +70,17 @@ def test_per_layer_optional_fields_take_none_entries():
 @pytest.mark.parametrize("kind", ["reduction", "linformer", "synthesizer"])
 def test_the_dense_form_equals_the_fast_path(kind):
     """The "reference" back end takes each kind's dense form (weights returned), with the same output."""
-    config = LongAttnConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=32, attention_type=kind,
-                            reduction_ratio=3, linformer_proj_len=8)
+    config = LongAttnConfig(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        attention_type=kind,
+        reduction_ratio=3,
+        linformer_proj_len=8,
+    )
     torch.manual_seed(0)
     layer = ATTENTION_CLASSES[kind](config, layer_idx=0, is_causal=False).double().eval()
     hidden_states = torch.randn(2, 11, 32, dtype=torch.float64)

@@ -37,8 +37,11 @@ LENGTHENED = ("bert", "roberta", "gpt2", "llama", "qwen2", "bart")  # llama: 2 k
 
 
 def _tables(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()
-            if name.endswith(("position_embeddings.weight", "wpe.weight", "embed_positions.weight"))}
+    return {
+        name: p.detach().clone()
+        for name, p in model.named_parameters()
+        if name.endswith(("position_embeddings.weight", "wpe.weight", "embed_positions.weight"))
+    }
 
 
 @pytest.mark.parametrize("family", LENGTHENED)
@@ -58,7 +61,7 @@ def test_lengthen_from_a_folder_reads_max_length_and_reloads(family, tmp_path):
         old = old_tables[name]
         assert new.shape[0] == NEW_TOKENS + offset and old.shape[0] == OLD_TOKENS + offset
         torch.testing.assert_close(new[: offset + OLD_TOKENS], old)
-        torch.testing.assert_close(new[offset + OLD_TOKENS:], old[offset: offset + NEW_TOKENS - OLD_TOKENS])
+        torch.testing.assert_close(new[offset + OLD_TOKENS :], old[offset : offset + NEW_TOKENS - OLD_TOKENS])
     assert bool(_tables(model)) == (family in ("bert", "roberta", "gpt2", "bart"))
     for name, buffer in model.named_buffers():
         if name.endswith(("embeddings.position_ids", "embeddings.token_type_ids")):
@@ -100,14 +103,34 @@ def lengthened_roberta(tmp_path_factory) -> Path:
     sliding window (the README's flow, offline)."""
     root = tmp_path_factory.mktemp("roberta")
     tokenizer = byte_tokenizer(model_max_length=OLD_TOKENS)
-    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, pad_token_id=tokenizer.pad_token_id,
-                           max_position_embeddings=OLD_TOKENS + tokenizer.pad_token_id + 1, num_labels=2)
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=OLD_TOKENS + tokenizer.pad_token_id + 1,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     RobertaForSequenceClassification(config).save_pretrained(root / "src")
     tokenizer.save_pretrained(root / "src")
-    assert lengthen_main([str(root / "src"), str(root / "out"), "--max_length", str(NEW_TOKENS),
-                          "--attention_type", "sliding", "--sliding_window", "8"]) == 0
+    assert (
+        lengthen_main(
+            [
+                str(root / "src"),
+                str(root / "out"),
+                "--max_length",
+                str(NEW_TOKENS),
+                "--attention_type",
+                "sliding",
+                "--sliding_window",
+                "8",
+            ]
+        )
+        == 0
+    )
     return root / "out"
 
 
@@ -127,11 +150,19 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta, capsys):
 
 
 def test_without_longattn_the_folder_fails_to_load(lengthened_roberta):
-    code = ("import sys\nfrom transformers import AutoModelForSequenceClassification as A\n"
-            f"A.from_pretrained({str(lengthened_roberta)!r})\nassert 'longattn' not in sys.modules\n")
+    code = (
+        "import sys\nfrom transformers import AutoModelForSequenceClassification as A\n"
+        f"A.from_pretrained({str(lengthened_roberta)!r})\nassert 'longattn' not in sys.modules\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=lengthened_roberta.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=lengthened_roberta.parent,
+    )
     # transformers' own error about the unknown implementation, never a model silently running full attention
     last = done.stderr.splitlines()[-1]
     assert done.returncode != 0 and 'attn_implementation="longattn"` is not supported' in last, done.stderr[-2000:]
@@ -140,7 +171,8 @@ def test_without_longattn_the_folder_fails_to_load(lengthened_roberta):
 def _record_global_masks(model) -> list[torch.Tensor]:
     seen = []
     model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs.get("global_attention_mask")), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(kwargs.get("global_attention_mask")), with_kwargs=True
+    )
     return seen
 
 
@@ -154,8 +186,16 @@ def test_trainer_fine_tunes_saves_and_reloads(lengthened_roberta, tmp_path):
     train = [{**tokenizer(text), "label": i % 2} for i, text in enumerate(texts)]
     collator = training.DataCollatorWithGlobalAttention(tokenizer, global_first_token=True)
     seen = _record_global_masks(model)
-    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, max_steps=2,
-                             learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     Trainer(model=model, args=args, train_dataset=train, data_collator=collator).train()
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
@@ -173,12 +213,15 @@ def test_trainer_fine_tunes_saves_and_reloads(lengthened_roberta, tmp_path):
 
 def test_global_attention_collator_pads_ragged_masks():
     tokenizer = byte_tokenizer(padding_side="left")
-    features = [{**tokenizer("abcd"), "global_attention_mask": [1, 0, 1, 0, 0, 0]},
-                {**tokenizer("ab"), "global_attention_mask": [0, 1, 0, 0]}]
+    features = [
+        {**tokenizer("abcd"), "global_attention_mask": [1, 0, 1, 0, 0, 0]},
+        {**tokenizer("ab"), "global_attention_mask": [0, 1, 0, 0]},
+    ]
     batch = training.DataCollatorWithGlobalAttention(tokenizer)(features)
     assert batch["global_attention_mask"].tolist() == [[1, 0, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0]]
     first = training.DataCollatorWithGlobalAttention(tokenizer, global_first_token=True)(
-        [{k: v for k, v in f.items() if k != "global_attention_mask"} for f in features])
+        [{k: v for k, v in f.items() if k != "global_attention_mask"} for f in features]
+    )
     assert first["global_attention_mask"].tolist() == [[1, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]
 
 
@@ -186,14 +229,17 @@ def test_global_attention_collator_pads_ragged_masks():
 def test_recipe_settings_for_a_lengthened_checkpoint(lengthened_roberta, tmp_path):
     parser = training.recipe_parser(None, task="classification")
     argv = ["--train_file", __file__, "--output_dir", str(tmp_path), "--model_name_or_path", str(lengthened_roberta)]
-    args = parser.parse_args([*argv, "--config_overrides",
-                              "longattn.sliding_window=16,longattn.attention_type=[sliding,full]"])
+    args = parser.parse_args(
+        [*argv, "--config_overrides", "longattn.sliding_window=16,longattn.attention_type=[sliding,full]"]
+    )
     config = training.load_config(args, task="classification")
     assert config.longattn == {"attention_type": ["sliding", "full"], "sliding_window": 16}
     assert training.length_multiple(config) >= 1 and training.attention_types(config) == ["sliding", "full"]
-    for overrides, message in (("longattn.sliding_windw=16", "sliding_windw"), ("longattn.sliding_window=-1",
-                                                                                  "sliding_window"),
-                               ("sliding_window=16", "longattn.FIELD")):
+    for overrides, message in (
+        ("longattn.sliding_windw=16", "sliding_windw"),
+        ("longattn.sliding_window=-1", "sliding_window"),
+        ("sliding_window=16", "longattn.FIELD"),
+    ):
         bad = parser.parse_args([*argv, "--config_overrides", overrides])
         with pytest.raises(training.RecipeError, match=message):
             training.load_config(bad, task="classification")
@@ -212,19 +258,31 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     seen = []
     load_model = training.load_model
-    monkeypatch.setattr(training, "load_model", lambda *a, **k: (m := load_model(*a, **k), seen.append(
-        _record_global_masks(m)))[0])
+    monkeypatch.setattr(
+        training, "load_model", lambda *a, **k: (m := load_model(*a, **k), seen.append(_record_global_masks(m)))[0]
+    )
     recipe = load_script("recipes/run_classification.py", "recipe_classification")
     out = tmp_path / "run"
-    results = recipe.main(["--model_name_or_path", str(lengthened_roberta),
-                           "--train_file", str(tmp_path / "train.jsonl"),
-                           "--validation_file", str(tmp_path / "train.jsonl"),
-                           "--config_overrides", "longattn.sliding_window=4", "--output_dir", str(out),
-                           "--per_device_train_batch_size", "4", "--max_train_steps", "2"])
+    results = recipe.main(
+        [
+            "--model_name_or_path",
+            str(lengthened_roberta),
+            "--train_file",
+            str(tmp_path / "train.jsonl"),
+            "--validation_file",
+            str(tmp_path / "train.jsonl"),
+            "--config_overrides",
+            "longattn.sliding_window=4",
+            "--output_dir",
+            str(out),
+            "--per_device_train_batch_size",
+            "4",
+            "--max_train_steps",
+            "2",
+        ]
+    )
     assert results["train_steps"] == 2 and results["attention_types"] == ["sliding", "sliding"]
     assert seen and all(mask is not None and mask[:, 0].all() and mask[:, 1:].sum() == 0 for mask in seen[0])
     assert hub.hub_folder_problems(out) == [] and "pip install longattn" in (out / "README.md").read_text()
     reloaded = AutoModel.from_pretrained(out)
     assert reloaded.config._attn_implementation == "longattn" and reloaded.config.longattn["sliding_window"] == 4
-
-

@@ -95,7 +95,10 @@ def test_sharing_modes_own_the_right_parameters():
     assert names("headwise") == names("none")
     assert names("key_value") == [f"encoder.layers.{i}.self_attn.e_proj.weight" for i in (0, 1)]
     assert names("layerwise") == ["encoder.layers.0.self_attn.e_proj.weight"]
-    assert longattn.LongAttnModel(config(linformer_sharing="none")).encoder.layers[0].self_attn.e_proj.weight.shape == (48, 16)
+    assert longattn.LongAttnModel(config(linformer_sharing="none")).encoder.layers[0].self_attn.e_proj.weight.shape == (
+        48,
+        16,
+    )
 
 
 def test_layerwise_sharing_is_one_tensor_with_gradients_from_every_layer():

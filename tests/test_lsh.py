@@ -68,8 +68,7 @@ def explicit_reference(qk, v, *, rotations, bucket_size, before, after, causal, 
                         if i == j or not valid_list[bi][j]:
                             continue
                         if causal:
-                            ok = (bkt[i] == bkt[j] and j < i
-                                  and rank[i] - rank[j] <= bucket_size * before)
+                            ok = bkt[i] == bkt[j] and j < i and rank[i] - rank[j] <= bucket_size * before
                         else:
                             delta = rank[j] // bucket_size - rank[i] // bucket_size
                             ok = -before <= delta <= after
@@ -104,27 +103,31 @@ def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes
     qk, v = _inputs(n=13)
     mask = lengths_mask(13, [13, 9])
     # Through the public functional API, `longattn.ops`.
-    fast = longattn.ops.lsh_attention(qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4,
-                                      key_padding_mask=mask, seed=0)
+    fast = longattn.ops.lsh_attention(
+        qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4, key_padding_mask=mask, seed=0
+    )
     slow = dense_shared_qk(qk, v, key_padding_mask=mask)
     rows = (mask[:, None, :].expand(2, 2, 13),)
     _assert_same_with_grads(fast, slow, (qk, v), rows=rows)
 
 
-@pytest.mark.parametrize("causal, before, after", [(False, 1, 0), (False, 1, 1), (False, 0, 0), (True, 1, 0),
-                                                   (True, 2, 0)])
+@pytest.mark.parametrize(
+    "causal, before, after", [(False, 1, 0), (False, 1, 1), (False, 0, 0), (True, 1, 0), (True, 2, 0)]
+)
 def test_fast_path_equals_the_explicit_permutation_reference(causal, before, after):
     qk, v = _inputs(n=23, seed=1)
     mask = lengths_mask(23, [23, 17])
     rotations = lsh_rotations(heads=2, head_dim=8, num_hashes=2, num_buckets=4, seed=3, dtype=torch.float64)
     kwargs = dict(bucket_size=4, causal=causal, key_padding_mask=mask)
-    fast = lsh_attention(qk, v, num_hashes=2, num_chunks_before=before, num_chunks_after=after,
-                         rotations=rotations, **kwargs)
+    fast = lsh_attention(
+        qk, v, num_hashes=2, num_chunks_before=before, num_chunks_after=after, rotations=rotations, **kwargs
+    )
     slow = explicit_reference(qk, v, rotations=rotations, before=before, after=after, **kwargs)
     rows = (mask[:, None, :].expand(2, 2, 23),)
     _assert_same_with_grads(fast, slow, (qk, v), rows=rows)
-    dense, weights = lsh_attention_dense(qk, qk, v, rotations=rotations, num_chunks_before=before,
-                                         num_chunks_after=after, **kwargs)
+    dense, weights = lsh_attention_dense(
+        qk, qk, v, rotations=rotations, num_chunks_before=before, num_chunks_after=after, **kwargs
+    )
     torch.testing.assert_close(dense[rows], fast[rows])
     torch.testing.assert_close(weights.sum(-1)[rows], torch.ones_like(weights.sum(-1)[rows]))
 
@@ -148,8 +151,13 @@ def test_more_hash_rounds_approach_dense_attention_on_clustered_inputs():
     errors = {}
     for num_hashes in (1, 2, 4, 8):
         trials = [
-            (lsh_attention(qk, v, num_hashes=num_hashes, bucket_size=8, num_buckets=16, num_chunks_before=0,
-                           seed=seed) - dense).norm() / dense.norm()
+            (
+                lsh_attention(
+                    qk, v, num_hashes=num_hashes, bucket_size=8, num_buckets=16, num_chunks_before=0, seed=seed
+                )
+                - dense
+            ).norm()
+            / dense.norm()
             for seed in range(6)
         ]
         errors[num_hashes] = torch.stack(trials).mean().item()
@@ -179,9 +187,17 @@ def test_the_same_seed_gives_the_same_output_and_another_seed_another():
 
 
 def test_model_layers_use_the_seed_and_explicit_rotations():
-    config = LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
-                            attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=11,
-                            max_position_embeddings=64)
+    config = LongAttnConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        attention_type="lsh",
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_seed=11,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = longattn.LongAttnModel(config).eval()
     layer = model.encoder.layers[0].self_attn
@@ -199,9 +215,19 @@ def test_model_layers_use_the_seed_and_explicit_rotations():
 
 # ---------------------------------------------------------------------------------------------- eval rotations
 def _lsh_lm(**overrides):
-    fields = dict(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
-                  attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_num_hashes=2,
-                  hidden_dropout_prob=0.0, max_position_embeddings=64)
+    fields = dict(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type="lsh",
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_num_hashes=2,
+        hidden_dropout_prob=0.0,
+        max_position_embeddings=64,
+    )
     fields.update(overrides)
     torch.manual_seed(0)
     return longattn.LongAttnForCausalLM(LongAttnConfig(**fields))
@@ -238,10 +264,20 @@ def test_each_layer_has_its_own_eval_rotations_derived_from_the_seed(seed):
 def test_seq2seq_decoder_layers_hash_apart_from_the_encoder_layers():
     from longattn.attention_lsh import LSHAttention
 
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                            num_decoder_layers=2, intermediate_size=64, attention_type="lsh",
-                            decoder_attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=7,
-                            max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        num_decoder_layers=2,
+        intermediate_size=64,
+        attention_type="lsh",
+        decoder_attention_type="lsh",
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_seed=7,
+        max_position_embeddings=64,
+    )
     layers = [m for m in longattn.LongAttnForSeq2SeqLM(config).modules() if isinstance(m, LSHAttention)]
     seeds = sorted(layer.seed for layer in layers)
     assert seeds == [7, 8, 9, 10], seeds  # encoder layers 7 + i, decoder layers 7 + 2 + i
@@ -302,7 +338,7 @@ def test_a_checkpoint_without_eval_rotations_loads_with_a_warning(tmp_path, capl
 def _changed_after(x, t, seed):
     changed = x.clone()
     generator = torch.Generator().manual_seed(seed)
-    changed[:, :, t + 1:] = torch.randn(changed[:, :, t + 1:].shape, generator=generator, dtype=x.dtype)
+    changed[:, :, t + 1 :] = torch.randn(changed[:, :, t + 1 :].shape, generator=generator, dtype=x.dtype)
     return changed
 
 
@@ -313,16 +349,27 @@ def test_causal_lsh_leaks_nothing_at_op_level(t):
     before = lsh_attention(qk, v, **kwargs)
     after = lsh_attention(_changed_after(qk, t, 1), _changed_after(v, t, 2), **kwargs)
     torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1:], before[:, :, t + 1:])
+    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
 
 
 def test_sort_then_chunk_with_a_position_mask_does_leak():
     """The leak the causal design avoids is real: transformers' causal LSH (sort, chunk, mask by position) has it,
     and the op-level check above catches it on the same kind of input."""
     torch.manual_seed(0)
-    config = ReformerConfig(hidden_size=32, num_attention_heads=2, attention_head_size=16, lsh_attn_chunk_length=4,
-                            num_hashes=1, num_buckets=4, lsh_num_chunks_before=1, lsh_num_chunks_after=0,
-                            hash_seed=0, is_decoder=True, max_position_embeddings=64, attn_layers=["lsh"])
+    config = ReformerConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        attention_head_size=16,
+        lsh_attn_chunk_length=4,
+        num_hashes=1,
+        num_buckets=4,
+        lsh_num_chunks_before=1,
+        lsh_num_chunks_after=0,
+        hash_seed=0,
+        is_decoder=True,
+        max_position_embeddings=64,
+        attn_layers=["lsh"],
+    )
     reference = LSHSelfAttention(config).eval()
     hidden = torch.randn(1, 40, 32)
     changed = hidden.clone()
@@ -335,14 +382,24 @@ def test_sort_then_chunk_with_a_position_mask_does_leak():
 
 @pytest.mark.parametrize("t", [9, 23])
 def test_causal_lsh_model_leaks_nothing(t):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                            intermediate_size=64, attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4,
-                            lsh_num_hashes=2, lsh_seed=0, max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type="lsh",
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_num_hashes=2,
+        lsh_seed=0,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = longattn.LongAttnForCausalLM(config).eval()
     ids = torch.randint(4, 60, (2, 40))
     changed = ids.clone()
-    changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
+    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
     assert_no_future_leak(model, ids, changed, t)
 
 
@@ -356,16 +413,35 @@ def test_parity_with_transformers_lsh_self_attention(length, before, explicit):
     hash rounds, ours do not), or a sequence within one chunk (both then attend densely, with the self rule).
     """
     heads, head_dim, hidden = 2, 16, 32
-    config = ReformerConfig(hidden_size=hidden, num_attention_heads=heads, attention_head_size=head_dim,
-                            lsh_attn_chunk_length=8, num_hashes=2, num_buckets=4, lsh_num_chunks_before=before,
-                            lsh_num_chunks_after=0, hash_seed=5, is_decoder=False, max_position_embeddings=64,
-                            attn_layers=["lsh"])
+    config = ReformerConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        attention_head_size=head_dim,
+        lsh_attn_chunk_length=8,
+        num_hashes=2,
+        num_buckets=4,
+        lsh_num_chunks_before=before,
+        lsh_num_chunks_after=0,
+        hash_seed=5,
+        is_decoder=False,
+        max_position_embeddings=64,
+        attn_layers=["lsh"],
+    )
     torch.manual_seed(0)
     theirs = LSHSelfAttention(config).eval()
-    ours_config = LongAttnConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=1,
-                                 intermediate_size=64, attention_type="lsh", lsh_bucket_size=8, lsh_num_buckets=4,
-                                 lsh_num_hashes=2, lsh_num_chunks_before=before, lsh_seed=5,
-                                 max_position_embeddings=64)
+    ours_config = LongAttnConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        attention_type="lsh",
+        lsh_bucket_size=8,
+        lsh_num_buckets=4,
+        lsh_num_hashes=2,
+        lsh_num_chunks_before=before,
+        lsh_seed=5,
+        max_position_embeddings=64,
+    )
     ours = longattn.LongAttnModel(ours_config).encoder.layers[0].self_attn.eval()
     with torch.no_grad():
         ours.q_proj.weight.copy_(theirs.query_key.weight)
@@ -400,14 +476,25 @@ def test_config_validation_names_the_field(fields, message):
         LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, attention_type="lsh", **fields)
 
 
-@pytest.mark.parametrize("model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM,
-                                         longattn.LongAttnForSeq2SeqLM])
+@pytest.mark.parametrize(
+    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
+)
 def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=4,
-                            num_decoder_layers=2, intermediate_size=64,
-                            attention_type=["sliding", "lsh", "sliding", "lsh"], decoder_attention_type=["lsh", "full"],
-                            sliding_window=3, lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0,
-                            max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=4,
+        num_decoder_layers=2,
+        intermediate_size=64,
+        attention_type=["sliding", "lsh", "sliding", "lsh"],
+        decoder_attention_type=["lsh", "full"],
+        sliding_window=3,
+        lsh_bucket_size=4,
+        lsh_num_buckets=4,
+        lsh_seed=0,
+        max_position_embeddings=64,
+    )
     assert_mixed_stack_trains(model_class, config)
 
 
@@ -442,20 +529,32 @@ def test_window_kernel_equals_dense_windows_with_and_without_kept_probabilities(
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind, fields", [
-    ("lsh", dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)),
-    ("routing", dict(routing_num_clusters=3, routing_causal_window=5)),
-    ("sinkhorn", dict(sinkhorn_block_size=4)),
-    ("sinkhorn", dict(sinkhorn_block_size=4, sinkhorn_sortcut=2)),
-])
+@pytest.mark.parametrize(
+    "kind, fields",
+    [
+        ("lsh", dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)),
+        ("routing", dict(routing_num_clusters=3, routing_causal_window=5)),
+        ("sinkhorn", dict(sinkhorn_block_size=4)),
+        ("sinkhorn", dict(sinkhorn_block_size=4, sinkhorn_sortcut=2)),
+    ],
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_content_based_kinds_with_dropout_and_in_bf16(kind, fields, causal):
     """Attention dropout trains (and is off in eval); bf16 stays close to float32. For LSH, routing and Sinkhorn."""
     if causal and "sinkhorn_sortcut" in fields:
         pytest.skip("SortCut has no causal form")
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                            intermediate_size=64, attention_type=kind, attention_probs_dropout_prob=0.3,
-                            hidden_dropout_prob=0.0, max_position_embeddings=64, **fields)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type=kind,
+        attention_probs_dropout_prob=0.3,
+        hidden_dropout_prob=0.0,
+        max_position_embeddings=64,
+        **fields,
+    )
     torch.manual_seed(0)
     model = (longattn.LongAttnForCausalLM if causal else longattn.LongAttnForMaskedLM)(config)
     ids = torch.randint(4, 60, (2, 29))
@@ -486,8 +585,9 @@ def test_backward_keeps_rows_and_indices_not_sorted_copies_or_probabilities(caus
 
     b, h, n, d, r, c = 1, 2, 512, 16, 2, 32
     qk, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(2))
-    floating, other = saved_tensor_bytes(lambda: lsh_attention(
-        qk, v, num_hashes=r, bucket_size=c, num_buckets=8, seed=0, causal=causal))
+    floating, other = saved_tensor_bytes(
+        lambda: lsh_attention(qk, v, num_hashes=r, bucket_size=c, num_buckets=8, seed=0, causal=causal)
+    )
     rows = b * h * n  # float32 rows of d: qk, v and the output take 3·rows·d·4 bytes
     assert floating <= 4 * rows * d * 4 + 2 * r * rows * 4, floating  # + a log-sum-exp per slot (and slack)
     # Integer indices: query, key, value and output slots (and a causal band's two ends), about r·rows each.

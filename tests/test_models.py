@@ -83,8 +83,12 @@ def test_save_and_load_round_trip(kind, tmp_path):
         loaded = auto_class.from_pretrained(tmp_path / "s2s").eval()
         dec = random_ids(2, 6, seed=3)
         with torch.no_grad():
-            torch.testing.assert_close(loaded(input_ids=ids, decoder_input_ids=dec).logits,
-                                       model(input_ids=ids, decoder_input_ids=dec).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                loaded(input_ids=ids, decoder_input_ids=dec).logits,
+                model(input_ids=ids, decoder_input_ids=dec).logits,
+                rtol=0,
+                atol=0,
+            )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -92,8 +96,9 @@ def test_eval_mode_is_deterministic(kind):
     model = longattn.LongAttnModel(kind_config(kind, hidden_dropout_prob=0.1)).eval()
     ids = random_ids(2, 33)
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state, rtol=0, atol=0
+        )
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -153,7 +158,7 @@ def test_causal_outputs_do_not_see_the_future(kind):
     ids = random_ids(1, 40)
     changed = ids.clone()
     t = 23
-    changed[:, t + 1:] = random_ids(1, 40 - t - 1, seed=9)
+    changed[:, t + 1 :] = random_ids(1, 40 - t - 1, seed=9)
     assert_no_future_leak(model, ids, changed, t)
 
 
@@ -260,8 +265,12 @@ def test_checkpoint_reloads_under_another_attention_type(tmp_path):
         # The kind's own (missing) parameters are initialised, not left as uninitialised memory.
         for name, tensor in reloaded.state_dict().items():
             assert torch.isfinite(tensor).all() and tensor.abs().max() < 1e4, f"{kind}: {name} not initialised"
-        torch.testing.assert_close(reloaded.longattn.embeddings.word_embeddings.weight,
-                                   model.longattn.embeddings.word_embeddings.weight, rtol=0, atol=0)
+        torch.testing.assert_close(
+            reloaded.longattn.embeddings.word_embeddings.weight,
+            model.longattn.embeddings.word_embeddings.weight,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_sequence_classification_makes_the_first_token_global():
@@ -275,8 +284,10 @@ def test_sequence_classification_makes_the_first_token_global():
         a, b = model(input_ids=ids).logits, model(input_ids=changed).logits
         assert not torch.allclose(a, b)
         none = torch.zeros(1, 30, dtype=torch.long)
-        torch.testing.assert_close(model(input_ids=ids, global_attention_mask=none).logits,
-                                   model(input_ids=changed, global_attention_mask=none).logits)
+        torch.testing.assert_close(
+            model(input_ids=ids, global_attention_mask=none).logits,
+            model(input_ids=changed, global_attention_mask=none).logits,
+        )
 
 
 @pytest.mark.parametrize(
@@ -322,8 +333,9 @@ def test_too_long_and_mismatched_inputs_raise():
 
 
 def test_learned_positions_and_mixed_layers():
-    config = kind_config("full", position_embedding_type="learned", attention_type=["sliding", "full"],
-                         sliding_window=[2, 2])
+    config = kind_config(
+        "full", position_embedding_type="learned", attention_type=["sliding", "full"], sliding_window=[2, 2]
+    )
     model = longattn.LongAttnForMaskedLM(config).eval()
     assert [type(layer.self_attn).attention_type for layer in model.longattn.encoder.layers] == ["sliding", "full"]
     ids = random_ids(2, 40)

@@ -52,20 +52,32 @@ RULES = {
 
 # Code outside numerics.py that matches a rule for another reason: (file, code snippet on the line) -> why.
 ALLOWED = {
-    ("attention_linformer.py", "math.sqrt(self.max_len + self.proj_len)"):
-        "the init std of E and F (1/sqrt(fan)), not a softmax scale",
+    (
+        "attention_linformer.py",
+        "math.sqrt(self.max_len + self.proj_len)",
+    ): "the init std of E and F (1/sqrt(fan)), not a softmax scale",
     ("attention_routing.py", "math.sqrt(n / size)"): "the group size that minimises G + size·g, not a softmax scale",
     ("ops_lsh.py", "math.sqrt(length // bucket_size)"): "the bound on the number of hash buckets",
-    ("ops_lsh.py", "torch.rsqrt(mean_square) / math.sqrt(x.shape[-1])"):
-        "unit-length shared-QK keys x / sqrt(|x|² + d·eps); LSH scores are not scaled",
-    ("ops_lsh.py", "SELF_SCORE = -1e5"):
-        "Reformer's score of a query's own key (transformers' value): a real score, not a hidden logit",
-    ("executor_xformers.py", "math.sqrt(HIDDEN_PENALTY / scale)"):
-        "the bias columns' magnitude a with a²·scale = the penalty, not a softmax scale",
-    ("executor_xformers.py", "(torch.float16, torch.bfloat16, torch.float32)"):
-        "the dtypes xformers' kernels accept, not a promotion rule",
-    ("backends.py", "(torch.float16, torch.bfloat16, torch.float32)"):
-        "the dtypes FlexAttention's CUDA kernels accept, not a promotion rule",
+    (
+        "ops_lsh.py",
+        "torch.rsqrt(mean_square) / math.sqrt(x.shape[-1])",
+    ): "unit-length shared-QK keys x / sqrt(|x|² + d·eps); LSH scores are not scaled",
+    (
+        "ops_lsh.py",
+        "SELF_SCORE = -1e5",
+    ): "Reformer's score of a query's own key (transformers' value): a real score, not a hidden logit",
+    (
+        "executor_xformers.py",
+        "math.sqrt(HIDDEN_PENALTY / scale)",
+    ): "the bias columns' magnitude a with a²·scale = the penalty, not a softmax scale",
+    (
+        "executor_xformers.py",
+        "(torch.float16, torch.bfloat16, torch.float32)",
+    ): "the dtypes xformers' kernels accept, not a promotion rule",
+    (
+        "backends.py",
+        "(torch.float16, torch.bfloat16, torch.float32)",
+    ): "the dtypes FlexAttention's CUDA kernels accept, not a promotion rule",
     ("configuration_longattn.py", "rope_theta: float = 10000.0"): "RoFormer's rotary base, not a logit",
 }
 
@@ -135,15 +147,17 @@ def test_numerical_rules_live_only_in_numerics():
     ],
 )
 def test_rule_scan_catches_a_new_copy(line):
-    found, _ = _violations({"attention_new.py": f"import math\n\n\ndef f(q, k, d, n, size, mask, scores, bias):\n{line}\n"})
+    found, _ = _violations(
+        {"attention_new.py": f"import math\n\n\ndef f(q, k, d, n, size, mask, scores, bias):\n{line}\n"}
+    )
     assert len(found) == 1, found
 
 
 def test_rule_scan_ignores_docstrings_comments_and_messages():
     source = (
-        'def f(d):\n'
+        "def f(d):\n"
         '    """softmax(Q Kᵀ / sqrt(d)), hidden keys at -1e30, (torch.float16, torch.bfloat16) -> float32."""\n'
-        '    x = 1  # 1/sqrt(d), d ** -0.5, finfo(dtype).min\n'
+        "    x = 1  # 1/sqrt(d), d ** -0.5, finfo(dtype).min\n"
         '    raise ValueError(f"scale must be finite (or None for 1/sqrt({d})), 1e4")\n'
     )
     assert _violations({"attention_new.py": source})[0] == []
@@ -231,8 +245,9 @@ def test_merge_attention_equals_one_softmax_over_the_union():
     assert (out[:, :, 0] == 0).all() and torch.isneginf(lse[:, :, 0]).all()
 
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse).masked_fill(torch.isneginf(lse), 0.0)
-    grads = torch.autograd.grad((out * grad_out).sum() + (lse.masked_fill(torch.isneginf(lse), 0) * grad_lse).sum(),
-                                (q, k, v))
+    grads = torch.autograd.grad(
+        (out * grad_out).sum() + (lse.masked_fill(torch.isneginf(lse), 0) * grad_lse).sum(), (q, k, v)
+    )
     expected_lse = expected_lse.masked_fill(torch.isneginf(expected_lse), 0)
     expected = torch.autograd.grad((expected_out * grad_out).sum() + (expected_lse * grad_lse).sum(), (q, k, v))
     for got, want in zip(grads, expected, strict=True):

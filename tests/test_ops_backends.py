@@ -91,8 +91,9 @@ def test_reference_and_torch_back_ends_agree(executed, kind, arguments, causal, 
     assert executed == [EXECUTORS[f"torch-{kind}"]]
     assert_all_close(torch_path, reference, **TIGHT)
     # And both are the pattern itself: the reference back end is the dense softmax under the materialised predicate.
-    expected = dense_reference(_pattern(kind, causal=causal, key_padding_mask=call["key_padding_mask"], **arguments),
-                               q, k, v, scale=SCALE)
+    expected = dense_reference(
+        _pattern(kind, causal=causal, key_padding_mask=call["key_padding_mask"], **arguments), q, k, v, scale=SCALE
+    )
     torch.testing.assert_close(reference[0], expected, **TIGHT)
 
 
@@ -109,8 +110,11 @@ def test_default_back_end_on_cpu_is_the_torch_executor_exactly(executed, kind, a
 
 @pytest.mark.parametrize(("kind", "arguments"), SPARSE, ids=SPARSE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize(("n_q", "n_k", "padding"), [(37, 37, True), (101, 101, False), (5, 37, True)],
-                         ids=["37-padding", "101", "decode-5-of-37-padding"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "padding"),
+    [(37, 37, True), (101, 101, False), (5, 37, True)],
+    ids=["37-padding", "101", "decode-5-of-37-padding"],
+)
 def test_flex_forward_on_cpu_equals_the_reference(executed, kind, arguments, causal, n_q, n_k, padding):
     # FlexAttention has no backward on CPU: inputs that require grad would be refused by the dispatcher.
     q, k, v = _qkv(n_q, n_k, requires_grad=False)
@@ -137,8 +141,11 @@ def test_xformers_on_cpu_raises_naming_the_device(kind, arguments):
 
 
 @pytest.mark.parametrize(("kind", "arguments"), SPARSE, ids=SPARSE_IDS)
-@pytest.mark.parametrize(("causal", "padding"), [(False, True), (True, False), (True, True)],
-                         ids=["bidirectional-padding", "causal", "causal-padding"])
+@pytest.mark.parametrize(
+    ("causal", "padding"),
+    [(False, True), (True, False), (True, True)],
+    ids=["bidirectional-padding", "causal", "causal-padding"],
+)
 def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, arguments, causal, padding):
     if kind == "fixed" and causal and padding:
         pytest.skip("causal fixed attention with padding is not an xformers layout (the dispatcher says why)")
@@ -147,11 +154,22 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
     call = dict(causal=causal, key_padding_mask=three_padded_rows(37) if padding else None, scale=SCALE, **arguments)
     request = backends.AttentionRequest.for_inputs(q, k, v, pattern=kind, causal=causal, key_padding=padding)
     # The same call in float32 on CUDA: nothing in the layout's own requirements refuses it.
-    assert executor_xformers.request_reasons(
-        pattern=kind, dtype=torch.float32, head_dim=request.head_dim, value_head_dim=request.value_head_dim,
-        q_len=request.q_len, kv_len=request.kv_len, batch=request.batch, causal=causal, dropout=False,
-        key_padding=padding, global_tokens=False,
-    ) == []
+    assert (
+        executor_xformers.request_reasons(
+            pattern=kind,
+            dtype=torch.float32,
+            head_dim=request.head_dim,
+            value_head_dim=request.value_head_dim,
+            q_len=request.q_len,
+            kv_len=request.kv_len,
+            batch=request.batch,
+            causal=causal,
+            dropout=False,
+            key_padding=padding,
+            global_tokens=False,
+        )
+        == []
+    )
     expected = outputs_and_grads(lambda q, k, v: _op(kind)(q, k, v, backend="reference", **call), q, k, v)
     executed.clear()
     actual = outputs_and_grads(lambda q, k, v: _op(kind)(q, k, v, backend="xformers", **call), q, k, v)
@@ -163,8 +181,14 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
 def test_config_backend_reaches_the_sparse_transformer_kinds(executed, kind):
     def model(backend):
         torch.manual_seed(0)
-        config = tiny_config(kind, max_position_embeddings=64, strided_stride=3, fixed_block_size=4,
-                             fixed_num_summary=1, attention_backend=backend)
+        config = tiny_config(
+            kind,
+            max_position_embeddings=64,
+            strided_stride=3,
+            fixed_block_size=4,
+            fixed_num_summary=1,
+            attention_backend=backend,
+        )
         return LongAttnModel(config).eval()
 
     input_ids = torch.randint(3, 50, (2, 19), generator=torch.Generator().manual_seed(0))
@@ -190,8 +214,9 @@ def _efficient(q, k, v, **kwargs):
 
 
 def _lsh(qk, _, v, **kwargs):
-    return ops.lsh_attention(qk, v, num_hashes=2, bucket_size=4, seed=3,
-                             key_padding_mask=three_padded_rows(qk.shape[2]), **kwargs)
+    return ops.lsh_attention(
+        qk, v, num_hashes=2, bucket_size=4, seed=3, key_padding_mask=three_padded_rows(qk.shape[2]), **kwargs
+    )
 
 
 @pytest.fixture
@@ -200,9 +225,15 @@ def dense_forms(monkeypatch):
     return _spy(monkeypatch, [(ops_linear, "efficient_attention_weights"), (ops_lsh, "lsh_attention_dense")])
 
 
-@pytest.mark.parametrize(("name", "fn", "backend"), [
-    ("efficient (linear)", _efficient, "flex"), ("efficient (linear)", _efficient, "xformers"), ("LSH", _lsh, "flex"),
-], ids=["efficient-flex", "efficient-xformers", "lsh-flex"])
+@pytest.mark.parametrize(
+    ("name", "fn", "backend"),
+    [
+        ("efficient (linear)", _efficient, "flex"),
+        ("efficient (linear)", _efficient, "xformers"),
+        ("LSH", _lsh, "flex"),
+    ],
+    ids=["efficient-flex", "efficient-xformers", "lsh-flex"],
+)
 def test_efficient_and_lsh_refuse_the_kernel_back_ends(name, fn, backend):
     q, k, v = _qkv(37, requires_grad=False)
     message = rf"`backend`='{backend}' cannot run {re.escape(name)} attention: .*use one of \['auto', 'torch'"
@@ -237,8 +268,9 @@ def test_efficient_and_lsh_torch_back_end_is_the_default_exactly(dense_forms, fn
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_efficient_reference_is_the_dense_form(dense_forms, normalization, causal):
     q, k, v = _qkv(37, 101)
-    reference = outputs_and_grads(lambda q, k, v: _efficient(
-        q, k, v, normalization=normalization, causal=causal, backend="reference"), q, k, v)
+    reference = outputs_and_grads(
+        lambda q, k, v: _efficient(q, k, v, normalization=normalization, causal=causal, backend="reference"), q, k, v
+    )
     assert dense_forms == ["efficient_attention_weights"]
     dense_forms.clear()
     fast = outputs_and_grads(lambda q, k, v: _efficient(q, k, v, normalization=normalization, causal=causal), q, k, v)

@@ -28,22 +28,37 @@ def test_check_qkv_returns_the_sizes():
     assert ops_checks.check_qkv(_t(2, 3, 9, 4), K, V, queries_last=False) == (2, 3, 9, 7)
 
 
-@pytest.mark.parametrize(("q", "k", "v", "message"), [
-    ([[1.0]], K, V, "q must be a torch.Tensor [batch, heads, length, head_dim], got list"),
-    (Q, _t(2, 7, 4), V, "k must have shape [batch, heads, length, head_dim], got (2, 7, 4)"),
-    (Q, K, torch.zeros(2, 3, 7, 6, dtype=torch.long),
-     "v must have a floating-point dtype (float16, bfloat16, float32, float64), got torch.int64"),
-    (_t(2, 3, 5, 0), _t(2, 3, 7, 0), V, "q has head_dim 0 (shape (2, 3, 5, 0)): head_dim must be >= 1"),
-    (Q, _t(2, 3, 7, 4, dtype=torch.float64), V,
-     "k has dtype torch.float64 but q has torch.float32: q, k, v must share one dtype"),
-    (Q, K, V.to(device="meta"), "v is on meta but q is on cpu: q, k, v must be on one device"),
-    (Q, _t(1, 3, 7, 4), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (1, 3, 7, 4)"),
-    (Q, _t(2, 2, 7, 4), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (2, 2, 7, 4)"),
-    (Q, _t(2, 3, 7, 8), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (2, 3, 7, 8)"),
-    (Q, K, _t(2, 3, 6, 6), "v must have shape [2, 3, 7, d_v] to match k (2, 3, 7, 4), got (2, 3, 6, 6)"),
-    (_t(2, 3, 9, 4), K, V,
-     "q has more positions (9) than k (7); queries are the last n_q key positions, so n_q <= n_k"),
-])
+@pytest.mark.parametrize(
+    ("q", "k", "v", "message"),
+    [
+        ([[1.0]], K, V, "q must be a torch.Tensor [batch, heads, length, head_dim], got list"),
+        (Q, _t(2, 7, 4), V, "k must have shape [batch, heads, length, head_dim], got (2, 7, 4)"),
+        (
+            Q,
+            K,
+            torch.zeros(2, 3, 7, 6, dtype=torch.long),
+            "v must have a floating-point dtype (float16, bfloat16, float32, float64), got torch.int64",
+        ),
+        (_t(2, 3, 5, 0), _t(2, 3, 7, 0), V, "q has head_dim 0 (shape (2, 3, 5, 0)): head_dim must be >= 1"),
+        (
+            Q,
+            _t(2, 3, 7, 4, dtype=torch.float64),
+            V,
+            "k has dtype torch.float64 but q has torch.float32: q, k, v must share one dtype",
+        ),
+        (Q, K, V.to(device="meta"), "v is on meta but q is on cpu: q, k, v must be on one device"),
+        (Q, _t(1, 3, 7, 4), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (1, 3, 7, 4)"),
+        (Q, _t(2, 2, 7, 4), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (2, 2, 7, 4)"),
+        (Q, _t(2, 3, 7, 8), V, "k must have shape [2, 3, n_k, 4] to match q (2, 3, 5, 4), got (2, 3, 7, 8)"),
+        (Q, K, _t(2, 3, 6, 6), "v must have shape [2, 3, 7, d_v] to match k (2, 3, 7, 4), got (2, 3, 6, 6)"),
+        (
+            _t(2, 3, 9, 4),
+            K,
+            V,
+            "q has more positions (9) than k (7); queries are the last n_q key positions, so n_q <= n_k",
+        ),
+    ],
+)
 def test_check_qkv_names_the_tensor_and_its_fault(q, k, v, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         ops_checks.check_qkv(q, k, v)
@@ -65,17 +80,24 @@ def test_bool_masks_pass_unchanged_and_none_stays_none():
     assert ops_checks.check_token_mask("key_padding_mask", None, 2, 7) is None
 
 
-@pytest.mark.parametrize(("mask", "message"), [
-    ([[True]], "global_mask must be a bool torch.Tensor (True = attend), got list"),
-    (torch.ones(2, 7),
-     "global_mask must be a bool tensor (True = attend / take part, as scaled_dot_product_attention's bool masks), "
-     "got dtype torch.float32: convert an additive float mask (0 = keep, -inf = drop) with `global_mask == 0`, "
-     "and a 1/0 mask (1 = keep) with `global_mask.bool()`"),
-    (torch.ones(2, 7, dtype=torch.bool, device="meta"),
-     "global_mask is on meta but the queries are on cpu: move it with `.to('cpu')`"),
-    (torch.ones(2, 6, dtype=torch.bool), "global_mask must have shape [batch, length] = [2, 7], got (2, 6)"),
-    (torch.ones(14, dtype=torch.bool), "global_mask must have shape [batch, length] = [2, 7], got (14,)"),
-])
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        ([[True]], "global_mask must be a bool torch.Tensor (True = attend), got list"),
+        (
+            torch.ones(2, 7),
+            "global_mask must be a bool tensor (True = attend / take part, as scaled_dot_product_attention's bool masks), "
+            "got dtype torch.float32: convert an additive float mask (0 = keep, -inf = drop) with `global_mask == 0`, "
+            "and a 1/0 mask (1 = keep) with `global_mask.bool()`",
+        ),
+        (
+            torch.ones(2, 7, dtype=torch.bool, device="meta"),
+            "global_mask is on meta but the queries are on cpu: move it with `.to('cpu')`",
+        ),
+        (torch.ones(2, 6, dtype=torch.bool), "global_mask must have shape [batch, length] = [2, 7], got (2, 6)"),
+        (torch.ones(14, dtype=torch.bool), "global_mask must have shape [batch, length] = [2, 7], got (14,)"),
+    ],
+)
 def test_token_mask_names_the_mask_and_its_fault(mask, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         ops_checks.check_token_mask("global_mask", mask, 2, 7, device=torch.device("cpu"))
@@ -128,23 +150,34 @@ def test_flag():
 def test_backend_support():
     kwargs = dict(attention="LSH", supported=("auto", "torch"), unsupported={"flex": "its buckets change per call"})
     assert ops_checks.check_backend_support("torch", **kwargs) == "torch"
-    with pytest.raises(ValueError, match=re.escape(
-            "`backend`='flex' cannot run LSH attention: its buckets change per call; use one of ['auto', 'torch'].")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`backend`='flex' cannot run LSH attention: its buckets change per call; use one of ['auto', 'torch']."
+        ),
+    ):
         ops_checks.check_backend_support("flex", **kwargs)
-    with pytest.raises(ValueError, match=re.escape(
-            "`backend`='reference' cannot run LSH attention: it has no implementation of LSH attention; use one of")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "`backend`='reference' cannot run LSH attention: it has no implementation of LSH attention; use one of"
+        ),
+    ):
         ops_checks.check_backend_support("reference", **kwargs)
     with pytest.raises(ValueError, match=r"`backend`='cuda' is unknown"):
         ops_checks.check_backend_support("cuda", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- empty calls
-@pytest.mark.parametrize(("q_shape", "k_shape", "empty"), [
-    ((2, 3, 5, 4), (2, 3, 7, 4), False),
-    ((0, 3, 5, 4), (0, 3, 7, 4), True),
-    ((2, 3, 0, 4), (2, 3, 7, 4), True),
-    ((2, 3, 5, 4), (2, 3, 0, 4), True),
-])
+@pytest.mark.parametrize(
+    ("q_shape", "k_shape", "empty"),
+    [
+        ((2, 3, 5, 4), (2, 3, 7, 4), False),
+        ((0, 3, 5, 4), (0, 3, 7, 4), True),
+        ((2, 3, 0, 4), (2, 3, 7, 4), True),
+        ((2, 3, 5, 4), (2, 3, 0, 4), True),
+    ],
+)
 def test_empty_attention_is_zeros_of_the_output_shape_with_gradients(q_shape, k_shape, empty):
     q = torch.randn(q_shape, requires_grad=True)
     k = torch.randn(k_shape, requires_grad=True)

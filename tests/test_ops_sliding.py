@@ -72,11 +72,14 @@ def band_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("batch, heads, length, window, dilation, causal, padding, global_tokens", CASES)
-def test_sliding_window_equals_reference(batch, heads, length, window, dilation, causal, padding, global_tokens,
-                                         band_path):
+def test_sliding_window_equals_reference(
+    batch, heads, length, window, dilation, causal, padding, global_tokens, band_path
+):
     q, k, v = random_qkv(batch, heads, length, seed=length + window)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
-    pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    pattern = dict(
+        window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask
+    )
     actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
     expected = outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
     assert_all_close(actual, expected)
@@ -94,24 +97,32 @@ GROUPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens",
-                         GROUPED_CASES)
-def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length, window, dilation, causal, padding,
-                                                 global_tokens):
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens", GROUPED_CASES
+)
+def test_grouped_query_heads_equal_repeated_keys(
+    batch, heads, kv_heads, length, window, dilation, causal, padding, global_tokens
+):
     """Grouped-query attention: k, v with fewer heads give what k, v repeated to the query heads give (float64,
     outputs and gradients; the gradient of a shared key/value head sums its group's)."""
     q, _, _ = random_qkv(batch, heads, length, seed=length)
     _, k, v = random_qkv(batch, kv_heads, length, seed=length + 1)
     key_padding_mask, global_mask = _token_masks(batch, length, padding=padding, global_tokens=global_tokens)
-    pattern = dict(window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    pattern = dict(
+        window=window, dilation=dilation, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask
+    )
     groups = heads // kv_heads
 
     def repeated(q, k, v):
-        return ops.sliding_window_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern)
+        return ops.sliding_window_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern
+        )
 
     actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
     assert_all_close(actual, outputs_and_grads(repeated, q, k, v))
-    with_reference = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern), q, k, v)
+    with_reference = outputs_and_grads(
+        lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern), q, k, v
+    )
     assert_all_close(actual, with_reference)
 
 
@@ -120,14 +131,22 @@ def test_grouped_query_heads_equal_repeated_keys(batch, heads, kv_heads, length,
 def test_block_sizes_that_do_not_divide_the_length(block_size, dilation):
     q, k, v = random_qkv(3, 2, 53, seed=block_size)
     key_padding_mask, global_mask = _token_masks(3, 53, padding=True, global_tokens=True)
-    pattern = dict(window=6, dilation=dilation, causal=False, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    pattern = dict(
+        window=6, dilation=dilation, causal=False, global_mask=global_mask, key_padding_mask=key_padding_mask
+    )
 
     def blocked(q, k, v):
         return banded_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             mask_fn=patterns.sliding_window_pattern(**pattern),
-            window_left=6, window_right=6, dilation=dilation, global_mask=global_mask,
-            scale=q.shape[-1] ** -0.5, block_size=block_size,
+            window_left=6,
+            window_right=6,
+            dilation=dilation,
+            global_mask=global_mask,
+            scale=q.shape[-1] ** -0.5,
+            block_size=block_size,
         )
 
     assert_all_close(
@@ -176,9 +195,13 @@ def test_full_attention_equals_reference(causal, n_q):
     q, k, v = random_qkv(3, 2, n_q, n_k=30)
     key_padding_mask, _ = _token_masks(3, 30, padding=True, global_tokens=False)
     parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
-    mask = patterns.materialize_mask(patterns.and_masks(*parts), batch=3, heads=2, q_len=n_q, kv_len=30, q_offset=30 - n_q)
+    mask = patterns.materialize_mask(
+        patterns.and_masks(*parts), batch=3, heads=2, q_len=n_q, kv_len=30, q_offset=30 - n_q
+    )
     assert_all_close(
-        outputs_and_grads(lambda q, k, v: ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), q, k, v),
+        outputs_and_grads(
+            lambda q, k, v: ops.full_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask), q, k, v
+        ),
         outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask), q, k, v),
     )
 
@@ -200,7 +223,9 @@ def test_causal_attention_does_not_leak_the_future():
 @pytest.mark.parametrize(
     "attention",
     [
-        pytest.param(lambda q, k, v, **kw: ops.sliding_window_attention(q, k, v, window=4, dilation=[1, 2], **kw), id="sliding"),
+        pytest.param(
+            lambda q, k, v, **kw: ops.sliding_window_attention(q, k, v, window=4, dilation=[1, 2], **kw), id="sliding"
+        ),
         pytest.param(lambda q, k, v, **kw: ops.full_attention(q, k, v, **kw), id="full"),
     ],
 )
@@ -232,8 +257,17 @@ def test_attend_blocks_takes_one_key_set_per_batch_row():
         return attend_blocks(q.view(2, 4, 3, 8, 8), k, v, kv_index=kv_index, mask=mask, scale=0.3)[0]
 
     def row_by_row(q, k, v):
-        rows = [attend_blocks(q[i : i + 1].reshape(1, 4, 3, 8, 8), k[i : i + 1], v[i : i + 1], kv_index=kv_index[i],
-                              mask=mask[i : i + 1], scale=0.3)[0] for i in range(2)]
+        rows = [
+            attend_blocks(
+                q[i : i + 1].reshape(1, 4, 3, 8, 8),
+                k[i : i + 1],
+                v[i : i + 1],
+                kv_index=kv_index[i],
+                mask=mask[i : i + 1],
+                scale=0.3,
+            )[0]
+            for i in range(2)
+        ]
         return torch.cat(rows)
 
     assert_all_close(outputs_and_grads(per_batch, q, k, v), outputs_and_grads(row_by_row, q, k, v))
@@ -269,7 +303,9 @@ def test_global_keys_join_the_band_in_one_pass(monkeypatch):
     monkeypatch.setattr(executor, "_fused_band_applies", lambda *args: False)
     calls = []
     original = executor.attend_blocks
-    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw))
+    monkeypatch.setattr(
+        executor, "attend_blocks", lambda *args, **kw: calls.append(kw["kv_index"]) or original(*args, **kw)
+    )
     monkeypatch.setattr(executor, "merge_attention", lambda partials: pytest.fail("merged partial attentions"))
     q, k, v = random_qkv(2, 2, 100)
     _, global_mask = _token_masks(2, 100, padding=False, global_tokens=True)
@@ -297,7 +333,9 @@ def test_dropout_gradients_match_finite_differences():
         return ops.sliding_window_attention(q, k, v, window=2, global_mask=global_mask, dropout_p=0.3)
 
     torch.testing.assert_close(attention(q, k, v), attention(q, k, v))
-    assert not torch.allclose(attention(q, k, v), ops.sliding_window_attention(q, k, v, window=2, global_mask=global_mask))
+    assert not torch.allclose(
+        attention(q, k, v), ops.sliding_window_attention(q, k, v, window=2, global_mask=global_mask)
+    )
     assert torch.autograd.gradcheck(attention, (q, k, v), fast_mode=True)
 
 
@@ -318,10 +356,24 @@ def test_attend_blocks_returns_logsumexp_and_merges_disjoint_key_sets():
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, -math.inf)
     torch.testing.assert_close(lse.reshape(2, 3, 24), torch.logsumexp(scores, dim=-1))
     assert_all_close(
-        outputs_and_grads(lambda q, k, v: merge_attention([
-            attend_blocks(q.view(2, 3, 4, 6, 8), k, v, kv_index=index, mask=mask[..., index[0]].view(2, 1, 4, 6, 12), scale=0.3)
-            for index in (first, second)
-        ])[0].reshape(2, 3, 24, 8), q, k, v),
+        outputs_and_grads(
+            lambda q, k, v: merge_attention(
+                [
+                    attend_blocks(
+                        q.view(2, 3, 4, 6, 8),
+                        k,
+                        v,
+                        kv_index=index,
+                        mask=mask[..., index[0]].view(2, 1, 4, 6, 12),
+                        scale=0.3,
+                    )
+                    for index in (first, second)
+                ]
+            )[0].reshape(2, 3, 24, 8),
+            q,
+            k,
+            v,
+        ),
         outputs_and_grads(lambda q, k, v: ops.reference_attention(q, k, v, mask, scale=0.3), q, k, v),
     )
     torch.testing.assert_close(out.reshape(2, 3, 24, 8), expected)
@@ -348,7 +400,11 @@ def test_pattern_predicates_match_their_definition():
     global_mask = torch.zeros(1, 20, dtype=torch.bool)
     global_mask[0, 10] = True
     full = patterns.materialize_mask(
-        patterns.sliding_window_pattern(window=1, causal=True, global_mask=global_mask), batch=1, heads=1, q_len=20, kv_len=20
+        patterns.sliding_window_pattern(window=1, causal=True, global_mask=global_mask),
+        batch=1,
+        heads=1,
+        q_len=20,
+        kv_len=20,
     )[0, 0]
     assert full[10, :11].all() and not full[10, 11:].any()  # a global query still cannot see the future
     assert full[15, 10] and not full[5, 10]  # later queries see the global key, earlier ones do not
@@ -396,8 +452,10 @@ def test_and_or_masks_names_reach_and_empty_identity():
     assert both.__name__ == f"and({window.__name__}, causal)" and either.__name__ == f"or({window.__name__}, causal)"
     assert patterns.mask_reach(both) == patterns.mask_reach(window) and patterns.mask_reach(either) is None
     nothing, everything = patterns.or_masks(), patterns.and_masks()
-    dense = {fn: patterns.materialize_mask(fn, batch=1, heads=1, q_len=5, kv_len=5)
-             for fn in (window, causal, both, either, nothing, everything)}
+    dense = {
+        fn: patterns.materialize_mask(fn, batch=1, heads=1, q_len=5, kv_len=5)
+        for fn in (window, causal, both, either, nothing, everything)
+    }
     assert torch.equal(dense[both], dense[window] & dense[causal])
     assert torch.equal(dense[either], dense[window] | dense[causal])
     assert dense[everything].all() and not dense[nothing].any()
@@ -428,6 +486,8 @@ def test_fused_band_saves_no_mask(causal, heads, kv_heads, monkeypatch):
     assert calls == [1]
     assert all(t.numel() <= 2 * q.numel() for t in saved if t.dtype != torch.bool), [tuple(t.shape) for t in saved]
     assert all(t.numel() < n * window for t in saved if t.dtype == torch.bool), [tuple(t.shape) for t in saved]
-    expected = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern),
-                                 *(t.detach().double().requires_grad_() for t in (q, k, v)))
+    expected = outputs_and_grads(
+        lambda q, k, v: ops.sliding_window_attention(q, k, v, backend="reference", **pattern),
+        *(t.detach().double().requires_grad_() for t in (q, k, v)),
+    )
     assert_all_close(actual, [t.float() for t in expected], atol=2e-5, rtol=2e-5)

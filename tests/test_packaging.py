@@ -47,8 +47,12 @@ def test_old_module_paths_warn_and_are_the_moved_modules(old):
     with pytest.warns(DeprecationWarning, match=rf"`{old}` moved to `{MOVED[old]}`"):
         module = importlib.import_module(old)
     assert module is new and module.__spec__.name == MOVED[old]  # one module: a monkeypatch reaches both names
-    name = {"longattn.training": "train", "longattn.data": "generate_task", "longattn.hub": "save_hub_folder",
-            "longattn.visualize": "draw_pattern"}[old]
+    name = {
+        "longattn.training": "train",
+        "longattn.data": "generate_task",
+        "longattn.hub": "save_hub_folder",
+        "longattn.visualize": "draw_pattern",
+    }[old]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         exec(f"from {old} import {name}", namespace := {})
@@ -56,8 +60,9 @@ def test_old_module_paths_warn_and_are_the_moved_modules(old):
 
 
 def test_old_command_path_still_runs_and_warns():
-    done = subprocess.run([sys.executable, "-m", "longattn.hub", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "longattn.hub", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: longattn-hub" in done.stdout
     assert "DeprecationWarning: `longattn.hub` moved to `longattn.tools.hub`" in done.stderr
@@ -74,25 +79,42 @@ def test_wheel_holds_every_subpackage_and_command(tmp_path):
         shutil.copy(REPO / name, source / name)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"),
-                    str(source)], check=True, env=env, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"), str(source)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("longattn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("longattn/modeling_longattn.py", "longattn/train/training.py", "longattn/train/collators.py",
-                   "longattn/train/data.py", "longattn/tools/hub.py", "longattn/tools/visualize.py",
-                   "longattn/tools/lengthen.py"):
+    for module in (
+        "longattn/modeling_longattn.py",
+        "longattn/train/training.py",
+        "longattn/train/collators.py",
+        "longattn/train/data.py",
+        "longattn/tools/hub.py",
+        "longattn/tools/visualize.py",
+        "longattn/tools/lengthen.py",
+    ):
         assert module in names, module
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     # The venv's own site-packages comes first; this interpreter's (torch, transformers, ...) after it, without
     # running its .pth files (an editable install of longattn there must not answer for the wheel).
     (purelib,) = venv.glob("lib/python*/site-packages")
     (purelib / "parent_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)], check=True,
-                   env=env, cwd=tmp_path, timeout=300)
+    subprocess.run(
+        [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
 
     check = """
 import importlib, pkgutil, sys
@@ -103,13 +125,23 @@ for name in names:
     importlib.import_module(name)
 print(" ".join(sorted(names)))
 """
-    done = subprocess.run([str(python), "-c", check, str(purelib)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(python), "-c", check, str(purelib)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     imported = done.stdout.split()
     assert {"longattn.train", "longattn.train.training", "longattn.tools", "longattn.tools.hub"} <= set(imported)
-    runs = {script: subprocess.Popen([str(venv / "bin" / script), "--help"], cwd=tmp_path, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for script in SCRIPTS}
+    runs = {
+        script: subprocess.Popen(
+            [str(venv / "bin" / script), "--help"],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for script in SCRIPTS
+    }
     for script, process in runs.items():
         stdout, stderr = process.communicate(timeout=300)
         assert process.returncode == 0 and "usage:" in stdout, (script, stderr[-3000:])

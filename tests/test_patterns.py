@@ -13,8 +13,12 @@ B, H = 2, 4
 # Read once here: the predicate's name may change (it clashes with the `key_padding_mask=` argument), the tests not.
 padding_predicate = patterns.key_padding_predicate
 # Row 0 left-padded, row 1 right-padded: a predicate that reads the wrong batch row or position shows.
-PADDING = torch.tensor([[False, False, True, True, True, True, True, True, True, True, True],
-                        [True, True, True, True, True, True, True, True, False, False, False]])
+PADDING = torch.tensor(
+    [
+        [False, False, True, True, True, True, True, True, True, True, True],
+        [True, True, True, True, True, True, True, True, False, False, False],
+    ]
+)
 GLOBAL = torch.zeros(B, 11, dtype=torch.bool)
 GLOBAL[0, 4] = GLOBAL[1, 0] = GLOBAL[1, 9] = True
 
@@ -24,14 +28,20 @@ def brute_force(visible, *, n_q, n_k=None, batch=B, heads=H, q_offset=None):
     positions unless `q_offset` says otherwise)."""
     n_k = n_q if n_k is None else n_k
     q_offset = n_k - n_q if q_offset is None else q_offset
-    return torch.tensor([[[[bool(visible(b, h, q_offset + i, j)) for j in range(n_k)] for i in range(n_q)]
-                          for h in range(heads)] for b in range(batch)], dtype=torch.bool).view(batch, heads, n_q, n_k)
+    return torch.tensor(
+        [
+            [[[bool(visible(b, h, q_offset + i, j)) for j in range(n_k)] for i in range(n_q)] for h in range(heads)]
+            for b in range(batch)
+        ],
+        dtype=torch.bool,
+    ).view(batch, heads, n_q, n_k)
 
 
 def materialize(mask_fn, *, n_q, n_k=None, q_offset=None):
     n_k = n_q if n_k is None else n_k
-    return patterns.materialize_mask(mask_fn, batch=B, heads=H, q_len=n_q, kv_len=n_k,
-                                     q_offset=n_k - n_q if q_offset is None else q_offset)
+    return patterns.materialize_mask(
+        mask_fn, batch=B, heads=H, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q if q_offset is None else q_offset
+    )
 
 
 def assert_pattern(mask_fn, visible, *, n_q=11, n_k=None):
@@ -88,23 +98,30 @@ def test_strided(stride):
 
 @pytest.mark.parametrize("stride", [1, 2, 3, 4, 12])
 def test_strided_causal(stride):
-    assert_pattern(patterns.strided_mask(stride, causal=True),
-                   lambda b, h, i, j: j <= i and (i - j <= stride or (i - j) % stride == 0))
+    assert_pattern(
+        patterns.strided_mask(stride, causal=True),
+        lambda b, h, i, j: j <= i and (i - j <= stride or (i - j) % stride == 0),
+    )
 
 
 @pytest.mark.parametrize(("block_size", "num_summary"), [(1, 1), (3, 1), (4, 2), (5, 5), (12, 3)])
 def test_fixed(block_size, num_summary):
-    assert_pattern(patterns.fixed_mask(block_size, num_summary),
-                   lambda b, h, i, j: i // block_size == j // block_size or j % block_size >= block_size - num_summary)
+    assert_pattern(
+        patterns.fixed_mask(block_size, num_summary),
+        lambda b, h, i, j: i // block_size == j // block_size or j % block_size >= block_size - num_summary,
+    )
 
 
 @pytest.mark.parametrize(("block_size", "num_summary"), [(4, 1), (4, 2), (6, 2), (5, 2), (3, 3)])
 def test_fixed_summary_per_head(block_size, num_summary):
     """Head h summarises with sub-block g = h mod floor(l / c): cells [l − (g + 1)·c, l − g·c) of every block."""
+
     def visible(b, h, i, j):
         g = h % (block_size // num_summary)
-        return (i // block_size == j // block_size
-                or block_size - (g + 1) * num_summary <= j % block_size < block_size - g * num_summary)
+        return (
+            i // block_size == j // block_size
+            or block_size - (g + 1) * num_summary <= j % block_size < block_size - g * num_summary
+        )
 
     assert_pattern(patterns.fixed_mask(block_size, num_summary, summary_per_head=True), visible)
 
@@ -125,12 +142,17 @@ def test_and_or_masks_are_intersection_and_union():
     window, stride = patterns.sliding_window_mask(1), patterns.strided_mask(3)
     near, strided = (lambda b, h, i, j: abs(i - j) <= 1), (lambda b, h, i, j: abs(i - j) <= 3 or (i - j) % 3 == 0)
     pad = lambda b, h, i, j: bool(PADDING[b, j])  # noqa: E731
-    assert_pattern(patterns.and_masks(window, padding_predicate(PADDING)),
-                   lambda b, h, i, j: near(b, h, i, j) and pad(b, h, i, j))
-    assert_pattern(patterns.or_masks(window, patterns.global_token_mask(GLOBAL)),
-                   lambda b, h, i, j: near(b, h, i, j) or bool(GLOBAL[b, i] or GLOBAL[b, j]))
-    assert_pattern(patterns.and_masks(patterns.or_masks(window, stride), patterns.causal_mask()),
-                   lambda b, h, i, j: (near(b, h, i, j) or strided(b, h, i, j)) and j <= i)
+    assert_pattern(
+        patterns.and_masks(window, padding_predicate(PADDING)), lambda b, h, i, j: near(b, h, i, j) and pad(b, h, i, j)
+    )
+    assert_pattern(
+        patterns.or_masks(window, patterns.global_token_mask(GLOBAL)),
+        lambda b, h, i, j: near(b, h, i, j) or bool(GLOBAL[b, i] or GLOBAL[b, j]),
+    )
+    assert_pattern(
+        patterns.and_masks(patterns.or_masks(window, stride), patterns.causal_mask()),
+        lambda b, h, i, j: (near(b, h, i, j) or strided(b, h, i, j)) and j <= i,
+    )
 
 
 def test_empty_and_sees_everything_and_empty_or_nothing():
@@ -152,13 +174,15 @@ def test_reach_of_compositions():
 @pytest.mark.parametrize("dilation", [1, 2, [1, 2, 3, 1]])
 def test_sliding_window_pattern_is_window_or_global_then_causal_and_real(causal, dilation):
     """Longformer's composition: `(window OR global) AND causal? AND real key?` (causality after the union)."""
+
     def visible(b, h, i, j):
         d = dilation[h] if isinstance(dilation, list) else dilation
         local = abs(i - j) <= 2 * d and abs(i - j) % d == 0
         return (local or bool(GLOBAL[b, i] or GLOBAL[b, j])) and (not causal or j <= i) and bool(PADDING[b, j])
 
-    mask_fn = patterns.sliding_window_pattern(window=2, dilation=dilation, causal=causal, global_mask=GLOBAL,
-                                              key_padding_mask=PADDING)
+    mask_fn = patterns.sliding_window_pattern(
+        window=2, dilation=dilation, causal=causal, global_mask=GLOBAL, key_padding_mask=PADDING
+    )
     assert_pattern(mask_fn, visible)
 
 
@@ -180,12 +204,19 @@ def test_fixed_pattern_counts_blocks_from_the_first_real_token(causal, summary_p
     def visible(b, h, i, j):
         g = h % (block_size // num_summary) if summary_per_head else 0
         si, sj = (i - first[b]) % 11, (j - first[b]) % 11  # positions counted from the first real token
-        geometry = (si // block_size == sj // block_size
-                    or block_size - (g + 1) * num_summary <= sj % block_size < block_size - g * num_summary)
+        geometry = (
+            si // block_size == sj // block_size
+            or block_size - (g + 1) * num_summary <= sj % block_size < block_size - g * num_summary
+        )
         return geometry and (not causal or j <= i) and bool(PADDING[b, j])
 
-    mask_fn = patterns.fixed_pattern(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head,
-                                     causal=causal, key_padding_mask=PADDING)
+    mask_fn = patterns.fixed_pattern(
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=PADDING,
+    )
     assert_pattern(mask_fn, visible)
     # Without padding the blocks start at 0.
     unpadded = patterns.fixed_pattern(block_size=block_size, num_summary=num_summary, causal=causal)
@@ -217,28 +248,42 @@ def test_materialize_mask_of_empty_sizes():
 
 
 # ---------------------------------------------------------------------------------------------- validators
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: patterns.sliding_window_mask(0), r"window must be an int >= 1 .*got 0"),
-    (lambda: patterns.sliding_window_mask(True), r"window must be an int >= 1 .*got True"),
-    (lambda: patterns.sliding_window_mask(2.0), r"window must be an int >= 1 .*got 2\.0"),
-    (lambda: patterns.sliding_window_mask(2, 0), r"dilation must be an int >= 1 .*got 0"),
-    (lambda: patterns.sliding_window_mask(2, []), r"dilation must be an int >= 1 or a non-empty sequence .*got \[\]"),
-    (lambda: patterns.sliding_window_mask(2, [1, 0]), r"dilation entries must be ints >= 1, got \[1, 0\]"),
-    (lambda: patterns.sliding_window_mask(2, "2"), r"dilation must be an int >= 1 .*got '2'"),
-    (lambda: patterns.check_dilation([1, 2], heads=3),
-     r"dilation has one entry per head: expected 3 .*got 2: \[1, 2\]"),
-    (lambda: patterns.check_window(0, name="sliding_window"), r"^sliding_window must be an int >= 1"),
-    (lambda: patterns.strided_mask(0), r"stride must be an int >= 1 .*got 0"),
-    (lambda: patterns.fixed_mask(0, 1), r"block_size must be an int >= 1 .*got 0"),
-    (lambda: patterns.fixed_mask(4, 5), r"num_summary must be an int in \[1, block_size\] = \[1, 4\] .*got 5"),
-    (lambda: patterns.fixed_mask(4, 0), r"num_summary must be an int in \[1, block_size\] = \[1, 4\] .*got 0"),
-    (lambda: padding_predicate(torch.ones(4, dtype=torch.bool)),
-     r"key_padding_mask must have shape \[batch, length\], got \(4,\)"),
-    (lambda: patterns.global_token_mask(torch.ones(1, 2, 3)),
-     r"global_mask must have shape \[batch, length\], got \(1, 2, 3\)"),
-    (lambda: patterns.from_first_real_token(patterns.causal_mask(), torch.ones(3)),
-     r"key_padding_mask must have shape \[batch, length\], got \(3,\)"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: patterns.sliding_window_mask(0), r"window must be an int >= 1 .*got 0"),
+        (lambda: patterns.sliding_window_mask(True), r"window must be an int >= 1 .*got True"),
+        (lambda: patterns.sliding_window_mask(2.0), r"window must be an int >= 1 .*got 2\.0"),
+        (lambda: patterns.sliding_window_mask(2, 0), r"dilation must be an int >= 1 .*got 0"),
+        (
+            lambda: patterns.sliding_window_mask(2, []),
+            r"dilation must be an int >= 1 or a non-empty sequence .*got \[\]",
+        ),
+        (lambda: patterns.sliding_window_mask(2, [1, 0]), r"dilation entries must be ints >= 1, got \[1, 0\]"),
+        (lambda: patterns.sliding_window_mask(2, "2"), r"dilation must be an int >= 1 .*got '2'"),
+        (
+            lambda: patterns.check_dilation([1, 2], heads=3),
+            r"dilation has one entry per head: expected 3 .*got 2: \[1, 2\]",
+        ),
+        (lambda: patterns.check_window(0, name="sliding_window"), r"^sliding_window must be an int >= 1"),
+        (lambda: patterns.strided_mask(0), r"stride must be an int >= 1 .*got 0"),
+        (lambda: patterns.fixed_mask(0, 1), r"block_size must be an int >= 1 .*got 0"),
+        (lambda: patterns.fixed_mask(4, 5), r"num_summary must be an int in \[1, block_size\] = \[1, 4\] .*got 5"),
+        (lambda: patterns.fixed_mask(4, 0), r"num_summary must be an int in \[1, block_size\] = \[1, 4\] .*got 0"),
+        (
+            lambda: padding_predicate(torch.ones(4, dtype=torch.bool)),
+            r"key_padding_mask must have shape \[batch, length\], got \(4,\)",
+        ),
+        (
+            lambda: patterns.global_token_mask(torch.ones(1, 2, 3)),
+            r"global_mask must have shape \[batch, length\], got \(1, 2, 3\)",
+        ),
+        (
+            lambda: patterns.from_first_real_token(patterns.causal_mask(), torch.ones(3)),
+            r"key_padding_mask must have shape \[batch, length\], got \(3,\)",
+        ),
+    ],
+)
 def test_validators_raise_naming_the_argument_and_value(call, message):
     with pytest.raises(ValueError, match=message):
         call()

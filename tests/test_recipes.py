@@ -38,38 +38,81 @@ from longattn.train import data, training
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
-TINY = ("hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,sliding_window=4,"
-        "max_position_embeddings=256")
-AUTO_CLASSES = {"mlm": AutoModelForMaskedLM, "classification": AutoModelForSequenceClassification,
-                "clm": AutoModelForCausalLM, "seq2seq": AutoModelForSeq2SeqLM}
-METRICS = {"mlm": ("eval_loss", "eval_perplexity", "eval_accuracy"),
-           "classification": ("eval_loss", "eval_accuracy"),
-           "clm": ("eval_loss", "eval_perplexity", "eval_accuracy"),
-           "seq2seq": ("eval_loss", "eval_token_accuracy", "eval_exact_match", "eval_rougeL")}
+TINY = (
+    "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,sliding_window=4,"
+    "max_position_embeddings=256"
+)
+AUTO_CLASSES = {
+    "mlm": AutoModelForMaskedLM,
+    "classification": AutoModelForSequenceClassification,
+    "clm": AutoModelForCausalLM,
+    "seq2seq": AutoModelForSeq2SeqLM,
+}
+METRICS = {
+    "mlm": ("eval_loss", "eval_perplexity", "eval_accuracy"),
+    "classification": ("eval_loss", "eval_accuracy"),
+    "clm": ("eval_loss", "eval_perplexity", "eval_accuracy"),
+    "seq2seq": ("eval_loss", "eval_token_accuracy", "eval_exact_match", "eval_rougeL"),
+}
 
 
 @pytest.fixture(scope="module")
 def datasets_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("recipe_data")
-    data.generate_task("needle", root / "needle", num_train=24, num_validation=8, num_test=4, seed=0,
-                       min_length=30, max_length=60)
-    data.generate_task("listops", root / "listops", num_train=32, num_validation=8, num_test=0, seed=0,
-                       min_length=20, max_length=60, max_depth=5, max_args=5)
-    data.generate_task("needles", root / "needles", num_train=24, num_validation=8, num_test=0, seed=0,
-                       min_length=30, max_length=50, max_needles=2)
+    data.generate_task(
+        "needle", root / "needle", num_train=24, num_validation=8, num_test=4, seed=0, min_length=30, max_length=60
+    )
+    data.generate_task(
+        "listops",
+        root / "listops",
+        num_train=32,
+        num_validation=8,
+        num_test=0,
+        seed=0,
+        min_length=20,
+        max_length=60,
+        max_depth=5,
+        max_args=5,
+    )
+    data.generate_task(
+        "needles",
+        root / "needles",
+        num_train=24,
+        num_validation=8,
+        num_test=0,
+        seed=0,
+        min_length=30,
+        max_length=50,
+        max_needles=2,
+    )
     return root
 
 
-def recipe_args(recipe: str, datasets_dir: Path, output_dir: Path, *extra: str,
-                dataset_folder: bool = False) -> list[str]:
+def recipe_args(
+    recipe: str, datasets_dir: Path, output_dir: Path, *extra: str, dataset_folder: bool = False
+) -> list[str]:
     task_data = {"mlm": "listops", "clm": "listops", "classification": "needle", "seq2seq": "needles"}[recipe]
     if dataset_folder:  # the generator's folder read as a local dataset (--dataset_name), splits found by file name
         args = ["--dataset_name", str(datasets_dir / task_data)]
     else:
-        args = ["--train_file", str(datasets_dir / task_data / "train.jsonl"),
-                "--validation_file", str(datasets_dir / task_data / "validation.jsonl")]
-    args += ["--config_overrides", TINY, "--output_dir", str(output_dir),
-            "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4", "--seed", "7"]
+        args = [
+            "--train_file",
+            str(datasets_dir / task_data / "train.jsonl"),
+            "--validation_file",
+            str(datasets_dir / task_data / "validation.jsonl"),
+        ]
+    args += [
+        "--config_overrides",
+        TINY,
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "4",
+        "--seed",
+        "7",
+    ]
     if recipe in ("mlm", "clm"):
         args += ["--max_seq_length", "64", "--max_train_samples", "12"]
     if recipe == "seq2seq":
@@ -83,18 +126,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(recipe: str, args: list[str], *, processes: int = 1, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run(
+    recipe: str, args: list[str], *, processes: int = 1, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     script = str(RECIPES / f"run_{recipe}.py")
     if processes == 1:
         command = [sys.executable, script, *args]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(RECIPES / "configs" / "cpu_2proc.yaml"), "--num_processes", str(processes),
-                   "--main_process_port", str(_free_port()), script, *args]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(RECIPES / "configs" / "cpu_2proc.yaml"),
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(_free_port()),
+            script,
+            *args,
+        ]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LONGATTN_RECIPE_"))}
-    full_env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                    OMP_NUM_THREADS="1", **(env or {}))
+    full_env.update(
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {})
+    )
     # The script's folder (recipes/) comes first on sys.path: without this, an installed longattn would be tested
     # instead of this checkout's.
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
@@ -103,8 +158,7 @@ def run(recipe: str, args: list[str], *, processes: int = 1, env: dict[str, str]
     return subprocess.run(command, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=600)
 
 
-def check_run(recipe: str, done: subprocess.CompletedProcess, output_dir: Path, *, processes: int,
-              steps: int) -> dict:
+def check_run(recipe: str, done: subprocess.CompletedProcess, output_dir: Path, *, processes: int, steps: int) -> dict:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = json.loads((output_dir / "all_results.json").read_text())
     assert results["num_processes"] == processes
@@ -168,18 +222,32 @@ def test_recipe_runs_under_python(recipe, datasets_dir, tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------- two processes
-@pytest.mark.parametrize("recipe", [
-    "classification",
-    "seq2seq",
-    pytest.param("mlm", marks=pytest.mark.slow),
-    pytest.param("clm", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "classification",
+        "seq2seq",
+        pytest.param("mlm", marks=pytest.mark.slow),
+        pytest.param("clm", marks=pytest.mark.slow),
+    ],
+)
 def test_recipe_runs_on_two_cpu_processes(recipe, datasets_dir, tmp_path, request):
     skip_unless_selected(request)
     output_dir = tmp_path / "out"
-    done = run(recipe, recipe_args(recipe, datasets_dir, output_dir, "--max_train_steps", "3",
-                                   "--checkpointing_steps", "2", dataset_folder=recipe == "classification"),
-               processes=2)
+    done = run(
+        recipe,
+        recipe_args(
+            recipe,
+            datasets_dir,
+            output_dir,
+            "--max_train_steps",
+            "3",
+            "--checkpointing_steps",
+            "2",
+            dataset_folder=recipe == "classification",
+        ),
+        processes=2,
+    )
     results = check_run(recipe, done, output_dir, processes=2, steps=3)
     assert results["distributed_type"] == "MULTI_CPU"
     checkpoint = training.list_checkpoints(output_dir / "checkpoints")[-1]
@@ -188,8 +256,9 @@ def test_recipe_runs_on_two_cpu_processes(recipe, datasets_dir, tmp_path, reques
 
 
 # ---------------------------------------------------------------------------------------------- never lose a run
-def test_sigkill_during_a_checkpoint_then_resume_matches_the_uninterrupted_run(datasets_dir, tmp_path,
-                                                                               tmp_path_factory):
+def test_sigkill_during_a_checkpoint_then_resume_matches_the_uninterrupted_run(
+    datasets_dir, tmp_path, tmp_path_factory
+):
     """MLM (dropout and random masks), gradient accumulation 2, epoch boundaries on the way: killed while writing
     the checkpoint of step 6, the run resumes from step 3, in the middle of an epoch (skipping the batches of that
     epoch already seen), and ends where the uninterrupted run (checkpoints every 2 steps) ends."""
@@ -225,9 +294,19 @@ def test_sigkill_during_a_checkpoint_then_resume_matches_the_uninterrupted_run(d
 def test_resume_refuses_a_different_global_batch(datasets_dir, tmp_path_factory, request):
     skip_unless_selected(request)
     reference_dir, _ = reference_run("classification", datasets_dir, tmp_path_factory)
-    done = run("classification", recipe_args("classification", datasets_dir, reference_dir, *REFERENCE_EXTRA,
-                                             "--per_device_train_batch_size", "3",
-                                             "--resume_from_checkpoint", "latest"))
+    done = run(
+        "classification",
+        recipe_args(
+            "classification",
+            datasets_dir,
+            reference_dir,
+            *REFERENCE_EXTRA,
+            "--per_device_train_batch_size",
+            "3",
+            "--resume_from_checkpoint",
+            "latest",
+        ),
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("run_classification.py: error: ")
     assert "global batch" in done.stderr
@@ -294,10 +373,16 @@ def test_bad_arguments_in_a_real_process(datasets_dir, tmp_path):
 
 
 def test_config_overrides_parsing():
-    assert training.parse_config_overrides("attention_type=sliding,sliding_window=64,hidden_dropout_prob=0.0,"
-                                           "attention_type=[sliding, full],use_cache=false,x=none") == {
-        "attention_type": ["sliding", "full"], "sliding_window": 64, "hidden_dropout_prob": 0.0,
-        "use_cache": False, "x": None}
+    assert training.parse_config_overrides(
+        "attention_type=sliding,sliding_window=64,hidden_dropout_prob=0.0,"
+        "attention_type=[sliding, full],use_cache=false,x=none"
+    ) == {
+        "attention_type": ["sliding", "full"],
+        "sliding_window": 64,
+        "hidden_dropout_prob": 0.0,
+        "use_cache": False,
+        "x": None,
+    }
     with pytest.raises(training.RecipeError):
         training.parse_config_overrides("hidden_size")
 
@@ -308,14 +393,19 @@ def test_collator_pads_to_the_block_multiple():
     assert batch["input_ids"].shape == (2, 8) and batch["attention_mask"].sum().item() == 6
     assert batch["labels"].tolist() == [3, 1]
     seq = training.PadCollator(pad_token_id=0, pad_to_multiple_of=4, labels_multiple=1)(
-        [{"input_ids": [1, 5, 2], "labels": [7, 2]}, {"input_ids": [1, 2], "labels": [2]}])
+        [{"input_ids": [1, 5, 2], "labels": [7, 2]}, {"input_ids": [1, 2], "labels": [2]}]
+    )
     assert seq["input_ids"].shape == (2, 4) and seq["labels"].tolist() == [[7, 2], [2, -100]]
     assert seq["decoder_attention_mask"].tolist() == [[1, 1], [1, 0]]
     config = longattn.LongAttnConfig(attention_type="sliding")
     assert training.length_multiple(config) == 1
     # Each layer's kind states its multiple; the stack pads to their least common multiple.
-    mixed = longattn.LongAttnConfig(attention_type=["fixed", "sliding", "fixed"], num_hidden_layers=3,
-                                    fixed_block_size=[8, 16, 12], fixed_num_summary=2)
+    mixed = longattn.LongAttnConfig(
+        attention_type=["fixed", "sliding", "fixed"],
+        num_hidden_layers=3,
+        fixed_block_size=[8, 16, 12],
+        fixed_num_summary=2,
+    )
     assert training.length_multiple(mixed) == 24
     assert training.length_multiple(longattn.LongAttnConfig(attention_type="sinkhorn", sinkhorn_block_size=20)) == 20
 
@@ -325,12 +415,25 @@ def test_mask_tokens_never_masks_padding_or_special_tokens():
     mask = (ids != 0).long()
     draws = torch.rand((3, *ids.shape), generator=torch.Generator().manual_seed(0))
     draws[0] = 0.0  # pick everything that may be picked
-    masked, labels = training.mask_tokens(ids, mask, draws=draws, special_ids=torch.tensor([0, 1, 2, 3]),
-                                          mask_token_id=3, vocab_size=260, probability=0.15)
+    masked, labels = training.mask_tokens(
+        ids,
+        mask,
+        draws=draws,
+        special_ids=torch.tensor([0, 1, 2, 3]),
+        mask_token_id=3,
+        vocab_size=260,
+        probability=0.15,
+    )
     picked = labels != -100
-    assert picked.tolist() == ((ids >= 4)).tolist()
+    assert picked.tolist() == (ids >= 4).tolist()
     assert (masked[~picked] == ids[~picked]).all() and (labels[picked] == ids[picked]).all()
-    none_picked = training.mask_tokens(ids, mask, draws=torch.ones((3, *ids.shape)),
-                                       special_ids=torch.tensor([0, 1, 2, 3]), mask_token_id=3, vocab_size=260,
-                                       probability=0.15)[1]
+    none_picked = training.mask_tokens(
+        ids,
+        mask,
+        draws=torch.ones((3, *ids.shape)),
+        special_ids=torch.tensor([0, 1, 2, 3]),
+        mask_token_id=3,
+        vocab_size=260,
+        probability=0.15,
+    )[1]
     assert (none_picked != -100).sum() == 1  # at least one target, so the loss is defined

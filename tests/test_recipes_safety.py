@@ -32,7 +32,7 @@ from test_recipes import REPO, TINY, _load_recipe, run
 FAKE_TOKEN = "hf_FakeTokenThatMustNeverBeWritten0123"
 
 # A tracker that works offline whatever is installed: accelerate looks custom names up in LOGGER_TYPE_TO_CLASS.
-TRACKED_LAUNCH = '''
+TRACKED_LAUNCH = """
 import json, runpy, sys
 from pathlib import Path
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
@@ -61,7 +61,7 @@ LOGGER_TYPE_TO_CLASS["jsonfile"] = JsonFileTracker
 recipe = sys.argv.pop(1)
 sys.argv[0] = recipe
 runpy.run_path(recipe, run_name="__main__")
-'''
+"""
 
 
 def _tracker() -> str:
@@ -76,17 +76,38 @@ def _tracker() -> str:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("safety")
-    data.generate_task("needle", root / "data", num_train=12, num_validation=4, num_test=0, seed=0,
-                       min_length=30, max_length=50)
+    data.generate_task(
+        "needle", root / "data", num_train=12, num_validation=4, num_test=0, seed=0, min_length=30, max_length=50
+    )
     return root
 
 
 def _args(workspace: Path, output_dir: Path, *extra: str) -> list[str]:
-    return ["--train_file", str(workspace / "data" / "train.jsonl"),
-            "--validation_file", str(workspace / "data" / "validation.jsonl"),
-            "--config_overrides", TINY, "--output_dir", str(output_dir), "--per_device_train_batch_size", "2",
-            "--per_device_eval_batch_size", "4", "--max_train_steps", "3", "--checkpointing_steps", "1",
-            "--checkpoints_total_limit", "3", "--logging_steps", "1", "--seed", "3", *extra]
+    return [
+        "--train_file",
+        str(workspace / "data" / "train.jsonl"),
+        "--validation_file",
+        str(workspace / "data" / "validation.jsonl"),
+        "--config_overrides",
+        TINY,
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_train_steps",
+        "3",
+        "--checkpointing_steps",
+        "1",
+        "--checkpoints_total_limit",
+        "3",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "3",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +120,35 @@ def first_run(workspace):
     launcher = workspace / "tracked_launch.py"
     launcher.write_text(TRACKED_LAUNCH)
     # Both forms of a flag (argparse keeps the last): `--hub_token=...` and `--hub_token ...`.
-    args = _args(workspace, output_dir, f"--hub_token={FAKE_TOKEN}", "--hub_token", FAKE_TOKEN,
-                 "--with_tracking", "--report_to", _tracker())
+    args = _args(
+        workspace,
+        output_dir,
+        f"--hub_token={FAKE_TOKEN}",
+        "--hub_token",
+        FAKE_TOKEN,
+        "--with_tracking",
+        "--report_to",
+        _tracker(),
+    )
     env = {key: value for key, value in os.environ.items() if not key.startswith(("ACCELERATE_", "LONGATTN_"))}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-               str(launcher), str(REPO / "recipes" / "run_classification.py"), *args]
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        str(launcher),
+        str(REPO / "recipes" / "run_classification.py"),
+        *args,
+    ]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return SimpleNamespace(output_dir=output_dir, done=done)
@@ -132,15 +175,47 @@ def test_no_secret_and_no_absolute_path_in_the_output_folder(first_run, workspac
 
 
 def test_redaction_of_secret_flags():
-    argv = ["--hub_token", "s1", "--db-password=s2", "--wandb_api_key", "s3", "--client_secret=s4", "--token", "s5",
-            "--tokenizer_name", "bytes", "--global_tokens", "4", "--with_tracking", "--seed", "1"]
+    argv = [
+        "--hub_token",
+        "s1",
+        "--db-password=s2",
+        "--wandb_api_key",
+        "s3",
+        "--client_secret=s4",
+        "--token",
+        "s5",
+        "--tokenizer_name",
+        "bytes",
+        "--global_tokens",
+        "4",
+        "--with_tracking",
+        "--seed",
+        "1",
+    ]
     assert hub.redact_argv(argv) == [
-        "--hub_token", "REDACTED", "--db-password=REDACTED", "--wandb_api_key", "REDACTED",
-        "--client_secret=REDACTED", "--token", "REDACTED", "--tokenizer_name", "bytes", "--global_tokens", "4",
-        "--with_tracking", "--seed", "1"]
-    card = hub.model_card(__import__("longattn").LongAttnConfig(hidden_size=32, num_hidden_layers=1,
-                                                                 num_attention_heads=2, intermediate_size=64),
-                          task="mlm", command="python run_mlm.py --hub_token=hf_abc --output_dir out")
+        "--hub_token",
+        "REDACTED",
+        "--db-password=REDACTED",
+        "--wandb_api_key",
+        "REDACTED",
+        "--client_secret=REDACTED",
+        "--token",
+        "REDACTED",
+        "--tokenizer_name",
+        "bytes",
+        "--global_tokens",
+        "4",
+        "--with_tracking",
+        "--seed",
+        "1",
+    ]
+    card = hub.model_card(
+        __import__("longattn").LongAttnConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        ),
+        task="mlm",
+        command="python run_mlm.py --hub_token=hf_abc --output_dir out",
+    )
     assert "hf_abc" not in str(card) and "--hub_token=REDACTED" in str(card)
 
 
@@ -166,8 +241,16 @@ def test_resume_falls_back_from_a_damaged_checkpoint_and_names_changed_arguments
     shutil.copytree(workspace / "data", changed)
     rows = (changed / "train.jsonl").read_text().splitlines()
     (changed / "train.jsonl").write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")
-    args = _args(workspace, output_dir, "--max_train_steps", "4", "--resume_from_checkpoint", "latest",
-                 "--learning_rate", "0.001")
+    args = _args(
+        workspace,
+        output_dir,
+        "--max_train_steps",
+        "4",
+        "--resume_from_checkpoint",
+        "latest",
+        "--learning_rate",
+        "0.001",
+    )
     args[args.index("--train_file") + 1] = str(changed / "train.jsonl")
     done = run("classification", args)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -183,22 +266,47 @@ def test_resume_falls_back_from_a_damaged_checkpoint_and_names_changed_arguments
 
 
 # ---------------------------------------------------------------------------------------------- bad data
-@pytest.mark.parametrize("rows, extra, message", [
-    ([{"text": "a", "label": 1}, {"body": "b", "label": 0}], (), "column 'text', row 2: expected a text, found None"),
-    ([{"text": "a", "label": 1}, {"text": "b", "label": "x"}], (),
-     "column 'label', row 2: label 'x' is a string, but row 1 has number labels"),
-    ([{"text": "a", "label": 1}, {"text": "b"}], (), "column 'label', row 2: the label is missing"),
-    ([{"text": "a", "label": 1}, {"text": "b", "label": 1.5}], (),
-     "column 'label', row 2: label 1.5 is not a class (an integer or a string); pass --problem_type regression"),
-    ([{"text": "a", "label": 0.5}, {"text": "b", "label": "x"}], ("--problem_type", "regression"),
-     "row 2: label 'x' is a string"),
-    ([{"text": "a"}, {"text": "b"}], (), "column 'label' is not in the train data"),
-])
+@pytest.mark.parametrize(
+    "rows, extra, message",
+    [
+        (
+            [{"text": "a", "label": 1}, {"body": "b", "label": 0}],
+            (),
+            "column 'text', row 2: expected a text, found None",
+        ),
+        (
+            [{"text": "a", "label": 1}, {"text": "b", "label": "x"}],
+            (),
+            "column 'label', row 2: label 'x' is a string, but row 1 has number labels",
+        ),
+        ([{"text": "a", "label": 1}, {"text": "b"}], (), "column 'label', row 2: the label is missing"),
+        (
+            [{"text": "a", "label": 1}, {"text": "b", "label": 1.5}],
+            (),
+            "column 'label', row 2: label 1.5 is not a class (an integer or a string); pass --problem_type regression",
+        ),
+        (
+            [{"text": "a", "label": 0.5}, {"text": "b", "label": "x"}],
+            ("--problem_type", "regression"),
+            "row 2: label 'x' is a string",
+        ),
+        ([{"text": "a"}, {"text": "b"}], (), "column 'label' is not in the train data"),
+    ],
+)
 def test_bad_data_stops_with_one_line_naming_file_column_and_row(rows, extra, message, tmp_path, capsys):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = ["--train_file", str(train), "--validation_file", str(train), "--config_overrides", TINY,
-            "--output_dir", str(tmp_path / "out"), *extra]
+    args = [
+        "--train_file",
+        str(train),
+        "--validation_file",
+        str(train),
+        "--config_overrides",
+        TINY,
+        "--output_dir",
+        str(tmp_path / "out"),
+        *extra,
+    ]
     with pytest.raises(SystemExit) as exit_info:
         training.run_recipe(_load_recipe("classification").main, args)
     assert exit_info.value.code == 2
@@ -211,9 +319,22 @@ def test_regression_labels_need_the_flag_and_then_train(tmp_path):
     rows = [{"text": f"text {i}", "label": i / 3} for i in range(8)]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = ["--train_file", str(train), "--validation_file", str(train), "--config_overrides", TINY,
-            "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "4", "--max_train_steps", "1",
-            "--problem_type", "regression"]
+    args = [
+        "--train_file",
+        str(train),
+        "--validation_file",
+        str(train),
+        "--config_overrides",
+        TINY,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--per_device_train_batch_size",
+        "4",
+        "--max_train_steps",
+        "1",
+        "--problem_type",
+        "regression",
+    ]
     results = _load_recipe("classification").main(args)
     assert "eval_accuracy" not in results and results["train_steps"] == 1
     config = AutoConfig.from_pretrained(tmp_path / "out")
@@ -259,14 +380,24 @@ class StubCausalLM(torch.nn.Module):
 def tiny_longattn_causal_lm():
     """A real longattn causal LM head (dropout off), which takes `num_items_in_batch` like transformers' heads."""
     torch.manual_seed(0)
-    config = training.LongAttnConfig(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, is_decoder=True, attention_type="sliding",
-                                     sliding_window=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = training.LongAttnConfig(
+        vocab_size=12,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        is_decoder=True,
+        attention_type="sliding",
+        sliding_window=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return LongAttnForCausalLM(config)
 
 
-def _accumulated_gradients(tmp_path: Path, batch_size: int, steps: int, monkeypatch,
-                           make_model=StubCausalLM) -> tuple[list, float]:
+def _accumulated_gradients(
+    tmp_path: Path, batch_size: int, steps: int, monkeypatch, make_model=StubCausalLM
+) -> tuple[list, float]:
     """The gradients the optimizer sees at its first step, and the logged loss of that step."""
     seen = []
 
@@ -278,16 +409,40 @@ def _accumulated_gradients(tmp_path: Path, batch_size: int, steps: int, monkeypa
     monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
     (tmp_path / "train.jsonl").touch()
     parser = training.recipe_parser(None, task="clm")
-    args = training.parse_args(parser, [
-        "--train_file", str(tmp_path / "train.jsonl"), "--output_dir", str(tmp_path / f"out_{batch_size}"),
-        "--per_device_train_batch_size", str(batch_size), "--gradient_accumulation_steps", str(steps),
-        "--max_train_steps", "1", "--max_grad_norm", "0"])
+    args = training.parse_args(
+        parser,
+        [
+            "--train_file",
+            str(tmp_path / "train.jsonl"),
+            "--output_dir",
+            str(tmp_path / f"out_{batch_size}"),
+            "--per_device_train_batch_size",
+            str(batch_size),
+            "--gradient_accumulation_steps",
+            str(steps),
+            "--max_train_steps",
+            "1",
+            "--max_grad_norm",
+            "0",
+        ],
+    )
     # Eight examples of length 6 with 1 to 5 labelled targets: micro-batch means differ from the token mean.
-    examples = [{"input_ids": [(i + j) % 12 for j in range(6)],
-                 "labels": [(i + j) % 12 if j <= 1 + i % 5 else -100 for j in range(6)]} for i in range(8)]
-    results = training.train(args, training.make_accelerator(args), make_model(), examples, examples[:2],
-                             training.PadCollator(pad_token_id=0, align_labels=True),
-                             evaluate=lambda model, loader: {})
+    examples = [
+        {
+            "input_ids": [(i + j) % 12 for j in range(6)],
+            "labels": [(i + j) % 12 if j <= 1 + i % 5 else -100 for j in range(6)],
+        }
+        for i in range(8)
+    ]
+    results = training.train(
+        args,
+        training.make_accelerator(args),
+        make_model(),
+        examples,
+        examples[:2],
+        training.PadCollator(pad_token_id=0, align_labels=True),
+        evaluate=lambda model, loader: {},
+    )
     return seen[0], results["train_loss"]
 
 

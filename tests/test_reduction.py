@@ -27,7 +27,10 @@ def direct(module: ReductionAttention, x: torch.Tensor, ratio: int, rope=None) -
     padded = torch.cat([x, x.new_zeros(b, g * ratio - n, width)], dim=1)
     reduced = torch.nn.functional.layer_norm(
         padded.reshape(b, g, ratio * width) @ module.reduction_proj.weight.T + module.reduction_proj.bias,
-        (width,), module.reduction_norm.weight, module.reduction_norm.bias, eps=module.reduction_norm.eps,
+        (width,),
+        module.reduction_norm.weight,
+        module.reduction_norm.bias,
+        eps=module.reduction_norm.eps,
     )
     heads, d = module.num_heads, width // module.num_heads
     q = (x @ module.q_proj.weight.T + module.q_proj.bias).view(b, n, heads, d).transpose(1, 2)
@@ -76,7 +79,9 @@ def test_padding_is_handled_inside_the_groups(side):
     real = torch.randn(1, 22, 32, dtype=torch.float64)  # 22 is not a multiple of 4
     left = {"left": 5, "right": 0, "both": 3}[side]
     right = {"left": 0, "right": 7, "both": 2}[side]
-    x = torch.cat([torch.randn(1, left, 32, dtype=torch.float64), real, torch.randn(1, right, 32, dtype=torch.float64)], 1)
+    x = torch.cat(
+        [torch.randn(1, left, 32, dtype=torch.float64), real, torch.randn(1, right, 32, dtype=torch.float64)], 1
+    )
     mask = torch.zeros(1, x.shape[1], dtype=torch.bool)
     mask[0, left : left + 22] = True
     out, _ = module(x, attention_mask=mask)
@@ -115,8 +120,11 @@ def test_per_layer_ratios_and_mixing_with_other_kinds():
 
 @pytest.mark.parametrize(
     "fields, message",
-    [(dict(is_decoder=True), "causal"), (dict(reduction_ratio=0), "reduction_ratio"),
-     (dict(reduction_ratio=[2, 2, 2]), "reduction_ratio")],
+    [
+        (dict(is_decoder=True), "causal"),
+        (dict(reduction_ratio=0), "reduction_ratio"),
+        (dict(reduction_ratio=[2, 2, 2]), "reduction_ratio"),
+    ],
 )
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -18,7 +18,13 @@ from transformers import AutoModelForMaskedLM
 
 import longattn
 from longattn import LongAttnConfig
-from longattn.attention_routing import _balanced_members, _top_members, cluster_statistics, routing_attention, routing_attention_dense
+from longattn.attention_routing import (
+    _balanced_members,
+    _top_members,
+    cluster_statistics,
+    routing_attention,
+    routing_attention_dense,
+)
 from longattn.numerics import apply_rotary
 from longattn.ops import sliding_window_attention
 
@@ -95,8 +101,9 @@ def test_balanced_routing_equals_the_explicit_cluster_reference(n, lengths):
     fast = routing_attention(q, k, v, centroids, causal=False, causal_window=4, key_padding_mask=valid, scale=scale)
     slow = balanced_reference(q, k, v, centroids, valid, scale)
     assert_same_on_kept_rows(fast, slow, (q, k, v), valid)
-    dense, weights = routing_attention_dense(q, k, v, centroids, causal=False, causal_window=4,
-                                             key_padding_mask=valid, scale=scale)
+    dense, weights = routing_attention_dense(
+        q, k, v, centroids, causal=False, causal_window=4, key_padding_mask=valid, scale=scale
+    )
     torch.testing.assert_close(dense * valid[:, None, :, None], fast * valid[:, None, :, None])
     assert (weights.sum(-1)[valid[:, None, :].expand(2, 2, n)] > 0).any()
 
@@ -105,7 +112,7 @@ def test_balanced_routing_equals_the_explicit_cluster_reference(n, lengths):
 def test_top_members_are_topk(n, size):
     generator = torch.Generator().manual_seed(n)
     scores = torch.randn(6, n, generator=generator)
-    scores[1, n // 2:] = -math.inf  # padding at the end
+    scores[1, n // 2 :] = -math.inf  # padding at the end
     scores[2, ::3] = -math.inf  # and spread out
     scores[3] = scores[3].sort().values  # positions in the order of the scores
     scores[4, 5:] = -math.inf  # fewer real scores than members
@@ -127,7 +134,8 @@ def test_balanced_members_are_each_centroids_topk(n, clusters):
     size = -(-n // clusters)
     top, used = _balanced_members(x, centroids, valid, size)
     cosines = torch.einsum("hcd,bhnd->bhcn", centroids, F.normalize(x, dim=-1)).masked_fill(
-        ~valid[:, None, None, :], -math.inf)
+        ~valid[:, None, None, :], -math.inf
+    )
     expected = cosines.topk(size, dim=-1)
     real = used.expand_as(top) & torch.isfinite(expected.values)
     torch.testing.assert_close(cosines.gather(-1, top)[real], expected.values[real])
@@ -152,12 +160,12 @@ def test_causal_routing_equals_the_most_recent_keys_of_the_cluster(window):
     valid = lengths_mask(29, [29, 21])
     valid[0, :4] = False  # left padding too
     scale = 0.35
-    fast = routing_attention(q, k, v, centroids, causal=True, causal_window=window, key_padding_mask=valid,
-                             scale=scale)
+    fast = routing_attention(q, k, v, centroids, causal=True, causal_window=window, key_padding_mask=valid, scale=scale)
     slow = causal_reference(q, k, v, centroids, valid, scale, window)
     assert_same_on_kept_rows(fast, slow, (q, k, v), valid)
-    dense, _ = routing_attention_dense(q, k, v, centroids, causal=True, causal_window=window,
-                                       key_padding_mask=valid, scale=scale)
+    dense, _ = routing_attention_dense(
+        q, k, v, centroids, causal=True, causal_window=window, key_padding_mask=valid, scale=scale
+    )
     torch.testing.assert_close(dense * valid[:, None, :, None], fast * valid[:, None, :, None])
 
 
@@ -177,11 +185,11 @@ def test_causal_routing_leaks_nothing_at_op_level(t):
     changed = [x.clone() for x in (q, k, v)]
     generator = torch.Generator().manual_seed(9)
     for x in changed:
-        x[:, :, t + 1:] = torch.randn(x[:, :, t + 1:].shape, generator=generator, **DOUBLE)
+        x[:, :, t + 1 :] = torch.randn(x[:, :, t + 1 :].shape, generator=generator, **DOUBLE)
     before = routing_attention(q, k, v, centroids, causal=True, causal_window=4)
     after = routing_attention(*changed, centroids, causal=True, causal_window=4)
     torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1:], before[:, :, t + 1:])
+    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
 
 
 def balanced_with_causal_mask(q, k, v, centroids, scale):
@@ -218,22 +226,38 @@ def test_balancing_over_the_whole_sequence_would_leak():
 
 @pytest.mark.parametrize("t", [11, 25])
 def test_causal_routing_model_leaks_nothing(t):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                            intermediate_size=64, attention_type="routing", routing_num_clusters=3,
-                            routing_causal_window=5, max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type="routing",
+        routing_num_clusters=3,
+        routing_causal_window=5,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = longattn.LongAttnForCausalLM(config).eval()
     ids = torch.randint(4, 60, (2, 40))
     changed = ids.clone()
-    changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
+    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
     assert_no_future_leak(model, ids, changed, t)
 
 
 # ---------------------------------------------------------------------------------------------- centroids
 def _masked_lm(**fields):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
-                            intermediate_size=64, attention_type="routing", routing_num_clusters=3,
-                            max_position_embeddings=64, **fields)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        attention_type="routing",
+        routing_num_clusters=3,
+        max_position_embeddings=64,
+        **fields,
+    )
     torch.manual_seed(0)
     return longattn.LongAttnForMaskedLM(config)
 
@@ -251,8 +275,9 @@ def test_centroids_move_toward_their_members_in_training_only():
     model = _masked_lm(routing_ema_decay=0.9)
     layer = model.longattn.encoder.layers[0].self_attn
     ids = torch.randint(4, 60, (2, 30))
-    hidden = model.longattn.encoder.layers[0].self_attn_layer_norm(model.longattn.embeddings(
-        model.longattn.embeddings.word_embeddings(ids), torch.arange(30).expand(2, 30)))
+    hidden = model.longattn.encoder.layers[0].self_attn_layer_norm(
+        model.longattn.embeddings(model.longattn.embeddings.word_embeddings(ids), torch.arange(30).expand(2, 30))
+    )
     start = layer.centroids.clone()
     with torch.no_grad():
         model.eval()(input_ids=ids, labels=ids)
@@ -292,16 +317,26 @@ def _members_mean(q, k, centroids, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_update_with_zero_decay_puts_centroids_on_their_members_mean(causal):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
-                            intermediate_size=64, attention_type="routing", routing_num_clusters=3,
-                            routing_ema_decay=0.0, max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        attention_type="routing",
+        routing_num_clusters=3,
+        routing_ema_decay=0.0,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = (longattn.LongAttnForCausalLM if causal else longattn.LongAttnForMaskedLM)(config).train()
     layer = model.longattn.encoder.layers[0].self_attn
     assert layer.is_causal == causal
     captured = {}
-    layer.register_forward_pre_hook(lambda module, args, kwargs: captured.update(hidden=kwargs.get("hidden_states",
-                                    args[0] if args else None)), with_kwargs=True)
+    layer.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(hidden=kwargs.get("hidden_states", args[0] if args else None)),
+        with_kwargs=True,
+    )
     ids = torch.randint(4, 60, (2, 30))
     start = layer.centroids.clone()
     model(input_ids=ids, labels=ids).loss.backward()
@@ -333,8 +368,12 @@ def test_centroids_are_saved_and_loaded_through_auto_classes(tmp_path):
     model.save_pretrained(tmp_path)
     torch.manual_seed(123)
     loaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
-    torch.testing.assert_close(loaded.longattn.encoder.layers[0].self_attn.centroids,
-                               model.longattn.encoder.layers[0].self_attn.centroids, rtol=0, atol=0)
+    torch.testing.assert_close(
+        loaded.longattn.encoder.layers[0].self_attn.centroids,
+        model.longattn.encoder.layers[0].self_attn.centroids,
+        rtol=0,
+        atol=0,
+    )
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
 
@@ -342,9 +381,18 @@ def test_centroids_are_saved_and_loaded_through_auto_classes(tmp_path):
 # ---------------------------------------------------------------------------------------------- local heads, config
 @pytest.mark.parametrize("causal", [False, True])
 def test_local_heads_are_sliding_window_heads(causal):
-    config = LongAttnConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
-                            attention_type="routing", routing_num_clusters=3, routing_num_local_heads=2,
-                            routing_local_window=4, routing_causal_window=6, max_position_embeddings=64)
+    config = LongAttnConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        attention_type="routing",
+        routing_num_clusters=3,
+        routing_num_local_heads=2,
+        routing_local_window=4,
+        routing_causal_window=6,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     layer = longattn.LongAttnModel(config).encoder.layers[0].self_attn.eval()
     layer.is_causal = causal
@@ -352,10 +400,19 @@ def test_local_heads_are_sliding_window_heads(causal):
     valid = lengths_mask(21, [21, 15])
     with torch.no_grad():
         out = layer.attend(q, k, v, key_padding_mask=valid, global_mask=None)
-        local = sliding_window_attention(q[:, 2:], k[:, 2:], v[:, 2:], window=4, causal=causal,
-                                         key_padding_mask=valid, scale=layer.scale)
-        routed = routing_attention(q[:, :2], k[:, :2], v[:, :2], layer.centroids, causal=causal, causal_window=6,
-                                   key_padding_mask=valid, scale=layer.scale)
+        local = sliding_window_attention(
+            q[:, 2:], k[:, 2:], v[:, 2:], window=4, causal=causal, key_padding_mask=valid, scale=layer.scale
+        )
+        routed = routing_attention(
+            q[:, :2],
+            k[:, :2],
+            v[:, :2],
+            layer.centroids,
+            causal=causal,
+            causal_window=6,
+            key_padding_mask=valid,
+            scale=layer.scale,
+        )
         dense, weights = layer.attend_dense(q, k, v, key_padding_mask=valid, global_mask=None)
     torch.testing.assert_close(out[:, 2:], local)
     torch.testing.assert_close(out[:, :2], routed)
@@ -379,14 +436,24 @@ def test_config_validation_names_the_field(fields, message):
         LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, attention_type="routing", **fields)
 
 
-@pytest.mark.parametrize("model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM,
-                                         longattn.LongAttnForSeq2SeqLM])
+@pytest.mark.parametrize(
+    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
+)
 def test_routing_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=4,
-                            num_decoder_layers=2, intermediate_size=64,
-                            attention_type=["sliding", "routing", "sliding", "routing"],
-                            decoder_attention_type=["routing", "full"], sliding_window=3, routing_num_clusters=3,
-                            routing_causal_window=5, max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=4,
+        num_decoder_layers=2,
+        intermediate_size=64,
+        attention_type=["sliding", "routing", "sliding", "routing"],
+        decoder_attention_type=["routing", "full"],
+        sliding_window=3,
+        routing_num_clusters=3,
+        routing_causal_window=5,
+        max_position_embeddings=64,
+    )
     assert_mixed_stack_trains(model_class, config)
 
 
@@ -399,8 +466,9 @@ def test_backward_keeps_rows_and_indices_not_gathered_copies_or_probabilities(ca
     b, h, n, d, clusters, window = 1, 2, 512, 16, 4, 64
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     centroids = F.normalize(torch.randn(h, clusters, d), dim=-1)
-    floating, other = saved_tensor_bytes(lambda: routing_attention(
-        q, k, v, centroids, causal=causal, causal_window=window))
+    floating, other = saved_tensor_bytes(
+        lambda: routing_attention(q, k, v, centroids, causal=causal, causal_window=window)
+    )
     rows = b * h * n
     assert floating <= 5 * rows * d * 4, floating  # q, k, v, the output, and per-slot numbers
     assert other <= 8 * (4 * rows + 4 * rows) * 8, other

@@ -21,8 +21,9 @@ FIXTURE = Path(__file__).parent / "fixtures" / "seq2seq_layout_v0"
 VOCAB = 40
 
 
-tiny = functools.partial(tiny_config, "sliding", vocab_size=VOCAB, num_decoder_layers=2, max_position_embeddings=64,
-                         sliding_window=3)
+tiny = functools.partial(
+    tiny_config, "sliding", vocab_size=VOCAB, num_decoder_layers=2, max_position_embeddings=64, sliding_window=3
+)
 ids = functools.partial(random_ids, vocab=VOCAB)
 
 
@@ -32,7 +33,9 @@ def saved_keys(folder: Path) -> set[str]:
 
 
 def on_meta(model: torch.nn.Module) -> list[str]:
-    tensors = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    tensors = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
     return [name for name, tensor in tensors if tensor.device.type == "meta"]
 
 
@@ -66,8 +69,9 @@ def test_seq2seq_head_loads_the_encoder_of_a_masked_lm_and_back(tmp_path):
     source = ids(2, 13, seed=3)
     with torch.no_grad():
         expected = mlm.longattn(input_ids=source).last_hidden_state
-        torch.testing.assert_close(seq2seq.eval().get_encoder()(input_ids=source).last_hidden_state, expected,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            seq2seq.eval().get_encoder()(input_ids=source).last_hidden_state, expected, rtol=0, atol=0
+        )
     decoder_table = seq2seq.get_decoder().embeddings.word_embeddings.weight
     assert decoder_table is seq2seq.longattn.embeddings.word_embeddings.weight
     # An encoder head takes the encoder of a seq2seq checkpoint.
@@ -96,8 +100,9 @@ def test_checkpoint_of_the_old_seq2seq_layout_loads_and_resaves_in_the_current_o
             # Saved again, it is written in the current layout (not renamed back to the old one).
             model.save_pretrained(tmp_path / "resaved")
             keys = saved_keys(tmp_path / "resaved")
-            assert keys and all(key.startswith(("longattn.embeddings.", "longattn.encoder.", "longattn.decoder."))
-                                for key in keys), sorted(keys)
+            assert keys and all(
+                key.startswith(("longattn.embeddings.", "longattn.encoder.", "longattn.decoder.")) for key in keys
+            ), sorted(keys)
             reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "resaved").eval()
             with torch.no_grad():
                 torch.testing.assert_close(reloaded(**inputs).logits, expected["logits"])
@@ -130,8 +135,11 @@ def test_a_missing_tied_or_untied_embedding_is_reported_and_not_left_on_meta(tmp
     model_class(config).save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     assert dropped <= weights.keys()
-    save_file({k: v for k, v in weights.items() if k not in dropped}, tmp_path / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if k not in dropped},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     loaded, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
     assert not on_meta(loaded)
     assert dropped <= set(info["missing_keys"]), info
@@ -142,8 +150,10 @@ def test_a_missing_tied_or_untied_embedding_is_reported_and_not_left_on_meta(tmp
     if decoder is not None:
         assert decoder.embeddings.word_embeddings.weight is embeddings
     with torch.no_grad():
-        out = loaded.eval()(input_ids=ids(2, 7, seed=4), **({"decoder_input_ids": ids(2, 3, seed=5)}
-                                                          if config.is_encoder_decoder else {}))
+        out = loaded.eval()(
+            input_ids=ids(2, 7, seed=4),
+            **({"decoder_input_ids": ids(2, 3, seed=5)} if config.is_encoder_decoder else {}),
+        )
     assert torch.isfinite(out[0]).all()
 
 

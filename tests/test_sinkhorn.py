@@ -48,8 +48,9 @@ def reference(q, k, v, weight, *, valid, causal, sortcut, scale, block_size, ite
     q_l, valid_l, first = _blocked(q, valid, s)
     k_l, _, _ = _blocked(k, valid, s)
     v_l, _, _ = _blocked(v, valid, s)
-    sort = sinkhorn_sort_matrix(k_l, valid_l, weight, block_size=s, iterations=iterations, temperature=temperature,
-                                causal=causal)  # [b, h, B, B]
+    sort = sinkhorn_sort_matrix(
+        k_l, valid_l, weight, block_size=s, iterations=iterations, temperature=temperature, causal=causal
+    )  # [b, h, B, B]
     blocks = sort.shape[-1]
     out = torch.zeros_like(q_l)
     for bi in range(b):
@@ -163,8 +164,7 @@ def test_left_padding_does_not_move_the_blocks():
     valid = torch.arange(23)[None] >= 5
     for causal in (False, True):
         alone = sinkhorn_attention(q, k, v, weight, causal=causal, scale=0.4, **SETTINGS)
-        with_padding = sinkhorn_attention(*padded, weight, key_padding_mask=valid, causal=causal, scale=0.4,
-                                          **SETTINGS)
+        with_padding = sinkhorn_attention(*padded, weight, key_padding_mask=valid, causal=causal, scale=0.4, **SETTINGS)
         torch.testing.assert_close(with_padding[:, :, 5:], alone)
 
 
@@ -175,24 +175,32 @@ def test_causal_sinkhorn_leaks_nothing_at_op_level(t):
     changed = [x.clone() for x in (q, k, v)]
     generator = torch.Generator().manual_seed(9)
     for x in changed:
-        x[:, :, t + 1:] = torch.randn(x[:, :, t + 1:].shape, generator=generator, **DOUBLE)
+        x[:, :, t + 1 :] = torch.randn(x[:, :, t + 1 :].shape, generator=generator, **DOUBLE)
     kwargs = dict(causal=True, scale=0.4, **SETTINGS)
     before = sinkhorn_attention(q, k, v, weight, **kwargs)
     after = sinkhorn_attention(*changed, weight, **kwargs)
     torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1:], before[:, :, t + 1:])
+    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
 
 
 @pytest.mark.parametrize("t", [9, 22])
 def test_causal_sinkhorn_model_leaks_nothing_even_with_noise(t):
-    config = LongAttnConfig(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
-                            intermediate_size=64, attention_type="sinkhorn", sinkhorn_block_size=4,
-                            hidden_dropout_prob=0.0, max_position_embeddings=64)
+    config = LongAttnConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type="sinkhorn",
+        sinkhorn_block_size=4,
+        hidden_dropout_prob=0.0,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = longattn.LongAttnForCausalLM(config)
     ids = torch.randint(4, 60, (2, 40))
     changed = ids.clone()
-    changed[:, t + 1:] = torch.randint(4, 60, (2, 40 - t - 1))
+    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
     for train in (False, True):  # training adds Gumbel noise to the sorting: the same draw for both runs
         model.train(train)
         assert_no_future_leak(model, ids, changed, t, seed=1)
@@ -200,8 +208,16 @@ def test_causal_sinkhorn_model_leaks_nothing_even_with_noise(t):
 
 # ---------------------------------------------------------------------------------------------- the module
 def _config(**fields):
-    base = dict(vocab_size=60, hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
-                attention_type="sinkhorn", sinkhorn_block_size=4, max_position_embeddings=64)
+    base = dict(
+        vocab_size=60,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_type="sinkhorn",
+        sinkhorn_block_size=4,
+        max_position_embeddings=64,
+    )
     base.update(fields)
     return LongAttnConfig(**base)
 
@@ -248,11 +264,17 @@ def test_config_validation_names_the_field(fields, message):
         _config(**fields)
 
 
-@pytest.mark.parametrize("model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM,
-                                         longattn.LongAttnForSeq2SeqLM])
+@pytest.mark.parametrize(
+    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
+)
 def test_sinkhorn_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = _config(num_hidden_layers=4, num_decoder_layers=2, attention_type=["sliding", "sinkhorn"] * 2,
-                     decoder_attention_type=["sinkhorn", "full"], sliding_window=3)
+    config = _config(
+        num_hidden_layers=4,
+        num_decoder_layers=2,
+        attention_type=["sliding", "sinkhorn"] * 2,
+        decoder_attention_type=["sinkhorn", "full"],
+        sliding_window=3,
+    )
     assert_mixed_stack_trains(model_class, config)
 
 
@@ -293,8 +315,10 @@ def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceabl
     mask[0, 1, 2, 0] = False  # a query that sees no key: zeros
 
     def gathered(x):  # [b, h, nb, m, d], weighted
-        return x.gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, d)).view(b, h, nb, m, d) * kv_weight[
-            ..., None]
+        return (
+            x.gather(2, kv_index.flatten(2)[..., None].expand(-1, -1, -1, d)).view(b, h, nb, m, d)
+            * kv_weight[..., None]
+        )
 
     scores = (q @ gathered(k).transpose(-1, -2) * 0.6).masked_fill(~mask, -math.inf)
     sees = mask.any(-1, keepdim=True)
@@ -304,8 +328,9 @@ def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceabl
     torch.testing.assert_close(actual, expected)
     cotangent = torch.randn(actual.shape, generator=generator, **DOUBLE)
     inputs = (q, k, v, kv_weight)
-    for grad_actual, grad_expected in zip(torch.autograd.grad(actual, inputs, cotangent),
-                                          torch.autograd.grad(expected, inputs, cotangent), strict=True):
+    for grad_actual, grad_expected in zip(
+        torch.autograd.grad(actual, inputs, cotangent), torch.autograd.grad(expected, inputs, cotangent), strict=True
+    ):
         torch.testing.assert_close(grad_actual, grad_expected)
 
 
@@ -315,7 +340,14 @@ def test_attend_blocks_refuses_key_weights_without_a_matching_key_set():
     q, k = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 12, 8)
     mask = torch.ones(1, 1, 3, 4, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="kv_weight"):
-        attend_blocks(q, k, k, kv_index=torch.zeros(3, 5, dtype=torch.long), mask=mask, scale=1.0,
-                      kv_weight=torch.ones(1, 2, 3, 4))
+        attend_blocks(
+            q,
+            k,
+            k,
+            kv_index=torch.zeros(3, 5, dtype=torch.long),
+            mask=mask,
+            scale=1.0,
+            kv_weight=torch.ones(1, 2, 3, 4),
+        )
     with pytest.raises(ValueError, match="kv_index"):
         attend_blocks(q, k, k, kv_index=torch.zeros(1, 3, 3, 5, dtype=torch.long), mask=mask, scale=1.0)

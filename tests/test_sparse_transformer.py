@@ -133,7 +133,10 @@ def test_fixed_blocks_are_counted_from_the_first_real_token():
     key_padding_mask = torch.arange(n)[None] >= pad  # left padding
     padded = patterns.materialize_mask(
         patterns.fixed_pattern(block_size=4, num_summary=1, causal=True, key_padding_mask=key_padding_mask),
-        batch=1, heads=1, q_len=n, kv_len=n,
+        batch=1,
+        heads=1,
+        q_len=n,
+        kv_len=n,
     )[0, 0]
     alone = _materialize(patterns.fixed_pattern(block_size=4, num_summary=1, causal=True), n - pad)[0]
     torch.testing.assert_close(padded[pad:, pad:], alone)
@@ -187,7 +190,9 @@ def test_strided_equals_dense_reference(batch, heads, n_q, n_k, size, causal, pa
     pattern = patterns.strided_pattern(stride=size, causal=causal, key_padding_mask=key_padding_mask)
     actual = outputs_and_grads(
         lambda q, k, v: ops.strided_attention(q, k, v, stride=size, causal=causal, key_padding_mask=key_padding_mask),
-        q, k, v,
+        q,
+        k,
+        v,
     )
     expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v), q, k, v)
     assert_all_close(actual, expected)
@@ -201,7 +206,9 @@ def test_fixed_equals_dense_reference(batch, heads, n_q, n_k, size, causal, padd
         pattern = patterns.fixed_pattern(causal=causal, key_padding_mask=key_padding_mask, **sizes)
         actual = outputs_and_grads(
             lambda q, k, v: ops.fixed_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, **sizes),
-            q, k, v,
+            q,
+            k,
+            v,
         )
         expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v), q, k, v)
         assert_all_close(actual, expected)
@@ -239,7 +246,14 @@ def test_half_precision_with_padding_has_no_nan(dtype):
         lambda q, k, v: ops.strided_attention(q, k, v, stride=17, causal=False, key_padding_mask=key_padding_mask),
         lambda q, k, v: ops.fixed_attention(q, k, v, block_size=20, num_summary=3, key_padding_mask=key_padding_mask),
         lambda q, k, v: ops.fixed_attention(
-            q, k, v, block_size=20, num_summary=3, causal=False, summary_per_head=True, key_padding_mask=key_padding_mask
+            q,
+            k,
+            v,
+            block_size=20,
+            num_summary=3,
+            causal=False,
+            summary_per_head=True,
+            key_padding_mask=key_padding_mask,
         ),
     ):
         out, *grads = outputs_and_grads(fn, q, k, v)
@@ -339,16 +353,26 @@ def test_drawn_pattern_is_the_predicate(is_decoder):
     """The picture (through output_attentions) shows exactly the pattern, and the fast path agrees with it."""
     n = 23
     config = LongAttnConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        attention_type=["strided", "fixed"], strided_stride=4, fixed_block_size=5, fixed_num_summary=2,
-        fixed_summary_per_head=True, is_decoder=is_decoder,
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        attention_type=["strided", "fixed"],
+        strided_stride=4,
+        fixed_block_size=5,
+        fixed_num_summary=2,
+        fixed_summary_per_head=True,
+        is_decoder=is_decoder,
     )
     model = longattn.LongAttnModel(config).eval()
     ids = torch.randint(4, 40, (1, n), generator=torch.Generator().manual_seed(0))
-    for layer_idx, pattern in enumerate((
-        patterns.strided_pattern(stride=4, causal=is_decoder),
-        patterns.fixed_pattern(block_size=5, num_summary=2, summary_per_head=True, causal=is_decoder),
-    )):
+    for layer_idx, pattern in enumerate(
+        (
+            patterns.strided_pattern(stride=4, causal=is_decoder),
+            patterns.fixed_pattern(block_size=5, num_summary=2, summary_per_head=True, causal=is_decoder),
+        )
+    ):
         drawn = attention_pattern(model, ids, layer_idx=layer_idx)
         expected = patterns.materialize_mask(pattern, batch=1, heads=2, q_len=n, kv_len=n)[0]
         torch.testing.assert_close(drawn, expected)
@@ -360,9 +384,17 @@ def test_drawn_pattern_is_the_predicate(is_decoder):
 
 def test_mixed_layers_train_in_a_causal_lm():
     config = LongAttnConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
-        attention_type=["strided", "sliding", "fixed"], strided_stride=3, sliding_window=2, fixed_block_size=4,
-        fixed_num_summary=1, is_decoder=True,
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=32,
+        attention_type=["strided", "sliding", "fixed"],
+        strided_stride=3,
+        sliding_window=2,
+        fixed_block_size=4,
+        fixed_num_summary=1,
+        is_decoder=True,
     )
     model = longattn.LongAttnForCausalLM(config).train()
     ids = torch.randint(4, 40, (2, 41), generator=torch.Generator().manual_seed(0))

@@ -16,8 +16,9 @@ MODES = ["dense", "random", "factorized_dense", "factorized_random"]
 L, D, H = 24, 16, 2
 
 
-config = functools.partial(tiny_config, "synthesizer", hidden_size=D, intermediate_size=32, max_position_embeddings=L,
-                           synthesizer_factor_k=5)
+config = functools.partial(
+    tiny_config, "synthesizer", hidden_size=D, intermediate_size=32, max_position_embeddings=L, synthesizer_factor_k=5
+)
 
 
 def module(mode: str, *, mix: bool = False, causal: bool = False, **fields) -> SynthesizerAttention:
@@ -67,7 +68,9 @@ def direct_output(attention: SynthesizerAttention, x: torch.Tensor, causal: bool
         q = linear(attention.q_proj, x).view(b, n, H, D // H).transpose(1, 2)
         k = linear(attention.k_proj, x).view(b, n, H, D // H).transpose(1, 2)
         alpha = torch.softmax(attention.synth_mix, dim=-1)
-        logits = alpha[:, 0, None, None] * logits + alpha[:, 1, None, None] * (q @ k.transpose(-1, -2)) / (D // H) ** 0.5
+        logits = (
+            alpha[:, 0, None, None] * logits + alpha[:, 1, None, None] * (q @ k.transpose(-1, -2)) / (D // H) ** 0.5
+        )
     if causal:
         logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     out = torch.softmax(logits, dim=-1) @ v
@@ -126,7 +129,11 @@ def test_parameters_are_only_the_used_ones_and_fixed_random_stays_fixed():
     assert names["random"] == {"v_proj", "o_proj", "synth_random"}
     assert names["factorized_dense"] == {"v_proj", "o_proj", "synth_hidden", "synth_logits_a", "synth_logits_b"}
     assert names["factorized_random"] == {"v_proj", "o_proj", "synth_random_a", "synth_random_b"}
-    assert {n.split(".")[0] for n, _ in module("random", mix=True).named_parameters()} >= {"q_proj", "k_proj", "synth_mix"}
+    assert {n.split(".")[0] for n, _ in module("random", mix=True).named_parameters()} >= {
+        "q_proj",
+        "k_proj",
+        "synth_mix",
+    }
 
     model = longattn.LongAttnForMaskedLM(
         config(synthesizer_mode="factorized_random", synthesizer_random_trainable=False)

@@ -20,7 +20,10 @@ def test_ids_match_the_config_defaults(tokenizer):
     config = LongAttnConfig()
     assert len(tokenizer) == VOCAB_SIZE == config.vocab_size == 260
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
-        config.pad_token_id, config.bos_token_id, config.eos_token_id)
+        config.pad_token_id,
+        config.bos_token_id,
+        config.eos_token_id,
+    )
     assert tokenizer.mask_token_id == 3
     assert BYTE_OFFSET == 4
 
@@ -37,8 +40,9 @@ def test_all_256_bytes_round_trip(tokenizer):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids == [BYTE_OFFSET + b for b in text.encode("utf-8")]
     assert tokenizer.decode(ids) == text
-    assert set(range(BYTE_OFFSET, VOCAB_SIZE)) == set(tokenizer.convert_tokens_to_ids(
-        tokenizer.convert_ids_to_tokens(list(range(BYTE_OFFSET, VOCAB_SIZE)))))
+    assert set(range(BYTE_OFFSET, VOCAB_SIZE)) == set(
+        tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(list(range(BYTE_OFFSET, VOCAB_SIZE))))
+    )
 
 
 def test_special_tokens_frame_single_and_pair(tokenizer):

@@ -34,7 +34,7 @@ def _examples(head: str, count: int = 16) -> list[dict]:
             examples.append({"input_ids": ids, "labels": torch.tensor(index % 3)})
         elif head == "seq2seq":
             labels = torch.randint(4, VOCAB, (LENGTH // 2,), generator=generator)
-            labels[labelled // 2 + 1:] = -100
+            labels[labelled // 2 + 1 :] = -100
             examples.append({"input_ids": ids, "labels": labels})
         else:  # masked LM: labels on `labelled` positions; causal LM: the first `labelled` tokens
             labels = ids.clone()
@@ -62,10 +62,21 @@ def _train(head: str, kind: str, tmp_path, *, batch_size: int, accumulation: int
     torch.manual_seed(0)
     model = HEADS[head](tiny_config(kind, num_labels=3, **KIND_FIELDS.get(kind, {})))
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"{head}-{batch_size}x{accumulation}"), per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation, max_steps=2, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-        logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no", use_cpu=True, seed=0,
-        disable_tqdm=True, max_grad_norm=0.0,
+        output_dir=str(tmp_path / f"{head}-{batch_size}x{accumulation}"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        max_grad_norm=0.0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_examples(head))
     trainer.train()
@@ -75,9 +86,14 @@ def _train(head: str, kind: str, tmp_path, *, batch_size: int, accumulation: int
 
 @pytest.mark.parametrize(
     "head, kind",
-    [("masked_lm", "full"), ("causal_lm", "sliding"), ("seq2seq", "full"), ("classification", "full"),
-     # adaptive span adds its L1 penalty (model.auxiliary_loss) once per step, also when accumulating
-     ("masked_lm", "adaptive_span")],
+    [
+        ("masked_lm", "full"),
+        ("causal_lm", "sliding"),
+        ("seq2seq", "full"),
+        ("classification", "full"),
+        # adaptive span adds its L1 penalty (model.auxiliary_loss) once per step, also when accumulating
+        ("masked_lm", "adaptive_span"),
+    ],
 )
 def test_gradient_accumulation_equals_one_large_batch(head, kind, tmp_path):
     big_losses, big_weights = _train(head, kind, tmp_path, batch_size=8, accumulation=1)
@@ -140,13 +156,18 @@ def test_causal_lm_honours_shift_labels():
     torch.testing.assert_close(out.loss, expected)
     with torch.no_grad():  # the labels alone keep their meaning (shifted inside)
         default = model(input_ids=ids, labels=ids).loss
-    torch.testing.assert_close(default, torch.nn.functional.cross_entropy(
-        out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)))
+    torch.testing.assert_close(
+        default, torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    )
 
 
 # ---------------------------------------------------------------------------------------------- attention_mask
-MASK_KINDS = {"full": {}, "sliding": dict(sliding_window=3, sliding_dilation=[1, 2]), "strided": dict(strided_stride=4),
-              "lsh": dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)}
+MASK_KINDS = {
+    "full": {},
+    "sliding": dict(sliding_window=3, sliding_dilation=[1, 2]),
+    "strided": dict(strided_stride=4),
+    "lsh": dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0),
+}
 
 
 def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:

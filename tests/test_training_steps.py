@@ -13,27 +13,63 @@ import torch
 from longattn import LongAttnConfig, LongAttnForCausalLM
 from longattn.train import training
 
-STEP_FUNCTIONS = ("build_optimizer", "prepare_training", "begin_run", "train_step", "run_evaluation", "train_epoch",
-                  "save_checkpoint", "resume", "summarize", "train")
+STEP_FUNCTIONS = (
+    "build_optimizer",
+    "prepare_training",
+    "begin_run",
+    "train_step",
+    "run_evaluation",
+    "train_epoch",
+    "save_checkpoint",
+    "resume",
+    "summarize",
+    "train",
+)
 
 
 def _args(tmp_path, *extra: str):
     (tmp_path / "train.jsonl").touch()
     parser = training.recipe_parser(None, task="clm")
-    return training.parse_args(parser, ["--train_file", str(tmp_path / "train.jsonl"), "--output_dir",
-                                        str(tmp_path / "out"), "--per_device_train_batch_size", "2", "--seed", "3",
-                                        *extra])
+    return training.parse_args(
+        parser,
+        [
+            "--train_file",
+            str(tmp_path / "train.jsonl"),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--per_device_train_batch_size",
+            "2",
+            "--seed",
+            "3",
+            *extra,
+        ],
+    )
 
 
 def _state(args):
     torch.manual_seed(0)
-    config = LongAttnConfig(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, is_decoder=True, attention_type="sliding", sliding_window=2)
-    examples = [{"input_ids": [(i + j) % 12 for j in range(6)], "labels": [(i + j) % 12 for j in range(6)]}
-                for i in range(8)]
+    config = LongAttnConfig(
+        vocab_size=12,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        is_decoder=True,
+        attention_type="sliding",
+        sliding_window=2,
+    )
+    examples = [
+        {"input_ids": [(i + j) % 12 for j in range(6)], "labels": [(i + j) % 12 for j in range(6)]} for i in range(8)
+    ]
     accelerator = training.make_accelerator(args)
-    state = training.prepare_training(args, accelerator, LongAttnForCausalLM(config), examples, examples[:2],
-                                      training.PadCollator(pad_token_id=0, align_labels=True))
+    state = training.prepare_training(
+        args,
+        accelerator,
+        LongAttnForCausalLM(config),
+        examples,
+        examples[:2],
+        training.PadCollator(pad_token_id=0, align_labels=True),
+    )
     return accelerator, state
 
 
@@ -46,7 +82,9 @@ def _step(args, accelerator, state) -> float:
     state.train_dataloader.set_epoch(state.epoch)
     batches = list(state.train_dataloader)
     first = state.batch_in_epoch
-    return training.train_step(args, accelerator, state, batches[first:first + 1], epoch=state.epoch, first_batch=first)
+    return training.train_step(
+        args, accelerator, state, batches[first : first + 1], epoch=state.epoch, first_batch=first
+    )
 
 
 def test_steps_saved_then_resumed_continue_identically(tmp_path):
@@ -73,8 +111,16 @@ def test_steps_saved_then_resumed_continue_identically(tmp_path):
     for got, expected in zip(_params(resumed), third_params):
         torch.testing.assert_close(got, expected)
 
-    results = training.summarize(resumed_args, accelerator, resumed, runtime=1.0, ranks_seen=[0],
-                                 resumed_from=checkpoint, train_samples=8, validation_samples=2)
+    results = training.summarize(
+        resumed_args,
+        accelerator,
+        resumed,
+        runtime=1.0,
+        ranks_seen=[0],
+        resumed_from=checkpoint,
+        train_samples=8,
+        validation_samples=2,
+    )
     assert results["train_steps"] == 3 and results["resumed_from"] == "checkpoints/step_2"
     assert results["train_loss"] == pytest.approx((sum(losses) + third_loss) / 3, rel=1e-6)
 
@@ -83,8 +129,9 @@ def test_evaluation_is_logged_and_kept_in_the_state(tmp_path):
     args = _args(tmp_path)
     accelerator, state = _state(args)
     seen = []
-    metrics = training.run_evaluation(args, accelerator, state, lambda model, loader: seen.append(model.training)
-                                      or {"loss": 1.5})
+    metrics = training.run_evaluation(
+        args, accelerator, state, lambda model, loader: seen.append(model.training) or {"loss": 1.5}
+    )
     assert metrics == state.metrics == {"eval_loss": 1.5} and state.last_eval_step == 0
     assert seen == [False] and state.model.training  # evaluated in eval mode, back to training after
     assert '"eval_loss": 1.5' in (tmp_path / "out" / training.LOG_FILE).read_text()

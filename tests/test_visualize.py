@@ -54,8 +54,14 @@ def drawn(monkeypatch):
 
 
 def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
-    config = longattn.LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
-                                     sliding_window=3, sliding_dilation=[1, 3], max_position_embeddings=64)
+    config = longattn.LongAttnConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        sliding_window=3,
+        sliding_dilation=[1, 3],
+        max_position_embeddings=64,
+    )
     model = longattn.LongAttnModel(config)
     ids = torch.randint(4, 50, (1, 41))
     global_mask = torch.zeros_like(ids)
@@ -63,7 +69,10 @@ def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
     drawn = attention_pattern(model, ids, global_attention_mask=global_mask)
     expected = materialize_mask(
         sliding_window_pattern(window=3, dilation=[1, 3], global_mask=global_mask.bool()),
-        batch=1, heads=2, q_len=41, kv_len=41,
+        batch=1,
+        heads=2,
+        q_len=41,
+        kv_len=41,
     )[0]
     assert torch.equal(drawn, expected)
     assert draw_pattern(drawn, tmp_path / "p.png").stat().st_size > 1000
@@ -72,8 +81,9 @@ def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
 
 def test_png_cells_are_coloured_in_the_band_and_nowhere_else(tmp_path):
     # Two heads with different patterns: the PNG keeps each head's cells, in order, and each cell's colour.
-    pattern = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=12,
-                               kv_len=12)[0]
+    pattern = materialize_mask(
+        sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=12, kv_len=12
+    )[0]
     path = draw_pattern(pattern, tmp_path / "band.png", title="sliding")
     cells = cells_of_png(path, heads=2, length=12)
     assert torch.equal(cells, pattern)
@@ -82,20 +92,41 @@ def test_png_cells_are_coloured_in_the_band_and_nowhere_else(tmp_path):
 
 
 def test_command_line_writes_a_png(tmp_path):
-    main(["--attention_type", "sliding", "--config_overrides", "sliding_window=2", "--length", "24",
-          "--causal", "--output", str(tmp_path / "causal.png")])
+    main(
+        [
+            "--attention_type",
+            "sliding",
+            "--config_overrides",
+            "sliding_window=2",
+            "--length",
+            "24",
+            "--causal",
+            "--output",
+            str(tmp_path / "causal.png"),
+        ]
+    )
     assert (tmp_path / "causal.png").exists()
     # The picture settings' dilations [1, 3] under the override window 2, causal.
-    expected = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3], causal=True), batch=1, heads=2,
-                                q_len=24, kv_len=24)[0]
+    expected = materialize_mask(
+        sliding_window_pattern(window=2, dilation=[1, 3], causal=True), batch=1, heads=2, q_len=24, kv_len=24
+    )[0]
     assert torch.equal(cells_of_png(tmp_path / "causal.png", heads=2, length=24), expected)
 
 
 def test_config_overrides_take_the_recipes_grammar(drawn):
-    main(["--attention_type", "sliding", "--config_overrides", "sliding_window=2,sliding_dilation=[1,3]",
-          "--length", "24"])
-    expected = materialize_mask(sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=24,
-                                kv_len=24)[0]
+    main(
+        [
+            "--attention_type",
+            "sliding",
+            "--config_overrides",
+            "sliding_window=2,sliding_dilation=[1,3]",
+            "--length",
+            "24",
+        ]
+    )
+    expected = materialize_mask(
+        sliding_window_pattern(window=2, dilation=[1, 3]), batch=1, heads=2, q_len=24, kv_len=24
+    )[0]
     assert torch.equal(drawn[0], expected)
 
 
@@ -107,11 +138,14 @@ def test_json_overrides_are_a_usage_error_naming_the_grammar(drawn, capsys):
     assert "--config_overrides" in error and "key=value" in error
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--global_tokens", "0", "64"], "--global_tokens [64] lie outside the 64 positions"),
-    (["--length", "0"], "--length must be >= 1"),
-    (["--heads", "0"], "--heads must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--global_tokens", "0", "64"], "--global_tokens [64] lie outside the 64 positions"),
+        (["--length", "0"], "--length must be >= 1"),
+        (["--heads", "0"], "--heads must be >= 1"),
+    ],
+)
 def test_bad_sizes_are_a_usage_error_naming_the_flag(drawn, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -131,6 +165,12 @@ def test_default_picture_shows_the_pattern(drawn, kind):
 
 
 def test_overrides_round_trip():
-    overrides = {"attention_type": ["sliding", "full"], "sliding_window": 4, "dropout": 0.5, "use_cache": False,
-                 "lsh_seed": None, "synthesizer_mode": "dense"}
+    overrides = {
+        "attention_type": ["sliding", "full"],
+        "sliding_window": 4,
+        "dropout": 0.5,
+        "use_cache": False,
+        "lsh_seed": None,
+        "synthesizer_mode": "dense",
+    }
     assert parse_config_overrides(format_config_overrides(overrides)) == overrides

@@ -67,21 +67,28 @@ def _assert_built_layout_is_the_pattern(layouts, mask_fn, *, roll=None):
 
 
 # ---------------------------------------------------------------------------------------------- sliding window
-@pytest.mark.parametrize(("n_q", "causal", "dilation", "masks"), [
-    (N, False, 1, "none"),
-    (N, True, 1, "padding"),
-    (N, False, 2, "padding"),
-    (N, True, 3, "global"),
-    (N, False, [1, 2, 3, 2], "padding+global"),
-    (N, True, [1, 2, 3, 2], "padding+global"),
-    (5, True, 2, "padding+global"),
-    (1, False, 1, "padding"),
-])
+@pytest.mark.parametrize(
+    ("n_q", "causal", "dilation", "masks"),
+    [
+        (N, False, 1, "none"),
+        (N, True, 1, "padding"),
+        (N, False, 2, "padding"),
+        (N, True, 3, "global"),
+        (N, False, [1, 2, 3, 2], "padding+global"),
+        (N, True, [1, 2, 3, 2], "padding+global"),
+        (5, True, 2, "padding+global"),
+        (1, False, 1, "padding"),
+    ],
+)
 def test_sliding_window_layout_built_by_ops_is_the_pattern(layouts, n_q, causal, dilation, masks):
     key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(window=2, dilation=dilation, causal=causal,
-                   key_padding_mask=key_padding_mask if "padding" in masks else None,
-                   global_mask=global_mask if "global" in masks else None)
+    pattern = dict(
+        window=2,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=key_padding_mask if "padding" in masks else None,
+        global_mask=global_mask if "global" in masks else None,
+    )
     q, k, v = random_qkv(B, H, n_q, D, n_k=N, requires_grad=False)
     ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern)
     _assert_built_layout_is_the_pattern(layouts, patterns.sliding_window_pattern(**pattern))
@@ -93,8 +100,7 @@ def test_dilated_band_on_residue_views_is_the_pattern(kernel_biases, causal, dil
     """n a multiple of the dilation, no padding: one band bias over class steps, the classes read in place."""
     n = 24
     q, k, v = random_qkv(B, H, n, D, requires_grad=False)
-    ops.sliding_window_attention(q, k, v, window=2, dilation=dilation, causal=causal, scale=SCALE,
-                                 backend="xformers")
+    ops.sliding_window_attention(q, k, v, window=2, dilation=dilation, causal=causal, scale=SCALE, backend="xformers")
     assert len(kernel_biases) == B  # one call per batch row
     _, band = kernel_biases[0]
     assert isinstance(band, executor_xformers._attn_bias().LocalAttentionFromBottomRightMask)
@@ -103,8 +109,9 @@ def test_dilated_band_on_residue_views_is_the_pattern(kernel_biases, causal, dil
     position = torch.arange(n)
     residue, step = position % dilation, position // dilation
     built = (residue[:, None] == residue[None, :]) & in_class[step[:, None], step[None, :]]
-    expected = patterns.materialize_mask(patterns.sliding_window_pattern(window=2, dilation=dilation, causal=causal),
-                                         batch=1, heads=1, q_len=n, kv_len=n)[0, 0]
+    expected = patterns.materialize_mask(
+        patterns.sliding_window_pattern(window=2, dilation=dilation, causal=causal), batch=1, heads=1, q_len=n, kv_len=n
+    )[0, 0]
     assert torch.equal(built, expected)
 
 
@@ -115,20 +122,29 @@ def test_dilated_band_on_residue_views_is_the_pattern(kernel_biases, causal, dil
 def test_strided_layout_built_by_ops_is_the_pattern(layouts, stride, causal, padding):
     key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     q, k, v = random_qkv(B, H, N, D, requires_grad=False)
-    ops.strided_attention(q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE,
-                          backend="xformers")
+    ops.strided_attention(
+        q, k, v, stride=stride, causal=causal, key_padding_mask=key_padding_mask, scale=SCALE, backend="xformers"
+    )
     _assert_built_layout_is_the_pattern(
-        layouts, patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask))
+        layouts, patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    )
 
 
 @pytest.mark.parametrize(("block_size", "num_summary", "summary_per_head"), [(5, 2, False), (6, 2, True), (4, 1, True)])
-@pytest.mark.parametrize(("causal", "padding"), [(False, False), (True, False), (False, True)],
-                         ids=["bidirectional", "causal", "bidirectional-padding"])
-def test_fixed_layout_built_by_ops_is_the_pattern(layouts, block_size, num_summary, summary_per_head, causal,
-                                                  padding):
+@pytest.mark.parametrize(
+    ("causal", "padding"),
+    [(False, False), (True, False), (False, True)],
+    ids=["bidirectional", "causal", "bidirectional-padding"],
+)
+def test_fixed_layout_built_by_ops_is_the_pattern(layouts, block_size, num_summary, summary_per_head, causal, padding):
     key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
-    kwargs = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal,
-                  key_padding_mask=key_padding_mask)
+    kwargs = dict(
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+    )
     q, k, v = random_qkv(B, H, N, D, requires_grad=False)
     ops.fixed_attention(q, k, v, scale=SCALE, backend="xformers", **kwargs)
     # Left-padded rows are rolled to their first real token first: the layout's blocks from 0 are the pattern's
@@ -157,7 +173,7 @@ def test_bucketed_attention_builds_a_block_diagonal_of_same_bucket_keys(kernel_b
     flat = torch.arange(b * h * n, dtype=torch.float64).view(b, h, n, 1)
     q = torch.cat([flat, torch.zeros(b, h, n, 7, dtype=torch.float64)], dim=-1)  # q[..., 0] = flat index
     executor_xformers.bucketed_attention(q, q, q, buckets=buckets, causal=causal, scale=SCALE)
-    (sorted_q, blocks), = kernel_biases
+    ((sorted_q, blocks),) = kernel_biases
     assert isinstance(blocks, executor_xformers._attn_bias().BlockDiagonalMask)
     order = sorted_q[0, :, 0, 0].long()  # the flat index of each sorted slot
     assert torch.equal(order.sort().values, torch.arange(b * h * n))

@@ -166,9 +166,11 @@ def save_hub_folder(model, tokenizer, folder: str | Path, *, card=None, state_di
             card.save(folder / "README.md")
         return folder
     if auto_class is None:
-        raise ValueError(f"{type(model).__name__} is not a longattn model class ({sorted(MODEL_AUTO_CLASS)}) and "
-                         "its config holds no `longattn` dict: run `longattn.apply_longattn(model, ...)` or "
-                         "`longattn.lengthen(...)` first.")
+        raise ValueError(
+            f"{type(model).__name__} is not a longattn model class ({sorted(MODEL_AUTO_CLASS)}) and "
+            "its config holds no `longattn` dict: run `longattn.apply_longattn(model, ...)` or "
+            "`longattn.lengthen(...)` first."
+        )
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
     previous_map = getattr(config, "auto_map", None)
@@ -222,39 +224,64 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
             if not (folder / f"{module}.py").is_file():
                 problems.append(f"{path.name} imports .{module}, which is not in the folder")
         for module in sorted(package_only):
-            problems.append(f"{path.name} imports {module} only as `from . import {module}`, which transformers' "
-                            f"remote-code loader does not follow: use `from .{module} import ...`")
+            problems.append(
+                f"{path.name} imports {module} only as `from . import {module}`, which transformers' "
+                f"remote-code loader does not follow: use `from .{module} import ...`"
+            )
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             if any(name == "longattn" or name.startswith("longattn.") for name in names):
                 problems.append(f"{path.name} imports the longattn package, which a Hub user may not have")
     return problems
 
 
 # ---------------------------------------------------------------------------------------------- model card
-def _card_data(*, task: str | None, unique_kinds: list[str], metrics: dict[str, float], datasets, model_name: str,
-               tags: list[str], base_model: str | None = None):
+def _card_data(
+    *,
+    task: str | None,
+    unique_kinds: list[str],
+    metrics: dict[str, float],
+    datasets,
+    model_name: str,
+    tags: list[str],
+    base_model: str | None = None,
+):
     """The card's metadata: library, task, tags with the attention kinds, datasets and evaluation results."""
     from huggingface_hub import EvalResult, ModelCardData
 
     pipeline_tag = _task(task)[0] if task else None
-    dataset_label = (datasets[0] if datasets else "local data")
+    dataset_label = datasets[0] if datasets else "local data"
     eval_results = [
-        EvalResult(task_type=pipeline_tag, dataset_type=dataset_label, dataset_name=dataset_label,
-                   metric_type=name.removeprefix("eval_"), metric_value=round(float(value), 6))
+        EvalResult(
+            task_type=pipeline_tag,
+            dataset_type=dataset_label,
+            dataset_name=dataset_label,
+            metric_type=name.removeprefix("eval_"),
+            metric_value=round(float(value), 6),
+        )
         for name, value in metrics.items()
     ]
     return ModelCardData(
-        library_name="transformers", pipeline_tag=pipeline_tag, base_model=base_model, datasets=datasets,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        base_model=base_model,
+        datasets=datasets,
         tags=["longattn", "long-context", *tags, *([task] if task else []), *(f"attention-{k}" for k in unique_kinds)],
-        model_name=model_name, eval_results=eval_results or None,
+        model_name=model_name,
+        eval_results=eval_results or None,
     )
 
 
-def _card_training_sections(*, training_data: str | None, metrics: dict[str, float], extra: dict[str, Any] | None,
-                            command: str | None) -> str:
+def _card_training_sections(
+    *, training_data: str | None, metrics: dict[str, float], extra: dict[str, Any] | None, command: str | None
+) -> str:
     """The card's "Training data", "Results" and "Training" sections (secret flags in `command` redacted)."""
     metric_rows = "\n".join(f"| {name.removeprefix('eval_')} | {value:.4f} |" for name, value in metrics.items())
     facts = "\n".join(f"- {name}: {value}" for name, value in (extra or {}).items())
@@ -293,10 +320,18 @@ def is_stock_longattn(config) -> bool:
     return getattr(config, "model_type", None) != "longattn" and bool(getattr(config, "longattn", None))
 
 
-def stock_model_card(config, *, task: str | None = None, metrics: dict[str, float] | None = None,
-                     training_data: str | None = None, command: str | None = None,
-                     datasets: list[str] | None = None, extra: dict[str, Any] | None = None,
-                     base_model: str | None = None, model_name: str | None = None):
+def stock_model_card(
+    config,
+    *,
+    task: str | None = None,
+    metrics: dict[str, float] | None = None,
+    training_data: str | None = None,
+    command: str | None = None,
+    datasets: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    base_model: str | None = None,
+    model_name: str | None = None,
+):
     """A `huggingface_hub.ModelCard` for a stock family running longattn's kinds (a lengthened checkpoint): its
     attention settings and the note that loading it needs `pip install longattn` and `import longattn` (the
     folder holds no code; without longattn, transformers refuses the unknown attention implementation).
@@ -315,15 +350,23 @@ def stock_model_card(config, *, task: str | None = None, metrics: dict[str, floa
     unique_kinds = list(dict.fromkeys([kinds] if isinstance(kinds, str) else kinds))
     model_name = model_name or f"{config.model_type}-longattn-{'-'.join(unique_kinds)}" + (f"-{task}" if task else "")
     metrics = metrics or {}
-    card_data = _card_data(task=task, unique_kinds=unique_kinds, metrics=metrics, datasets=datasets,
-                           model_name=model_name, tags=[], base_model=base_model)
+    card_data = _card_data(
+        task=task,
+        unique_kinds=unique_kinds,
+        metrics=metrics,
+        datasets=datasets,
+        model_name=model_name,
+        tags=[],
+        base_model=base_model,
+    )
     settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in fields.items())
     body = f"""
 # {model_name}
 
 A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attention kinds
 (`attn_implementation="longattn"`){f", lengthened from `{base_model}`" if base_model else ""}{
-        f", trained for {task_name}" if task else ""}.
+        f", trained for {task_name}" if task else ""
+    }.
 
 ## Attention
 
@@ -366,9 +409,17 @@ def _kind_settings(config, layer_idx: int, name: str) -> str:
     return ", ".join(parts) or "-"
 
 
-def model_card(config, *, task: str, metrics: dict[str, float] | None = None, training_data: str | None = None,
-               command: str | None = None, datasets: list[str] | None = None, extra: dict[str, Any] | None = None,
-               model_name: str | None = None):
+def model_card(
+    config,
+    *,
+    task: str,
+    metrics: dict[str, float] | None = None,
+    training_data: str | None = None,
+    command: str | None = None,
+    datasets: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
+    model_name: str | None = None,
+):
     """A `huggingface_hub.ModelCard` for a longattn model: metadata (library, tags with the attention kinds, task,
     datasets, evaluation results) and a body with the attention per layer, the training data, the metrics, the
     command used and how to load the model.
@@ -386,15 +437,29 @@ def model_card(config, *, task: str, metrics: dict[str, float] | None = None, tr
     from huggingface_hub import ModelCard
 
     if is_stock_longattn(config):
-        return stock_model_card(config, task=task, metrics=metrics, training_data=training_data, command=command,
-                                datasets=datasets, extra=extra, model_name=model_name)
+        return stock_model_card(
+            config,
+            task=task,
+            metrics=metrics,
+            training_data=training_data,
+            command=command,
+            datasets=datasets,
+            extra=extra,
+            model_name=model_name,
+        )
     _, task_name, auto_class = _task(task)
     kinds = list(config.layer_attention_types)
     unique_kinds = list(dict.fromkeys(kinds))
     model_name = model_name or f"longattn-{'-'.join(unique_kinds)}-{task}"
     metrics = metrics or {}
-    card_data = _card_data(task=task, unique_kinds=unique_kinds, metrics=metrics, datasets=datasets,
-                           model_name=model_name, tags=["custom_code"])
+    card_data = _card_data(
+        task=task,
+        unique_kinds=unique_kinds,
+        metrics=metrics,
+        datasets=datasets,
+        model_name=model_name,
+        tags=["custom_code"],
+    )
     layers = "\n".join(f"| {i} | `{name}` | {_kind_settings(config, i, name)} |" for i, name in enumerate(kinds))
     if getattr(config, "is_encoder_decoder", False):
         decoder_kinds = ", ".join(f"`{k}`" for k in config.decoder_layer_attention_types)
@@ -435,8 +500,14 @@ With longattn installed, `import longattn` registers the classes and the same ca
 
 
 # ---------------------------------------------------------------------------------------------- pushing
-def push_folder(folder: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,
-                commit_message: str = "Upload longattn model") -> str:
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload longattn model",
+) -> str:
     """Create the model repository `repo_id` if needed and upload `folder` (without its checkpoints); return the URL.
 
     Raises:
@@ -448,8 +519,13 @@ def push_folder(folder: str | Path, repo_id: str, *, token: str | None = None, p
     if problems:
         raise ValueError(f"{folder} is not Hub-ready: {problems}")
     repo = create_repo(repo_id, token=token, private=private, exist_ok=True)
-    upload_folder(repo_id=repo.repo_id, folder_path=str(folder), token=token, commit_message=commit_message,
-                  ignore_patterns=UPLOAD_IGNORE)
+    upload_folder(
+        repo_id=repo.repo_id,
+        folder_path=str(folder),
+        token=token,
+        commit_message=commit_message,
+        ignore_patterns=UPLOAD_IGNORE,
+    )
     return str(repo)
 
 
@@ -479,5 +555,14 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["AUTO_MAP", "save_hub_folder", "hub_folder_problems", "code_closure", "copy_code", "model_card",
-           "stock_model_card", "is_stock_longattn", "push_folder"]
+__all__ = [
+    "AUTO_MAP",
+    "save_hub_folder",
+    "hub_folder_problems",
+    "code_closure",
+    "copy_code",
+    "model_card",
+    "stock_model_card",
+    "is_stock_longattn",
+    "push_folder",
+]

@@ -21,8 +21,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     """The tool's own flags and the `longattn` fields (`--field value` or `--field=value`; lists in brackets)."""
     from ..train.training import parse_config_overrides
 
-    parser = argparse.ArgumentParser(prog="longattn-lengthen", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="longattn-lengthen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("src", help="a pretrained model: folder or Hub id")
     parser.add_argument("out", help="the output folder")
     parser.add_argument("--max_length", type=int, required=True, help="tokens the lengthened model reads")

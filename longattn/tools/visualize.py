@@ -66,8 +66,13 @@ def attention_pattern(
     was_training, dtype = model.training, model.dtype
     model.eval().double()
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask,
-                    output_attentions=True, use_cache=False)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            global_attention_mask=global_attention_mask,
+            output_attentions=True,
+            use_cache=False,
+        )
     finally:
         model.to(dtype).train(was_training)
     return out.attentions[layer_idx][0] > 0
@@ -98,8 +103,9 @@ def draw_pattern(pattern: torch.Tensor, path: str | Path, *, title: str = "") ->
     return path
 
 
-def picture_config(attention_type: str, overrides: dict | None = None, *, length: int = 64, heads: int = 2,
-                   causal: bool = False) -> LongAttnConfig:
+def picture_config(
+    attention_type: str, overrides: dict | None = None, *, length: int = 64, heads: int = 2, causal: bool = False
+) -> LongAttnConfig:
     """A one-layer config of `attention_type` for a picture: `PICTURE_SETTINGS[attention_type]` under `overrides`.
 
     Raises:
@@ -109,21 +115,32 @@ def picture_config(attention_type: str, overrides: dict | None = None, *, length
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     settings = {
-        "attention_type": attention_type, "num_attention_heads": heads, "hidden_size": 16 * heads,
-        "num_hidden_layers": 1, "intermediate_size": 32, "max_position_embeddings": max(length, 128),
-        "is_decoder": causal, **PICTURE_SETTINGS.get(attention_type, {}), **(overrides or {}),
+        "attention_type": attention_type,
+        "num_attention_heads": heads,
+        "hidden_size": 16 * heads,
+        "num_hidden_layers": 1,
+        "intermediate_size": 32,
+        "max_position_embeddings": max(length, 128),
+        "is_decoder": causal,
+        **PICTURE_SETTINGS.get(attention_type, {}),
+        **(overrides or {}),
     }
     return LongAttnConfig(**settings)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="longattn-visualize",
-                                     description="Draw the attention pattern of a configured layer as a PNG.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="longattn-visualize",
+        description="Draw the attention pattern of a configured layer as a PNG.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--attention_type", default="sliding", help="a registered attention name")
-    parser.add_argument("--config_overrides", default="",
-                        help="config fields as in the recipes, over the kind's picture settings "
-                        "(longattn.tools.visualize.PICTURE_SETTINGS), e.g. 'sliding_window=4,sliding_dilation=[1,3]'")
+    parser.add_argument(
+        "--config_overrides",
+        default="",
+        help="config fields as in the recipes, over the kind's picture settings "
+        "(longattn.tools.visualize.PICTURE_SETTINGS), e.g. 'sliding_window=4,sliding_dilation=[1,3]'",
+    )
     parser.add_argument("--length", type=int, default=64, help="tokens of the random input")
     parser.add_argument("--heads", type=int, default=2, help="attention heads (one picture each)")
     parser.add_argument("--causal", action="store_true", help="draw the decoder (causal) form")
@@ -133,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         overrides = parse_config_overrides(args.config_overrides)
-        config = picture_config(args.attention_type, overrides, length=args.length, heads=args.heads,
-                                causal=args.causal)
+        config = picture_config(
+            args.attention_type, overrides, length=args.length, heads=args.heads, causal=args.causal
+        )
         outside = [position for position in args.global_tokens if not 0 <= position < args.length]
         if outside:
             raise ValueError(f"--global_tokens {outside} lie outside the {args.length} positions [0, {args.length})")

@@ -25,8 +25,15 @@ class PadCollator:
         align_labels: Labels are per input token (causal LM).
     """
 
-    def __init__(self, *, pad_token_id: int, pad_to_multiple_of: int = 1, labels_multiple: int = 1,
-                 max_length: int | None = None, align_labels: bool = False):
+    def __init__(
+        self,
+        *,
+        pad_token_id: int,
+        pad_to_multiple_of: int = 1,
+        labels_multiple: int = 1,
+        max_length: int | None = None,
+        align_labels: bool = False,
+    ):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.labels_multiple = labels_multiple
@@ -42,8 +49,7 @@ class PadCollator:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch: dict[str, torch.Tensor] = {}
-        length = self._target_length((len(f["input_ids"]) for f in features), self.pad_to_multiple_of,
-                                     self.max_length)
+        length = self._target_length((len(f["input_ids"]) for f in features), self.pad_to_multiple_of, self.max_length)
         batch["input_ids"] = _pad([f["input_ids"] for f in features], length, self.pad_token_id)
         batch["attention_mask"] = _pad([[1] * len(f["input_ids"]) for f in features], length, 0)
         if "labels" in features[0]:

@@ -133,8 +133,9 @@ def listops_examples(
     if max_depth < 2 or max_args < 2:
         raise ValueError(f"max_depth={max_depth} and max_args={max_args} must both be >= 2.")
     if not 0 <= min_length < max_length - 1:
-        raise ValueError(f"need 0 <= min_length < max_length - 1, got min_length={min_length}, "
-                         f"max_length={max_length}.")
+        raise ValueError(
+            f"need 0 <= min_length < max_length - 1, got min_length={min_length}, max_length={max_length}."
+        )
     rng = random.Random(seed)
     seen = exclude if exclude is not None else set()
     examples: list[dict[str, Any]] = []
@@ -168,12 +169,14 @@ def _haystack(rng: random.Random, length: int) -> list[str]:
 
 def _check_lengths(min_length: int, max_length: int, *, least: int) -> None:
     if not least <= min_length <= max_length:
-        raise ValueError(f"need {least} <= min_length <= max_length, got min_length={min_length}, "
-                         f"max_length={max_length}.")
+        raise ValueError(
+            f"need {least} <= min_length <= max_length, got min_length={min_length}, max_length={max_length}."
+        )
 
 
-def needle_examples(num_examples: int, *, seed: int = 0, min_length: int = 256,
-                    max_length: int = 512) -> list[dict[str, Any]]:
+def needle_examples(
+    num_examples: int, *, seed: int = 0, min_length: int = 256, max_length: int = 512
+) -> list[dict[str, Any]]:
     """`{"text", "label"}`: one digit at a uniform position of a `min_length..max_length`-character haystack."""
     _check_lengths(min_length, max_length, least=1)
     rng = random.Random(seed)
@@ -186,8 +189,9 @@ def needle_examples(num_examples: int, *, seed: int = 0, min_length: int = 256,
     return examples
 
 
-def needles_examples(num_examples: int, *, seed: int = 0, min_length: int = 256, max_length: int = 512,
-                     max_needles: int = 3) -> list[dict[str, Any]]:
+def needles_examples(
+    num_examples: int, *, seed: int = 0, min_length: int = 256, max_length: int = 512, max_needles: int = 3
+) -> list[dict[str, Any]]:
     """`{"source", "target"}`: 1..`max_needles` digits hidden in a haystack; target = the digits, sorted."""
     _check_lengths(min_length, max_length, least=max(max_needles, 1))
     if max_needles < 1:
@@ -221,8 +225,16 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def generate_task(task: str, output_dir: str | Path, *, num_train: int, num_validation: int, num_test: int,
-                  seed: int = 0, **knobs: Any) -> dict[str, Path]:
+def generate_task(
+    task: str,
+    output_dir: str | Path,
+    *,
+    num_train: int,
+    num_validation: int,
+    num_test: int,
+    seed: int = 0,
+    **knobs: Any,
+) -> dict[str, Path]:
     """Write the splits of `task` to `output_dir` (a split of size 0 is not written); return {split: path}.
 
     `output_dir` also loads as a dataset folder: `datasets.load_dataset(output_dir)` (or the recipes'
@@ -287,14 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    knobs = {k: v for k, v in vars(args).items()
-             if k not in {"task", "output_dir", "num_train", "num_validation", "num_test", "seed"}}
+    knobs = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in {"task", "output_dir", "num_train", "num_validation", "num_test", "seed"}
+    }
     for name in ("num_train", "num_validation", "num_test"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be >= 0")
     try:
-        paths = generate_task(args.task, args.output_dir, num_train=args.num_train,
-                              num_validation=args.num_validation, num_test=args.num_test, seed=args.seed, **knobs)
+        paths = generate_task(
+            args.task,
+            args.output_dir,
+            num_train=args.num_train,
+            num_validation=args.num_validation,
+            num_test=args.num_test,
+            seed=args.seed,
+            **knobs,
+        )
     except ValueError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2

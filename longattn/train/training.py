@@ -77,8 +77,16 @@ logger = logging.getLogger(__name__)
 
 TASKS = ("mlm", "classification", "clm", "seq2seq")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
-SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                   "inverse_sqrt", "warmup_stable_decay")
+SCHEDULER_TYPES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "warmup_stable_decay",
+)
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 _PARTIAL_SUFFIX = ".partial"
@@ -86,14 +94,39 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 LOG_FILE = "train_log.jsonl"
 # Flags whose value may name a local file or folder: recorded relative to the output folder (or by name), never as an
 # absolute path, since the output folder is what --push_to_hub publishes.
-PATH_FLAGS = ("output_dir", "train_file", "validation_file", "dataset_name", "model_name_or_path", "config_name",
-              "tokenizer_name", "resume_from_checkpoint")
+PATH_FLAGS = (
+    "output_dir",
+    "train_file",
+    "validation_file",
+    "dataset_name",
+    "model_name_or_path",
+    "config_name",
+    "tokenizer_name",
+    "resume_from_checkpoint",
+)
 # Flags that may change between a run and its resumption without changing what is trained.
-_RESUME_FREE_FLAGS = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "command", "with_tracking",
-                      "report_to", "push_to_hub", "hub_model_id", "hub_private_repo", "logging_steps",
-                      "checkpointing_steps", "checkpoints_total_limit", "eval_steps", "preprocessing_num_workers",
-                      "max_train_steps", "num_train_epochs", "per_device_eval_batch_size", "trust_remote_code",
-                      "ddp_find_unused_parameters", "gradient_checkpointing"}
+_RESUME_FREE_FLAGS = {
+    "output_dir",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "command",
+    "with_tracking",
+    "report_to",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private_repo",
+    "logging_steps",
+    "checkpointing_steps",
+    "checkpoints_total_limit",
+    "eval_steps",
+    "preprocessing_num_workers",
+    "max_train_steps",
+    "num_train_epochs",
+    "per_device_eval_batch_size",
+    "trust_remote_code",
+    "ddp_find_unused_parameters",
+    "gradient_checkpointing",
+}
 
 
 class RecipeError(Exception):
@@ -119,32 +152,47 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
     data.add_argument("--dataset_config_name", help="the configuration of --dataset_name")
     data.add_argument("--train_file", help="training data: .json / .jsonl / .csv / .txt")
     data.add_argument("--validation_file", help="evaluation data, same format as --train_file")
-    data.add_argument("--validation_split_percentage", type=int, default=5,
-                      help="without a validation split, hold out this percentage of the training data")
+    data.add_argument(
+        "--validation_split_percentage",
+        type=int,
+        default=5,
+        help="without a validation split, hold out this percentage of the training data",
+    )
     data.add_argument("--max_train_samples", type=int, help="truncate the training set (debugging, quick runs)")
     data.add_argument("--max_eval_samples", type=int, help="truncate the evaluation set")
-    data.add_argument("--max_seq_length", type=int,
-                      help="longest input in tokens (default: the model's max_position_embeddings, at most 4096)")
-    data.add_argument("--pad_to_max_length", action="store_true",
-                      help="pad every batch to --max_seq_length (default: to the longest, rounded up to the "
-                           "attention's block multiple)")
+    data.add_argument(
+        "--max_seq_length",
+        type=int,
+        help="longest input in tokens (default: the model's max_position_embeddings, at most 4096)",
+    )
+    data.add_argument(
+        "--pad_to_max_length",
+        action="store_true",
+        help="pad every batch to --max_seq_length (default: to the longest, rounded up to the "
+        "attention's block multiple)",
+    )
     data.add_argument("--preprocessing_num_workers", type=int, help="processes for datasets.map")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", help="a pretrained model (Hub id or folder) to fine-tune")
     model.add_argument("--config_name", help="a config (Hub id or folder) to train from scratch")
-    model.add_argument("--config_overrides",
-                       help='override config fields, transformers\' format: "attention_type=sliding,sliding_window=64,'
-                            'hidden_size=128"; a list in brackets: "attention_type=[sliding,full]"; the '
-                            '`longattn` dict of a lengthened stock checkpoint: "longattn.sliding_window=256"')
+    model.add_argument(
+        "--config_overrides",
+        help="override config fields, transformers' format: \"attention_type=sliding,sliding_window=64,"
+        'hidden_size=128"; a list in brackets: "attention_type=[sliding,full]"; the '
+        '`longattn` dict of a lengthened stock checkpoint: "longattn.sliding_window=256"',
+    )
     model.add_argument("--tokenizer_name", help="a tokenizer (Hub id or folder); default: the model's, else bytes")
     model.add_argument("--trust_remote_code", action="store_true", help="allow custom code from the Hub")
     model.add_argument("--gradient_checkpointing", action="store_true")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", required=True, help="the final Hub-ready folder; checkpoints go below it")
-    train.add_argument("--overwrite_output_dir", action="store_true",
-                       help="delete the checkpoints of an earlier run in --output_dir instead of refusing to start")
+    train.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="delete the checkpoints of an earlier run in --output_dir instead of refusing to start",
+    )
     train.add_argument("--per_device_train_batch_size", type=int, default=8)
     train.add_argument("--per_device_eval_batch_size", type=int, default=8)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
@@ -156,20 +204,29 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
     train.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULER_TYPES)
     train.add_argument("--num_warmup_steps", type=int, default=0)
     train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"),
-                       help="passed to the Accelerator (default: accelerate's config / launch flag)")
-    train.add_argument("--checkpointing_steps",
-                       help="save the training state every N optimizer steps, or 'epoch' at each epoch's end")
+    train.add_argument(
+        "--mixed_precision",
+        choices=("no", "fp16", "bf16"),
+        help="passed to the Accelerator (default: accelerate's config / launch flag)",
+    )
+    train.add_argument(
+        "--checkpointing_steps", help="save the training state every N optimizer steps, or 'epoch' at each epoch's end"
+    )
     train.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep this many checkpoints")
-    train.add_argument("--resume_from_checkpoint",
-                       help="a checkpoint folder, or 'latest' (the newest complete one in output_dir/checkpoints; "
-                            "starts from scratch when there is none)")
+    train.add_argument(
+        "--resume_from_checkpoint",
+        help="a checkpoint folder, or 'latest' (the newest complete one in output_dir/checkpoints; "
+        "starts from scratch when there is none)",
+    )
     train.add_argument("--eval_steps", type=int, help="also evaluate every N optimizer steps (default: each epoch)")
     train.add_argument("--logging_steps", type=int, default=10)
     train.add_argument("--with_tracking", action="store_true", help="log to the trackers of --report_to")
     train.add_argument("--report_to", default="all", help="tensorboard, wandb, trackio, ... or all")
-    train.add_argument("--ddp_find_unused_parameters", action="store_true",
-                       help="for attention kinds with parameters some batches do not use")
+    train.add_argument(
+        "--ddp_find_unused_parameters",
+        action="store_true",
+        help="for attention kinds with parameters some batches do not use",
+    )
 
     hub = parser.add_argument_group("hub")
     hub.add_argument("--push_to_hub", action="store_true", help="upload the final folder (create_repo + upload_folder)")
@@ -189,8 +246,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     script = Path(sys.argv[0])
     script = Path(script.parent.name, script.name) if script.parent.name == "recipes" else Path(script.name)
     # What the output folder records of this command: no secret, no absolute path (see `recorded_value`).
-    args.command = shlex.join([str(script), *redact_argv(sys.argv[1:] if argv is None else list(argv),
-                                                         recorded_value(args.output_dir))])
+    args.command = shlex.join(
+        [str(script), *redact_argv(sys.argv[1:] if argv is None else list(argv), recorded_value(args.output_dir))]
+    )
     if args.dataset_name is None and args.train_file is None:
         raise RecipeError("give --train_file (json, jsonl, csv, txt) or --dataset_name.")
     if args.dataset_name is not None and (args.train_file or args.validation_file):
@@ -204,13 +262,20 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             raise RecipeError(f"--{flag} {path!r} does not exist.")
         suffix = Path(path).suffix.lower()
         if suffix not in DATA_EXTENSIONS:
-            raise RecipeError(f"--{flag} {path!r} has an unsupported extension {suffix!r}: "
-                              f"expected one of {sorted(DATA_EXTENSIONS)}.")
+            raise RecipeError(
+                f"--{flag} {path!r} has an unsupported extension {suffix!r}: expected one of {sorted(DATA_EXTENSIONS)}."
+            )
         builders.add(DATA_EXTENSIONS[suffix])
     if len(builders) > 1:
         raise RecipeError("--train_file and --validation_file must have the same format.")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "num_train_epochs", "logging_steps", "checkpoints_total_limit"):
+    for flag in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "num_train_epochs",
+        "logging_steps",
+        "checkpoints_total_limit",
+    ):
         if getattr(args, flag) < 1:
             raise RecipeError(f"--{flag} {getattr(args, flag)} must be >= 1.")
     for flag in ("max_train_steps", "max_seq_length", "max_train_samples", "max_eval_samples", "eval_steps"):
@@ -225,12 +290,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
         raise RecipeError(f"--num_warmup_steps {args.num_warmup_steps} must be >= 0.")
     if args.checkpointing_steps is not None and args.checkpointing_steps != "epoch":
         if not args.checkpointing_steps.isdigit() or int(args.checkpointing_steps) < 1:
-            raise RecipeError(f"--checkpointing_steps {args.checkpointing_steps!r}: expected an integer >= 1 "
-                              f"or 'epoch'.")
+            raise RecipeError(
+                f"--checkpointing_steps {args.checkpointing_steps!r}: expected an integer >= 1 or 'epoch'."
+            )
     resume = args.resume_from_checkpoint
     if resume not in (None, "latest") and not (Path(resume) / STATE_FILE).is_file():
-        raise RecipeError(f"--resume_from_checkpoint {resume!r} is not a complete checkpoint "
-                          f"(no {STATE_FILE}); pass a checkpoint folder or 'latest'.")
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume!r} is not a complete checkpoint "
+            f"(no {STATE_FILE}); pass a checkpoint folder or 'latest'."
+        )
     if args.model_name_or_path and args.config_name:
         raise RecipeError("give --model_name_or_path (fine-tune) or --config_name (from scratch), not both.")
     if args.with_tracking:
@@ -240,8 +308,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             raise RecipeError("--with_tracking found no tracker: install one (e.g. tensorboard) or drop the flag.")
     checkpoints = Path(args.output_dir) / CHECKPOINTS_DIR
     if resume is None and not args.overwrite_output_dir and list_checkpoints(checkpoints):
-        raise RecipeError(f"{checkpoints} holds checkpoints of an earlier run: pass --resume_from_checkpoint latest "
-                          f"to continue it, or --overwrite_output_dir to start over.")
+        raise RecipeError(
+            f"{checkpoints} holds checkpoints of an earlier run: pass --resume_from_checkpoint latest "
+            f"to continue it, or --overwrite_output_dir to start over."
+        )
     return args
 
 
@@ -271,8 +341,11 @@ def recorded_args(args: argparse.Namespace) -> dict[str, int | float | str | boo
     """The scalar arguments as the trackers (TensorBoard, W&B, ... through `init_trackers`) may store them: secrets
     redacted, local paths relative to the output folder."""
     record = recorded_value(args.output_dir)
-    return {key: record(key, value) if isinstance(value, str) else (REDACTED if is_secret_flag(key) else value)
-            for key, value in vars(args).items() if isinstance(value, (int, float, str, bool))}
+    return {
+        key: record(key, value) if isinstance(value, str) else (REDACTED if is_secret_flag(key) else value)
+        for key, value in vars(args).items()
+        if isinstance(value, (int, float, str, bool))
+    }
 
 
 # ---------------------------------------------------------------------------------------------- config / tokenizer
@@ -298,8 +371,10 @@ def load_config(args: argparse.Namespace, *, task: str):
     from transformers import AutoConfig
 
     overrides = parse_config_overrides(args.config_overrides)
-    stack = {"clm": {"is_decoder": True, "is_encoder_decoder": False},
-             "seq2seq": {"is_decoder": False, "is_encoder_decoder": True}}.get(task, {})
+    stack = {
+        "clm": {"is_decoder": True, "is_encoder_decoder": False},
+        "seq2seq": {"is_decoder": False, "is_encoder_decoder": True},
+    }.get(task, {})
     source = args.model_name_or_path or args.config_name
     try:
         if source is None:
@@ -313,8 +388,9 @@ def load_config(args: argparse.Namespace, *, task: str):
             if not is_longattn(config):
                 return _stock_config(config, source, overrides, stack)
             overrides = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items()}
-            check_override_fields(overrides, _settable_fields(config, overrides), where="--config_overrides",
-                                  hint=f" for {source!r}")
+            check_override_fields(
+                overrides, _settable_fields(config, overrides), where="--config_overrides", hint=f" for {source!r}"
+            )
             for key, value in {**overrides, **stack}.items():
                 setattr(config, key, value)
             if hasattr(config, "validate_longattn"):
@@ -345,13 +421,19 @@ def _stock_config(config, source: str, overrides: dict[str, Any], stack: dict[st
 
     dotted = {key.removeprefix(_DICT_PREFIX): value for key, value in overrides.items() if key.startswith(_DICT_PREFIX)}
     plain = {key: value for key, value in overrides.items() if not key.startswith(_DICT_PREFIX)}
-    check_override_fields(plain, _settable_fields(config, plain), where="--config_overrides",
-                          hint=f" for {source!r} (a field of its `longattn` dict is written `longattn.FIELD=value`)")
+    check_override_fields(
+        plain,
+        _settable_fields(config, plain),
+        where="--config_overrides",
+        hint=f" for {source!r} (a field of its `longattn` dict is written `longattn.FIELD=value`)",
+    )
     for key, value in plain.items():
         setattr(config, key, value)
     if stack and stack["is_encoder_decoder"] != bool(getattr(config, "is_encoder_decoder", False)):
-        raise RecipeError(f"{source!r} is a {config.model_type} model, which is "
-                          f"{'' if config.is_encoder_decoder else 'not '}an encoder-decoder: use the recipe for it.")
+        raise RecipeError(
+            f"{source!r} is a {config.model_type} model, which is "
+            f"{'' if config.is_encoder_decoder else 'not '}an encoder-decoder: use the recipe for it."
+        )
     if dotted or getattr(config, "longattn", None):
         config.longattn = {**(getattr(config, "longattn", None) or {}), **dotted}
         for stack_name in ("encoder", "decoder") if config.is_encoder_decoder else ("self",):
@@ -373,8 +455,9 @@ def load_tokenizer(args: argparse.Namespace, config):
         raise RecipeError(f"cannot load the tokenizer {source!r}: {_one_line(error)}") from None
 
 
-def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag: str = "max_seq_length",
-                           default_cap: int = 4096) -> int:
+def resolve_max_seq_length(
+    args: argparse.Namespace, config, tokenizer, *, flag: str = "max_seq_length", default_cap: int = 4096
+) -> int:
     """The length limit of --max_seq_length (or a target-length flag), checked against the model's limit.
 
     Raises:
@@ -389,11 +472,15 @@ def resolve_max_seq_length(args: argparse.Namespace, config, tokenizer, *, flag:
         value = min(limit, tokenizer_limit, default_cap)
     elif value > limit:
         if not is_longattn(config):
-            raise RecipeError(f"--{flag} {value} exceeds the {limit} tokens the model reads (max_position_embeddings="
-                              f"{config.max_position_embeddings}): pass at most {limit}, or lengthen the checkpoint "
-                              f"first: longattn-lengthen SRC OUT --max_length {value}.")
-        raise RecipeError(f"--{flag} {value} exceeds the model's limit max_position_embeddings={limit}: pass at most "
-                          f"{limit}, or train from scratch with --config_overrides max_position_embeddings={value}.")
+            raise RecipeError(
+                f"--{flag} {value} exceeds the {limit} tokens the model reads (max_position_embeddings="
+                f"{config.max_position_embeddings}): pass at most {limit}, or lengthen the checkpoint "
+                f"first: longattn-lengthen SRC OUT --max_length {value}."
+            )
+        raise RecipeError(
+            f"--{flag} {value} exceeds the model's limit max_position_embeddings={limit}: pass at most "
+            f"{limit}, or train from scratch with --config_overrides max_position_embeddings={value}."
+        )
     setattr(args, flag, value)
     return value
 
@@ -473,17 +560,24 @@ def make_accelerator(args: argparse.Namespace):
         raise RecipeError(
             f"{launched} processes were launched but each one runs alone (distributed type "
             f"{accelerator.distributed_type}): on CPU, launch with ACCELERATE_USE_CPU=1 "
-            f"(e.g. ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/configs/cpu_2proc.yaml ...).")
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR,
-                        handlers=[TqdmLoggingHandler()])
+            f"(e.g. ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/configs/cpu_2proc.yaml ...)."
+        )
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO if accelerator.is_local_main_process else logging.ERROR,
+        handlers=[TqdmLoggingHandler()],
+    )
     requested = requested_num_processes()
     if accelerator.num_processes == 1 and requested > 1:
         logger.warning(
             "%d processes were asked for but this run has one: `accelerate launch --cpu` (or a config without "
             "multi_cpu/multi_gpu) starts a single process. For %d CPU processes: ACCELERATE_USE_CPU=1 accelerate "
             "launch --multi_gpu --num_processes %d ... (or --config_file recipes/configs/cpu_2proc.yaml).",
-            requested, requested, requested)
+            requested,
+            requested,
+            requested,
+        )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # one line per saved file otherwise
     if accelerator.is_local_main_process:
         datasets.utils.logging.set_verbosity_warning()
@@ -556,8 +650,12 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
     if columns:  # the splits the recipe reads: test stands in for a missing validation split
         used = [split for split in ("train", "validation") if split in raw]
         used += ["test"] if "validation" not in raw and "test" in raw else []
-        require_columns(DatasetDict({split: raw[split] for split in used}), columns,
-                        sources=_data_sources(args, raw), problem_type=getattr(args, "problem_type", None))
+        require_columns(
+            DatasetDict({split: raw[split] for split in used}),
+            columns,
+            sources=_data_sources(args, raw),
+            problem_type=getattr(args, "problem_type", None),
+        )
     if "validation" not in raw:
         if "test" in raw:
             raw["validation"] = raw["test"]
@@ -574,8 +672,9 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
     return DatasetDict(train=raw["train"], validation=raw["validation"])  # other splits are not tokenized
 
 
-def require_columns(raw, columns: dict[str, str], *, sources: dict[str, str] | None = None,
-                    problem_type: str | None = None) -> None:
+def require_columns(
+    raw, columns: dict[str, str], *, sources: dict[str, str] | None = None, problem_type: str | None = None
+) -> None:
     """Check that every `{flag: column}` exists in each split, that text columns hold a text in every row and that
     a `label_column` holds labels of one kind: integers or strings (classes), or numbers with
     `problem_type="regression"`.
@@ -597,8 +696,10 @@ def require_columns(raw, columns: dict[str, str], *, sources: dict[str, str] | N
         present = raw[split].column_names
         for flag, column in columns.items():
             if column not in present:
-                raise RecipeError(f"column {column!r} is not in the {split} data{f' {source}' if source else ''} "
-                                  f"(columns: {present}); pick another with --{flag}.")
+                raise RecipeError(
+                    f"column {column!r} is not in the {split} data{f' {source}' if source else ''} "
+                    f"(columns: {present}); pick another with --{flag}."
+                )
             values = raw[split][column]
             if flag == "label_column":
                 label_kind = _check_labels(values, where, column, label_kind, regression=problem_type == "regression")
@@ -627,13 +728,17 @@ def _check_labels(values: list, where: str, column: str, kind: str | None, *, re
             kind, first_row = _label_kind(value), row
         elif _label_kind(value) != kind:
             seen = f"row {first_row}" if first_row is not None else "the training data"
-            raise RecipeError(f"{here}: label {value!r} is a {_label_kind(value)}, but {seen} has {kind} labels; "
-                              f"use one kind of label.")
+            raise RecipeError(
+                f"{here}: label {value!r} is a {_label_kind(value)}, but {seen} has {kind} labels; "
+                f"use one kind of label."
+            )
         if regression and kind != "number":
             raise RecipeError(f"{here}: label {value!r} is not a number, which --problem_type regression needs.")
         if not regression and kind == "number" and not float(value).is_integer():
-            raise RecipeError(f"{here}: label {value!r} is not a class (an integer or a string); pass "
-                              f"--problem_type regression to train a regression on numbers.")
+            raise RecipeError(
+                f"{here}: label {value!r} is not a class (an integer or a string); pass "
+                f"--problem_type regression to train a regression on numbers."
+            )
     return kind
 
 
@@ -641,8 +746,11 @@ def _data_sources(args: argparse.Namespace, raw) -> dict[str, str]:
     """`{split: the file or dataset it comes from}` for error messages."""
     if args.dataset_name is not None:
         return {split: f"{args.dataset_name} ({split} split)" for split in raw}
-    return {split: path for split, path in (("train", args.train_file), ("validation", args.validation_file))
-            if path is not None}
+    return {
+        split: path
+        for split, path in (("train", args.train_file), ("validation", args.validation_file))
+        if path is not None
+    }
 
 
 def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
@@ -650,8 +758,9 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     transformers' language-modelling examples; use with `datasets.map(batched=True)`."""
     concatenated = {key: sum(examples[key], []) for key in examples}
     total = (len(concatenated["input_ids"]) // block_size) * block_size
-    return {key: [values[i:i + block_size] for i in range(0, total, block_size)]
-            for key, values in concatenated.items()}
+    return {
+        key: [values[i : i + block_size] for i in range(0, total, block_size)] for key, values in concatenated.items()
+    }
 
 
 def progress_bar(iterable, accelerator, desc: str):
@@ -682,9 +791,13 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
             # A stock model running longattn's kinds (its config holds a `longattn` dict) is built with the
             # "longattn" implementation, which attaches the kinds and loads their parameters.
             stock = {"attn_implementation": "longattn"} if is_stock_longattn(config) else {}
-            model = auto_class.from_pretrained(args.model_name_or_path, config=config,
-                                               trust_remote_code=args.trust_remote_code,
-                                               ignore_mismatched_sizes=args.task == "classification", **stock)
+            model = auto_class.from_pretrained(
+                args.model_name_or_path,
+                config=config,
+                trust_remote_code=args.trust_remote_code,
+                ignore_mismatched_sizes=args.task == "classification",
+                **stock,
+            )
         else:
             model = auto_class.from_config(config, trust_remote_code=args.trust_remote_code)
     except (ValueError, OSError) as error:
@@ -706,8 +819,16 @@ def is_longattn(model_or_config) -> bool:
 # ---------------------------------------------------------------------------------------------- the training state
 # The fields of `TrainState` that `trainer_state.json` holds: the position in the run and its running loss, with the
 # batch geometry a resumed run must share to repeat it.
-_POSITION_FIELDS = ("completed_steps", "epoch", "batch_in_epoch", "loss_sum", "loss_count", "last_loss",
-                    "global_batch_size", "num_processes")
+_POSITION_FIELDS = (
+    "completed_steps",
+    "epoch",
+    "batch_in_epoch",
+    "loss_sum",
+    "loss_count",
+    "last_loss",
+    "global_batch_size",
+    "num_processes",
+)
 
 
 @dataclasses.dataclass
@@ -831,13 +952,19 @@ def resume(accelerator, args: argparse.Namespace, state: TrainState) -> Path | N
         except Exception as error:  # torch, safetensors and pickle each raise their own type for a damaged file
             failures.append(f"{shown}: {_one_line(error)}")
             if path != candidates[-1]:
-                logger.warning("checkpoint %s does not load (%s): falling back to the one before it", shown,
-                               _one_line(error)[:300])
+                logger.warning(
+                    "checkpoint %s does not load (%s): falling back to the one before it", shown, _one_line(error)[:300]
+                )
             continue
         _warn_changed_settings(saved.get("run_settings"), state.run_settings, shown)
         state.restore_position(saved)
-        logger.info("resumed from %s: step %d, epoch %d, skipping %d batches", shown, state.completed_steps,
-                    state.epoch, state.batch_in_epoch)
+        logger.info(
+            "resumed from %s: step %d, epoch %d, skipping %d batches",
+            shown,
+            state.completed_steps,
+            state.epoch,
+            state.batch_in_epoch,
+        )
         return path
     raise RecipeError(f"no checkpoint to resume from loads: {'; '.join(failures)}")
 
@@ -847,17 +974,20 @@ def _check_resume_batch(saved: dict[str, Any], state: TrainState, shown: str) ->
         raise RecipeError(
             f"{shown} was written with {saved['num_processes']} processes and a global batch of "
             f"{saved['global_batch_size']}; resume with the same (now {state.num_processes} processes, "
-            f"global batch {state.global_batch_size}) to repeat the run exactly.")
+            f"global batch {state.global_batch_size}) to repeat the run exactly."
+        )
 
 
 def _warn_changed_settings(saved: dict[str, Any] | None, current: dict[str, Any] | None, shown: str) -> None:
     if saved is None or current is None:  # a checkpoint written before settings were recorded
         return
-    changed = [f"{key} ({saved.get(key)!r} -> {current.get(key)!r})" for key in sorted(set(saved) | set(current))
-               if saved.get(key) != current.get(key)]
+    changed = [
+        f"{key} ({saved.get(key)!r} -> {current.get(key)!r})"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
     if changed:
-        logger.warning("resuming from %s with arguments other than it was written with: %s", shown,
-                       ", ".join(changed))
+        logger.warning("resuming from %s with arguments other than it was written with: %s", shown, ", ".join(changed))
 
 
 def run_settings(args: argparse.Namespace, config) -> dict[str, Any]:
@@ -950,8 +1080,15 @@ def count_loss_items(batches: list[dict[str, torch.Tensor]], *, shifted_labels: 
     return total
 
 
-def accumulation_step(accelerator, model, group: list[dict[str, torch.Tensor]], *, use_num_items: bool,
-                      shifted_labels: bool, seeds: list[int]) -> float:
+def accumulation_step(
+    accelerator,
+    model,
+    group: list[dict[str, torch.Tensor]],
+    *,
+    use_num_items: bool,
+    shifted_labels: bool,
+    seeds: list[int],
+) -> float:
     """Forward and backward over the micro-batches of one optimizer step; return the step's loss (all processes).
 
     With `use_num_items` (the model takes `num_items_in_batch`, as transformers' heads do), every micro-batch's
@@ -967,8 +1104,9 @@ def accumulation_step(accelerator, model, group: list[dict[str, torch.Tensor]], 
     """
     num_items = None
     if use_num_items and "labels" in group[0]:
-        num_items = accelerator.reduce(count_loss_items(group, shifted_labels=shifted_labels),
-                                       reduction="sum").clamp(min=1)
+        num_items = accelerator.reduce(count_loss_items(group, shifted_labels=shifted_labels), reduction="sum").clamp(
+            min=1
+        )
     step_loss = torch.zeros((), device=accelerator.device)
     for i, (batch, seed) in enumerate(zip(group, seeds)):
         torch.manual_seed(seed)
@@ -990,40 +1128,66 @@ def build_optimizer(args: argparse.Namespace, model) -> torch.optim.Optimizer:
     """AdamW at --learning_rate with --weight_decay on every parameter but biases and normalisation weights."""
     no_decay = ("bias", "layer_norm.weight", "LayerNorm.weight", "norm.weight")
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": args.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
+            "weight_decay": args.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=args.learning_rate)
 
 
-def prepare_training(args: argparse.Namespace, accelerator, model, train_dataset, eval_dataset, collate_fn: Callable,
-                     eval_collate_fn: Callable | None = None) -> TrainState:
+def prepare_training(
+    args: argparse.Namespace,
+    accelerator,
+    model,
+    train_dataset,
+    eval_dataset,
+    collate_fn: Callable,
+    eval_collate_fn: Callable | None = None,
+) -> TrainState:
     """The data loaders, optimizer and learning-rate schedule, prepared by accelerate, in a `TrainState` at step 0."""
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
-    train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=collate_fn,
-                                  batch_size=args.per_device_train_batch_size)
-    eval_dataloader = DataLoader(eval_dataset, shuffle=False, collate_fn=eval_collate_fn or collate_fn,
-                                 batch_size=args.per_device_eval_batch_size)
+    train_dataloader = DataLoader(
+        train_dataset, shuffle=True, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size
+    )
+    eval_dataloader = DataLoader(
+        eval_dataset,
+        shuffle=False,
+        collate_fn=eval_collate_fn or collate_fn,
+        batch_size=args.per_device_eval_batch_size,
+    )
     optimizer = build_optimizer(args, model)
     # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
     updates_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-                                 num_training_steps=max_train_steps * accelerator.num_processes)
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps * accelerator.num_processes,
+    )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     return TrainState(
-        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, train_dataloader=train_dataloader,
-        eval_dataloader=eval_dataloader, max_train_steps=max_train_steps,
-        num_epochs=math.ceil(max_train_steps / updates_per_epoch), global_batch_size=global_batch_size,
-        num_processes=accelerator.num_processes, seed=args.seed, process_index=accelerator.process_index,
-        loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)))
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_dataloader=train_dataloader,
+        eval_dataloader=eval_dataloader,
+        max_train_steps=max_train_steps,
+        num_epochs=math.ceil(max_train_steps / updates_per_epoch),
+        global_batch_size=global_batch_size,
+        num_processes=accelerator.num_processes,
+        seed=args.seed,
+        process_index=accelerator.process_index,
+        loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)),
+    )
 
 
 def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
@@ -1055,10 +1219,16 @@ def _checkpoint_every(args: argparse.Namespace) -> int | None:
     return int(args.checkpointing_steps) if (args.checkpointing_steps or "").isdigit() else None
 
 
-def train_step(args: argparse.Namespace, accelerator, state: TrainState, group: list[dict[str, torch.Tensor]], *,
-               epoch: int, first_batch: int,
-               prepare_batch: Callable[[dict[str, torch.Tensor], torch.Generator], dict[str, torch.Tensor]] | None
-               = None) -> float:
+def train_step(
+    args: argparse.Namespace,
+    accelerator,
+    state: TrainState,
+    group: list[dict[str, torch.Tensor]],
+    *,
+    epoch: int,
+    first_batch: int,
+    prepare_batch: Callable[[dict[str, torch.Tensor], torch.Generator], dict[str, torch.Tensor]] | None = None,
+) -> float:
     """One optimizer step over `group`, the micro-batches `first_batch`, ... of `epoch`: forward and backward
     (`accumulation_step`), clipping, the optimizer and schedule, then the state's position and running loss.
 
@@ -1066,12 +1236,18 @@ def train_step(args: argparse.Namespace, accelerator, state: TrainState, group: 
         The step's loss (all processes).
     """
     if prepare_batch is not None:
-        group = [prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i,
-                                                      accelerator.process_index))
-                 for i, batch in enumerate(group)]
-    step_loss = accumulation_step(accelerator, state.model, group, use_num_items=state.loss_takes_num_items,
-                                  shifted_labels=args.task == "clm",
-                                  seeds=state.step_seeds(epoch, first_batch, len(group)))
+        group = [
+            prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i, accelerator.process_index))
+            for i, batch in enumerate(group)
+        ]
+    step_loss = accumulation_step(
+        accelerator,
+        state.model,
+        group,
+        use_num_items=state.loss_takes_num_items,
+        shifted_labels=args.task == "clm",
+        seeds=state.step_seeds(epoch, first_batch, len(group)),
+    )
     if args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(state.model.parameters(), args.max_grad_norm)
     state.optimizer.step()
@@ -1087,8 +1263,9 @@ def train_step(args: argparse.Namespace, accelerator, state: TrainState, group: 
     return step_loss
 
 
-def run_evaluation(args: argparse.Namespace, accelerator, state: TrainState,
-                   evaluate: Callable[[Any, Any], dict[str, float]]) -> dict[str, float]:
+def run_evaluation(
+    args: argparse.Namespace, accelerator, state: TrainState, evaluate: Callable[[Any, Any], dict[str, float]]
+) -> dict[str, float]:
     """The recipe's `evaluate(model, eval_dataloader)` without gradients, its metrics prefixed `eval_`, logged and
     kept in `state.metrics`."""
     state.model.eval()
@@ -1101,8 +1278,16 @@ def run_evaluation(args: argparse.Namespace, accelerator, state: TrainState,
     return result
 
 
-def train_epoch(args: argparse.Namespace, accelerator, state: TrainState, epoch: int, *, evaluate: Callable,
-                prepare_batch: Callable | None, progress) -> None:
+def train_epoch(
+    args: argparse.Namespace,
+    accelerator,
+    state: TrainState,
+    epoch: int,
+    *,
+    evaluate: Callable,
+    prepare_batch: Callable | None,
+    progress,
+) -> None:
     """The optimizer steps of `epoch` (from the batches a resumed run has not seen yet) until its end or
     `max_train_steps`, with the logging, checkpoints and evaluations due after each step."""
     state.model.train()
@@ -1113,15 +1298,20 @@ def train_epoch(args: argparse.Namespace, accelerator, state: TrainState, epoch:
     # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
     # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
     while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
-        step_loss = train_step(args, accelerator, state, group, epoch=epoch, first_batch=batch_index,
-                               prepare_batch=prepare_batch)
+        step_loss = train_step(
+            args, accelerator, state, group, epoch=epoch, first_batch=batch_index, prepare_batch=prepare_batch
+        )
         batch_index += len(group)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}")
         step = state.completed_steps
         if step % args.logging_steps == 0:
-            _log(accelerator, Path(args.output_dir) / LOG_FILE,
-                 {"step": step, "loss": step_loss, "lr": state.lr_scheduler.get_last_lr()[0], "epoch": epoch}, args)
+            _log(
+                accelerator,
+                Path(args.output_dir) / LOG_FILE,
+                {"step": step, "loss": step_loss, "lr": state.lr_scheduler.get_last_lr()[0], "epoch": epoch},
+                args,
+            )
         if (every := _checkpoint_every(args)) and step % every == 0:
             save_checkpoint(accelerator, args, state)
         _fault_injection("LONGATTN_RECIPE_SIGKILL_AT_STEP", step)
@@ -1131,8 +1321,17 @@ def train_epoch(args: argparse.Namespace, accelerator, state: TrainState, epoch:
             break
 
 
-def summarize(args: argparse.Namespace, accelerator, state: TrainState, *, runtime: float, ranks_seen: list[int],
-              resumed_from: Path | None, train_samples: int, validation_samples: int) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    accelerator,
+    state: TrainState,
+    *,
+    runtime: float,
+    ranks_seen: list[int],
+    resumed_from: Path | None,
+    train_samples: int,
+    validation_samples: int,
+) -> dict[str, Any]:
     """The results of a run (see `train`)."""
     return {
         **state.metrics,
@@ -1193,11 +1392,22 @@ def train(
     state = prepare_training(args, accelerator, model, train_dataset, eval_dataset, collate_fn, eval_collate_fn)
     resumed_from = begin_run(args, accelerator, state)
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
-    logger.info("training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
-                len(train_dataset), accelerator.num_processes, ranks_seen, state.global_batch_size,
-                state.max_train_steps, state.num_epochs)
-    progress = tqdm(total=state.max_train_steps, initial=state.completed_steps, desc="train",
-                    disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    logger.info(
+        "training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
+        len(train_dataset),
+        accelerator.num_processes,
+        ranks_seen,
+        state.global_batch_size,
+        state.max_train_steps,
+        state.num_epochs,
+    )
+    progress = tqdm(
+        total=state.max_train_steps,
+        initial=state.completed_steps,
+        desc="train",
+        disable=not accelerator.is_local_main_process,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
     for epoch in range(state.epoch, state.num_epochs):
         if state.completed_steps >= state.max_train_steps:
@@ -1213,8 +1423,16 @@ def train(
     runtime = time.perf_counter() - start
     if args.with_tracking:
         accelerator.end_training()
-    return summarize(args, accelerator, state, runtime=runtime, ranks_seen=ranks_seen, resumed_from=resumed_from,
-                     train_samples=len(train_dataset), validation_samples=len(eval_dataset))
+    return summarize(
+        args,
+        accelerator,
+        state,
+        runtime=runtime,
+        ranks_seen=ranks_seen,
+        resumed_from=resumed_from,
+        train_samples=len(train_dataset),
+        validation_samples=len(eval_dataset),
+    )
 
 
 def _log(accelerator, path: Path, record: dict[str, Any], args: argparse.Namespace) -> None:
@@ -1252,8 +1470,16 @@ def summarize_token_stats(stats: torch.Tensor) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------- the end of a run
-def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dict[str, Any], *, task: str,
-           dataset_description: str | None = None) -> None:
+def finish(
+    args: argparse.Namespace,
+    accelerator,
+    model,
+    tokenizer,
+    results: dict[str, Any],
+    *,
+    task: str,
+    dataset_description: str | None = None,
+) -> None:
     """Write `all_results.json` and the Hub-ready folder (model, tokenizer, code, model card) in --output_dir, check
     the folder, and push it with --push_to_hub."""
     from ..tools import hub
@@ -1271,16 +1497,21 @@ def finish(args: argparse.Namespace, accelerator, model, tokenizer, results: dic
             training_data=dataset_description or describe_data(args),
             command=_launch_command(results, args.command),
             datasets=[args.dataset_name] if args.dataset_name else None,
-            extra={k: results[k] for k in ("train_steps", "global_batch_size", "num_processes", "max_seq_length",
-                                           "train_runtime") if k in results},
+            extra={
+                k: results[k]
+                for k in ("train_steps", "global_batch_size", "num_processes", "max_seq_length", "train_runtime")
+                if k in results
+            },
         )
-        hub.save_hub_folder(accelerator.unwrap_model(model), tokenizer, output_dir, card=card,
-                            state_dict=state_dict)
+        hub.save_hub_folder(accelerator.unwrap_model(model), tokenizer, output_dir, card=card, state_dict=state_dict)
         problems = hub.hub_folder_problems(output_dir)
         if problems:
             raise RuntimeError(f"the folder {output_dir} is not Hub-ready: {problems}")
-        logger.info("wrote the Hub-ready folder %s: %s", output_dir, _fmt({k: v for k, v in results.items()
-                                                                            if k.startswith("eval_")}))
+        logger.info(
+            "wrote the Hub-ready folder %s: %s",
+            output_dir,
+            _fmt({k: v for k, v in results.items() if k.startswith("eval_")}),
+        )
         if args.push_to_hub:
             repo_id = args.hub_model_id or output_dir.resolve().name
             url = hub.push_folder(output_dir, repo_id, token=args.hub_token, private=args.hub_private_repo)
@@ -1294,13 +1525,15 @@ def describe_data(args: argparse.Namespace) -> str:
     if args.dataset_name:
         return f"`{args.dataset_name}`" + (f" ({args.dataset_config_name})" if args.dataset_config_name else "")
     text = f"local files `{Path(args.train_file).name}`" + (
-        f" / `{Path(args.validation_file).name}`" if args.validation_file else "")
+        f" / `{Path(args.validation_file).name}`" if args.validation_file else ""
+    )
     info = Path(args.train_file).parent / "info.json"
     if info.is_file():
         try:
             details = json.loads(info.read_text())
-            text += (f", generated by `longattn-data {details.get('task')}` with "
-                     + ", ".join(f"{k}={v}" for k, v in details.items() if k not in ("task", "columns")))
+            text += f", generated by `longattn-data {details.get('task')}` with " + ", ".join(
+                f"{k}={v}" for k, v in details.items() if k not in ("task", "columns")
+            )
         except (ValueError, OSError):
             pass
     return text
@@ -1326,12 +1559,47 @@ def run_recipe(main: Callable[[list[str] | None], Any], argv: list[str] | None =
 
 
 __all__ = [
-    "RecipeError", "recipe_parser", "parse_args", "parse_config_overrides", "load_config", "load_tokenizer",
-    "resolve_max_seq_length", "length_multiple", "make_accelerator", "load_raw_datasets", "require_columns",
-    "group_texts", "PadCollator", "DataCollatorWithGlobalAttention", "attention_types", "pad_token_id",
-    "mask_tokens", "progress_bar", "batch_generator", "load_model", "is_longattn", "list_checkpoints",
-    "save_checkpoint", "resume", "run_settings", "recorded_args", "recorded_path", "count_loss_items",
-    "accumulation_step", "TrainState", "build_optimizer", "prepare_training", "begin_run", "train_step",
-    "run_evaluation", "train_epoch", "summarize", "train", "token_stats", "summarize_token_stats", "finish",
-    "describe_data", "run_recipe",
+    "RecipeError",
+    "recipe_parser",
+    "parse_args",
+    "parse_config_overrides",
+    "load_config",
+    "load_tokenizer",
+    "resolve_max_seq_length",
+    "length_multiple",
+    "make_accelerator",
+    "load_raw_datasets",
+    "require_columns",
+    "group_texts",
+    "PadCollator",
+    "DataCollatorWithGlobalAttention",
+    "attention_types",
+    "pad_token_id",
+    "mask_tokens",
+    "progress_bar",
+    "batch_generator",
+    "load_model",
+    "is_longattn",
+    "list_checkpoints",
+    "save_checkpoint",
+    "resume",
+    "run_settings",
+    "recorded_args",
+    "recorded_path",
+    "count_loss_items",
+    "accumulation_step",
+    "TrainState",
+    "build_optimizer",
+    "prepare_training",
+    "begin_run",
+    "train_step",
+    "run_evaluation",
+    "train_epoch",
+    "summarize",
+    "train",
+    "token_stats",
+    "summarize_token_stats",
+    "finish",
+    "describe_data",
+    "run_recipe",
 ]
