@@ -20,12 +20,12 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from . import _moved, ops, patterns
+from . import _moved, modeling_longattn, ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
 from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
 from .lengthen import lengthen, save_lengthened
-from .modeling_longattn import (
+from .modeling_longattn import (  # noqa: F401  (public names: modeling_longattn.__all__, listed in __all__ below)
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
     LongAttnForQuestionAnswering,

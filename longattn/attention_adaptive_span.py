@@ -288,7 +288,8 @@ def _windows(padded: Tensor, start: int, stop: int, c: int, w: int) -> Tensor:
 
 
 def _add_windows(target: Tensor, grad_windows: Tensor, start: int, stop: int, c: int, w: int) -> None:
-    """Add window gradients `[(stop - start)·b·h, w, d]` back onto the overlapping rows of `target` `[b, h, rows, d]`."""
+    """Add window gradients `[(stop - start)·b·h, w, d]` back onto the overlapping rows of `target` `[b, h, rows,
+    d]`."""
     b, h, _, d = target.shape
     t = stop - start
     rows = (torch.arange(t, device=target.device)[:, None] * c + torch.arange(w, device=target.device)).view(-1)

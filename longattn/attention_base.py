@@ -21,16 +21,15 @@ another `attention_type` with only the kind-specific weights reported missing.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from . import patterns
 from .attention_fields import KINDS, check_kind_backend, field_defaults, validate_kind
 from .numerics import apply_rotary, default_scale
 from .ops import reference_attention
-from . import patterns
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
 
 

@@ -184,7 +184,8 @@ def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int 
     """
     levels = num_levels(m, context)
     offsets = level_offsets(m, levels)
-    node_level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(levels)])  # [N]
+    sizes = [offsets[level + 1] - offsets[level] for level in range(levels)]
+    node_level = torch.cat([torch.full((size,), level) for level, size in enumerate(sizes)])  # [N]
     node_start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[node_level]) * 2**node_level  # [N]
     return _edges(torch.arange(q_offset, m), node_level, node_start, n=m, context=context, causal=causal)
 

@@ -1,4 +1,5 @@
-"""Efficient attention (Shen et al. 2021, "Efficient Attention: Attention with Linear Complexities"): the `"efficient"` kind.
+"""Efficient attention (Shen et al. 2021, "Efficient Attention: Attention with Linear Complexities"): the `"efficient"`
+kind.
 
 Shape legend: b batch, h heads, n query length, m key length, d head dim.
 

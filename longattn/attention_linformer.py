@@ -126,7 +126,8 @@ class LinformerAttention(LongAttnAttention):
 
     @staticmethod
     def _project(tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Eᵀ applied along the length: tokens `[b, n, h, d]` (zero on padding), rows `[b|1, n, H, k]` -> `[b, h, k, d]`."""
+        """Eᵀ applied along the length: tokens `[b, n, h, d]` (zero on padding), rows `[b|1, n, H, k]` -> `[b, h, k,
+        d]`."""
         b, n, h, d = tokens.shape
         if rows.shape[2] == 1:
             # One E for every head: a single [k, n] @ [n, h·d] product per batch row, no per-head copies of E.

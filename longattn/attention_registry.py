@@ -16,9 +16,9 @@ from .attention_linformer import LinformerAttention
 from .attention_longformer import LongformerAttention
 from .attention_lsh import LSHAttention
 from .attention_reduction import ReductionAttention
-from .attention_sparse_transformer import FixedAttention, StridedAttention
 from .attention_routing import RoutingAttention
 from .attention_sinkhorn import SinkhornAttention
+from .attention_sparse_transformer import FixedAttention, StridedAttention
 from .attention_synthesizer import SynthesizerAttention
 
 ATTENTION_CLASSES: dict[str, type[LongAttnAttention]] = {

@@ -41,9 +41,9 @@ from transformers import initialization as init
 from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
 from .numerics import compute_dtype, default_scale
-from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
+from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
 
 __all__ = [
     "RoutingAttention",

@@ -35,7 +35,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .numerics import apply_rotary, compute_dtype, hidden_logit_for
+from .numerics import compute_dtype, hidden_logit_for
 
 
 class SynthesizerAttention(LongAttnAttention):

@@ -133,7 +133,8 @@ def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: in
 
 
 def _split_heads(t: Tensor, h_kv: int) -> Tensor:
-    """`[b, h|1, ...]` -> `[b, h_kv|1, h / h_kv|1, ...]` (a view): query heads grouped by the key/value head they read."""
+    """`[b, h|1, ...]` -> `[b, h_kv|1, h / h_kv|1, ...]` (a view): query heads grouped by the key/value head they
+    read."""
     return t.unsqueeze(2) if t.shape[1] == 1 else t.unflatten(1, (h_kv, t.shape[1] // h_kv))
 
 
@@ -417,7 +418,8 @@ def attend_blocks(
         v: Values `[b, h_kv, n_k, d_v]`, likewise.
         kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
             entries); `[b, nb, m]`: one key set per batch row; `[b, h_kv, nb, m]`: one per batch row and key/value
-            head (content-based layouts, e.g. Sinkhorn's sorted blocks). None: every block attends to all `n_k` keys (m = n_k) without gathering them.
+            head (content-based layouts, e.g. Sinkhorn's sorted blocks). None: every block attends to all `n_k` keys (m
+            = n_k) without gathering them.
         mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
@@ -715,7 +717,8 @@ def banded_attention(
     runs `_BandAttention` (torch's fused CPU attention per chunk of blocks, keys read as strided views, global keys
     merged by log-sum-exp, masks evaluated again in backward instead of saved). Otherwise (dilation, dropout, other
     devices, compilers) `attend_blocks`: every query block gathers its band keys and its batch row's global keys, one
-    softmax. Global queries: a dense row over all keys, O(g · n), written over the local result. `mask_fn` decides visibility everywhere; the geometry
+    softmax. Global queries: a dense row over all keys, O(g · n), written over the local result. `mask_fn` decides
+    visibility everywhere; the geometry
     arguments only say where visible keys can be, so they must cover `mask_fn`'s local part.
 
     Args:
@@ -1000,7 +1003,8 @@ class _BandAttention(torch.autograd.Function):
                     g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
                     o_g, lse_g = _FLASH_FORWARD(q_chunk, g_keys, g_values, attn_mask=g_bias, scale=plan.scale)
                     o, row_lse = merge_attention([(o, row_lse), (o_g, lse_g)])
-                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in `attend_blocks`.
+                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
+                # `attend_blocks`.
                 o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
                 lse[row, start:stop] = row_lse
                 _scatter_queries(out, o, row, start, stop, c, group)

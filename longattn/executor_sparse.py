@@ -77,7 +77,8 @@ def _gather_queries(q: Tensor, q_pos: Tensor, q_offset: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------- strided
 def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, block_size):
-    """A1: the pattern restricted to |i - j| <= l, on a band layout. Returns out `[b, h, n_q, d_v]`, lse `[b, h, n_q]`."""
+    """A1: the pattern restricted to |i - j| <= l, on a band layout. Returns out `[b, h, n_q, d_v]`, lse `[b, h,
+    n_q]`."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     q_offset = n_k - n_q
@@ -402,7 +403,8 @@ def fixed_blocked_attention(
         )
 
     out, _ = merge_attention([block_part, summary_part])  # [b, h, nb, rows, d_v]
-    # Query p sits in pattern block p // l − first_block at offset p mod l: slot (p // l − first_block)·subs·rows + p mod l.
+    # Query p sits in pattern block p // l − first_block at offset p mod l: slot (p // l − first_block)·subs·rows + p
+    # mod l.
     position = torch.arange(q_offset, n_k, device=device)
     slot = (torch.div(position, block_size, rounding_mode="floor") - first_block) * (
         subs * rows

@@ -18,12 +18,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation.utils import ALL_CACHE_NAMES
-from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
+from transformers.generation.utils import ALL_CACHE_NAMES
+from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.utils import ModelOutput, logging
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -35,6 +34,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import ModelOutput, logging
 
 from .attention_base import LongAttnAttention
 from .attention_full import CrossAttention
@@ -577,7 +577,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
         attention_mask: `[b, m]`, 1 = real token, 0 = padding.
         global_attention_mask: `[b, m]`, 1 = global token (Longformer semantics; kinds without global tokens ignore it).
         position_ids: `[b, n]`; by default counted over real tokens.
-        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an `EncoderDecoderCache` in seq2seq).
+        cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an
+        `EncoderDecoderCache` in seq2seq).
         decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq).
         encoder_outputs: the encoder's output, computed once by `generate()` (seq2seq).
 

@@ -6,12 +6,16 @@
   float64 reference tests compare in float64.
 - Masked-logit constants, one per context, and the rule that picks each:
 
-  | context | constant | why this value |
-  | --- | --- | --- |
-  | additive mask on logits in `compute_dtype` (float32 / float64) | `HIDDEN_LOGIT` = -1e30 | finite, so a row whose keys are all hidden stays finite through softmax (it is zeroed afterwards), where -inf gives NaN; dwarfs any real score, yet s - 1e30 cannot overflow float32 |
-  | additive bias of a fused kernel that may run in float16 (xformers) | `HALF_HIDDEN_PENALTY` = 1e4 | representable in float16 (max 65504) and exp(-1e4) is exactly 0 in float32; a row whose log-sum-exp is below -1e4 / 2 saw only hidden keys |
-  | log-space iterations (Sinkhorn normalisation) | `LOG_SPACE_HIDDEN` = -1e9 | large enough to vanish after exp(), small enough that repeated row / column log-sum-exp subtractions stay far from float32 overflow |
-  | `masked_fill` of logits whose dtype is only known at run time | `hidden_logit(dtype)` = `finfo(dtype).min` | the most negative finite value of that dtype, never -inf |
+  - `HIDDEN_LOGIT` = -1e30: added to (or filled into) logits computed in float32 / float64. Finite, so a row whose
+    keys are all hidden stays finite through softmax (it is zeroed afterwards), where -inf gives NaN; it dwarfs any
+    real score, yet s - 1e30 cannot overflow float32.
+  - `HALF_HIDDEN_PENALTY` = 1e4: the additive bias of a fused kernel that may run in float16 (xformers).
+    Representable in float16 (max 65504), and exp(-1e4) is exactly 0 in float32; a row whose log-sum-exp is below
+    -1e4 / 2 saw only hidden keys.
+  - `LOG_SPACE_HIDDEN` = -1e9: log-space iterations (Sinkhorn normalisation). Large enough to vanish after exp(),
+    small enough that repeated row / column log-sum-exp subtractions stay far from float32 overflow.
+  - `hidden_logit(dtype)` = `finfo(dtype).min`: `masked_fill` of logits whose dtype is only known at run time; the
+    most negative finite value of that dtype, never -inf.
 
   `hidden_logit_for(dtype)` states the rule: `HIDDEN_LOGIT` for logits computed in float32 / float64, `finfo.min`
   otherwise. `-inf` is no masked-logit constant: it stays where a log-space entry must weigh exactly 0 in code that
@@ -19,8 +23,8 @@
   sees no key (`merge_attention` drops such parts).
 - `merge_attention`: exact log-sum-exp merge of partial attentions over disjoint key sets.
 - `head_groups`: query heads grouped by their dilation, so each group runs as one batched call.
-- `rotate_half`, `rotate`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021, RoFormer),
-  one implementation for the model and every executor.
+- `rotate_half`, `rotate`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021,
+  RoFormer), one implementation for the model and every executor.
 
 This module imports only torch: configuration, executors and kinds all stand on it.
 """

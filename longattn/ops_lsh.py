@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -315,7 +314,8 @@ class _WindowAttention(torch.autograd.Function):
 
     Overlapping windows are strided views of one key tensor (no copy). Works through the chunks in cache-sized
     groups, so the elementwise passes over a group's scores run in cache. Saves q, k, v, the output and either the
-    probabilities or the bias and log-sum-exp to recompute them (no scores or intermediate copies). With D = rowsum(dO ∘ O) − dlse: dV = Pᵀ dO,
+    probabilities or the bias and log-sum-exp to recompute them (no scores or intermediate copies). With D = rowsum(dO
+    ∘ O) − dlse: dV = Pᵀ dO,
     dP = dO Vᵀ, dS = P ∘ (dP − D), dQ = dS K·scale, dK = dSᵀ Q·scale, the window gradients added back onto the
     rows they came from. The dlse term lets outputs combined by their log-sum-exp (LSH hash rounds) train.
     """

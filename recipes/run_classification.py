@@ -4,7 +4,8 @@
 The first token (`<s>` with the byte tokenizer) is a global token by default, as in Longformer: it sees the whole
 document and the whole document sees it, whatever the attention of the other tokens (`--global_attention none` turns
 that off); a lengthened stock checkpoint (`longattn-lengthen`, e.g. RoBERTa) gets the same first global token through
-its `global_attention_mask`. Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string labels are classes;
+its `global_attention_mask`. Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string
+labels are classes;
 numbers such as 1.5 are a regression, with `--problem_type regression` (without it they stop the run with an error).
 
     longattn-data needle --output_dir data/generated/needle

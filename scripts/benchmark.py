@@ -495,7 +495,6 @@ def wait_until_idle(limit_s: float, threshold: float = 0.1) -> float:
 
 def _tensor_peak_mb(step) -> float | None:
     """Peak of allocated-minus-freed torch CPU bytes during `step()`, from the profiler's allocation events."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -784,7 +783,6 @@ def _register_floor() -> None:
 
 def _stock_model(model_set: ModelSet, row: str, length: int):
     """The model of one row, in training mode (dropout 0) or eval mode for generation; random weights."""
-    import torch
     import transformers
 
     sys.path.insert(0, str(REPO))
@@ -1105,8 +1103,8 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
             "",
             "## torch.compile",
             "",
-            "The same layers under `torch.compile` (inductor, default mode), each in its own worker; compilation happens "
-            "in the untimed warm-up run. Speed-up = eager time / compiled time.",
+            "The same layers under `torch.compile` (inductor, default mode), each in its own worker; "
+            "compilation happens in the untimed warm-up run. Speed-up = eager time / compiled time.",
             "",
             "| impl | length | mode | eager (s) | compiled (s) | speed-up |",
             "|---|---:|---|---:|---:|---:|",

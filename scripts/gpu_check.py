@@ -45,8 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from longattn import backends, ops, patterns  # noqa: E402
-from longattn import executor_flex, executor_xformers  # noqa: E402
+from longattn import backends, executor_flex, executor_xformers, ops, patterns  # noqa: E402  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (rtol, atol) of outputs and gradients against the float32 reference on the same inputs.
@@ -474,7 +473,7 @@ def run_kinds(args) -> list[str]:
     from longattn.modeling_longattn import LongAttnForCausalLM, LongAttnModel  # noqa: PLC0415
 
     n = args.kinds_length
-    lines = [f"| kind | encoder fwd+bwd ms (MB) | causal LM fwd+bwd ms (MB) |", "|---|---|---|"]
+    lines = ["| kind | encoder fwd+bwd ms (MB) | causal LM fwd+bwd ms (MB) |", "|---|---|---|"]
     input_ids = torch.randint(3, 260, (1, n), device=DEVICE)
     # Every kind on "auto", then the explicit xformers paths that "auto" does not pick yet.
     runs = [(kind, "auto") for kind in available_attention_types()]

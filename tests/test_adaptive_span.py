@@ -16,7 +16,6 @@ from longattn.attention_adaptive_span import (
     soft_span_mask,
 )
 
-
 config = functools.partial(
     tiny_config, "adaptive_span", num_attention_heads=4, adaptive_span_max=[12, 20], adaptive_span_ramp=4
 )

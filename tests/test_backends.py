@@ -15,13 +15,12 @@ import math
 
 import pytest
 import torch
-
 from attention_checks import assert_all_close, outputs_and_grads, padding_and_global_masks, random_qkv
 from kind_configs import tiny_config
-from longattn import LongAttnConfig, backends, ops, patterns
-from longattn import executor_flex, executor_xformers
-from longattn.backends import AttentionRequest, select_backend
+
+from longattn import LongAttnConfig, backends, executor_flex, executor_xformers, ops, patterns
 from longattn.attention_registry import ATTENTION_CLASSES
+from longattn.backends import AttentionRequest, select_backend
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, N, D = 3, 4, 23, 8

@@ -43,7 +43,7 @@ def _config(**overrides) -> LongAttnConfig:
 def _node_ranges(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The token range [start, stop) of every node of the node list `[N]`."""
     offsets = level_offsets(n, num_levels(n, 1))  # the most levels any k needs
-    level = torch.cat([torch.full((offsets[l + 1] - offsets[l],), l) for l in range(len(offsets) - 1)])
+    level = torch.cat([torch.full((offsets[i + 1] - offsets[i],), i) for i in range(len(offsets) - 1)])
     start = (torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[level]) * 2**level
     return start, (start + 2**level).clamp(max=n)
 

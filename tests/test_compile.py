@@ -9,7 +9,6 @@ are not covered.
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch

@@ -6,8 +6,8 @@ enough that every block / sub-block / causal-group loop runs more than once."""
 from __future__ import annotations
 
 import pytest
-
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
+
 from longattn import executor_sparse, patterns
 
 B, H, D = 3, 4, 8

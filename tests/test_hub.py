@@ -19,9 +19,9 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
 
 import longattn
 from longattn import LongAttnConfig
-from longattn.tools import hub
 from longattn.attention_registry import ATTENTION_CLASSES
 from longattn.tokenization_longattn import byte_tokenizer
+from longattn.tools import hub
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(

@@ -25,11 +25,11 @@ from transformers import (
 )
 
 import longattn  # noqa: F401  (registers the implementation)
-from longattn.tools import hub
-from longattn.train import training
 from longattn.lengthen import lengthen, max_tokens, save_lengthened
 from longattn.tokenization_longattn import byte_tokenizer
+from longattn.tools import hub
 from longattn.tools.lengthen import main as lengthen_main
+from longattn.train import training
 
 REPO = Path(__file__).resolve().parents[1]
 OLD_TOKENS, NEW_TOKENS = 256, 320  # each of these families' tiny configs reads 256 tokens

@@ -14,7 +14,6 @@ from longattn.attention_base import LongAttnAttention
 from longattn.attention_linformer import LinformerAttention
 from longattn.ops import reference_attention
 
-
 config = functools.partial(tiny_config, "linformer", max_position_embeddings=48, linformer_proj_len=8)
 
 

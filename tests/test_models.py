@@ -1,4 +1,5 @@
-"""The common model suite: every registered attention kind passes the same checks (after transformers' ModelTesterMixin).
+"""The common model suite: every registered attention kind passes the same checks (after transformers'
+ModelTesterMixin).
 
 Tiny configs (hidden 32, 2 layers, 2 heads); per-kind overrides in tests/kind_configs.py make patterns sparse at these
 lengths so the real executors run.
@@ -13,7 +14,6 @@ from kind_configs import KIND_OVERRIDES, VOCAB, kind_config, random_ids
 from transformers import (
     AutoConfig,
     AutoModel,
-    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,

@@ -13,9 +13,9 @@ import re
 
 import pytest
 import torch
-
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
 from kind_configs import tiny_config
+
 from longattn import backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
 from longattn.modeling_longattn import LongAttnModel
 

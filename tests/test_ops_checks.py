@@ -86,8 +86,9 @@ def test_bool_masks_pass_unchanged_and_none_stays_none():
         ([[True]], "global_mask must be a bool torch.Tensor (True = attend), got list"),
         (
             torch.ones(2, 7),
-            "global_mask must be a bool tensor (True = attend / take part, as scaled_dot_product_attention's bool masks), "
-            "got dtype torch.float32: convert an additive float mask (0 = keep, -inf = drop) with `global_mask == 0`, "
+            "global_mask must be a bool tensor (True = attend / take part, as "
+            "scaled_dot_product_attention's bool masks), got dtype torch.float32: convert an additive float mask "
+            "(0 = keep, -inf = drop) with `global_mask == 0`, "
             "and a 1/0 mask (1 = keep) with `global_mask.bool()`",
         ),
         (

@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
+
 from longattn import ops, patterns
 from longattn.executor_blocked import attend_blocks, banded_attention, merge_attention
 

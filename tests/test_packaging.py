@@ -13,12 +13,12 @@ import shutil
 import site
 import subprocess
 import sys
-import tomllib
 import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import longattn
 from longattn._moved import MOVED

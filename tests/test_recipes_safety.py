@@ -13,21 +13,21 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
 import torch.nn.functional as F
+from test_recipes import REPO, TINY, _load_recipe, run
 from transformers import AutoConfig
 
 from longattn import LongAttnForCausalLM
+from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools import hub
 from longattn.train import data, training
-from longattn.tokenization_longattn import byte_tokenizer
-from test_recipes import REPO, TINY, _load_recipe, run
 
 FAKE_TOKEN = "hf_FakeTokenThatMustNeverBeWritten0123"
 
@@ -166,7 +166,7 @@ def test_no_secret_and_no_absolute_path_in_the_output_folder(first_run, workspac
         for root in roots:
             assert root.encode() not in content, (path, root)
     results = json.loads((first_run.output_dir / "all_results.json").read_text())
-    assert f"--hub_token=REDACTED --hub_token REDACTED" in results["command"]
+    assert "--hub_token=REDACTED --hub_token REDACTED" in results["command"]
     assert "--train_file ../data/train.jsonl" in results["command"] and "--output_dir ." in results["command"]
     assert "--hub_token REDACTED" in (first_run.output_dir / "README.md").read_text()
     if _tracker() == "jsonfile":

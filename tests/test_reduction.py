@@ -11,7 +11,6 @@ from kind_configs import tiny_config
 import longattn
 from longattn.attention_reduction import ReductionAttention, pack_groups
 
-
 config = functools.partial(tiny_config, "reduction", num_attention_heads=4, reduction_ratio=4)
 
 

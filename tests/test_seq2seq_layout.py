@@ -84,7 +84,8 @@ def test_seq2seq_head_loads_the_encoder_of_a_masked_lm_and_back(tmp_path):
 
 def test_checkpoint_of_the_old_seq2seq_layout_loads_and_resaves_in_the_current_one(tmp_path):
     """The fixture was written by `LongAttnForSeq2SeqLM.save_pretrained` before the layout change (keys
-    `encoder.encoder.*`, `encoder.embeddings.*`, `decoder.*`); the outputs stored with it are what that code computed."""
+    `encoder.encoder.*`, `encoder.embeddings.*`, `decoder.*`); the outputs stored with it are what that code
+    computed."""
     assert any(key.startswith("encoder.encoder.") for key in saved_keys(FIXTURE))
     expected = load_file(FIXTURE / "expected_outputs.safetensors")
     inputs = dict(input_ids=expected["input_ids"], decoder_input_ids=expected["decoder_input_ids"])
@@ -109,7 +110,8 @@ def test_checkpoint_of_the_old_seq2seq_layout_loads_and_resaves_in_the_current_o
 
 
 def test_a_new_base_model_saves_under_its_own_names(tmp_path):
-    """The old-layout renaming works on load only: the encoder's `encoder.*` keys are not written as `encoder.encoder.*`."""
+    """The old-layout renaming works on load only: the encoder's `encoder.*` keys are not written as
+    `encoder.encoder.*`."""
     for config in (tiny(), tiny(is_encoder_decoder=True)):
         model = longattn.LongAttnModel(config)
         model.save_pretrained(tmp_path)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
 
 import longattn
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
 from longattn import LongAttnConfig, ops, patterns
 from longattn.tools.visualize import attention_pattern
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import longattn
-from longattn.tools import visualize
 from longattn.config_overrides import format_config_overrides, parse_config_overrides
 from longattn.patterns import materialize_mask, sliding_window_pattern
+from longattn.tools import visualize
 from longattn.tools.visualize import attention_pattern, draw_pattern, main
 
 # Kinds whose non-causal weights are dense by nature: every query gives every key (or key group) a weight

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attention_checks import padding_and_global_masks, random_qkv
+
 from longattn import executor_xformers, ops, patterns
 
 B, H, N, D = 3, 4, 23, 8

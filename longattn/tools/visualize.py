@@ -20,7 +20,6 @@ from ..config_overrides import format_config_overrides, parse_config_overrides
 from ..configuration_longattn import LongAttnConfig
 from ..modeling_longattn import LongAttnModel
 
-
 # Each kind's settings for a picture, under the user's overrides: small enough that its structure shows at the
 # default 64 tokens (the config defaults, e.g. a window of 256 keys each side, would cover the whole picture).
 PICTURE_SETTINGS: dict[str, dict] = {

@@ -238,7 +238,8 @@ def generate_task(
     """Write the splits of `task` to `output_dir` (a split of size 0 is not written); return {split: path}.
 
     `output_dir` also loads as a dataset folder: `datasets.load_dataset(output_dir)` (or the recipes'
-    `--dataset_name output_dir`) finds the splits by their file names. Each split has its own seed (`seed`, `seed + 1`, `seed + 2`); ListOps splits never share an expression.
+    `--dataset_name output_dir`) finds the splits by their file names. Each split has its own seed (`seed`, `seed + 1`,
+    `seed + 2`); ListOps splits never share an expression.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: expected one of {sorted(TASKS)}.")
