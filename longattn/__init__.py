@@ -24,7 +24,7 @@ from . import _moved, modeling_longattn, ops, patterns
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
 from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
-from .lengthen import lengthen, save_lengthened
+from .lengthen import lengthen
 from .modeling_longattn import (  # noqa: F401  (public names: modeling_longattn.__all__, listed in __all__ below)
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
@@ -35,6 +35,7 @@ from .modeling_longattn import (  # noqa: F401  (public names: modeling_longattn
     LongAttnModel,
     LongAttnPreTrainedModel,
 )
+from .tools.lengthen import save_lengthened  # writing a folder is tooling: it lives beside the hub code
 
 __version__ = "0.1.0"
 

@@ -166,36 +166,4 @@ def lengthen(
     return apply_longattn(model, **fields)
 
 
-def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None, source: str | None = None) -> Path:
-    """Write a lengthened model, its tokenizer (its `model_max_length` raised to what the model reads) and a model
-    card saying that longattn is needed to load it.
-
-    Args:
-        model: A model returned by `lengthen`.
-        output_dir: The folder (created).
-        tokenizer: Its tokenizer, or None.
-        source: The checkpoint it was lengthened from, for the card: a Hub id becomes its `base_model`, a local
-            folder is recorded by its name only (the card is published with the folder).
-
-    Raises:
-        ValueError: `model` is not a stock model running longattn's kinds (no `longattn` dict in its config).
-    """
-    from .tools.hub import is_stock_longattn, save_hub_folder, stock_model_card
-
-    if not is_stock_longattn(model.config):
-        raise ValueError(
-            f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "
-            "dict): pass what `longattn.lengthen` returns."
-        )
-    limit = max_tokens(model.config)
-    if tokenizer is not None and limit is not None:
-        tokenizer.model_max_length = limit
-    local = source is not None and Path(source).exists()
-    facts = {"lengthened from": f"`{Path(source).name if local else source}`"} if source else {}
-    card = stock_model_card(
-        model.config, base_model=None if local else source, extra={**facts, "lengthened to": f"{limit} tokens"}
-    )
-    return save_hub_folder(model, tokenizer, output_dir, card=card)
-
-
-__all__ = ["ROPE_TYPES", "lengthen", "max_tokens", "save_lengthened"]
+__all__ = ["ROPE_TYPES", "lengthen", "max_tokens"]

@@ -25,10 +25,11 @@ from transformers import (
 )
 
 import longattn  # noqa: F401  (registers the implementation)
-from longattn.lengthen import lengthen, max_tokens, save_lengthened
+from longattn.lengthen import lengthen, max_tokens
 from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools import hub
 from longattn.tools.lengthen import main as lengthen_main
+from longattn.tools.lengthen import save_lengthened
 from longattn.train import training
 
 REPO = Path(__file__).resolve().parents[1]

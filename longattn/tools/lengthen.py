@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from ..configuration_longattn import check_override_fields
+from torch import nn
+
+from ..config_overrides import parse_config_overrides
+from ..configuration_longattn import check_override_fields, max_tokens
 from ..integration_transformers import allowed_fields
-from ..lengthen import ROPE_TYPES, lengthen, save_lengthened
+from ..lengthen import ROPE_TYPES, lengthen
+from .hub import is_stock_longattn, save_hub_folder, stock_model_card
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     """The tool's own flags and the `longattn` fields (`--field value` or `--field=value`; lists in brackets)."""
-    from ..train.training import parse_config_overrides
-
     parser = argparse.ArgumentParser(
         prog="longattn-lengthen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -44,7 +47,40 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
         except ValueError as error:
             parser.error(str(error))
         pairs.append(f"{name}={value}")
-    return args, parse_config_overrides(",".join(pairs))
+    try:
+        return args, parse_config_overrides(",".join(pairs), flag="longattn fields")
+    except ValueError as error:  # a malformed value: a usage error, not a traceback
+        parser.error(str(error))
+
+
+def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None, source: str | None = None) -> Path:
+    """Write a lengthened model, its tokenizer (its `model_max_length` raised to what the model reads) and a model
+    card saying that longattn is needed to load it.
+
+    Args:
+        model: A model returned by `lengthen`.
+        output_dir: The folder (created).
+        tokenizer: Its tokenizer, or None.
+        source: The checkpoint it was lengthened from, for the card: a Hub id becomes its `base_model`, a local
+            folder is recorded by its name only (the card is published with the folder).
+
+    Raises:
+        ValueError: `model` is not a stock model running longattn's kinds (no `longattn` dict in its config).
+    """
+    if not is_stock_longattn(model.config):
+        raise ValueError(
+            f"{type(model).__name__} is not a lengthened stock model (its config holds no `longattn` "
+            "dict): pass what `longattn.lengthen` returns."
+        )
+    limit = max_tokens(model.config)
+    if tokenizer is not None and limit is not None:
+        tokenizer.model_max_length = limit
+    local = source is not None and Path(source).exists()
+    facts = {"lengthened from": f"`{Path(source).name if local else source}`"} if source else {}
+    card = stock_model_card(
+        model.config, base_model=None if local else source, extra={**facts, "lengthened to": f"{limit} tokens"}
+    )
+    return save_hub_folder(model, tokenizer, output_dir, card=card)
 
 
 def main(argv: list[str] | None = None) -> int:
