@@ -16,7 +16,8 @@ Three layers, each usable on its own:
 3. `banded_attention(q, k, v, mask_fn=..., window_left=..., ...)`: sliding window, dilated sliding window (per-head
    dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
    band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
-   keys of a block read as a strided view of the padded keys (they are contiguous positions), the masks evaluated
+   keys of a block read as a strided view of k and v themselves (they are contiguous positions; only the first and
+   last chunks copy a small zero-padded piece), key gradients added straight into their tensors, the masks evaluated
    from the predicate in forward and again in backward (nothing n x keys is saved). Dilated bands, dropout, other
    devices and compilers use `attend_blocks`.
 
@@ -909,8 +910,8 @@ class _BandPlan:
     """What `_BandAttention` needs besides q, k, v: the block layout of a plain band and the predicates that give
     every chunk's masks (evaluated on original positions in forward, and again in backward instead of being saved).
 
-    Padded keys: row r of `k_pad` `[b, rows, h_kv, d]` holds position `first_key + r` (zero outside the sequence),
-    so block i's keys are the contiguous rows `i·c … i·c + m − 1`: a strided view, no gather.
+    Block i's keys are the contiguous positions `first_key + i·c … first_key + i·c + m − 1`: a strided view of k, no
+    gather (`_band_keys`).
     """
 
     layout: BandLayout
@@ -920,7 +921,7 @@ class _BandPlan:
     global_index: Tensor | None  # [b, g]
     global_valid: Tensor | None  # [b, g]
     scale: float
-    first_key: int  # position of padded row 0: q_offset - window_left
+    first_key: int  # position of block 0's first key: q_offset - window_left
 
     def local_bias(self, batch: int, start: int, stop: int) -> Tensor:
         """Bool `[b|1, h|1, n_blk, c, m]` mask of blocks start:stop against their band keys."""
@@ -968,12 +969,13 @@ class _BandAttention(torch.autograd.Function):
 
     q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`, v `[b, h_kv, n_k, d_v]` -> out `[b, h, n_q, d_v]`. Each block of c
     queries (with its group of query heads stacked as rows, `[n_blk, h_kv, group·c, d]`) attends to the m band keys
-    of its key/value head, read as an overlapping strided view of the padded keys, and to its row's g global keys in
-    a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
+    of its key/value head, read as an overlapping strided view of k and v (`_band_keys`), and to its row's g global
+    keys in a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
     output and the log-sum-exp (O(n · d)); the masks are evaluated again from the predicates. Backward calls the
     fused backward on both key sets with the MERGED output and log-sum-exp: it recomputes P = exp(S − lse) and
     rowsum(dO ∘ O) from them, which are exactly the merged softmax's, so the two calls give the exact gradient.
-    Band key gradients `[n_blk, h_kv, m, d]` are added back to the padded rows by ceil(m / c) strided additions.
+    Band key gradients `[n_blk, h_kv, m, d]` are added straight into the key/value gradients by ceil(m / c) strided
+    additions. Nothing O(n · d) is allocated besides the output, its log-sum-exp and the gradients.
     """
 
     @staticmethod
@@ -984,7 +986,6 @@ class _BandAttention(torch.autograd.Function):
         nb, c = plan.layout.q_pos.shape
         m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
-        k_pad, v_pad = (_pad_keys(t, plan, nb * c + m - c, dtype) for t in (k, v))  # [b, rows, h_kv, d]
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
@@ -995,7 +996,9 @@ class _BandAttention(torch.autograd.Function):
             global_mask = None if glob is None else plan.global_bias(b, start, stop)
             for row in range(b):
                 q_chunk = _gather_queries(q, row, start, stop, c, group, workspace, "q")  # [n_blk, h_kv, group·c, d]
-                keys, values = (_band_view(t, row, start, n_blk, c, m) for t in (k_pad, v_pad))
+                keys, values = (
+                    _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
+                )
                 bias = _additive(local, row, h_kv, group, workspace, "bias")
                 o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
                 if glob is not None:
@@ -1023,12 +1026,10 @@ class _BandAttention(torch.autograd.Function):
         nb, c = plan.layout.q_pos.shape
         m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
-        rows = nb * c + m - c
-        k_pad, v_pad = (_pad_keys(t, plan, rows, dtype) for t in (k, v))
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
         grad_q = torch.empty(b, nb * c, h, d, dtype=dtype, device=q.device)
-        grad_k_pad = torch.zeros(b, rows, h_kv, d, dtype=dtype, device=q.device)
-        grad_v_pad = torch.zeros(b, rows, h_kv, d_v, dtype=dtype, device=q.device)
+        grad_k = torch.zeros(b, h_kv, n_k, d, dtype=dtype, device=q.device)
+        grad_v = torch.zeros(b, h_kv, n_k, d_v, dtype=dtype, device=q.device)
         grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
         workspace = _Workspace(dtype, q.device)
         for start, stop in _band_chunks(nb, h_kv * m * d):
@@ -1041,7 +1042,9 @@ class _BandAttention(torch.autograd.Function):
                 out_chunk = _gather_queries(out, row, start, stop, c, group, workspace, "out", slots_first=True)
                 row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
                 grad_out_chunk.mul_((row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1))  # zeroed rows get no gradient
-                keys, values = (_band_view(t, row, start, n_blk, c, m) for t in (k_pad, v_pad))
+                keys, values = (
+                    _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
+                )
                 bias = _additive(local, row, h_kv, group, workspace, "bias")
                 grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
                     grad_out_chunk,
@@ -1074,9 +1077,8 @@ class _BandAttention(torch.autograd.Function):
                     grad_glob[0][row] += grad_g_keys.sum(0)
                     grad_glob[1][row] += grad_g_values.sum(0)
                 _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
-                _add_band_grad(grad_k_pad, grad_keys, row, start, c)
-                _add_band_grad(grad_v_pad, grad_values, row, start, c)
-        grad_k, grad_v = (_unpad_keys(t, plan, n_k) for t in (grad_k_pad, grad_v_pad))  # [b, h_kv, n_k, d]
+                _add_band_grad(grad_k[row], grad_keys, plan, start, workspace, "grad_k")
+                _add_band_grad(grad_v[row], grad_values, plan, start, workspace, "grad_v")
         if glob is not None:
             index = plan.global_index  # [b, g]; padding slots hold position 0 and got zero gradients
             for grad, grad_g in zip((grad_k, grad_v), grad_glob):
@@ -1091,39 +1093,49 @@ def _band_chunks(nb: int, per_block: int):
         yield start, min(nb, start + step)
 
 
-def _pad_keys(t: Tensor, plan: _BandPlan, rows: int, dtype: torch.dtype) -> Tensor:
-    """Keys `[b, h_kv, n_k, d]` -> `[b, rows, h_kv, d]`, row r holding position `plan.first_key + r` (zeros outside)."""
-    b, h_kv, n_k, d = t.shape
-    padded = t.new_zeros(b, rows, h_kv, d, dtype=dtype)
-    lo, hi = max(0, plan.first_key), min(n_k, plan.first_key + rows)
-    if hi > lo:
-        padded[:, lo - plan.first_key : hi - plan.first_key] = t[:, :, lo:hi].transpose(1, 2)
-    return padded
-
-
-def _unpad_keys(padded: Tensor, plan: _BandPlan, n_k: int) -> Tensor:
-    """Inverse of `_pad_keys` for gradients: `[b, rows, h_kv, d]` -> `[b, h_kv, n_k, d]` (positions never gathered
-    get zeros; a view of `padded` when it covers every position)."""
-    b, rows, h_kv, d = padded.shape
-    lo, hi = max(0, plan.first_key), min(n_k, plan.first_key + rows)
-    if lo == 0 and hi == n_k:
-        return padded[:, -plan.first_key : n_k - plan.first_key].transpose(1, 2)
-    grad = padded.new_zeros(b, n_k, h_kv, d)
-    grad[:, lo:hi] = padded[:, lo - plan.first_key : hi - plan.first_key]
-    return grad.transpose(1, 2)
-
-
 def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:
     """The global keys (or values) of each batch row, `[b, h_kv, g, d]`."""
     index = plan.global_index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
     return t.gather(2, index).to(dtype)
 
 
-def _band_view(padded: Tensor, row: int, start: int, n_blk: int, c: int, m: int) -> Tensor:
-    """Blocks start … start + n_blk − 1 of batch row `row`: their m keys each, `[n_blk, h_kv, m, d]` (a view)."""
-    _, _, h_kv, d = padded.shape
-    base = padded[row, start * c :]
-    return base.as_strided((n_blk, h_kv, m, d), (c * h_kv * d, d, h_kv * d, 1))
+def _chunk_span(plan: _BandPlan, start: int, n_blk: int) -> tuple[int, int]:
+    """Positions `lo … hi − 1` of the keys that blocks start … start + n_blk − 1 read: block i reads the m contiguous
+    positions from `first_key + i·c` (some may lie outside the sequence on the first and last blocks)."""
+    c, m = plan.layout.q_pos.shape[1], plan.layout.kv_pos.shape[1]
+    lo = plan.first_key + start * c
+    return lo, lo + (n_blk - 1) * c + m
+
+
+def _block_rows(t: Tensor, first: int, n_blk: int, c: int, width: int) -> Tensor:
+    """`t` `[h_kv, rows, d]` (any strides) -> `[n_blk, h_kv, width, d]`, block i holding rows `first + i·c …
+    first + i·c + width − 1`: an overlapping strided view, no copy."""
+    h_kv, _, d = t.shape
+    s_h, s_row, s_d = t.stride()
+    return t.as_strided((n_blk, h_kv, width, d), (c * s_row, s_h, s_row, s_d), t.storage_offset() + first * s_row)
+
+
+def _band_keys(
+    t: Tensor, row: int, plan: _BandPlan, start: int, n_blk: int, dtype: torch.dtype, workspace: _Workspace, name: str
+) -> Tensor:
+    """The m band keys (or values) of blocks start … start + n_blk − 1 of batch row `row`, `[n_blk, h_kv, m, d]`.
+
+    Where all of them lie inside the sequence (every chunk but the first and last ones) they are a strided view of
+    `t` `[b, h_kv, n_k, d]` itself; otherwise (or when `t` is not in the compute dtype) the chunk's span is copied into
+    a workspace with zeros outside the sequence (those keys are hidden by the mask; zeros keep the scores finite).
+    No O(n · d) copy is ever made."""
+    c, m = plan.layout.q_pos.shape[1], plan.layout.kv_pos.shape[1]
+    lo, hi = _chunk_span(plan, start, n_blk)
+    n_k = t.shape[2]
+    if lo >= 0 and hi <= n_k and t.dtype == dtype:
+        return _block_rows(t[row], lo, n_blk, c, m)
+    piece = workspace.get(name, (t.shape[1], hi - lo, t.shape[3]))
+    inside_lo, inside_hi = max(lo, 0), min(hi, n_k)
+    if inside_lo > lo or inside_hi < hi:
+        piece.zero_()
+    if inside_hi > inside_lo:
+        piece[:, inside_lo - lo : inside_hi - lo].copy_(t[row, :, inside_lo:inside_hi])
+    return _block_rows(piece, 0, n_blk, c, m)
 
 
 def _gather_queries(t, row, start, stop, c, group, workspace, name, slots_first=False) -> Tensor:
@@ -1156,12 +1168,23 @@ def _scatter_queries(target: Tensor, chunk: Tensor, row: int, start: int, stop: 
     target[row, start * c : stop * c].view(n_blk, c, h_kv, group, d).copy_(source)
 
 
-def _add_band_grad(grad_pad: Tensor, grad_blocks: Tensor, row: int, start: int, c: int) -> None:
-    """Add band key gradients `[n_blk, h_kv, m, d]` to the padded rows they were read from: pieces of c keys at a
-    time, so that within one addition no two blocks touch the same row."""
-    n_blk, h_kv, m, d = grad_blocks.shape
+def _add_band_grad(
+    grad: Tensor, grad_blocks: Tensor, plan: _BandPlan, start: int, workspace: _Workspace, name: str
+) -> None:
+    """Add band key gradients `[n_blk, h_kv, m, d]` of blocks start … to the rows of `grad` `[h_kv, n_k, d]` (one
+    batch row) they were read from, pieces of c keys at a time so that within one addition no two blocks touch the
+    same row. Straight into `grad` where the chunk's keys lie inside the sequence, else through a workspace piece
+    whose rows inside the sequence are then added."""
+    n_blk, _, m, _ = grad_blocks.shape
+    c = plan.layout.q_pos.shape[1]
+    lo, hi = _chunk_span(plan, start, n_blk)
+    n_k = grad.shape[1]
+    inside = lo >= 0 and hi <= n_k
+    target, first = (grad, lo) if inside else (workspace.get(name, (grad.shape[0], hi - lo, grad.shape[2])).zero_(), 0)
     for offset in range(0, m, c):
         width = min(c, m - offset)
-        base = grad_pad[row, start * c + offset :]
-        rows = base.as_strided((n_blk, width, h_kv, d), (c * h_kv * d, h_kv * d, d, 1))
-        rows.add_(grad_blocks[:, :, offset : offset + width].transpose(1, 2))
+        _block_rows(target, first + offset, n_blk, c, width).add_(grad_blocks[:, :, offset : offset + width])
+    if not inside:
+        inside_lo, inside_hi = max(lo, 0), min(hi, n_k)
+        if inside_hi > inside_lo:
+            grad[:, inside_lo:inside_hi].add_(target[:, inside_lo - lo : inside_hi - lo])
