@@ -339,9 +339,7 @@ def sinkhorn_attention(
             return _restore(out, n, rotation)
         keys, values = k, v
     m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
-    if visible is None:  # every key visible: a broadcast view, nothing allocated
-        visible = torch.ones((), dtype=torch.bool, device=q.device)
-    mask = visible.expand(b, h, blocks, s, m)
+    mask = None if visible is None else visible.expand(b, h, blocks, s, m)  # None: every key visible
     out, _ = attend_blocks(
         q.view(b, h, blocks, s, d),
         keys,

@@ -167,12 +167,14 @@ class _BlockAttention(torch.autograd.Function):
         h_kv, d_v = v.shape[1], v.shape[3]
         dtype = compute_dtype(q_blocks.dtype)
         device = q_blocks.device
-        has_key = mask.any(dim=-1, keepdim=True)  # [b|1, h|1, nb, c, 1]
+        # None (no mask: every key visible) skips the hidden-score addition and the "row sees no key" zeroing.
+        has_key = None if mask is None else mask.any(dim=-1, keepdim=True)  # [b|1, h|1, nb, c, 1]
         # [b, nb, c, h, d_v] memory seen as [b, h, nb, c, d_v]: merging the heads afterwards is then a view.
         out = torch.empty(b, nb, c, h, d_v, dtype=dtype, device=device).permute(0, 3, 1, 2, 4)
         lse = torch.empty(b, h, nb, c, dtype=dtype, device=device)
         # Grouped views [b, h_kv, group, nb, c, ...] of the per-query-head tensors, matching `_Chunk.view6`.
-        out6, lse6, has_key6 = (_split_heads(t, h_kv) for t in (out, lse, has_key))
+        out6, lse6 = (_split_heads(t, h_kv) for t in (out, lse))
+        has_key6 = None if has_key is None else _split_heads(has_key, h_kv)
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
 
@@ -180,17 +182,23 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+            if chunk.hidden is not None:
+                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
             row_lse = score_max - chunk.view6(probs).amax(dim=-1).log()
-            lse6[:, :, :, start:stop] = row_lse.masked_fill(~has_key6[:, :, :, start:stop, :, 0], -math.inf)
+            if has_key6 is not None:
+                row_lse = row_lse.masked_fill(~has_key6[:, :, :, start:stop, :, 0], -math.inf)
+            lse6[:, :, :, start:stop] = row_lse
             if generator is not None:
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                 probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
-            torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
+            if has_key6 is None:
+                out6[:, :, :, start:stop].copy_(chunk.view6(chunk_out))
+            else:
+                torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
         ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key, kv_weight)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
@@ -207,9 +215,11 @@ class _BlockAttention(torch.autograd.Function):
         dtype = compute_dtype(q_blocks.dtype)
         device = q_blocks.device
         if grad_lse is not None:
-            grad_lse = _split_heads((grad_lse.to(dtype) * has_key[..., 0]).unsqueeze(-1), h_kv)  # [.., nb, c, 1]
+            grad_lse = grad_lse.to(dtype) if has_key is None else grad_lse.to(dtype) * has_key[..., 0]
+            grad_lse = _split_heads(grad_lse.unsqueeze(-1), h_kv)  # [.., nb, c, 1]
         grad_q = torch.empty_like(q_blocks, dtype=dtype)
-        grad_q6, has_key6 = _split_heads(grad_q, h_kv), _split_heads(has_key, h_kv)
+        grad_q6 = _split_heads(grad_q, h_kv)
+        has_key6 = None if has_key is None else _split_heads(has_key, h_kv)
         grad_out6 = None if grad_out is None else _split_heads(grad_out, h_kv)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
         grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
@@ -221,11 +231,14 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+            if chunk.hidden is not None:
+                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = workspace.get("grad_out", chunk.out_shape)
             if grad_out is None:
                 grad_out_chunk.zero_()
+            elif has_key6 is None:
+                chunk.view6(grad_out_chunk).copy_(grad_out6[:, :, :, start:stop])
             else:
                 # Rows without a visible key had their output zeroed: their probabilities get no gradient.
                 torch.mul(
@@ -298,7 +311,7 @@ class _Chunk:
     All keys: q `[b·h_kv, group·n_blk·c, d]` against keys `[b·h_kv, n_k, d]`. Keys are thus gathered (and their
     gradients scatter-added) once per key/value head, never repeated per query head. q is already multiplied by
     the scale (cheaper on [c, d] than on the scores); `hidden` is the negated mask of the chunk,
-    `[b|1, h_kv|1, group|1, n_blk, c, m]`.
+    `[b|1, h_kv|1, group|1, n_blk, c, m]`, or None when every key is visible.
     """
 
     start: int
@@ -306,7 +319,7 @@ class _Chunk:
     q: Tensor
     keys: Tensor
     values: Tensor
-    hidden: Tensor
+    hidden: Tensor | None
     shape6: tuple[int, int, int, int, int]  # (b, h_kv, group, n_blk, c)
     # With `kv_weight`: keys and values above are weighted; these are the gathered rows before weighting and the
     # weights `[b·h_kv·n_blk, m, 1]` (for the weights' gradient).
@@ -335,7 +348,7 @@ def _chunks(
     k: Tensor,
     v: Tensor,
     kv_index: Tensor | None,
-    mask: Tensor,
+    mask: Tensor | None,
     scale: float,
     workspace: _Workspace,
     kv_weight: Tensor | None = None,
@@ -356,8 +369,10 @@ def _chunks(
         n_blk = stop - start
         shape6 = (b, h_kv, group, n_blk, c)
         q_chunk = _split_heads(q_blocks[:, :, start:stop], h_kv)  # [b, h_kv, group, n_blk, c, d]
-        mask_chunk = _split_heads(mask[:, :, start:stop], h_kv)
-        hidden = torch.logical_not(mask_chunk, out=workspace.get("hidden", mask_chunk.shape, torch.bool))
+        hidden = None
+        if mask is not None:
+            mask_chunk = _split_heads(mask[:, :, start:stop], h_kv)
+            hidden = torch.logical_not(mask_chunk, out=workspace.get("hidden", mask_chunk.shape, torch.bool))
         if kv_index is None:
             q_scaled = torch.mul(q_chunk, scale, out=workspace.get("q", (b, h_kv, group, n_blk, c, d)))
             yield _Chunk(
@@ -402,7 +417,7 @@ def attend_blocks(
     v: Tensor,
     *,
     kv_index: Tensor | None,
-    mask: Tensor,
+    mask: Tensor | None,
     scale: float,
     dropout_p: float = 0.0,
     kv_weight: Tensor | None = None,
@@ -421,7 +436,8 @@ def attend_blocks(
             entries); `[b, nb, m]`: one key set per batch row; `[b, h_kv, nb, m]`: one per batch row and key/value
             head (content-based layouts, e.g. Sinkhorn's sorted blocks). None: every block attends to all `n_k` keys (m
             = n_k) without gathering them.
-        mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key.
+        mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key; None: every key is visible
+            (no mask is read or negated, and no row can be empty).
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
         kv_weight: Optional float `[b, h_kv, nb, m]` (needs `kv_index`): gathered key j of block i enters as
@@ -463,7 +479,7 @@ def attend_blocks(
             f"kv_index; got {tuple(kv_weight.shape)} with kv_index "
             f"{None if kv_index is None else tuple(kv_index.shape)}"
         )
-    if (
+    if mask is not None and (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
         or mask.shape[1] not in (1, h)
@@ -486,7 +502,7 @@ def _attend_blocks_traceable(
     v: Tensor,
     *,
     kv_index: Tensor | None,
-    mask: Tensor,
+    mask: Tensor | None,
     scale: float,
     dropout_p: float,
     kv_weight: Tensor | None = None,
@@ -518,12 +534,16 @@ def _attend_blocks_traceable(
         keys, values = keys * weight, values * weight
     keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
     scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
-    scores = scores.flatten(1, 2) + (~mask).to(dtype) * HIDDEN_LOGIT  # [b, h, nb, c, m]
-    has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
+    scores = scores.flatten(1, 2)  # [b, h, nb, c, m]
+    if mask is not None:
+        scores = scores + (~mask).to(dtype) * HIDDEN_LOGIT
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
     probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
-    out = (_split_heads(probs, h_kv) @ values).flatten(1, 2) * has_key[..., None]  # [b, h, nb, c, d_v]
-    return out.to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
+    out = (_split_heads(probs, h_kv) @ values).flatten(1, 2)  # [b, h, nb, c, d_v]
+    if mask is None:
+        return out.to(q_blocks.dtype), lse
+    has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
+    return (out * has_key[..., None]).to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
 
 
 def evaluate_block_mask(

@@ -334,6 +334,50 @@ def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceabl
         torch.testing.assert_close(grad_actual, grad_expected)
 
 
+@pytest.mark.parametrize("traceable", [False, True])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_attend_blocks_without_a_mask_equals_an_all_visible_mask(traceable, gathered):
+    """`mask=None` means every key is visible: outputs, log-sum-exps and the gradients of q, k, v (through the
+    output and the log-sum-exp) equal those of an all-True mask, eager and traceable, all keys or gathered ones,
+    grouped query heads."""
+    from longattn import executor_blocked
+
+    b, h, h_kv, nb, c, n, d = 2, 4, 2, 3, 4, 12, 4
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(b, h, nb, c, d, generator=generator, **DOUBLE).requires_grad_()
+    k, v = (torch.randn(b, h_kv, n, d, generator=generator, **DOUBLE).requires_grad_() for _ in range(2))
+    kv_index = torch.randint(0, n, (nb, 5), generator=generator) if gathered else None
+    m = n if kv_index is None else kv_index.shape[-1]
+    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    results = []
+    for mask in (None, torch.ones((), dtype=torch.bool).expand(b, h, nb, c, m)):
+        out, lse = run(q, k, v, kv_index=kv_index, mask=mask, scale=0.5, dropout_p=0.0)
+        loss = (out * torch.linspace(-1, 1, d, **DOUBLE)).sum() + lse.square().sum()
+        results.append([out, lse, *torch.autograd.grad(loss, (q, k, v))])
+    for none, all_true in zip(*results, strict=True):
+        torch.testing.assert_close(none, all_true)
+
+
+def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
+    """Unpadded, non-causal Sinkhorn attention sees every key: it calls `attend_blocks` with `mask=None` (no
+    all-True mask to negate and reduce) and still equals the explicit-permutation reference."""
+    from longattn import attention_sinkhorn
+
+    masks = []
+    original = attention_sinkhorn.attend_blocks
+    monkeypatch.setattr(
+        attention_sinkhorn,
+        "attend_blocks",
+        lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
+    )
+    q, k, v, weight = _inputs(n=20, seed=3)
+    kwargs = dict(causal=False, sortcut=None, scale=0.4, **SETTINGS)
+    fast = sinkhorn_attention(q, k, v, weight, **kwargs)
+    slow = reference(q, k, v, weight, valid=torch.ones(2, 20, dtype=torch.bool), **kwargs)
+    assert masks == [None]
+    torch.testing.assert_close(fast, slow)
+
+
 def test_attend_blocks_refuses_key_weights_without_a_matching_key_set():
     from longattn.executor_blocked import attend_blocks
 
