@@ -1041,15 +1041,16 @@ class _BandAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         b, h, n_q, d = q.shape
-        h_kv, n_k, d_v = v.shape[1], v.shape[2], v.shape[3]
+        h_kv = v.shape[1]
         group = h // h_kv
         nb, c = plan.layout.q_pos.shape
         m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
         grad_q = torch.empty(b, nb * c, h, d, dtype=dtype, device=q.device)
-        grad_k = torch.zeros(b, h_kv, n_k, d, dtype=dtype, device=q.device)
-        grad_v = torch.zeros(b, h_kv, n_k, d_v, dtype=dtype, device=q.device)
+        # In the layout of k and v (e.g. `[b, n, h_kv, d]` memory of a projection): the gradients then flow back
+        # into the projections as views, no copy.
+        grad_k, grad_v = (torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format) for t in (k, v))
         grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
         workspace = _Workspace(dtype, q.device)
         for start, stop in _band_chunks(nb, h_kv * m * d):
