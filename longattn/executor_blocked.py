@@ -920,9 +920,12 @@ _FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.defa
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 # Key-gradient elements [n_blk, h_kv, m, d] of one chunk of the fused band path (the kernel's backward writes one such
-# tensor, m/c times the chunk's keys, per call). At 4K tokens, 12 heads of 64, w = 256, blocks of 128 (2**19 elements a
-# block) chunks of 2**19 to 2**23 elements took the same time; small chunks keep those tensors and masks small.
-_BAND_CHUNK_ELEMENTS = 2**20
+# tensor, m/c times the chunk's keys, per call; the additive mask and key/value gradients of a chunk are as large).
+# At 4K tokens, 12 heads of 64, w = 256, blocks of 128 (2**19 elements a block) chunks of 2**19 to 2**23 elements took
+# the same time. One layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS / time: 2**20 -> 87 MB /
+# 0.137 s at 4K, 208 MB / 0.51 s at 16K; 2**18 -> 55 MB / 0.143-0.149 s, 172-188 MB / 0.55-0.59 s (run-to-run noise
+# about 10%): the chunk workspaces, not the length, set the memory above the O(n · d) tensors, so chunks stay small.
+_BAND_CHUNK_ELEMENTS = 2**18
 
 
 @dataclass
