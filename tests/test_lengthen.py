@@ -150,6 +150,15 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta, capsys):
     assert "'sliding_windw' (did you mean sliding_window" in capsys.readouterr().err
 
 
+def test_the_command_line_reports_a_malformed_field_value_as_a_usage_error(capsys):
+    """A value the field grammar cannot read (a bare comma list) exits with usage status 2 and names the grammar,
+    never a traceback: the check runs before anything is loaded."""
+    with pytest.raises(SystemExit) as exit_info:
+        lengthen_main(["src", "out", "--max_length", "64", "--sliding_dilation", "1,2"])
+    assert exit_info.value.code == 2
+    assert "is not of the form key=value" in capsys.readouterr().err
+
+
 def test_without_longattn_the_folder_fails_to_load(lengthened_roberta):
     code = (
         "import sys\nfrom transformers import AutoModelForSequenceClassification as A\n"
