@@ -10,6 +10,11 @@ A kind subclasses `LongAttnAttention` and declares:
   queries are the last positions, and `output_attentions`) and by pictures of the pattern. Content-based kinds, whose
   pattern depends on the input, override `attend_dense` instead.
 
+Packed rows (`document_ids`, several documents per row): a kind with `supports_packing = True` takes a
+`document_ids` keyword in `attend`, `attend_dense` and `pattern` (passed only when a batch is packed, so kinds that
+cannot pack keep their signatures) and never lets a query see a key of another document; the base refuses packed
+batches for the other kinds with a `ValueError`.
+
 There is one `forward` (project, rotary, cache, attend, output projection). A kind that changes which keys exist
 overrides `attention_inputs` (reduction: one key per group of tokens; Linformer: the length projected), and one
 with its own attention over them overrides `attend_inputs` (Linformer's projected keys, the synthesizer's
@@ -47,6 +52,8 @@ class LongAttnAttention(nn.Module):
     """The kind's own config fields and their defaults (from its row of `attention_fields.KINDS`)."""
     backends: ClassVar[tuple[str, ...]] = ("auto", "torch", "reference")
     """Values of `attention_backend` this kind runs on (from its row of `attention_fields.KINDS`)."""
+    supports_packing: ClassVar[bool] = False
+    """The kind keeps packed documents apart (takes `document_ids`); False: packed batches raise `ValueError`."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A kind's fields, back ends and checks are declared once, in the static table the configuration reads.
@@ -102,11 +109,20 @@ class LongAttnAttention(nn.Module):
         """The fast executor: q, k, v `[b, h, n, d]` -> `[b, h, n, d]`."""
         raise NotImplementedError
 
-    def pattern(self, *, key_padding_mask: torch.Tensor | None, global_mask: torch.Tensor | None) -> MaskFn:
-        """Which keys each query sees, as a predicate over absolute positions (the default: all keys)."""
+    def pattern(
+        self,
+        *,
+        key_padding_mask: torch.Tensor | None,
+        global_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None = None,
+    ) -> MaskFn:
+        """Which keys each query sees, as a predicate over absolute positions (the default: all keys of the
+        query's document)."""
         fns = [causal_mask()] if self.is_causal else []
         if key_padding_mask is not None:
             fns.append(patterns.key_padding_predicate(key_padding_mask))
+        if document_ids is not None:
+            fns.append(patterns.same_document_mask(document_ids))
         return and_masks(*fns)
 
     def reset_kind_parameters(self) -> None:
@@ -135,7 +151,14 @@ class LongAttnAttention(nn.Module):
         )
 
     def attend_dense(
-        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None, global_mask: Tensor | None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_padding_mask: Tensor | None,
+        global_mask: Tensor | None,
+        **documents: Tensor,
     ) -> tuple[Tensor, Tensor]:
         """Attention over all m keys for the n queries that are the *last* n positions, masked by `pattern`.
 
@@ -145,7 +168,7 @@ class LongAttnAttention(nn.Module):
         b, _, n, _ = q.shape
         m = k.shape[2]
         mask = materialize_mask(
-            self.pattern(key_padding_mask=key_padding_mask, global_mask=global_mask),
+            self.pattern(key_padding_mask=key_padding_mask, global_mask=global_mask, **documents),
             batch=b,
             heads=self.num_heads,
             q_len=n,
@@ -193,6 +216,7 @@ class LongAttnAttention(nn.Module):
         key_padding_mask: Tensor | None,
         global_mask: Tensor | None,
         dense: bool,
+        **documents: Tensor,
     ) -> tuple[Tensor, Tensor | None]:
         """Attention over the keys and values of `attention_inputs` (with the cached ones before them).
 
@@ -205,13 +229,14 @@ class LongAttnAttention(nn.Module):
             key_padding_mask: `[b, m_tokens]` bool over the tokens (cached ones included), True = real token.
             global_mask: `[b, m_tokens]` bool, True = global token; None = none.
             dense: Return the weights too (`output_attentions`, cached decoding, the "reference" back end).
+            **documents: `document_ids` `[b, m]` of packed rows, given only for a packed batch.
 
         Returns:
             (`[b, h, n, d]` output, weights `[b, h, n, m]` when `dense`, else None).
         """
         if dense:
-            return self.attend_dense(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask)
-        return self.attend(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask), None
+            return self.attend_dense(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask, **documents)
+        return self.attend(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask, **documents), None
 
     def forward(
         self,
@@ -222,6 +247,7 @@ class LongAttnAttention(nn.Module):
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         past_key_values: Any = None,
         output_attentions: bool = False,
+        document_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Self-attention: the one forward of every kind (they state what differs in `attention_inputs`,
         `attend_inputs`, `attend` and `attend_dense`).
@@ -233,10 +259,25 @@ class LongAttnAttention(nn.Module):
             position_embeddings: rotary (cos, sin) `[b, n, d]`, or None with learned absolute positions.
             past_key_values: a transformers `Cache` (decoders), updated in place with this layer's keys and values.
             output_attentions: Also return the attention weights `[b, h, n, m]` (costs O(n * m)).
+            document_ids: `[b, m]` integer, the document of each token of packed rows (contiguous runs of one id;
+                `longattn.packing` derives them); None = one document per row.
 
         Returns:
             (`[b, n, D]` output, weights or None).
+
+        Raises:
+            ValueError: `document_ids` is given to a kind that cannot keep packed documents apart.
         """
+        documents = {}
+        if document_ids is not None:
+            if not self.supports_packing:
+                raise ValueError(
+                    f"attention_type {self.attention_type!r} (layer {self.layer_idx}) cannot run packed documents "
+                    "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`): its keys mix the whole row. "
+                    "Pad each document to its own row instead, or use a kind that packs (full, sliding, strided, "
+                    "fixed, efficient, lsh, routing, sinkhorn)."
+                )
+            documents = {"document_ids": document_ids}
         q, k, v = self.attention_inputs(
             hidden_states, key_padding_mask=attention_mask, position_embeddings=position_embeddings
         )
@@ -253,5 +294,6 @@ class LongAttnAttention(nn.Module):
             key_padding_mask=attention_mask,
             global_mask=global_attention_mask,
             dense=output_attentions or decoding or self.backend == "reference",
+            **documents,
         )
         return self.o_proj(self.merge_heads(out)), weights

@@ -18,14 +18,16 @@ class FullAttention(LongAttnAttention):
     """Every query sees every (real, and in a decoder earlier) key: O(n^2), the baseline of every other kind."""
 
     attention_type = "full"
+    supports_packing = True
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         return full_attention(
             q,
             k,
             v,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,

@@ -26,6 +26,7 @@ class LongformerAttention(LongAttnAttention):
     `sliding_dilation` (int or one per head)."""
 
     attention_type = "sliding"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -33,16 +34,17 @@ class LongformerAttention(LongAttnAttention):
         dilation = config.sliding_dilation
         self.dilation = list(dilation) if isinstance(dilation, (list, tuple)) else dilation
 
-    def pattern(self, *, key_padding_mask, global_mask):
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
         return sliding_window_pattern(
             window=self.window,
             dilation=self.dilation,
             causal=self.is_causal,
             global_mask=global_mask,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
         )
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         return sliding_window_attention(
             q,
             k,
@@ -52,6 +54,7 @@ class LongformerAttention(LongAttnAttention):
             causal=self.is_causal,
             global_mask=global_mask,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,

@@ -32,15 +32,18 @@ class StridedAttention(LongAttnAttention):
     """The `"strided"` kind. Config field: `strided_stride` (the stride l; int or one per layer)."""
 
     attention_type = "strided"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.stride = config.per_layer("strided_stride", layer_idx)
 
-    def pattern(self, *, key_padding_mask, global_mask):
-        return strided_pattern(stride=self.stride, causal=self.is_causal, key_padding_mask=key_padding_mask)
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
+        return strided_pattern(
+            stride=self.stride, causal=self.is_causal, key_padding_mask=key_padding_mask, document_ids=document_ids
+        )
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         return strided_attention(
             q,
             k,
@@ -48,6 +51,7 @@ class StridedAttention(LongAttnAttention):
             stride=self.stride,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
@@ -59,6 +63,7 @@ class FixedAttention(LongAttnAttention):
     [1, l]; int or one per layer) and `fixed_summary_per_head` (bool: distinct summary sub-blocks per head)."""
 
     attention_type = "fixed"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -71,16 +76,17 @@ class FixedAttention(LongAttnAttention):
         # The executor cuts the sequence into whole pattern blocks (a short last block is padded inside).
         return config.per_layer("fixed_block_size", layer_idx)
 
-    def pattern(self, *, key_padding_mask, global_mask):
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
         return fixed_pattern(
             block_size=self.block_size,
             num_summary=self.num_summary,
             summary_per_head=self.summary_per_head,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
         )
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         return fixed_attention(
             q,
             k,
@@ -90,6 +96,7 @@ class FixedAttention(LongAttnAttention):
             summary_per_head=self.summary_per_head,
             causal=self.is_causal,
             key_padding_mask=key_padding_mask,
+            document_ids=document_ids,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,

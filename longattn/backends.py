@@ -35,6 +35,7 @@ from torch import Tensor
 # The back-end names are checked by the configuration too, which imports no executor: they live in its table.
 from .attention_fields import BACKEND_NAMES, check_backend_name
 from .executor_flex import unavailable_reasons as flex_unavailable_reasons
+from .executor_xformers import documents_supported as xformers_documents_supported
 from .executor_xformers import needs_tensor_bias
 from .executor_xformers import probe_reasons as xformers_probe_reasons
 from .executor_xformers import request_reasons as xformers_request_reasons
@@ -83,6 +84,7 @@ class AttentionRequest:
         requires_grad: Gradients will flow into q, k or v.
         key_padding: A key padding mask is given.
         global_tokens: A global-token mask is given.
+        documents: Rows are packed documents (`document_ids` is given): no query sees another document's keys.
         dilation: Sliding-window dilation: an int, or a tuple with one per head.
     """
 
@@ -100,6 +102,7 @@ class AttentionRequest:
     requires_grad: bool = False
     key_padding: bool = False
     global_tokens: bool = False
+    documents: bool = False
     dilation: int | tuple[int, ...] = 1
 
     @classmethod
@@ -219,6 +222,19 @@ class XformersBackend(Backend):
         missing = xformers_unavailable_reasons()
         if missing:
             return reasons + missing
+        if request.documents and not xformers_documents_supported(
+            pattern=request.pattern,
+            causal=request.causal,
+            key_padding=request.key_padding,
+            global_tokens=request.global_tokens,
+            dilation=request.dilation,
+            q_len=request.q_len,
+            kv_len=request.kv_len,
+        ):
+            reasons.append(
+                "packed documents map to xformers' block-diagonal biases only for full and undilated sliding-window "
+                "attention without global tokens, padding or cached queries"
+            )
         reasons += xformers_request_reasons(
             pattern=request.pattern,
             dtype=request.dtype,

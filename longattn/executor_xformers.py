@@ -74,6 +74,9 @@ __all__ = [
     "xformers_fixed_attention",
     "xformers_full_attention",
     "bucketed_attention",
+    "document_bias",
+    "xformers_document_attention",
+    "documents_supported",
     "unavailable_reasons",
     "request_reasons",
     "needs_tensor_bias",
@@ -919,6 +922,85 @@ def bucketed_attention(
     out = current_kernel().attention(sort(q), sort(k), sort(v), blocks, p=dropout_p, scale=scale)
     unsorted = torch.empty_like(out.view(b * h * n, -1)).index_copy(0, order, out.view(b * h * n, -1))
     return unsorted.view(b, h, n, v.shape[-1])
+
+
+def document_bias(document_ids: Tensor, *, causal: bool, window: int | None = None) -> Any:
+    """Packed documents as one xformers `BlockDiagonalMask` over the flattened batch `[1, b · n]`.
+
+    Every (row, document) is one block; causal blocks are triangles, and a causal window of w earlier keys is
+    `make_local_attention(w + 1)` (xformers counts the query itself in its window). Reads the document lengths back
+    to the host once.
+
+    Args:
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+        causal: Each block is causal.
+        window: Keys before each query (causal only); None = the whole document.
+
+    Returns:
+        The bias over `[b · n, b · n]`.
+    """
+    b, n = document_ids.shape
+    begins = torch.ones_like(document_ids, dtype=torch.bool)
+    begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    starts = begins.reshape(-1).nonzero().flatten().tolist() + [b * n]
+    seqlens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    bias = _attn_bias().BlockDiagonalMask.from_seqlens(seqlens, device=document_ids.device)
+    if window is not None:
+        return bias.make_local_attention(window + 1)
+    return bias.make_causal() if causal else bias
+
+
+def xformers_document_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    document_ids: Tensor,
+    causal: bool = False,
+    window: int | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Full or causal-window attention within packed documents, one block-diagonal kernel call (xformers' varlen).
+
+    Args:
+        q: Queries `[b, h, n, d]`.
+        k: Keys `[b, h, n, d]`.
+        v: Values `[b, h, n, d_v]`.
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+        causal: Keys after the query are hidden.
+        window: Keys before each query (causal only); None = the whole document.
+        scale: Multiplier of q·k.
+        dropout_p: Dropout on the attention probabilities.
+
+    Returns:
+        Output `[b, h, n, d_v]`.
+    """
+    b, h, n, _ = q.shape
+
+    def flat(x: Tensor) -> Tensor:
+        return x.transpose(1, 2).reshape(1, b * n, h, x.shape[-1])  # [1, b·n, h, d]
+
+    bias = document_bias(document_ids, causal=causal, window=window)
+    out = current_kernel().attention(flat(q), flat(k), flat(v), bias, p=dropout_p, scale=scale)
+    return out.view(b, n, h, v.shape[-1]).transpose(1, 2)  # [b, h, n, d_v]
+
+
+def documents_supported(
+    *,
+    pattern: str,
+    causal: bool,
+    key_padding: bool,
+    global_tokens: bool,
+    dilation: int | Sequence[int],
+    q_len: int,
+    kv_len: int,
+) -> bool:
+    """Whether packed documents of a request map to `document_bias`: full attention, or a causal undilated window,
+    with neither padding nor global tokens, as many queries as keys."""
+    plain = not key_padding and not global_tokens and q_len == kv_len
+    undilated = dilation == 1 or (not isinstance(dilation, int) and set(dilation) == {1})
+    return plain and (pattern == "full" or (pattern == "sliding" and causal and undilated))
 
 
 # ----------------------------------------------------------------------------------------------- capabilities

@@ -41,6 +41,8 @@ from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
 from .numerics import rotary_inverse_frequencies
+from .packing import packed_document_ids
+from .patterns import document_starts
 
 logger = logging.get_logger(__name__)
 
@@ -146,8 +148,10 @@ class LongAttnLayer(GradientCheckpointingLayer):
         encoder_attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         output_attentions: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """hidden_states `[b, n, D]` -> (`[b, n, D]`, self-attention weights, cross-attention weights)."""
+        """hidden_states `[b, n, D]` -> (`[b, n, D]`, self-attention weights, cross-attention weights);
+        `document_ids` `[b, n]`: the documents of packed rows (None: one per row)."""
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         attn_out, self_weights = self.self_attn(
             self.self_attn_layer_norm(hidden_states),
@@ -156,6 +160,7 @@ class LongAttnLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             past_key_values=self_cache,
             output_attentions=output_attentions,
+            document_ids=document_ids,
         )
         hidden_states = hidden_states + self.dropout(attn_out)
         cross_weights = None
@@ -203,6 +208,7 @@ class LongAttnStack(nn.Module):
         past_key_values: Cache | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         if (
             past_key_values is not None
@@ -230,6 +236,7 @@ class LongAttnStack(nn.Module):
                 encoder_attention_mask,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
+                document_ids=document_ids,
             )
             if output_attentions:
                 all_attentions += (self_weights,)
@@ -508,9 +515,15 @@ def _run_backbone(
     output_hidden_states: bool,
     output_attentions: bool,
     prefix: str = "",
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
 ) -> BaseModelOutputWithPastAndCrossAttentions:
     """Validate inputs, embed, add positions, and run `stack`: the shared body of every model (`prefix`: the
-    arguments' prefix in error messages, "decoder_" for the seq2seq decoder)."""
+    arguments' prefix in error messages, "decoder_" for the seq2seq decoder).
+
+    Packed rows (several documents per row) are recognised once here, from `position_ids` that restart or the
+    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`longattn.packing`), and their `document_ids` `[b, n]` go
+    to every layer; positions (learned or rotary) restart per document."""
     batch, length = _check_token_inputs(config, embeddings, input_ids, inputs_embeds, prefix=prefix)
     device = (input_ids if input_ids is not None else inputs_embeds).device
     _check_position_ids(position_ids, config, batch=batch, length=length, device=device)
@@ -536,6 +549,17 @@ def _run_backbone(
             length=encoder_hidden_states.shape[1],
             device=device,
         )
+    document_ids = None
+    if past == 0:  # with a cache the new tokens continue the cached ones: packing is a training-time layout
+        document_ids = packed_document_ids(
+            position_ids=position_ids,
+            batch=batch,
+            length=length,
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
+        )
+    if position_ids is None and document_ids is not None:  # varlen keywords alone: positions restart per document
+        position_ids = torch.arange(length, device=device) - document_starts(document_ids)
     if position_ids is None:
         position_ids = _position_ids(attention_mask, batch=batch, past=past, length=length, device=inputs_embeds.device)
     hidden_states = embeddings(inputs_embeds, position_ids)
@@ -550,7 +574,18 @@ def _run_backbone(
         past_key_values=past_key_values,
         output_hidden_states=output_hidden_states,
         output_attentions=output_attentions,
+        document_ids=document_ids,
     )
+
+
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""transformers' keywords for packed (varlen) attention, as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
+produces them; the lengths are read from `cu_seq_lens_*` (the maxima only size flash kernels)."""
+
+
+def _varlen_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The varlen keywords among a forward's `kwargs`, to pass on to the backbone."""
+    return {name: kwargs[name] for name in VARLEN_KWARGS if kwargs.get(name) is not None}
 
 
 # ---------------------------------------------------------------------------------------------- the base model
@@ -576,7 +611,10 @@ class LongAttnModel(LongAttnPreTrainedModel):
         input_ids: `[b, n]` token ids (or `inputs_embeds` `[b, n, D]`).
         attention_mask: `[b, m]`, 1 = real token, 0 = padding.
         global_attention_mask: `[b, m]`, 1 = global token (Longformer semantics; kinds without global tokens ignore it).
-        position_ids: `[b, n]`; by default counted over real tokens.
+        position_ids: `[b, n]`; by default counted over real tokens. Positions that restart at 0 mark packed
+            documents (`DataCollatorWithFlattening`): attention never crosses from one to another.
+        cu_seq_lens_q / cu_seq_lens_k (with max_length_q / max_length_k): transformers' varlen keywords, another way
+            to mark packed documents over the flattened batch.
         cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an
         `EncoderDecoderCache` in seq2seq).
         decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq).
@@ -684,7 +722,20 @@ class LongAttnModel(LongAttnPreTrainedModel):
         **kwargs: Any,
     ) -> BaseModelOutputWithPastAndCrossAttentions | Seq2SeqModelOutput | tuple:
         past_key_values = _cache_argument(cache, past_key_values)
+        varlen = _varlen_kwargs(kwargs)
         if self.decoder is not None:
+            if varlen or (
+                position_ids is not None
+                and packed_document_ids(
+                    position_ids=position_ids, batch=position_ids.shape[0], length=position_ids.shape[1]
+                )
+                is not None
+            ):
+                raise ValueError(
+                    "packed documents (`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not "
+                    "supported by the encoder-decoder model: its cross-attention would read every document of a row. "
+                    "Pad each example to its own row."
+                )
             return self._seq2seq_forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -719,6 +770,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             past_key_values=past_key_values,
             output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
             output_attentions=_flag(self.config, "output_attentions", output_attentions),
+            cu_seq_lens_q=varlen.get("cu_seq_lens_q"),
+            cu_seq_lens_k=varlen.get("cu_seq_lens_k"),
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -897,6 +950,7 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
             position_ids,
             output_hidden_states,
             output_attentions,
+            **_varlen_kwargs(kwargs),
         )
         logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
@@ -1003,6 +1057,15 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
                 "`input_ids` has length 0: sequence classification reads the first token's state, so "
                 "pass at least one token."
             )
+        if _varlen_kwargs(kwargs) or (
+            position_ids is not None
+            and packed_document_ids(position_ids=position_ids, batch=batch, length=length) is not None
+        ):
+            raise ValueError(
+                "sequence classification reads one label per row from the row's first token: packed documents "
+                "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not supported; pad each "
+                "example to its own row."
+            )
         if global_attention_mask is None:
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
@@ -1098,6 +1161,7 @@ class LongAttnForTokenClassification(LongAttnPreTrainedModel):
             position_ids,
             output_hidden_states,
             output_attentions,
+            **_varlen_kwargs(kwargs),
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
@@ -1147,6 +1211,7 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
             position_ids,
             output_hidden_states,
             output_attentions,
+            **_varlen_kwargs(kwargs),
         )
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
         batch = start_logits.shape[0]
@@ -1226,6 +1291,7 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
             output_attentions,
             past_key_values=_cache_argument(cache, past_key_values),
             use_cache=use_cache,
+            **_varlen_kwargs(kwargs),
         )
         hidden_states = outputs.last_hidden_state
         _check_labels("labels", labels, [hidden_states.shape[:2]])

@@ -16,6 +16,9 @@ Arguments every pattern function takes, besides its pattern's own:
 
 - `q` `[b, h, n_q, d]`, `k` `[b, h, n_k, d]`, `v` `[b, h, n_k, d_v]`.
 - `key_padding_mask`: bool `[b, n_k]`, True = real token; None = no padding.
+- `document_ids`: integer `[b, n_k]`, the document of each token of packed rows (contiguous runs of one id); a
+  query never sees a key of another document, and position-anchored patterns count from each document's start.
+  None = one document per row.
 - `scale`: multiplier of q·k; default 1/sqrt(d).
 - `dropout_p`: dropout on the attention probabilities.
 - `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
@@ -41,12 +44,22 @@ from .executor_flex import flex_pattern_attention
 from .executor_reference import reference_attention, reference_pattern_attention
 from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
 from .executor_xformers import (
+    xformers_document_attention,
     xformers_fixed_attention,
     xformers_full_attention,
     xformers_sliding_window_attention,
     xformers_strided_attention,
 )
-from .ops_checks import check_dropout, check_flag, check_qkv, check_scale, check_token_mask, empty_attention, is_empty
+from .ops_checks import (
+    check_document_ids,
+    check_dropout,
+    check_flag,
+    check_qkv,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 from .ops_linear import efficient_attention
 from .ops_lsh import lsh_attention
 from .patterns import (
@@ -61,6 +74,7 @@ from .patterns import (
     fixed_pattern,
     key_padding_predicate,
     materialize_mask,
+    same_document_mask,
     sliding_window_pattern,
     strided_pattern,
 )
@@ -81,6 +95,7 @@ class _Checked(NamedTuple):
 
     padding: Tensor | None  # bool [b, n_k], True = real token
     global_tokens: Tensor | None  # bool [b, n_k], True = global token
+    documents: Tensor | None  # integer [b, n_k], the document of each token
     scale: float
     dropout_p: float
     backend: str
@@ -92,17 +107,20 @@ def _check_shared(
     *,
     key_padding_mask: Tensor | None,
     global_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
     scale: float | None,
     dropout_p: float,
     backend: str,
 ) -> _Checked:
-    """Validate the masks, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`."""
+    """Validate the masks, documents, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`,
+    k `[b, h_kv, n_k, d]`."""
     b, n_k = q.shape[0], k.shape[2]
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
+    documents = check_document_ids(document_ids, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
-    return _Checked(padding, global_tokens, scale, dropout_p, check_backend_name(backend))
+    return _Checked(padding, global_tokens, documents, scale, dropout_p, check_backend_name(backend))
 
 
 def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
@@ -118,6 +136,7 @@ def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, ca
             causal=causal,
             key_padding=call.padding is not None,
             global_tokens=call.global_tokens is not None,
+            documents=call.documents is not None,
             **fields,
         ),
     )
@@ -132,7 +151,7 @@ def _run_pattern(
             q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p, per_head=per_head
         )
     # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
-    per_batch = call.padding is not None or call.global_tokens is not None
+    per_batch = call.padding is not None or call.global_tokens is not None or call.documents is not None
     return flex_pattern_attention(
         q,
         k,
@@ -153,6 +172,7 @@ def full_attention(
     causal: bool = False,
     global_mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -165,29 +185,45 @@ def full_attention(
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring);
-            `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
+        k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
+            docstring); `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
+            With `document_ids`, the queries are the last n_q of the n_k positions.
 
     Raises:
         ValueError: For a non-bool `causal`, or a shared argument that is invalid (module docstring).
     """
     causal = check_flag("causal", causal)
-    # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
-    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal)
+    # Only causal attention (and packed documents) align the queries with the last keys; cross-attention has any
+    # number of queries.
+    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal or document_ids is not None)
     check_token_mask("global_mask", global_mask, b, n_k, device=q.device)  # checked only: it adds no key
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        document_ids=document_ids,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     choice = _select(q, k, v, call, pattern="full", causal=causal)
+    if choice == "xformers" and call.documents is not None:
+        return xformers_document_attention(
+            q, k, v, document_ids=call.documents, causal=causal, scale=call.scale, dropout_p=call.dropout_p
+        )
     if choice == "xformers":
         return xformers_full_attention(
             q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p
         )
-    if choice == "torch" and call.padding is None and (not causal or n_q == n_k):
+    if choice == "torch" and call.padding is None and call.documents is None and (not causal or n_q == n_k):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, is_causal=causal, scale=call.scale)
     parts = [causal_mask()] if causal else []
     if call.padding is not None:
         parts.append(key_padding_predicate(call.padding))
+    if call.documents is not None:
+        parts.append(same_document_mask(call.documents))
     if choice != "torch":
         return _run_pattern(choice, q, k, v, call, mask_fn=and_masks(*parts), per_head=False)
     mask = materialize_mask(
@@ -211,6 +247,7 @@ def sliding_window_attention(
     causal: bool = False,
     global_mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -229,8 +266,9 @@ def sliding_window_attention(
         window: Keys on each side of a query (>= 1); a causal query sees `window` earlier keys and itself.
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
-        global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it.
-        key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it (of its own
+            document, in packed rows).
+        key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
@@ -247,6 +285,7 @@ def sliding_window_attention(
         k,
         key_padding_mask=key_padding_mask,
         global_mask=global_mask,
+        document_ids=document_ids,
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
@@ -254,11 +293,27 @@ def sliding_window_attention(
     if is_empty(q, k):
         return empty_attention(q, k, v)
     mask_fn = sliding_window_pattern(
-        window=window, dilation=dilation, causal=causal, global_mask=call.global_tokens, key_padding_mask=call.padding
+        window=window,
+        dilation=dilation,
+        causal=causal,
+        global_mask=call.global_tokens,
+        key_padding_mask=call.padding,
+        document_ids=call.documents,
     )
     choice = _select(q, k, v, call, pattern="sliding", causal=causal, dilation=dilation)
     if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
+    if choice == "xformers" and call.documents is not None:
+        return xformers_document_attention(
+            q,
+            k,
+            v,
+            document_ids=call.documents,
+            causal=causal,
+            window=window,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+        )
     if choice == "xformers":
         return xformers_sliding_window_attention(
             q,
@@ -283,6 +338,7 @@ def sliding_window_attention(
             v,
             causal=causal,
             key_padding_mask=call.padding,
+            document_ids=call.documents,
             scale=call.scale,
             dropout_p=call.dropout_p,
             backend="torch",
@@ -309,6 +365,7 @@ def strided_attention(
     stride: int,
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -324,7 +381,8 @@ def strided_attention(
     Args:
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
+            docstring). The sets depend on i − j only, so packed documents need only the same-document test.
 
     Raises:
         ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
@@ -333,10 +391,18 @@ def strided_attention(
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = check_flag("causal", causal)
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        document_ids=document_ids,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding)
+    mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding, document_ids=call.documents)
     choice = _select(q, k, v, call, pattern="strided", causal=causal)
     if choice == "xformers":
         # The dispatcher admits xformers without dropout and with n_q == n_k only (its layout's requirements).
@@ -360,6 +426,7 @@ def fixed_attention(
     causal: bool = True,
     summary_per_head: bool = False,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -379,7 +446,8 @@ def fixed_attention(
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
+            docstring). In packed rows blocks are counted from each document's start.
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
@@ -389,7 +457,15 @@ def fixed_attention(
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        document_ids=document_ids,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     padding = call.padding
@@ -399,10 +475,29 @@ def fixed_attention(
         summary_per_head=summary_per_head,
         causal=causal,
         key_padding_mask=padding,
+        document_ids=call.documents,
     )
     choice = _select(q, k, v, call, pattern="fixed", causal=causal)
     if choice in ("flex", "reference"):
         return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=summary_per_head)
+    if call.documents is not None:
+        # The executor's blocks start at multiples of l; each document's blocks start at its first token. Lay the
+        # documents out so that each begins at a multiple of l, run the same predicate there, and gather back.
+        def execute_laid_out(q: Tensor, k: Tensor, v: Tensor, position: Tensor, real: Tensor) -> Tensor:
+            return fixed_blocked_attention(
+                q,
+                k,
+                v,
+                mask_fn=_on_slot_positions(mask_fn, position, real),
+                block_size=block_size,
+                num_summary=num_summary,
+                summary_per_head=summary_per_head,
+                causal=causal,
+                scale=call.scale,
+                dropout_p=call.dropout_p,
+            )
+
+        return _run_documents_aligned(execute_laid_out, q, k, v, call.documents, block_size)
     first = None if padding is None else first_real_token(padding)  # [b]
     if choice == "xformers":
         # The dispatcher admits xformers without dropout, with n_q == n_k, and without causality under padding: in
@@ -485,4 +580,61 @@ def _run_rolled(execute, q: Tensor, k: Tensor, v: Tensor, first: Tensor) -> Tens
     out = execute(rolled(q), rolled(k), rolled(v), rolled_index)
     unrolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) - first.view(b, 1)) % n_k  # [b, n_k]
     out = out.gather(2, unrolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
+    return out[:, :, n_k - n_q :]
+
+
+def _on_slot_positions(mask_fn: MaskFn, position: Tensor, real: Tensor) -> MaskFn:
+    """`mask_fn` for rows laid out in slots: slot s of row b holds original position `position[b, s]`, and only the
+    slots where `real[b, s]` hold a token (the others are gaps that no query sees)."""
+
+    def slot_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return real[bi, kv_idx] & mask_fn(bi, hi, position[bi, q_idx], position[bi, kv_idx])
+
+    return slot_mask_fn
+
+
+def _run_documents_aligned(execute, q: Tensor, k: Tensor, v: Tensor, documents: Tensor, multiple: int) -> Tensor:
+    """`execute(q, k, v, position, real)` on rows laid out so that every document starts at a multiple of `multiple`.
+
+    Documents of lengths 3 and 2 with `multiple` 4 go to slots `A A A _ B B _ _`: the gaps hold no token. An
+    executor whose blocks start at multiples of `multiple` then sees every document's blocks start at its first
+    token, as if the document were alone in a row. The row grows by at most `multiple - 1` slots per document.
+
+    Args:
+        execute: Runs attention on laid-out q `[b, h, s, d]`, k, v; `position` `[b, s]` is the original position of
+            each slot and `real` `[b, s]` says which slots hold a token (to lay masks out alike).
+        q: Queries `[b, h, n_q, d]`, the last n_q positions.
+        k: Keys `[b, h, n_k, d]`.
+        v: Values `[b, h, n_k, d_v]`.
+        documents: Integer `[b, n_k]`, contiguous runs of one id per document.
+        multiple: Slots every document start is aligned to.
+
+    Returns:
+        Output `[b, h, n_q, d_v]` in the original order.
+    """
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    if n_q < n_k:  # queries of the laid-out rows are no longer a suffix: run every position and keep the last n_q
+        q = F.pad(q, (0, 0, n_k - n_q, 0))
+    begins = torch.ones_like(documents, dtype=torch.bool)
+    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    rank = begins.long().cumsum(dim=1) - 1  # [b, n_k], the document's index in its row
+    num_documents = int(rank.max()) + 1
+    lengths = torch.zeros(b, num_documents, dtype=torch.long, device=q.device).scatter_add_(
+        1, rank, torch.ones_like(rank)
+    )  # [b, D]
+    aligned = -(-lengths // multiple) * multiple  # [b, D]
+    offsets = aligned.cumsum(dim=1) - aligned  # [b, D], first slot of each document
+    positions = torch.arange(n_k, device=q.device).expand(b, n_k)
+    start = positions.masked_fill(~begins, 0).cummax(dim=1).values  # [b, n_k]
+    slot = offsets.gather(1, rank) + positions - start  # [b, n_k]
+    slots = int(aligned.sum(dim=1).max())
+    position = torch.zeros(b, slots, dtype=torch.long, device=q.device).scatter_(1, slot, positions)  # [b, s]
+    real = torch.zeros(b, slots, dtype=torch.bool, device=q.device).scatter_(1, slot, True)  # [b, s]
+
+    def laid_out(x: Tensor) -> Tensor:
+        return x.gather(2, position.view(b, 1, slots, 1).expand(b, x.shape[1], slots, x.shape[3]))
+
+    out = execute(laid_out(q), laid_out(k), laid_out(v), position, real)  # [b, h, s, d_v]
+    out = out.gather(2, slot.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
     return out[:, :, n_k - n_q :]

@@ -168,6 +168,28 @@ def check_token_mask(
     return mask
 
 
+def check_document_ids(document_ids: Tensor | None, batch: int, length: int, *, device=None) -> Tensor | None:
+    """The document of each key in packed rows, integer `[batch, length]`, unchanged (None stays None).
+
+    Raises:
+        ValueError: It is not an integer tensor of that shape on `device`.
+    """
+    if document_ids is None:
+        return None
+    if not isinstance(document_ids, Tensor) or document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+        raise ValueError(
+            f"document_ids must be an integer tensor [batch, length] (the document of each token), got "
+            f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}"
+        )
+    if tuple(document_ids.shape) != (batch, length):
+        raise ValueError(
+            f"document_ids must have shape [batch, length] = [{batch}, {length}], got {tuple(document_ids.shape)}"
+        )
+    if device is not None and document_ids.device != device:
+        raise ValueError(f"document_ids is on {document_ids.device}, the queries on {device}: put them on one device")
+    return document_ids
+
+
 def check_dropout(dropout_p: float) -> float:
     """The dropout probability as a float.
 

@@ -41,6 +41,10 @@ __all__ = [
     "first_real_token",
     "from_first_real_token",
     "mask_reach",
+    "same_document_mask",
+    "document_starts",
+    "from_document_start",
+    "within_documents",
 ]
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -272,11 +276,13 @@ def sliding_window_pattern(
     causal: bool = False,
     global_mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> MaskFn:
-    """The full Longformer pattern: `(sliding window OR global tokens) AND causal? AND real key?`.
+    """The full Longformer pattern: `(sliding window OR global tokens) AND causal? AND real key? AND same document?`.
 
     Causality is applied after the global union on purpose: in a causal model a global token still cannot see the
-    future, and a query still cannot see a later global token.
+    future, and a query still cannot see a later global token. Likewise the document test comes after the union: a
+    global token is global within its own document only.
 
     Args:
         window: Keys on each side of a query, >= 1.
@@ -284,6 +290,7 @@ def sliding_window_pattern(
         causal: Restrict every query to keys at or before its position.
         global_mask: Optional bool `[b, n]`, True = global token.
         key_padding_mask: Optional bool `[b, n]`, True = real token.
+        document_ids: Optional integer `[b, n]`, the document of each token in a packed row (`same_document_mask`).
 
     Returns:
         The composed `MaskFn`.
@@ -299,6 +306,8 @@ def sliding_window_pattern(
         parts.append(causal_mask())
     if key_padding_mask is not None:
         parts.append(key_padding_predicate(key_padding_mask))
+    if document_ids is not None:
+        parts.append(same_document_mask(document_ids))
     return parts[0] if len(parts) == 1 else and_masks(*parts)
 
 
@@ -528,13 +537,106 @@ def from_first_real_token(mask_fn: MaskFn, key_padding_mask: Tensor) -> MaskFn:
     return _named(shifted, f"{mask_fn.__name__}_from_first_token")
 
 
-def strided_pattern(*, stride: int, causal: bool = False, key_padding_mask: Tensor | None = None) -> MaskFn:
-    """The full strided pattern: `strided(l, causal) AND real key?`.
+# ------------------------------------------------------------------------------------------------ packed documents
+def _check_document_ids(document_ids: Tensor) -> Tensor:
+    if document_ids.dim() != 2 or document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+        raise ValueError(
+            f"document_ids must be an integer tensor of shape [batch, length], got {document_ids.dtype} "
+            f"{tuple(document_ids.shape)}"
+        )
+    return document_ids
+
+
+def same_document_mask(document_ids: Tensor) -> MaskFn:
+    """Packed rows: a query sees only the keys of its own document.
+
+    Documents A (3 tokens) and B (2 tokens) packed in one row, ANDed with any pattern:
+
+        ■ ■ ■ ⬚ ⬚
+        ■ ■ ■ ⬚ ⬚
+        ■ ■ ■ ⬚ ⬚
+        ⬚ ⬚ ⬚ ■ ■
+        ⬚ ⬚ ⬚ ■ ■
+
+    Args:
+        document_ids: Integer `[b, n]`, the document of each token; documents are contiguous runs of one id
+            (`longattn.packing.document_ids_from_position_ids` derives them).
+
+    Returns:
+        A `MaskFn` named `same_document`: `document_ids[b, q_idx] == document_ids[b, kv_idx]`.
+
+    Raises:
+        ValueError: If `document_ids` is not an integer `[b, n]` tensor.
+    """
+    documents = _check_document_ids(document_ids)
+
+    def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return documents[b, q_idx] == documents[b, kv_idx]
+
+    return _named(same_document, "same_document")
+
+
+def document_starts(document_ids: Tensor) -> Tensor:
+    """Position of the first token of each token's document.
+
+    Args:
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+
+    Returns:
+        Long `[b, n]`: for token p, the position where its document begins.
+    """
+    b, n = _check_document_ids(document_ids).shape
+    positions = torch.arange(n, device=document_ids.device).expand(b, n)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return positions.masked_fill(~starts, 0).cummax(dim=1).values
+
+
+def from_document_start(mask_fn: MaskFn, document_ids: Tensor) -> MaskFn:
+    """`mask_fn` on positions counted from the start of each token's document, ANDed with `same_document_mask`.
+
+    Patterns anchored at absolute positions (the fixed pattern's blocks) then treat every packed document as a row of
+    its own; patterns that read only distances (windows, strides) need the document test alone.
+
+    Args:
+        mask_fn: A predicate over positions; it must read no per-position tensor (padding, global tokens), whose
+            index would move too.
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+
+    Returns:
+        A `MaskFn` named `{name}_per_document`.
+    """
+    start = document_starts(document_ids)
+    same = same_document_mask(document_ids)
+
+    def per_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return same(b, h, q_idx, kv_idx) & mask_fn(b, h, q_idx - start[b, q_idx], kv_idx - start[b, kv_idx])
+
+    return _named(per_document, f"{mask_fn.__name__}_per_document")
+
+
+def within_documents(mask_fn: MaskFn, document_ids: Tensor | None) -> MaskFn:
+    """`mask_fn AND same_document` (`mask_fn` itself when `document_ids` is None): a pattern made packing-safe."""
+    return mask_fn if document_ids is None else and_masks(mask_fn, same_document_mask(document_ids))
+
+
+def strided_pattern(
+    *,
+    stride: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> MaskFn:
+    """The full strided pattern: `strided(l, causal) AND real key? AND same document?`.
+
+    The strided sets depend on the distance i − j only, so counting positions from each packed document's start
+    (as the pattern requires) changes nothing once keys of other documents are hidden.
 
     Args:
         stride: The stride l, >= 1.
         causal: The decoder form (only keys at or before the query).
         key_padding_mask: Optional bool `[b, n]`, True = real token.
+        document_ids: Optional integer `[b, n]`, the document of each token in a packed row.
 
     Returns:
         The composed `MaskFn`.
@@ -545,6 +647,8 @@ def strided_pattern(*, stride: int, causal: bool = False, key_padding_mask: Tens
     parts = [strided_mask(stride, causal)]
     if key_padding_mask is not None:
         parts.append(key_padding_predicate(key_padding_mask))
+    if document_ids is not None:
+        parts.append(same_document_mask(document_ids))
     return parts[0] if len(parts) == 1 else and_masks(*parts)
 
 
@@ -555,11 +659,14 @@ def fixed_pattern(
     summary_per_head: bool = False,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> MaskFn:
-    """The full fixed pattern: `fixed(l, c) AND causal? AND real key?`.
+    """The full fixed pattern: `fixed(l, c) AND causal? AND real key? AND same document?`.
 
     With a padding mask, blocks are counted from each row's first real token (`from_first_real_token`), so left
-    padding does not move the block boundaries; causality is on the actual positions.
+    padding does not move the block boundaries; in packed rows they are counted from each document's start
+    (`from_document_start`), so every document sees the blocks it would see alone. Causality is on the actual
+    positions.
 
     Args:
         block_size: Block length l, >= 1.
@@ -567,6 +674,7 @@ def fixed_pattern(
         summary_per_head: Distinct summary sub-blocks per head (see `fixed_mask`).
         causal: Restrict every query to keys at or before its position.
         key_padding_mask: Optional bool `[b, n]`, True = real token.
+        document_ids: Optional integer `[b, n]`, the document of each token in a packed row.
 
     Returns:
         The composed `MaskFn`.
@@ -575,7 +683,9 @@ def fixed_pattern(
         ValueError: For invalid sizes or mask rank.
     """
     parts = [fixed_mask(block_size, num_summary, summary_per_head)]
-    if key_padding_mask is not None:
+    if document_ids is not None:
+        parts[0] = from_document_start(parts[0], document_ids)
+    elif key_padding_mask is not None:
         parts[0] = from_first_real_token(parts[0], key_padding_mask)
     if causal:
         parts.append(causal_mask())

@@ -1,0 +1,199 @@
+"""Packed documents (several per row, `position_ids` restarting at 0 or the varlen keywords): attention never
+crosses a document boundary, in every kind and back end.
+
+For kinds whose pattern does not depend on content, a packed forward and backward equals each document run alone
+(float64); for content-based kinds (LSH, routing, Sinkhorn) no weight crosses a boundary; kinds that cannot pack
+refuse with a `ValueError`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kind_configs import kind_config, random_ids
+
+from longattn import LongAttnModel, executor_xformers, ops, patterns
+from longattn.backends import BACKENDS, AttentionRequest
+from longattn.packing import document_ids_from_cu_seq_lens, document_ids_from_position_ids, packed_document_ids
+
+# Two packed rows of 24 tokens; odd lengths, so no document starts on a block boundary.
+ROWS = ((7, 12, 5), (11, 13))
+PATTERN_KINDS = ("full", "sliding", "strided", "fixed")
+
+
+def _positions(rows=ROWS) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])  # [b, n]
+
+
+def _documents(rows=ROWS):
+    """(row, start, stop) of every document."""
+    spans = []
+    for r, row in enumerate(rows):
+        start = 0
+        for n in row:
+            spans.append((r, start, start + n))
+            start += n
+    return spans
+
+
+def _model(kind: str, *, causal: bool, backend: str = "torch", **fields) -> LongAttnModel:
+    config = kind_config(
+        kind, is_decoder=causal, use_cache=False, attention_backend=backend, position_embedding_type="rope", **fields
+    )
+    torch.manual_seed(0)
+    return LongAttnModel(config).double().eval()
+
+
+def _forward_backward(model, ids, weights, **inputs):
+    """Output `[b, n, D]` and the gradients of `(output * weights).sum()` with respect to every parameter."""
+    out = model(ids, **inputs).last_hidden_state
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out * weights).sum(), params, allow_unused=True)
+    return out, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def assert_packed_equals_alone(model, *, global_first: bool = False, rows=ROWS, **packed_inputs):
+    """Packed rows give each document's output, and the sum of its gradients, of the document run alone."""
+    ids = random_ids(len(rows), sum(rows[0]))
+    weights = torch.randn(
+        *ids.shape, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    packed_inputs.setdefault("position_ids", _positions(rows))
+    if global_first:
+        packed_inputs["global_attention_mask"] = packed_inputs["position_ids"] == 0
+    out, grads = _forward_backward(model, ids, weights, **packed_inputs)
+    alone_grads = [torch.zeros_like(g) for g in grads]
+    for r, start, stop in _documents(rows):
+        inputs = {}
+        if global_first:
+            inputs["global_attention_mask"] = (torch.arange(stop - start) == 0)[None]
+        out_doc, grads_doc = _forward_backward(
+            model, ids[r : r + 1, start:stop], weights[r : r + 1, start:stop], **inputs
+        )
+        torch.testing.assert_close(out[r : r + 1, start:stop], out_doc, atol=1e-9, rtol=0)
+        alone_grads = [a + g for a, g in zip(alone_grads, grads_doc)]
+    for packed, alone in zip(grads, alone_grads):
+        torch.testing.assert_close(packed, alone, atol=1e-9, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- document ids
+def test_document_ids_from_position_ids_and_cu_seq_lens_agree():
+    documents = document_ids_from_position_ids(_positions())
+    assert documents.tolist() == [[0] * 7 + [1] * 12 + [2] * 5, [0] * 11 + [1] * 13]
+    cu = torch.tensor([0, 7, 19, 24, 35, 48], dtype=torch.int32)
+    by_lengths = document_ids_from_cu_seq_lens(cu, batch=2, length=24)
+    assert torch.equal(by_lengths == by_lengths[:, :1], documents == 0)  # the same boundaries
+    assert packed_document_ids(position_ids=torch.arange(24)[None], batch=2, length=24) is None  # not packed
+
+
+@pytest.mark.parametrize(
+    ("cu_q", "cu_k", "match"),
+    [
+        ([0, 20, 48], [0, 20, 48], "crossing the end of a row"),
+        ([0, 7, 40], [0, 7, 40], "rise from 0 to batch"),
+        ([0, 24, 48], [0, 20, 48], "differs from"),
+        ([0, 24, 48], None, "given alone"),
+    ],
+)
+def test_bad_varlen_keywords_are_refused(cu_q, cu_k, match):
+    with pytest.raises(ValueError, match=match):
+        packed_document_ids(
+            position_ids=None,
+            batch=2,
+            length=24,
+            cu_seq_lens_q=torch.tensor(cu_q),
+            cu_seq_lens_k=None if cu_k is None else torch.tensor(cu_k),
+        )
+
+
+# ---------------------------------------------------------------------------------------------- pattern kinds
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("kind", PATTERN_KINDS)
+def test_packed_pattern_kind_equals_documents_alone(kind, causal, backend):
+    assert_packed_equals_alone(_model(kind, causal=causal, backend=backend))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+def test_packed_global_tokens_are_global_within_their_document(causal):
+    assert_packed_equals_alone(_model("sliding", causal=causal), global_first=True)
+
+
+def test_varlen_keywords_equal_restarting_positions():
+    """`cu_seq_lens_q` / `cu_seq_lens_k` over the flattened batch (one row) mark the same documents; positions
+    restart from them when `position_ids` is not given."""
+    rows = ((7, 12, 5),)
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    model = _model("fixed", causal=True)
+    varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
+    assert_packed_equals_alone(model, rows=rows, position_ids=None, **varlen)
+
+
+# ---------------------------------------------------------------------------------------------- GPU back ends on CPU
+def _qkv(b=2, h=2, n=24, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+OPS_CASES = [
+    ("full", ops.full_attention, {}),
+    ("sliding", ops.sliding_window_attention, {"window": 3}),
+    ("dilated", ops.sliding_window_attention, {"window": 2, "dilation": 2}),
+    ("strided", ops.strided_attention, {"stride": 4}),
+    ("fixed", ops.fixed_attention, {"block_size": 5, "num_summary": 2}),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(("name", "fn", "fields"), OPS_CASES, ids=[case[0] for case in OPS_CASES])
+def test_flex_document_mask_equals_reference(name, fn, fields, causal):
+    """FlexAttention (forward only on CPU) reads the same document predicate as the reference."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _qkv()
+    documents = document_ids_from_position_ids(_positions())
+    expected = fn(q, k, v, causal=causal, document_ids=documents, backend="reference", **fields)
+    with torch.no_grad():
+        got = fn(q, k, v, causal=causal, document_ids=documents, backend="flex", **fields)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, 3)])
+def test_xformers_block_diagonal_bias_is_the_document_pattern(causal, window):
+    """The xformers bias built for packed documents, materialised, is the pattern's mask over the flattened batch."""
+    pytest.importorskip("xformers")
+    documents = document_ids_from_position_ids(_positions())
+    b, n = documents.shape
+    bias = executor_xformers.document_bias(documents, causal=causal, window=window)
+    visible = bias.materialize((b * n, b * n), dtype=torch.float32).isfinite()  # [b·n, b·n]
+    if window is None:
+        mask_fn = patterns.and_masks(
+            *([patterns.causal_mask()] if causal else []), patterns.same_document_mask(documents)
+        )
+    else:
+        mask_fn = patterns.sliding_window_pattern(window=window, causal=True, document_ids=documents)
+    expected = patterns.materialize_mask(mask_fn, batch=b, heads=1, q_len=n, kv_len=n)[:, 0]  # [b, n, n]
+    assert torch.equal(visible, torch.block_diag(*expected))
+
+
+@pytest.mark.parametrize(
+    ("fn", "fields", "causal"),
+    [
+        (ops.full_attention, {}, False),
+        (ops.full_attention, {}, True),
+        (ops.sliding_window_attention, {"window": 3}, True),
+    ],
+)
+def test_xformers_document_path_runs_and_equals_reference(reference_kernel, fn, fields, causal):
+    q, k, v = _qkv()
+    documents = document_ids_from_position_ids(_positions())
+    expected = fn(q, k, v, causal=causal, document_ids=documents, backend="reference", **fields)
+    got = fn(q, k, v, causal=causal, document_ids=documents, backend="xformers", **fields)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_keeps_xformers_off_documents_it_cannot_map():
+    q, k, v = _qkv()
+    request = AttentionRequest.for_inputs(q, k, v, pattern="sliding", causal=False, documents=True)
+    assert any("packed documents" in reason for reason in BACKENDS["xformers"].reasons_not_supported(request))
+    causal = AttentionRequest.for_inputs(q, k, v, pattern="sliding", causal=True, documents=True)
+    assert not any("packed documents" in reason for reason in BACKENDS["xformers"].reasons_not_supported(causal))
