@@ -38,6 +38,16 @@ from .ops import reference_attention
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
 
 
+def _packing_kinds() -> list[str]:
+    """The defined kinds that pack (`supports_packing`), for error messages."""
+    kinds, pending = set(), list(LongAttnAttention.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        kinds.update([cls.attention_type] if cls.supports_packing else [])
+        pending.extend(cls.__subclasses__())
+    return sorted(kinds)
+
+
 class LongAttnAttention(nn.Module):
     """Multi-head self-attention with a pluggable pattern; the base of every attention kind.
 
@@ -134,6 +144,23 @@ class LongAttnAttention(nn.Module):
         return None
 
     # -------------------------------------------------------------- shared machinery
+    def document_kwargs(self, document_ids: Tensor | None) -> dict[str, Tensor]:
+        """`{"document_ids": document_ids}` for the kind's `attend` / `attend_dense` / `pattern`, `{}` without them.
+
+        Raises:
+            ValueError: `document_ids` is given and the kind cannot keep packed documents apart.
+        """
+        if document_ids is None:
+            return {}
+        if not self.supports_packing:
+            raise ValueError(
+                f"attention_type {self.attention_type!r} (layer {self.layer_idx}) cannot run packed documents "
+                "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`): its keys or state would mix the "
+                "documents of a row. Pad each document to its own row instead, or use a kind that packs: "
+                f"{_packing_kinds()}."
+            )
+        return {"document_ids": document_ids}
+
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [b, h, n, d]
@@ -268,16 +295,7 @@ class LongAttnAttention(nn.Module):
         Raises:
             ValueError: `document_ids` is given to a kind that cannot keep packed documents apart.
         """
-        documents = {}
-        if document_ids is not None:
-            if not self.supports_packing:
-                raise ValueError(
-                    f"attention_type {self.attention_type!r} (layer {self.layer_idx}) cannot run packed documents "
-                    "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`): its keys mix the whole row. "
-                    "Pad each document to its own row instead, or use a kind that packs (full, sliding, strided, "
-                    "fixed, efficient, lsh, routing, sinkhorn)."
-                )
-            documents = {"document_ids": document_ids}
+        documents = self.document_kwargs(document_ids)
         q, k, v = self.attention_inputs(
             hidden_states, key_padding_mask=attention_mask, position_embeddings=position_embeddings
         )

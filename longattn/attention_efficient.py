@@ -15,6 +15,7 @@ from typing import Any
 
 from .attention_base import LongAttnAttention
 from .ops_linear import efficient_attention, efficient_attention_weights
+from .patterns import DocumentRows
 
 
 class EfficientAttention(LongAttnAttention):
@@ -31,20 +32,41 @@ class EfficientAttention(LongAttnAttention):
     """
 
     attention_type = "efficient"
+    supports_packing = True
+    """Packed documents: each moved to a row of its own (`patterns.DocumentRows`), so that its global context (its
+    running state, causal) starts afresh, as for the document alone."""
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.normalization = config.efficient_normalization
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        if document_ids is not None:
+            rows = DocumentRows(document_ids, key_padding_mask)
+            return rows.merge(
+                self.attend(
+                    rows.split(q), rows.split(k), rows.split(v), key_padding_mask=rows.padding, global_mask=None
+                )
+            )
         return efficient_attention(
             q, k, v, normalization=self.normalization, causal=self.is_causal, key_padding_mask=key_padding_mask
         )
 
-    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         """The n queries (the last n positions) against all m keys through the explicit `[b, h, n, m]` weights."""
-        weights = efficient_attention_weights(
-            q, k, normalization=self.normalization, causal=self.is_causal, key_padding_mask=key_padding_mask
-        )
+        if document_ids is not None:
+            rows = DocumentRows(document_ids, key_padding_mask)
+            weights = efficient_attention_weights(
+                rows.split(q),
+                rows.split(k),
+                normalization=self.normalization,
+                causal=self.is_causal,
+                key_padding_mask=rows.padding,
+            )
+            weights = rows.merge_weights(weights)
+        else:
+            weights = efficient_attention_weights(
+                q, k, normalization=self.normalization, causal=self.is_causal, key_padding_mask=key_padding_mask
+            )
         out = (weights @ v.to(weights.dtype)).to(q.dtype)
         return out, weights.to(q.dtype)

@@ -53,6 +53,7 @@ class LSHAttention(LongAttnAttention):
     """
 
     attention_type = "lsh"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -157,15 +158,18 @@ class LSHAttention(LongAttnAttention):
             dropout_p=self.dropout_p if self.training else 0.0,
         )
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         return lsh_attention(
             q,
             v,
             num_hashes=self.num_hashes,
             key_padding_mask=key_padding_mask,
             backend=self.backend,
+            document_ids=document_ids,
             **self._pattern(q.device),
         )
 
-    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
-        return lsh_attention_dense(q, k, v, key_padding_mask=key_padding_mask, **self._pattern(q.device))
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        return lsh_attention_dense(
+            q, k, v, key_padding_mask=key_padding_mask, document_ids=document_ids, **self._pattern(q.device)
+        )

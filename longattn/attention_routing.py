@@ -42,8 +42,9 @@ from .attention_base import LongAttnAttention
 from .backends import AttentionRequest, select_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
-from .ops_checks import check_token_mask, empty_attention, is_empty
+from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
 from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .patterns import document_index
 
 __all__ = [
     "RoutingAttention",
@@ -265,6 +266,7 @@ def routing_attention(
     return_statistics: bool = False,
     backend: str = "auto",
     dense: bool = False,
+    document_ids: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
@@ -284,6 +286,9 @@ def routing_attention(
             until it is measured on a GPU.
         dense: The dense form instead (`routing_attention_dense`): `(out, weights [b, h, n, m])`, and q may be
             the last n of m key positions (cached decoding) in the causal form.
+        document_ids: Integer `[b, m]`, the document of each token of packed rows: a query attends to the keys of
+            its cluster that belong to its own document only (causal: the cluster is split per document, so the
+            W most recent keys are of the query's document).
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
@@ -294,10 +299,11 @@ def routing_attention(
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    documents = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
     if dense:
         if is_empty(q, k):
             return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
-        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p)
+        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p, documents)
     if is_empty(q, k):
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
@@ -329,6 +335,12 @@ def routing_attention(
                 if return_statistics
                 else None
             )
+            if documents is not None:  # one cluster per (cluster, document): its recent keys are the document's
+                index = document_index(documents)[:, None, :]  # [b, 1, n]
+                per_document = int(index.max()) + 1
+                query_cluster = torch.where(query_cluster >= 0, query_cluster * per_document + index, -1)
+                key_cluster = torch.where(key_cluster >= 0, key_cluster * per_document + index, -1)
+                clusters = clusters * per_document
         else:
             size = -(-q.shape[2] // clusters)  # k for the full length; shorter rows use fewer slots
             query_top, used = _balanced_members(q, centroids, valid, size)
@@ -354,7 +366,9 @@ def routing_attention(
             windows=windows,
         )
     else:
-        out = _balanced_routing(q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows)
+        out = _balanced_routing(
+            q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows, documents=documents
+        )
     return (out, statistics) if return_statistics else out
 
 
@@ -368,7 +382,7 @@ def _heads(x: Tensor) -> list[Tensor]:
     return [head.reshape(b * n, d) for head in x.unbind(1)]
 
 
-def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows):
+def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows, documents=None):
     """Attention inside the balanced clusters `[b, h, C, k]` of queries and keys; a query in several clusters
     gets one softmax over the union of their keys.
 
@@ -389,21 +403,27 @@ def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, wi
             scale=scale,
             dropout_p=dropout_p,
             windows=windows,
+            documents=documents,
         )
         for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
     ]
     return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
 
 
-def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows):
-    """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`; output `[b·n, d_v]`
-    in float32 for half inputs."""
+def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows, documents=None):
+    """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`, documents
+    `[b, n]` or None; output `[b·n, d_v]` in float32 for half inputs."""
     d, d_v = q.shape[-1], v.shape[-1]
     b, clusters, size = query_top.shape
     with torch.no_grad():
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
+        key_mask = slot_used.reshape(-1, 1, size)  # [b·C, 1, k]
+        if documents is not None:  # a cluster may hold several documents: its queries see their own document's keys
+            query_document = documents.gather(1, query_top.reshape(b, -1)).view(-1, size, 1)
+            key_document = documents.gather(1, key_top.reshape(b, -1)).view(-1, 1, size)
+            key_mask = key_mask & (query_document == key_document)  # [b·C, k, k]
     if windows is attend_windows and dropout_p == 0.0:
         # Memory O(n·d) + indices: the kernel gathers each group's rows itself (in forward and again in backward)
         # and merges the clusters of a query by log-sum-exp, so no gathered copy or probability is kept.
@@ -422,13 +442,13 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
             width=size,
             stride=size,
             scale=scale,
-            mask=slot_used.reshape(-1, 1, size),
+            mask=key_mask,
         )
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d),
         k.index_select(0, key_index),
         v.index_select(0, key_index),
-        slot_used.reshape(-1, 1, size),
+        key_mask,
         stride=size,
         scale=scale,
         dropout_p=dropout_p,
@@ -572,18 +592,24 @@ def routing_attention_dense(
     return routing_attention(q, k, v, centroids, dense=True, **settings)
 
 
-def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p):
-    """`routing_attention_dense` after the checks (key_padding_mask checked, scale resolved, inputs not empty)."""
+def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p, documents=None):
+    """`routing_attention_dense` after the checks (key_padding_mask and documents checked, scale resolved, inputs
+    not empty)."""
     b, h, n, d = q.shape
     m = k.shape[2]
     dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
+    same_document = None
+    if documents is not None:
+        same_document = (documents[:, m - n :, None] == documents[:, None, :])[:, None]  # [b, 1, n, m]
     if causal:
         key_cluster = _nearest(k, centroids)  # [b, h, m]
         query_cluster = _nearest(q, centroids)  # [b, h, n]
         q_pos = torch.arange(m - n, m, device=q.device)
         same = (query_cluster[..., :, None] == key_cluster[..., None, :]) & valid[:, None, None, :]
+        if same_document is not None:
+            same &= same_document
         same &= q_pos[:, None] >= torch.arange(m, device=q.device)
         back = same.flip(-1).cumsum(-1).flip(-1)  # same-cluster keys from this one up to the query
         bias = torch.zeros_like(scores).masked_fill_(~(same & (back <= causal_window)), -math.inf)
@@ -599,6 +625,8 @@ def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, 
         query_member = torch.zeros(b, h, clusters, m, device=q.device).scatter_(-1, query_top, used)
         key_member = torch.zeros(b, h, clusters, m, device=q.device).scatter_(-1, key_top, used)
         count = torch.einsum("bhci,bhcj->bhij", query_member, key_member)  # clusters that hold both
+        if same_document is not None:
+            count = count * same_document
         bias = count.to(dtype).log()  # -inf where no cluster holds both
         query_valid = torch.ones(b, n, dtype=torch.bool, device=q.device)
     scores = scores + bias
@@ -626,6 +654,7 @@ class RoutingAttention(LongAttnAttention):
     """
 
     attention_type = "routing"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -663,7 +692,7 @@ class RoutingAttention(LongAttnAttention):
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x[:, : self.num_routing_heads], x[:, self.num_routing_heads :]
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         dropout_p = self.dropout_p if self.training else 0.0
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         # The centroids move when the backward pass reaches this layer (see the module docstring).
@@ -680,6 +709,7 @@ class RoutingAttention(LongAttnAttention):
             dropout_p=dropout_p,
             return_statistics=learn,
             backend=self.backend,
+            document_ids=document_ids,
         )
         if learn:
             out, (sums, counts) = out
@@ -692,13 +722,14 @@ class RoutingAttention(LongAttnAttention):
                 window=self.local_window,
                 causal=self.is_causal,
                 key_padding_mask=key_padding_mask,
+                document_ids=document_ids,
                 scale=self.scale,
                 dropout_p=dropout_p,
             )
             out = torch.cat([out, local], dim=1)
         return out
 
-    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         dropout_p = self.dropout_p if self.training else 0.0
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         out, weights = routing_attention_dense(
@@ -711,6 +742,7 @@ class RoutingAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=dropout_p,
+            document_ids=document_ids,
         )
         if self.num_local_heads:
             n, m = q.shape[2], k.shape[2]
@@ -722,6 +754,8 @@ class RoutingAttention(LongAttnAttention):
             mask = near[None, None]
             if key_padding_mask is not None:
                 mask = mask & key_padding_mask[:, None, None, :]  # bool: checked by routing_attention_dense
+            if document_ids is not None:
+                mask = mask & (document_ids[:, m - n :, None] == document_ids[:, None, :])[:, None]
             local, local_weights = _masked_attention(q_l, k_l, v_l, mask, self.scale, dropout_p)
             out = torch.cat([out, local], dim=1)
             weights = torch.cat([weights, local_weights], dim=1)

@@ -50,7 +50,8 @@ from .backends import AttentionRequest, select_backend
 from .executor_blocked import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
-from .ops_checks import check_token_mask, empty_attention, is_empty
+from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
+from .patterns import document_layout
 
 __all__ = [
     "SinkhornAttention",
@@ -122,6 +123,7 @@ def sinkhorn_sort_matrix(
     causal: bool,
     noise: bool = False,
     padded: bool = True,
+    block_documents: Tensor | None = None,
 ) -> Tensor:
     """The block sorting matrix S `[b, h, B, B]` (rows: target blocks, columns: source blocks).
 
@@ -135,6 +137,9 @@ def sinkhorn_sort_matrix(
         causal: Row i uses the summary of block i - 1 and may pick only blocks j < i; cumulative columns.
         noise: Add Gumbel noise to the scores (training).
         padded: Whether `valid` may be False anywhere; False skips the masking work (bidirectional only).
+        block_documents: Optional integer `[b, B]`, the document of every block of packed rows (laid out so that no
+            block holds two): a block sorts among its own document's blocks only. S is then block-diagonal, and
+            Sinkhorn's row and column normalisations run within each document, as for the document alone.
 
     Returns:
         S `[b, h, B, B]`, float32 (float64 for float64 keys); rows sum to 1 where anything is allowed.
@@ -155,6 +160,9 @@ def sinkhorn_sort_matrix(
         allowed = row_ok[:, None, :, None] & has_tokens[:, None, None, :]  # [b, 1, B, B]
     if causal:
         allowed = allowed & torch.ones(blocks, blocks, dtype=torch.bool, device=k.device).tril(-1)
+    if block_documents is not None:
+        same = (block_documents[:, :, None] == block_documents[:, None, :])[:, None]  # [b, 1, B, B]
+        allowed = same if allowed is None else allowed & same
     return log_sinkhorn(scores / temperature, allowed, iterations=iterations, causal=causal)
 
 
@@ -214,6 +222,8 @@ def sinkhorn_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     return_weights: bool = False,
+    document_ids: Tensor | None = None,
+    _block_documents: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
@@ -238,12 +248,17 @@ def sinkhorn_attention(
             on a GPU); `"reference"`: the dense form, written over all key positions (`_dense_attention`).
         return_weights: Also return the effective attention weights (`sinkhorn_attention_dense`); needs
             `backend="reference"`.
+        document_ids: Integer `[b, n]`, the document of each token of packed rows. The documents are laid out so
+            that each starts on a block boundary (`patterns.document_layout`) and a block sorts among its own
+            document's blocks only, so every document gets the output it would get alone. SortCut cannot pack.
+        _block_documents: Internal: the document of each block of rows already laid out that way.
 
     Returns:
         `[b, h, n, d_v]`; with `return_weights`, `(out, weights [b, h, n, n])`.
 
     Raises:
-        ValueError: Causal SortCut, a `key_padding_mask` that is not a bool `[b, n]` tensor on q's device,
+        ValueError: Causal SortCut, SortCut with `document_ids`, a `key_padding_mask` that is not a bool `[b, n]`
+            tensor on q's device,
             `return_weights` with another back end than `"reference"`, or a back end that cannot run this call (the
             message says why).
     """
@@ -252,6 +267,25 @@ def sinkhorn_attention(
     if return_weights and backend != "reference":
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    document_ids = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
+    if document_ids is not None:
+        if sortcut:
+            raise ValueError(
+                f"SortCut (`sinkhorn_sortcut`={sortcut}) cannot run packed documents (`document_ids`): its keys are "
+                "mixtures of every block of the row. Pad each document to its own row, or use Sinkhorn attention."
+            )
+        settings = dict(
+            block_size=block_size,
+            iterations=iterations,
+            temperature=temperature,
+            causal=causal,
+            scale=scale,
+            noise=noise,
+            dropout_p=dropout_p,
+            backend=backend,
+            return_weights=return_weights,
+        )
+        return _per_document(q, k, v, sort_weight, document_ids, key_padding_mask, settings)
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
         return _dense_attention(
             q,
@@ -267,6 +301,7 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
+            _block_documents,
         )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -302,6 +337,7 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
+            _block_documents,
         )[0]
     b, h, n, d = q.shape
     s = block_size
@@ -319,6 +355,7 @@ def sinkhorn_attention(
         causal=causal,
         noise=noise,
         padded=padded,
+        block_documents=_block_documents,
     )  # [b, h, B, B]
     if sortcut:
         keys, values, visible = _sortcut_keys(k, v, sort, min(sortcut, blocks), s)
@@ -485,7 +522,20 @@ def sinkhorn_attention_dense(
 
 
 def _dense_attention(
-    q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale, noise, dropout_p
+    q,
+    k,
+    v,
+    sort_weight,
+    key_padding_mask,
+    s,
+    iterations,
+    temperature,
+    causal,
+    sortcut,
+    scale,
+    noise,
+    dropout_p,
+    block_documents=None,
 ):
     """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
     b, h, n, d = q.shape
@@ -514,6 +564,7 @@ def _dense_attention(
         temperature=temperature,
         causal=causal,
         noise=noise,
+        block_documents=block_documents,
     ).to(dtype)  # [b, h, B, B]
     layout = torch.empty_like(rotation).scatter_(1, rotation, torch.arange(m, device=q.device).expand_as(rotation))
     q_layout = layout[:, m - n :]  # [b, n], layout position of each query
@@ -556,6 +607,28 @@ def _dense_attention(
     return out.to(q.dtype), weights.to(q.dtype)
 
 
+def _per_document(q, k, v, sort_weight, document_ids, key_padding_mask, settings) -> Tensor | tuple[Tensor, Tensor]:
+    """`sinkhorn_attention` of packed rows: on rows laid out so that each document starts on a block boundary, with
+    blocks sorted within their document (`settings`: its other arguments), gathered back (weights too)."""
+    b, h, n, _ = q.shape
+    s = settings["block_size"]
+    position, real, slot = document_layout(document_ids, s)  # [b, S], [b, S], [b, n]
+    valid = real if key_padding_mask is None else real & key_padding_mask.gather(1, position)
+    block_documents = document_ids.gather(1, position[:, ::s])  # [b, B]: a block's first slot holds a token
+    result = sinkhorn_attention(
+        *(_take(x, position) for x in (q, k, v)),
+        sort_weight,
+        key_padding_mask=valid,
+        _block_documents=block_documents,
+        **settings,
+    )
+    if not settings["return_weights"]:
+        return _take(result, slot)
+    out, weights = result  # [b, h, S, d_v], [b, h, S, S]
+    weights = weights.gather(2, slot[:, None, :, None].expand(b, h, n, weights.shape[3]))
+    return _take(out, slot), weights.gather(3, slot[:, None, None, :].expand(b, h, n, n))
+
+
 def _softmax_or_zero(scores: Tensor) -> Tensor:
     """Softmax over the last dim; rows without any finite score give zeros (not NaN)."""
     sees = ~torch.isneginf(scores).all(dim=-1, keepdim=True)
@@ -577,6 +650,7 @@ class SinkhornAttention(LongAttnAttention):
     """
 
     attention_type = "sinkhorn"
+    supports_packing = True
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -604,8 +678,18 @@ class SinkhornAttention(LongAttnAttention):
             dropout_p=self.dropout_p if self.training else 0.0,
         )
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return sinkhorn_attention(q, k, v, key_padding_mask=key_padding_mask, backend=self.backend, **self._kwargs())
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        return sinkhorn_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            backend=self.backend,
+            document_ids=document_ids,
+            **self._kwargs(),
+        )
 
-    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
-        return sinkhorn_attention_dense(q, k, v, key_padding_mask=key_padding_mask, **self._kwargs())
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        return sinkhorn_attention_dense(
+            q, k, v, key_padding_mask=key_padding_mask, document_ids=document_ids, **self._kwargs()
+        )

@@ -70,6 +70,7 @@ from .patterns import (
     check_fixed_sizes,
     check_stride,
     check_window,
+    document_layout,
     first_real_token,
     fixed_pattern,
     key_padding_predicate,
@@ -594,11 +595,8 @@ def _on_slot_positions(mask_fn: MaskFn, position: Tensor, real: Tensor) -> MaskF
 
 
 def _run_documents_aligned(execute, q: Tensor, k: Tensor, v: Tensor, documents: Tensor, multiple: int) -> Tensor:
-    """`execute(q, k, v, position, real)` on rows laid out so that every document starts at a multiple of `multiple`.
-
-    Documents of lengths 3 and 2 with `multiple` 4 go to slots `A A A _ B B _ _`: the gaps hold no token. An
-    executor whose blocks start at multiples of `multiple` then sees every document's blocks start at its first
-    token, as if the document were alone in a row. The row grows by at most `multiple - 1` slots per document.
+    """`execute(q, k, v, position, real)` on rows laid out so that every document starts at a multiple of
+    `multiple` (`patterns.document_layout`), the output gathered back.
 
     Args:
         execute: Runs attention on laid-out q `[b, h, s, d]`, k, v; `position` `[b, s]` is the original position of
@@ -616,25 +614,12 @@ def _run_documents_aligned(execute, q: Tensor, k: Tensor, v: Tensor, documents: 
     n_k = k.shape[2]
     if n_q < n_k:  # queries of the laid-out rows are no longer a suffix: run every position and keep the last n_q
         q = F.pad(q, (0, 0, n_k - n_q, 0))
-    begins = torch.ones_like(documents, dtype=torch.bool)
-    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    rank = begins.long().cumsum(dim=1) - 1  # [b, n_k], the document's index in its row
-    num_documents = int(rank.max()) + 1
-    lengths = torch.zeros(b, num_documents, dtype=torch.long, device=q.device).scatter_add_(
-        1, rank, torch.ones_like(rank)
-    )  # [b, D]
-    aligned = -(-lengths // multiple) * multiple  # [b, D]
-    offsets = aligned.cumsum(dim=1) - aligned  # [b, D], first slot of each document
-    positions = torch.arange(n_k, device=q.device).expand(b, n_k)
-    start = positions.masked_fill(~begins, 0).cummax(dim=1).values  # [b, n_k]
-    slot = offsets.gather(1, rank) + positions - start  # [b, n_k]
-    slots = int(aligned.sum(dim=1).max())
-    position = torch.zeros(b, slots, dtype=torch.long, device=q.device).scatter_(1, slot, positions)  # [b, s]
-    real = torch.zeros(b, slots, dtype=torch.bool, device=q.device).scatter_(1, slot, True)  # [b, s]
+    position, real, slot = document_layout(documents, multiple)
+    out = execute(*(take_positions(x, position) for x in (q, k, v)), position, real)  # [b, h, s, d_v]
+    return take_positions(out, slot)[:, :, n_k - n_q :]
 
-    def laid_out(x: Tensor) -> Tensor:
-        return x.gather(2, position.view(b, 1, slots, 1).expand(b, x.shape[1], slots, x.shape[3]))
 
-    out = execute(laid_out(q), laid_out(k), laid_out(v), position, real)  # [b, h, s, d_v]
-    out = out.gather(2, slot.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
-    return out[:, :, n_k - n_q :]
+def take_positions(x: Tensor, index: Tensor) -> Tensor:
+    """`x [b, h, n, d]` at positions `index [b, m]` (the same for every head): `[b, h, m, d]`."""
+    b, m = index.shape
+    return x.gather(2, index.view(b, 1, m, 1).expand(b, x.shape[1], m, x.shape[3]))

@@ -70,6 +70,7 @@ from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, compute_dtype
 from .ops_checks import (
     check_backend_support,
+    check_document_ids,
     check_dropout,
     check_flag,
     check_positive_int,
@@ -78,6 +79,7 @@ from .ops_checks import (
     empty_attention,
     is_empty,
 )
+from .patterns import document_index
 
 __all__ = [
     "SELF_SCORE",
@@ -210,6 +212,26 @@ def lsh_buckets(
     if valid is not None:
         buckets.masked_fill_(~valid[:, None, None, :], math.prod(factors))
     return buckets
+
+
+def document_buckets(buckets: Tensor, document_ids: Tensor, padding_bucket: int) -> tuple[Tensor, int]:
+    """Buckets of packed rows that hold one document each: bucket `β · D + document` (D documents per row at most).
+
+    Sorted, the tokens of a bucket are then grouped by document, and equal buckets mean the same document (what
+    causal LSH, and routing's clusters, attend within). Padding keeps a bucket after all others.
+
+    Args:
+        buckets: Long `[b, h, r, n]` in `[0, padding_bucket]`.
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+        padding_bucket: The bucket of padding in `buckets`.
+
+    Returns:
+        `(buckets [b, h, r, n], padding bucket)`.
+    """
+    index = document_index(document_ids)  # [b, n], 0 .. D - 1
+    documents = int(index.max()) + 1 if index.numel() else 1
+    combined = buckets * documents + index[:, None, None, :]
+    return torch.where(buckets == padding_bucket, padding_bucket * documents, combined), padding_bucket * documents
 
 
 def _key_norm_factor(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -949,6 +971,7 @@ def lsh_attention(
     seed: int | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Reformer LSH attention with shared queries and keys, in O(n·log n + n·r·c·w) time.
 
@@ -967,6 +990,9 @@ def lsh_attention(
         num_chunks_after: Later chunks each chunk also attends to (not used when causal).
         causal: A query sees only earlier keys of its own bucket (see the module docstring).
         key_padding_mask: Bool `[b, n]`, True = real token.
+        document_ids: Integer `[b, n]`, the document of each token of packed rows (contiguous runs of one id): a
+            bucket holds the tokens of one document only (`document_buckets`), and chunk neighbours of another
+            document are hidden, so no query attends to another document's key.
         rotations: Explicit rotations `[h or 1, d, r, Σ factors/2]` (e.g. transformers'); override the seed.
         seed: Seed of the rotations (`lsh_rotations`); None = fresh random rotations.
         dropout_p: Dropout on the attention probabilities.
@@ -995,6 +1021,7 @@ def lsh_attention(
     if causal and num_chunks_before < 1:
         raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n, device=qk.device)
+    document_ids = check_document_ids(document_ids, b, n, device=qk.device)
     dropout_p = check_dropout(dropout_p)
     if num_buckets is not None:
         hash_factors(num_buckets)
@@ -1044,6 +1071,7 @@ def lsh_attention(
             causal=causal,
             key_padding_mask=key_padding_mask,
             dropout_p=dropout_p,
+            document_ids=document_ids,
         )
         return out
     r = rotations.shape[2]
@@ -1066,8 +1094,11 @@ def lsh_attention(
     with torch.no_grad():
         factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
         buckets = lsh_buckets(qk, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, n]
-        # The alignment padding joins the padding bucket (math.prod(factors)), after every real token.
-        buckets = F.pad(buckets, (0, n_pad - n), value=math.prod(factors))  # [b, h, r, n_pad]
+        padding_bucket = math.prod(factors)
+        if document_ids is not None:
+            buckets, padding_bucket = document_buckets(buckets, document_ids, padding_bucket)
+        # The alignment padding joins the padding bucket, after every real token.
+        buckets = F.pad(buckets, (0, n_pad - n), value=padding_bucket)  # [b, h, r, n_pad]
         positions = torch.arange(n_pad, device=device)
         order = (buckets * n_pad + positions).argsort(dim=-1)  # [b, h, r, n_pad]: by bucket, then position
         rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))  # sorted index of each
@@ -1088,6 +1119,13 @@ def lsh_attention(
         row_valid = torch.zeros(key_index.shape[0], dtype=torch.bool, device=device)
         row_valid[key_rows] = valid[:, None, None, :].expand(b, h, r, n).reshape(-1)
         mask = _windows(row_valid[:, None], 0, n_queries, c, w).view(n_queries, 1, w)  # [U, 1, w]
+        if document_ids is not None and not causal:
+            # Chunk neighbours may hold another document (causal queries see their own bucket only, one document).
+            row_document = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
+            row_document[key_rows] = document_ids[:, None, None, :].expand(b, h, r, n).reshape(-1)
+            key_document = _windows(row_document[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
+            query_document = row_document[before * c : before * c + n_queries * c].view(n_queries, c, 1)
+            mask = mask & (key_document == query_document)  # [U, c, w]
 
     if windows is attend_windows and dropout_p == 0.0:
         # Neither the sorted copies nor the probabilities are kept: the kernel gathers the rows of each group of
@@ -1101,7 +1139,7 @@ def lsh_attention(
                 sorted_buckets = buckets.gather(-1, order)
                 bucket_start = torch.searchsorted(sorted_buckets, sorted_buckets).gather(-1, rank)  # [b, h, r, n_pad]
                 back = (rank - bucket_start).clamp_(max=before * c)
-                back.masked_fill_(buckets == math.prod(factors), 0)  # padding sees no key
+                back.masked_fill_(buckets == padding_bucket, 0)  # padding sees no key
                 column = before * c + buffer_row % c
                 first = _scatter_index(n_queries * c, buffer_row[..., :n], (column - back)[..., :n]).clamp_(min=0)
                 last = _scatter_index(n_queries * c, buffer_row[..., :n], column[..., :n]).clamp_(min=0)
@@ -1213,6 +1251,7 @@ def lsh_attention_dense(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The same attention as `lsh_attention`, written as dense masked attention in O(r·n·m) (with its weights).
 
@@ -1226,8 +1265,8 @@ def lsh_attention_dense(
         k: Keys `[b, h, m, d]` (the shared vectors, not normalised).
         v: Values `[b, h, m, d_v]`.
         rotations: `[h or 1, d, r, Σ factors/2]`, the rotations the fast path used.
-        bucket_size, num_buckets, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p: As in
-            `lsh_attention`.
+        bucket_size, num_buckets, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p,
+            document_ids: As in `lsh_attention` (`document_ids` `[b, m]`).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`, weights summed over the rounds.
@@ -1241,10 +1280,14 @@ def lsh_attention_dense(
     if not causal and n != m:
         raise ValueError(f"bidirectional LSH needs every query (n={n}) to be a key position (m={m}).")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, m, device=q.device)
+    document_ids = check_document_ids(document_ids, b, m, device=q.device)
     dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     q_pos = torch.arange(m - n, m, device=q.device)
     key_buckets = lsh_buckets(k, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, m]
+    if document_ids is not None:
+        factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
+        key_buckets, _ = document_buckets(key_buckets, document_ids, math.prod(factors))
     query_buckets = key_buckets[..., m - n :]  # shared QK: a query hashes like its key
     same_position = q_pos[:, None] == torch.arange(m, device=q.device)  # [n, m]
     if causal:
@@ -1260,6 +1303,8 @@ def lsh_attention_dense(
         distance = chunk[..., None, :] - chunk[..., :, None]  # [b, h, r, n, m]: key chunk - query chunk
         visible = (distance >= -num_chunks_before) & (distance <= num_chunks_after) & valid[:, None, None, None, :]
         visible &= ~same_position
+        if document_ids is not None:  # chunk neighbours may hold another document
+            visible &= (document_ids[:, :, None] == document_ids[:, None, :])[:, None, None]
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), normalize_keys(k.to(dtype)))[:, :, None]  # [b, h, 1, n, m]
     scores = scores.masked_fill(~visible, -math.inf)
     lonely = ~visible.any(dim=-1, keepdim=True)  # [b, h, r, n, 1]: only the query's own key is left

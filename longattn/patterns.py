@@ -43,6 +43,9 @@ __all__ = [
     "mask_reach",
     "same_document_mask",
     "document_starts",
+    "document_index",
+    "document_layout",
+    "DocumentRows",
     "from_document_start",
     "within_documents",
 ]
@@ -590,6 +593,97 @@ def document_starts(document_ids: Tensor) -> Tensor:
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return positions.masked_fill(~starts, 0).cummax(dim=1).values
+
+
+def document_index(document_ids: Tensor) -> Tensor:
+    """Each token's document numbered 0, 1, ... from the start of its row (whatever ids the row uses).
+
+    Args:
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+
+    Returns:
+        Long `[b, n]`.
+    """
+    begins = torch.ones_like(_check_document_ids(document_ids), dtype=torch.bool)
+    begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return begins.long().cumsum(dim=1) - 1
+
+
+def document_layout(document_ids: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots for packed rows in which every document starts at a multiple of `multiple`.
+
+    Documents of lengths 3 and 2 with `multiple` 4 go to slots `A A A _ B B _ _`: the gaps hold no token. A
+    blocked executor whose blocks start at multiples of `multiple` then sees every document's blocks start at its
+    first token, as if the document were alone in a row. A row grows by at most `multiple - 1` slots per document.
+
+    Args:
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+        multiple: Slots every document start is aligned to.
+
+    Returns:
+        `(position, real, slot)`: long `[b, s]`, the original position of each slot (0 in gaps); bool `[b, s]`, the
+        slots that hold a token; long `[b, n]`, the slot of each position.
+    """
+    b, n = document_ids.shape
+    device = document_ids.device
+    index = document_index(document_ids)  # [b, n]
+    lengths = torch.zeros(b, int(index.max()) + 1, dtype=torch.long, device=device).scatter_add_(
+        1, index, torch.ones_like(index)
+    )  # [b, D]
+    aligned = -(-lengths // multiple) * multiple  # [b, D]
+    offsets = aligned.cumsum(dim=1) - aligned  # [b, D], first slot of each document
+    positions = torch.arange(n, device=device).expand(b, n)
+    slot = offsets.gather(1, index) + positions - document_starts(document_ids)  # [b, n]
+    slots = int(aligned.sum(dim=1).max())
+    position = torch.zeros(b, slots, dtype=torch.long, device=device).scatter_(1, slot, positions)
+    real = torch.zeros(b, slots, dtype=torch.bool, device=device).scatter_(1, slot, True)
+    return position, real, slot
+
+
+class DocumentRows:
+    """Packed documents moved to rows of their own, `[b · D, L]` (D documents per row at most, L the longest), and
+    back: for kinds whose state would otherwise run across a whole row (efficient attention's global context), so that
+    each document gets exactly what it would get alone, padded at its end.
+
+    Args:
+        document_ids: Integer `[b, n]`, contiguous runs of one id per document.
+        key_padding_mask: Optional bool `[b, n]`, True = real token.
+    """
+
+    def __init__(self, document_ids: Tensor, key_padding_mask: Tensor | None = None):
+        b, n = document_ids.shape
+        within = torch.arange(n, device=document_ids.device) - document_starts(document_ids)  # [b, n]
+        self.length = int(within.max()) + 1  # L, the longest document
+        self.position, real, self.slot = document_layout(document_ids, self.length)  # [b, D·L], [b, n]
+        self.documents = self.position.shape[1] // self.length
+        if key_padding_mask is not None:
+            real = real & key_padding_mask.gather(1, self.position)
+        self.padding = real.view(b * self.documents, self.length)  # [b·D, L], True = real token
+
+    def split(self, x: Tensor) -> Tensor:
+        """`[b, h, n, d]` -> `[b · D, h, L, d]`."""
+        b, h, _, d = x.shape
+        rows = x.gather(2, self.position[:, None, :, None].expand(b, h, -1, d))  # [b, h, D·L, d]
+        return rows.view(b, h, self.documents, self.length, d).transpose(1, 2).reshape(-1, h, self.length, d)
+
+    def merge(self, x: Tensor) -> Tensor:
+        """`[b · D, h, L, d]` -> `[b, h, n, d]`."""
+        b, n = self.slot.shape
+        h, d = x.shape[1], x.shape[3]
+        rows = x.view(b, self.documents, h, self.length, d).transpose(1, 2).reshape(b, h, -1, d)  # [b, h, D·L, d]
+        return rows.gather(2, self.slot[:, None, :, None].expand(b, h, n, d))
+
+    def merge_weights(self, weights: Tensor) -> Tensor:
+        """Per-document weights `[b · D, h, L, L]` -> `[b, h, n, n]`, zero between documents."""
+        b, n = self.slot.shape
+        h = weights.shape[1]
+        blocks = weights.view(b, self.documents, h, self.length, self.length)
+        document, within = self.slot // self.length, self.slot % self.length  # [b, n]
+        rows = blocks[torch.arange(b, device=weights.device)[:, None], document]  # [b, n, h, L, L]: each query's doc
+        rows = rows.gather(3, within[:, :, None, None, None].expand(b, n, h, 1, self.length)).squeeze(3)  # [b,n,h,L]
+        keys = rows.gather(3, within[:, None, None, :].expand(b, n, h, n))  # [b, n, h, n]
+        same = (document[:, :, None] == document[:, None, :])[:, :, None]  # [b, n, 1, n]
+        return (keys * same).transpose(1, 2)  # [b, h, n, n]
 
 
 def from_document_start(mask_fn: MaskFn, document_ids: Tensor) -> MaskFn:

@@ -12,13 +12,18 @@ import pytest
 import torch
 from kind_configs import kind_config, random_ids
 
-from longattn import LongAttnModel, executor_xformers, ops, patterns
+from longattn import LongAttnForSequenceClassification, LongAttnModel, executor_xformers, ops, patterns
 from longattn.backends import BACKENDS, AttentionRequest
 from longattn.packing import document_ids_from_cu_seq_lens, document_ids_from_position_ids, packed_document_ids
 
 # Two packed rows of 24 tokens; odd lengths, so no document starts on a block boundary.
 ROWS = ((7, 12, 5), (11, 13))
 PATTERN_KINDS = ("full", "sliding", "strided", "fixed")
+# Content or state that is per document once packed: Sinkhorn sorts each document's blocks among themselves (laid
+# out on block boundaries), efficient attention runs each document as a row of its own.
+EXACT_KINDS = (*PATTERN_KINDS, "sinkhorn", "efficient")
+CONTENT_KINDS = ("lsh", "routing", "sinkhorn")
+REFUSING_KINDS = ("linformer", "synthesizer", "reduction", "adaptive_span", "binary_partition", "deformable")
 
 
 def _positions(rows=ROWS) -> torch.Tensor:
@@ -106,12 +111,66 @@ def test_bad_varlen_keywords_are_refused(cu_q, cu_k, match):
         )
 
 
-# ---------------------------------------------------------------------------------------------- pattern kinds
+# ---------------------------------------------------------------------------------------------- exact kinds
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
-@pytest.mark.parametrize("kind", PATTERN_KINDS)
-def test_packed_pattern_kind_equals_documents_alone(kind, causal, backend):
+@pytest.mark.parametrize("kind", EXACT_KINDS)
+def test_packed_kind_equals_documents_alone(kind, causal, backend):
     assert_packed_equals_alone(_model(kind, causal=causal, backend=backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_packed_causal_routing_equals_documents_alone(backend):
+    """Causal routing splits each cluster per document: a query's W most recent keys are those it has alone."""
+    assert_packed_equals_alone(_model("routing", causal=True, backend=backend))
+
+
+# ---------------------------------------------------------------------------------------------- content kinds
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("kind", CONTENT_KINDS)
+def test_content_kind_never_attends_across_documents(kind, causal):
+    """No attention weight joins two documents: the dense weights are zero across boundaries, and in the fast path
+    the outputs of one document have zero gradient with respect to every other document's inputs (bucket, cluster
+    and block choices carry no gradient, so only an attention weight could carry one)."""
+    model = _model(kind, causal=causal)
+    positions = _positions()
+    documents = document_ids_from_position_ids(positions)
+    embeds = model.get_input_embeddings()(random_ids(*positions.shape)).detach().requires_grad_(True)
+    weights = model(inputs_embeds=embeds, position_ids=positions, output_attentions=True).attentions
+    across = documents[:, None, :, None] != documents[:, None, None, :]  # [b, 1, n, n]
+    for layer_weights in weights:
+        assert layer_weights.masked_select(across).abs().max() == 0
+        assert layer_weights.masked_select(~across).abs().max() > 0
+    out = model(inputs_embeds=embeds, position_ids=positions).last_hidden_state
+    probe = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))  # LayerNorm: not .sum()
+    for r, start, stop in _documents():
+        (grad,) = torch.autograd.grad((out * probe)[r, start:stop].sum(), embeds, retain_graph=True)
+        inside = torch.zeros_like(documents, dtype=torch.bool)
+        inside[r, start:stop] = True
+        assert grad[~inside].abs().max() == 0, f"document {r}:{start}-{stop} reads another document"
+        assert grad[inside].abs().max() > 0
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("kind", REFUSING_KINDS)
+def test_kind_without_packing_refuses_packed_rows(kind):
+    model = _model(kind, causal=False)
+    with pytest.raises(ValueError, match=f"attention_type '{kind}'.*cannot run packed documents"):
+        model(random_ids(2, 24), position_ids=_positions())
+    model(random_ids(2, 24), position_ids=torch.arange(24)[None])  # restarting nowhere: not packed, runs
+
+
+def test_sequence_classification_refuses_packed_rows():
+    config = kind_config("sliding", num_labels=3)
+    model = LongAttnForSequenceClassification(config).eval()
+    with pytest.raises(ValueError, match="sequence classification reads one label per row"):
+        model(random_ids(2, 24), position_ids=_positions())
+
+
+def test_sinkhorn_sortcut_refuses_packed_rows():
+    model = _model("sinkhorn", causal=False, sinkhorn_sortcut=2)
+    with pytest.raises(ValueError, match="SortCut"):
+        model(random_ids(2, 24), position_ids=_positions())
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
