@@ -71,6 +71,7 @@ from .attention_registry import ATTENTION_CLASSES, attention_class
 from .configuration_longattn import LongAttnConfig, check_override_fields
 from .numerics import default_scale
 from .ops import full_attention
+from .packing import packed_document_ids
 
 logger = logging.getLogger(__name__)
 
@@ -541,21 +542,6 @@ GROUPED_KINDS = ("sliding",)
 """Kinds whose fast path reads grouped-query key/value heads without repeating them."""
 
 
-def _check_unpacked(position_ids: torch.Tensor, padding: torch.Tensor | None, family: str) -> None:
-    """Refuse packed documents: real tokens' positions must count up by one within each row."""
-    n = position_ids.shape[-1]
-    real = torch.ones_like(position_ids, dtype=torch.bool) if padding is None else padding[:, -n:].bool()
-    offset = position_ids - real.long().cumsum(-1)  # constant over a row's real tokens unless a document restarts
-    big = torch.iinfo(offset.dtype).max
-    low = offset.masked_fill(~real, big).amin(-1)
-    high = offset.masked_fill(~real, -big).amax(-1)
-    if bool(((high != low) & real.any(-1)).any()):
-        raise ValueError(
-            f"{family}: `position_ids` restart inside a row (packed documents); longattn's kinds do not separate "
-            "packed documents yet: pass one document per row, with an attention_mask."
-        )
-
-
 def _dense(query, key, value, mask, *, dropout, scaling):
     """Dense attention under a user's 4-D mask (bool or additive), like transformers' `sdpa`."""
     return torch.nn.functional.scaled_dot_product_attention(
@@ -586,14 +572,16 @@ def longattn_attention_forward(
         scaling: Multiplier of q·k (default 1/sqrt(d)).
         position_bias: A dense bias (T5): refused.
         **kwargs: `global_attention_mask` `[b, m]` (self-attention, not an encoder-decoder's decoder),
-            `position_ids` (checked for packed documents), `output_attentions`; others are ignored.
+            `position_ids` and the varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (packed documents: positions
+            that restart at 0 per document, as `DataCollatorWithFlattening` produces them; attention never crosses
+            from one document to another), `output_attentions`; others are ignored.
 
     Returns:
         (`[b, n, h, d]` output, weights `[b, h, n, m]` or None).
 
     Raises:
         ValueError: the module has no kind (built without the hook), a dense bias, a score modifier, a 4-D mask with
-            a sparse kind, packed documents, global tokens with a bounded cache.
+            a sparse kind, packed documents with a kind that cannot pack, global tokens with a bounded cache.
     """
     family = _family(module)
     if position_bias is not None:
@@ -658,20 +646,31 @@ def longattn_attention_forward(
             global_mask = torch.nn.functional.pad(global_mask, (0, m - global_mask.shape[-1]))
         elif global_mask.shape[-1] != m:
             raise ValueError(f"`global_attention_mask` covers {global_mask.shape[-1]} tokens, the layer has {m} keys.")
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None and n > 1:
-        _check_unpacked(position_ids.expand(query.shape[0], -1)[:, -n:], attention_mask, family)
+    documents = {}
+    if n == m and n > 1:  # packing is a layout of whole rows: a cache continues one document
+        position_ids = kwargs.get("position_ids")
+        documents = kind.document_kwargs(
+            packed_document_ids(
+                position_ids=None if position_ids is None else position_ids.expand(query.shape[0], -1)[:, -n:],
+                batch=query.shape[0],
+                length=n,
+                cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+                cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            )
+        )
     kind.scale = scaling if scaling is not None else default_scale(query.shape[-1])
     kind.dropout_p = dropout
-    if kind.attention_type == "synthesizer":  # the random forms: weights from positions, applied to v
+    if kind.attention_type == "synthesizer":  # the random forms: weights from positions, applied to v (no packing)
         out, weights = kind.attend_synthesized(
             query if kind.mix else None, key, value, attention_mask=attention_mask, hidden_states=None, query_length=n
         )
         weights = weights if kwargs.get("output_attentions") else None  # already [b, h, n, m]
     elif kwargs.get("output_attentions") or n != m or kind.backend == "reference":
-        out, weights = kind.attend_dense(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)
+        out, weights = kind.attend_dense(
+            query, key, value, key_padding_mask=attention_mask, global_mask=global_mask, **documents
+        )
     else:
-        out = kind.attend(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask)
+        out = kind.attend(query, key, value, key_padding_mask=attention_mask, global_mask=global_mask, **documents)
         weights = None
     return out.transpose(1, 2).contiguous(), weights  # [b, n, h, d]
 

@@ -577,13 +577,56 @@ def test_four_d_mask_is_refused_for_sparse_kinds():
         model(input_ids=batch["input_ids"], attention_mask=mask)
 
 
-@pytest.mark.parametrize("family", ["llama", "bert"])
-def test_packed_documents_are_refused(family):
-    model = apply_longattn(build(family), attention_type="sliding", sliding_window=4)
+PACKING_KINDS = {
+    "sliding": dict(attention_type="sliding", sliding_window=3, sliding_dilation=[1, 2, 1, 2]),
+    "fixed": dict(attention_type="fixed", fixed_block_size=4, fixed_num_summary=1),
+    "full": dict(attention_type="full"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PACKING_KINDS))
+@pytest.mark.parametrize("family", ["llama", "roberta"])
+def test_packed_documents_equal_documents_alone(family, kind):
+    """Positions that restart per document (`DataCollatorWithFlattening`): each document's output is the one it has
+    alone, for a causal (rotary) and a bidirectional (learned positions) family. This used to raise."""
+    model = apply_longattn(build(family), **PACKING_KINDS[kind]).double()
+    lengths = (5, 9, 7)
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    first = model.config.pad_token_id + 1 if family == "roberta" else 0  # RoBERTa counts from padding_idx + 1
+    position_ids = torch.cat([torch.arange(n) + first for n in lengths])[None]
+    main = "logits" if family == "llama" else "last_hidden_state"
+    packed = getattr(model(input_ids=ids, position_ids=position_ids), main)
+    start = 0
+    for n in lengths:
+        alone = getattr(model(input_ids=ids[:, start : start + n], position_ids=torch.arange(n)[None] + first), main)
+        torch.testing.assert_close(packed[:, start : start + n], alone, atol=1e-9, rtol=0)
+        start += n
+
+
+def test_flattening_collator_batches_equal_documents_alone():
+    """`DataCollatorWithFlattening` with the varlen keywords (`cu_seq_lens_q`/`_k`, `max_length_q`/`_k`), which
+    mark the documents, and its restarting `position_ids`, which the model's rotary embedding reads."""
+    from transformers import DataCollatorWithFlattening
+
+    model = apply_longattn(build("llama"), **PACKING_KINDS["sliding"]).double()
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (6, 11, 4)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": ids} for ids in documents])
+    assert "cu_seq_lens_q" in batch and "position_ids" in batch
+    batch.pop("labels")
+    packed = model(**batch).logits
+    start = 0
+    for ids in documents:
+        alone = model(input_ids=torch.tensor([ids])).logits
+        torch.testing.assert_close(packed[:, start : start + len(ids)], alone, atol=1e-9, rtol=0)
+        start += len(ids)
+
+
+def test_packed_documents_are_refused_by_a_kind_that_cannot_pack():
+    model = apply_longattn(build("bert"), attention_type="linformer", linformer_proj_len=8)
     ids = torch.randint(3, VOCAB, (1, 12))
-    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
-    with pytest.raises(ValueError, match="position_ids` restart inside a row"):
-        model(input_ids=ids, position_ids=position_ids)
+    with pytest.raises(ValueError, match="'linformer'.*cannot run packed documents"):
+        model(input_ids=ids, position_ids=torch.cat([torch.arange(5), torch.arange(7)])[None])
     model(input_ids=ids, position_ids=torch.arange(12)[None])  # one document per row runs
 
 
