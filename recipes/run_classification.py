@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> dict:
         default="single_label_classification",
         help="regression: one output trained with MSE on numeric labels (a label such as 1.5 is refused without it)",
     )
+    parser.add_argument("--packing", action="store_true", help="not supported here: one label per row (see the error)")
     args = training.parse_args(parser, argv)
+    if args.packing:
+        raise training.RecipeError(
+            "--packing is not supported for classification: the model pools one label per row from its first "
+            "token, so packed texts would share a label; texts are padded per batch instead (one text per row)."
+        )
     config = training.load_config(args, task="classification")
     tokenizer = training.load_tokenizer(args, config)
     max_length = training.resolve_max_seq_length(args, config, tokenizer)

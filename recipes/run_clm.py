@@ -2,7 +2,8 @@
 """Causal-language-model training of a longattn decoder, under `accelerate launch` or plain `python`.
 
 Texts (`--text_column`, default `text`) are tokenized, each ended with the end-of-text token, concatenated and cut
-into `--max_seq_length` blocks (or kept one per example with `--line_by_line`); the model predicts every next token
+into `--max_seq_length` blocks (or kept one per example with `--line_by_line`, or packed whole into rows with
+`--packing`, attention kept within each text); the model predicts every next token
 (causal attention of the configured kind). The tokenizer saved with the model adds no end-of-text token, so a prompt
 given to `generate()` is continued rather than ended.
 Evaluation reports loss, perplexity and next-token accuracy.
@@ -40,7 +41,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--line_by_line", action="store_true", help="one example per text (truncated), instead of concatenated blocks"
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="whole texts (truncated) joined into rows of --max_seq_length, attention kept within each text "
+        "(position_ids restart per text): no padding, and no attention across texts",
+    )
     args = training.parse_args(parser, argv)
+    if args.packing and args.line_by_line:
+        raise training.RecipeError("--packing and --line_by_line are exclusive: pick one way to lay texts out.")
     config = training.load_config(args, task="clm")
     tokenizer = training.load_tokenizer(args, config)
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
@@ -50,7 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def tokenize(examples):
         ids = tokenize_texts(
-            tokenizer, examples[args.text_column], max_length=max_length if args.line_by_line else None
+            tokenizer,
+            examples[args.text_column],
+            max_length=max_length if args.line_by_line or args.packing else None,
         )
         return {"input_ids": ids, "labels": [list(row) for row in ids]}
 
@@ -62,7 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
             num_proc=args.preprocessing_num_workers,
             desc="tokenize",
         )
-        if not args.line_by_line:
+        if args.packing:
+            processed = processed.map(
+                training.pack_documents,
+                batched=True,
+                fn_kwargs={"block_size": max_length},
+                num_proc=args.preprocessing_num_workers,
+                desc=f"pack into rows of {max_length}",
+            )
+        elif not args.line_by_line:
             processed = processed.map(
                 training.group_texts,
                 batched=True,

@@ -2,9 +2,10 @@
 """Masked-language-model pretraining of a longattn encoder, under `accelerate launch` or plain `python`.
 
 Texts (`--text_column`, default `text`) are tokenized, concatenated and cut into `--max_seq_length` blocks (or kept one
-per example with `--line_by_line`); 15% of the tokens are picked for prediction, BERT-style. The masks of a training
-batch are a function of its position in the run (so a resumed run repeats them), those of an evaluation example a
-function of the example (so every evaluation, with any number of processes, scores the same masks).
+per example with `--line_by_line`, or packed whole into rows with `--packing`, attention kept within each text); 15% of
+the tokens are picked for prediction, BERT-style. The masks of a training batch are a function of its position in the
+run (so a resumed run repeats them), those of an evaluation example a function of the example (so every evaluation,
+with any number of processes, scores the same masks).
 
     longattn-data listops --output_dir data/generated/listops --min_length 100 --max_length 300
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_mlm.py \\
@@ -29,7 +30,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--line_by_line", action="store_true", help="one example per text (truncated), instead of concatenated blocks"
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="whole texts (truncated) joined into rows of --max_seq_length, attention kept within each text "
+        "(position_ids restart per text): no padding, and no attention across texts",
+    )
     args = training.parse_args(parser, argv)
+    if args.packing and args.line_by_line:
+        raise training.RecipeError("--packing and --line_by_line are exclusive: pick one way to lay texts out.")
     if not 0 < args.mlm_probability < 1:
         raise training.RecipeError(f"--mlm_probability {args.mlm_probability} must be in (0, 1).")
     config = training.load_config(args, task="mlm")
@@ -42,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     raw = training.load_raw_datasets(args, {"text_column": args.text_column})
 
     def tokenize(examples):
-        if args.line_by_line:
+        if args.line_by_line or args.packing:
             encoded = tokenizer(examples[args.text_column], truncation=True, max_length=max_length)
         else:
             encoded = tokenizer(examples[args.text_column], verbose=False)
@@ -56,7 +65,15 @@ def main(argv: list[str] | None = None) -> dict:
             num_proc=args.preprocessing_num_workers,
             desc="tokenize",
         )
-        if not args.line_by_line:
+        if args.packing:
+            processed = processed.map(
+                training.pack_documents,
+                batched=True,
+                fn_kwargs={"block_size": max_length},
+                num_proc=args.preprocessing_num_workers,
+                desc=f"pack into rows of {max_length}",
+            )
+        elif not args.line_by_line:
             processed = processed.map(
                 training.group_texts,
                 batched=True,

@@ -331,6 +331,8 @@ def _load_recipe(recipe: str):
         ("clm", {"--resume_from_checkpoint": "nowhere"}, "not a complete checkpoint"),
         ("classification", {"--max_target_length": "8"}, "unrecognized arguments: --max_target_length 8"),
         ("mlm", {"--lr_scheduler_type": "sawtooth"}, "invalid choice: 'sawtooth'"),
+        ("classification", {"--packing": None}, "--packing is not supported for classification"),
+        ("clm", {"--packing": None, "--line_by_line": None}, "--packing and --line_by_line are exclusive"),
     ],
 )
 def test_bad_arguments_stop_with_one_line_before_training(recipe, change, message, datasets_dir, tmp_path, capsys):
@@ -340,7 +342,7 @@ def test_bad_arguments_stop_with_one_line_before_training(recipe, change, messag
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
-            args += [flag, value]
+            args += [flag] if value is None else [flag, value]  # None: a switch
     module = _load_recipe(recipe)
     with pytest.raises(SystemExit) as exit_info:
         training.run_recipe(module.main, args)
@@ -437,3 +439,26 @@ def test_mask_tokens_never_masks_padding_or_special_tokens():
         probability=0.15,
     )[1]
     assert (none_picked != -100).sum() == 1  # at least one target, so the loss is defined
+
+
+def test_pack_documents_keeps_documents_whole_and_restarts_positions():
+    examples = {"input_ids": [[1] * 5, [2] * 9, [3] * 4, [4] * 12], "labels": [[1] * 5, [2] * 9, [3] * 4, [4] * 12]}
+    packed = training.pack_documents(examples, block_size=10)
+    assert all(len(row) <= 10 for row in packed["input_ids"])
+    assert sorted(x for row in packed["input_ids"] for x in row) == sorted([1] * 5 + [2] * 9 + [3] * 4 + [4] * 10)
+    for ids, positions, labels in zip(packed["input_ids"], packed["position_ids"], packed["labels"]):
+        for p, (token, position) in enumerate(zip(ids, positions)):
+            starts = p == 0 or token != ids[p - 1]
+            assert position == (0 if starts else positions[p - 1] + 1)
+            assert labels[p] == (-100 if starts else token)  # no document predicts the next one's first token
+
+
+@pytest.mark.parametrize("recipe", ["mlm", "clm"])
+def test_recipe_trains_with_packing(recipe, datasets_dir, tmp_path):
+    """`--packing`: whole texts in rows with restarting positions, one step, a finite loss (the attention side is
+    tested in tests/test_packing.py)."""
+    output_dir = tmp_path / "out"
+    done = run(recipe, recipe_args(recipe, datasets_dir, output_dir, "--packing", "--max_train_steps", "2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = json.loads((output_dir / "all_results.json").read_text())
+    assert results["train_steps"] == 2 and math.isfinite(results["train_loss"]) and math.isfinite(results["eval_loss"])

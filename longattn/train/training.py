@@ -763,6 +763,44 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     }
 
 
+def pack_documents(examples: dict[str, list], block_size: int) -> dict[str, list]:
+    """Join whole tokenized documents into rows of at most `block_size` tokens, with `position_ids` that restart at 0
+    for each document (how longattn's models, like transformers' `DataCollatorWithFlattening`, tell packed
+    documents apart: attention never crosses from one to another). Use with `datasets.map(batched=True)`.
+
+    Rows are filled first-fit, longest document first, within each `map` batch, so a row wastes little room;
+    documents longer than `block_size` are truncated. Sequence `labels` (causal LM) get -100 at every document's
+    first token, so no document's last token is trained to predict the next document.
+
+    Returns:
+        The columns of `examples` joined per row, and `position_ids`.
+    """
+    lengths = [min(len(ids), block_size) for ids in examples["input_ids"]]
+    rows: list[list[int]] = []  # document indices per row
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if row is None:
+            row = len(rows)
+            rows.append([])
+            room.append(block_size)
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    packed: dict[str, list] = {key: [] for key in examples}
+    packed["position_ids"] = []
+    for row in rows:
+        for key, values in examples.items():
+            column = []
+            for i in row:
+                document = list(values[i][: lengths[i]])
+                if key == "labels" and document:
+                    document[0] = -100
+                column += document
+            packed[key].append(column)
+        packed["position_ids"].append([p for i in row for p in range(lengths[i])])
+    return packed
+
+
 def progress_bar(iterable, accelerator, desc: str):
     """tqdm on the local main process only."""
     from tqdm.auto import tqdm
