@@ -656,6 +656,7 @@ def longattn_attention_forward(
                 length=n,
                 cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
                 cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+                attention_mask=attention_mask,
             )
         )
     kind.scale = scaling if scaling is not None else default_scale(query.shape[-1])

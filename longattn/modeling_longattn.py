@@ -557,6 +557,7 @@ def _run_backbone(
             length=length,
             cu_seq_lens_q=cu_seq_lens_q,
             cu_seq_lens_k=cu_seq_lens_k,
+            attention_mask=attention_mask,
         )
     if position_ids is None and document_ids is not None:  # varlen keywords alone: positions restart per document
         position_ids = torch.arange(length, device=device) - document_starts(document_ids)

@@ -82,12 +82,14 @@ def packed_document_ids(
     length: int,
     cu_seq_lens_q: Tensor | None = None,
     cu_seq_lens_k: Tensor | None = None,
+    attention_mask: Tensor | None = None,
 ) -> Tensor | None:
     """The documents of a packed batch, or None when the batch is not packed.
 
     The varlen keywords win when given (they are the more direct statement); otherwise `position_ids` that restart
-    mark the documents. Positions that never restart (one document per row) give None, so unpacked batches keep
-    every fast path; under `torch.compile` that test would read a tensor on the host, so the ids are always returned.
+    mark the documents. Rows whose real tokens are one document give None, so unpacked batches keep every fast path
+    (left padding, whose positions generation fills with a constant, is not a document of its own); under
+    `torch.compile` that test would read a tensor on the host, so the ids are always returned.
 
     Args:
         position_ids: Integer `[b, n]` or `[1, n]`, or None.
@@ -96,6 +98,7 @@ def packed_document_ids(
         cu_seq_lens_q: Cumulative query lengths `[num_documents + 1]`; self-attention needs them equal to
             `cu_seq_lens_k`.
         cu_seq_lens_k: Cumulative key lengths `[num_documents + 1]`.
+        attention_mask: Bool `[b, n]`, True = real token, or None.
 
     Returns:
         Long `[b, n]`, or None.
@@ -119,6 +122,9 @@ def packed_document_ids(
     if position_ids is None:
         return None
     documents = document_ids_from_position_ids(position_ids.expand(batch, length))
-    if not torch.compiler.is_compiling() and not bool(documents[:, -1].any()):
-        return None  # every row is one document
-    return documents
+    if torch.compiler.is_compiling():
+        return documents
+    real = torch.ones_like(documents, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    last = documents.masked_fill(~real, -1).amax(dim=1)
+    first = documents.masked_fill(~real, length).amin(dim=1)
+    return documents if bool((last > first).any()) else None  # None: the real tokens of every row are one document

@@ -89,6 +89,10 @@ def test_document_ids_from_position_ids_and_cu_seq_lens_agree():
     by_lengths = document_ids_from_cu_seq_lens(cu, batch=2, length=24)
     assert torch.equal(by_lengths == by_lengths[:, :1], documents == 0)  # the same boundaries
     assert packed_document_ids(position_ids=torch.arange(24)[None], batch=2, length=24) is None  # not packed
+    # Left padding, whose positions generation fills with a constant, is not a document of its own.
+    left_padded = torch.tensor([[1, 1, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
+    mask = left_padded.new_tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    assert packed_document_ids(position_ids=left_padded, batch=2, length=7, attention_mask=mask) is None
 
 
 @pytest.mark.parametrize(
@@ -165,6 +169,12 @@ def test_sequence_classification_refuses_packed_rows():
     model = LongAttnForSequenceClassification(config).eval()
     with pytest.raises(ValueError, match="sequence classification reads one label per row"):
         model(random_ids(2, 24), position_ids=_positions())
+
+
+def test_encoder_decoder_refuses_packed_rows():
+    model = LongAttnModel(kind_config("sliding", is_encoder_decoder=True)).eval()
+    with pytest.raises(ValueError, match="encoder-decoder model"):
+        model(random_ids(2, 24), position_ids=_positions(), decoder_input_ids=random_ids(2, 5))
 
 
 def test_sinkhorn_sortcut_refuses_packed_rows():
