@@ -35,14 +35,18 @@ def documents(count: int, max_length: int, vocab: int, seed: int) -> list[list[i
 
 
 def batches(layout: str, docs: list[list[int]], *, batch_size: int, max_length: int, multiple: int, seed: int):
-    """Batches of `layout` ("padded", "grouped", "packed") as the recipes' collator builds them."""
+    """Batches of `layout` ("padded", "grouped", "packed", or "packed_across": the packed rows without
+    `position_ids`, attention running across documents, to isolate the cost of the document predicate) as the
+    recipes' collator builds them."""
     rng = random.Random(seed)
     collator = training.PadCollator(pad_token_id=0, pad_to_multiple_of=multiple)
-    if layout == "packed":
+    if layout.startswith("packed"):
         packed = training.pack_documents({"input_ids": docs}, block_size=max_length)
         rows = [
             {"input_ids": ids, "position_ids": pos} for ids, pos in zip(packed["input_ids"], packed["position_ids"])
         ]
+        if layout == "packed_across":
+            rows = [{"input_ids": row["input_ids"]} for row in rows]
         rng.shuffle(rows)
     else:
         rows = [{"input_ids": ids} for ids in docs]
@@ -83,7 +87,7 @@ def main() -> None:
     )
     docs = documents(args.documents, args.max_seq_length, config.vocab_size, args.seed)
     results = {}
-    for layout in ("padded", "grouped", "packed"):
+    for layout in ("padded", "grouped", "packed", "packed_across"):
         torch.manual_seed(args.seed)
         model = LongAttnForMaskedLM(config).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -118,7 +122,7 @@ def main() -> None:
             "cpu_s": cpu,
             "real_tokens": real,
         }
-    for layout in ("padded", "grouped"):
+    for layout in ("padded", "grouped", "packed_across"):
         results[f"packed_vs_{layout}"] = (
             results["packed"]["real_tokens_per_cpu_s"] / results[layout]["real_tokens_per_cpu_s"]
         )

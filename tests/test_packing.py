@@ -266,3 +266,23 @@ def test_dispatcher_keeps_xformers_off_documents_it_cannot_map():
     assert any("packed documents" in reason for reason in BACKENDS["xformers"].reasons_not_supported(request))
     causal = AttentionRequest.for_inputs(q, k, v, pattern="sliding", causal=True, documents=True)
     assert not any("packed documents" in reason for reason in BACKENDS["xformers"].reasons_not_supported(causal))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels and xformers need CUDA")
+@pytest.mark.parametrize("backend", ["flex", "xformers"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(("name", "fn", "fields"), OPS_CASES, ids=[case[0] for case in OPS_CASES])
+def test_gpu_back_ends_keep_documents_apart(name, fn, fields, causal, backend):
+    """On CUDA, in float32 (no float64 kernels): output and gradients equal the reference within 1e-5."""
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+        if not (name == "full" or (name == "sliding" and causal)):
+            pytest.skip("xformers maps full attention and causal windows of packed documents only")
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv())
+    documents = document_ids_from_position_ids(_positions()).cuda()
+    results = []
+    for run in ("reference", backend):
+        out = fn(q, k, v, causal=causal, document_ids=documents, backend=run, **fields)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
