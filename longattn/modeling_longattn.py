@@ -589,6 +589,22 @@ def _varlen_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: kwargs[name] for name in VARLEN_KWARGS if kwargs.get(name) is not None}
 
 
+def _is_packed(
+    position_ids: Any, varlen: dict[str, Any], *, batch: int | None = None, length: int | None = None
+) -> bool:
+    """Whether a model that cannot pack (classification, encoder-decoder) is given packed documents. Invalid
+    `position_ids` are not packed here: the backbone refuses them, naming the argument."""
+    if varlen:
+        return True
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or not _is_integer(position_ids):
+        return False
+    batch = position_ids.shape[0] if batch is None else batch
+    length = position_ids.shape[1] if length is None else length
+    if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
+        return False
+    return packed_document_ids(position_ids=position_ids, batch=batch, length=length) is not None
+
+
 # ---------------------------------------------------------------------------------------------- the base model
 ENCODER_WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
 DECODER_WORD_EMBEDDINGS = "decoder.embeddings.word_embeddings.weight"
@@ -725,13 +741,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
         past_key_values = _cache_argument(cache, past_key_values)
         varlen = _varlen_kwargs(kwargs)
         if self.decoder is not None:
-            if varlen or (
-                position_ids is not None
-                and packed_document_ids(
-                    position_ids=position_ids, batch=position_ids.shape[0], length=position_ids.shape[1]
-                )
-                is not None
-            ):
+            if _is_packed(position_ids, varlen):
                 raise ValueError(
                     "packed documents (`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not "
                     "supported by the encoder-decoder model: its cross-attention would read every document of a row. "
@@ -1058,10 +1068,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
                 "`input_ids` has length 0: sequence classification reads the first token's state, so "
                 "pass at least one token."
             )
-        if _varlen_kwargs(kwargs) or (
-            position_ids is not None
-            and packed_document_ids(position_ids=position_ids, batch=batch, length=length) is not None
-        ):
+        if _is_packed(position_ids, _varlen_kwargs(kwargs), batch=batch, length=length):
             raise ValueError(
                 "sequence classification reads one label per row from the row's first token: packed documents "
                 "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not supported; pad each "
