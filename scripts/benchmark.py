@@ -833,6 +833,8 @@ def model_worker(args: argparse.Namespace) -> dict:
     """One row of a model set: time and peak memory of forward + backward, or of greedy generation."""
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_set = MODEL_SETS[args.models]
     model = _stock_model(model_set, args.impl, args.length)
@@ -855,12 +857,22 @@ def model_worker(args: argparse.Namespace) -> dict:
         model(input_ids, **kwargs).last_hidden_state.backward(grad)
         model.zero_grad(set_to_none=True)
 
-    times = []
+    wall, cpu = [], []
     for _ in range(args.repeats + 1):  # the first run is the warm-up
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), _own_cpu_seconds()
         step()
-        times.append(time.perf_counter() - start)
-    return {**result, "time_s": min(times[1:]), "times_s": times, "peak_rss_mb": _max_rss_mb() - rss_before}
+        wall.append(time.perf_counter() - start)
+        cpu.append(_own_cpu_seconds() - start_cpu)
+    times = cpu if args.clock == "cpu" else wall
+    return {
+        **result,
+        "clock": args.clock,
+        "time_s": min(times[1:]),
+        "times_s": times,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_rss_mb": _max_rss_mb() - rss_before,
+    }
 
 
 def _measure_generation(model, input_ids, new_tokens: int) -> dict:
@@ -916,14 +928,43 @@ def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
         str(args.repeats),
         "--new-tokens",
         str(args.new_tokens),
+        "--clock",
+        args.clock,
+        "--threads",
+        str(args.threads),
     ]
     env = {**os.environ, **ALLOCATORS[args.allocator]}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     if completed.returncode != 0:
         lines = completed.stderr.strip().splitlines()
         reason = "killed (out of memory?)" if completed.returncode in (-9, 137) else (lines[-1] if lines else "failed")
         return {"impl": row, "length": length, "error": reason[:200]}
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _clock_words(args: argparse.Namespace) -> str:
+    clock = "process CPU time (user + system)" if getattr(args, "clock", "wall") == "cpu" else "wall clock"
+    words = f"{clock}, best of {args.repeats} runs after a warm-up run"
+    rounds = getattr(args, "rounds", 1)
+    if rounds > 1:
+        words += f", median over {rounds} rounds (rows alternated, each run a fresh process)"
+    return words
+
+
+def _median_of_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per row: the round whose time is the median of that row's rounds (a row failing in any round keeps
+    its error), with every round's time under `round_times_s`."""
+    merged = []
+    for per_row in zip(*rounds):
+        failed = next((r for r in per_row if "error" in r), None)
+        if failed is not None:
+            merged.append(failed)
+            continue
+        ordered = sorted(per_row, key=lambda r: r["time_s"])
+        merged.append({**ordered[(len(ordered) - 1) // 2], "round_times_s": [r["time_s"] for r in per_row]})
+    return merged
 
 
 def ideal_fraction(model_set: ModelSet, length: int) -> float:
@@ -949,7 +990,7 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
         "",
         f"- command: `{command}`",
         f"- machine: {_cpu_name()}, {os.cpu_count()} CPU cores, torch threads {results[0].get('threads', '?')}",
-        f"- time: best of {args.repeats} runs after a warm-up run; peak MB: resident-set high-water mark minus the "
+        f"- time: {_clock_words(args)}; peak MB: resident-set high-water mark minus the "
         "resident set before the first run. Attention cost = time - floor's time; its ideal = (sdpa - floor) x "
         f"{fraction:.4g} (the window's keys per query over dense attention's"
         + (", causal average n/2)." if model_set.family == "llama" else ")."),
@@ -1193,11 +1234,15 @@ def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
     length = args.model_length or model_set.length
     rows = args.rows or model_set.rows
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = []
-    for row in rows:
-        result = run_model_row(args, row, length)
-        results.append(result)
-        print(f"{row:>18} {length:>6}: {json.dumps(result)}", flush=True)
+    rounds = []
+    for round_index in range(args.rounds):  # rows alternated round by round: slow spells of a shared machine hit all
+        results = []
+        for row in rows:
+            result = run_model_row(args, row, length)
+            results.append(result)
+            print(f"round {round_index + 1} {row:>18} {length:>6}: {json.dumps(result)}", flush=True)
+        rounds.append(results)
+    results = _median_of_rounds(rounds)
     text = model_report(args, results, command)
     write_outputs(args, results, text)
 
@@ -1315,6 +1360,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--rows", nargs="+", metavar="ROW", help=f"only these rows of --models, of: {', '.join(MODEL_ROWS)}"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="--models: time rows by wall clock or by the process's CPU time (user + system, all threads); with "
+        "--threads 1 CPU time hardly moves with other processes' load, which wall clock does several-fold",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="--models: torch threads in each row (0: torch's default)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--models: measure every row this many times, rows alternated; the median counts",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
