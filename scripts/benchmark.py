@@ -17,7 +17,8 @@ extra, torch pinned first so that pip keeps the CPU build:
     pip install torch==2.13.0 && pip install -e ".[bench]"
 
 Method (also written into the report):
-- time: best of `--repeats` runs after one warm-up run, wall clock (`time.perf_counter`), torch's default threads.
+- time: best of `--repeats` runs after one warm-up run, wall clock (`time.perf_counter`), torch's default threads;
+  `--clock cpu --threads 1`: the worker's own CPU time on one thread, which other processes' load hardly moves.
 - peak MB (RSS): high-water resident memory of the worker (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus its
   resident memory just before the first run, when libraries, weights and inputs are already loaded. It counts every
   allocation of the step (tensors, allocator slack, library buffers), not only torch tensors.
@@ -522,6 +523,8 @@ def _tensor_peak_mb(step) -> float | None:
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sys.path.insert(0, str(PACKAGE_ROOT))
     torch.manual_seed(0)
     layer = IMPLS[args.impl].build(args)
@@ -557,7 +560,7 @@ def worker(args: argparse.Namespace) -> dict:
         }
     # On a shared machine, keep measuring until `repeats` runs had the CPUs to themselves (or patience runs out).
     deadline = time.monotonic() + args.wait_idle
-    times, others = [], []
+    times, cpu_times, others = [], [], []
     while sum(other <= NOISY for other in others) < args.repeats:
         if len(times) >= args.repeats and time.monotonic() > deadline:
             break
@@ -568,10 +571,13 @@ def worker(args: argparse.Namespace) -> dict:
         step()
         times.append(time.perf_counter() - start)
         busy_end, total_end, own_end = *_cpu_jiffies(), _own_cpu_seconds()
+        cpu_times.append(own_end - own_start)
         # CPU share used by OTHER processes during this run: all busy time minus this process's own.
         tick = os.sysconf("SC_CLK_TCK")
         other = (busy_end - busy_start) / tick - (own_end - own_start)
         others.append(max(0.0, other) / max(1e-9, (total_end - total_start) / tick))
+    if args.clock == "cpu":  # other processes' load hardly moves the process's own CPU time: every run counts
+        times, wall_times = cpu_times, times
     clean = [t for t, other in zip(times, others, strict=True) if other <= NOISY]
     best = min(clean) if clean else min(times)
     peak_rss = _max_rss_mb() - rss_before
@@ -587,6 +593,8 @@ def worker(args: argparse.Namespace) -> dict:
         "peak_rss_mb": peak_rss,
         "tensor_peak_mb": tensor_peak,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        **({"wall_s": wall_times} if args.clock == "cpu" else {}),
         "longattn_file": getattr(longattn, "__file__", None),
     }
 
@@ -680,6 +688,10 @@ def worker_launch(
             str(args.wait_idle),
             "--timeout",
             str(args.timeout),
+            "--clock",
+            getattr(args, "clock", "wall"),
+            "--threads",
+            str(getattr(args, "threads", 0)),
         ]
         + (["--no-tensor-memory"] if not args.tensor_memory else [])
         + [f"--set={item}" for item in args.set]
@@ -687,6 +699,8 @@ def worker_launch(
     command += ["--compiled"] if compiled else []
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     env[PACKAGE_ROOT_VARIABLE] = str(args.against_tree if revision else REPO)
+    if getattr(args, "threads", 0):
+        env["OMP_NUM_THREADS"] = str(args.threads)
     return command, env
 
 
@@ -944,9 +958,14 @@ def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+def _clock_name(args: argparse.Namespace) -> str:
+    if getattr(args, "clock", "wall") == "cpu":
+        return f"the worker's CPU time, user + system, {getattr(args, 'threads', 0) or 'default'} torch thread(s)"
+    return "wall clock"
+
+
 def _clock_words(args: argparse.Namespace) -> str:
-    clock = "process CPU time (user + system)" if getattr(args, "clock", "wall") == "cpu" else "wall clock"
-    words = f"{clock}, best of {args.repeats} runs after a warm-up run"
+    words = f"{_clock_name(args)}, best of {args.repeats} runs after a warm-up run"
     rounds = getattr(args, "rounds", 1)
     if rounds > 1:
         words += f", median over {rounds} rounds (rows alternated, each run a fresh process)"
@@ -1074,12 +1093,12 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         + (" (glibc defaults)" if args.allocator == "glibc" else " (freed memory kept for reuse, see `ALLOCATORS`)"),
         "",
         "Method: each (implementation, length, mode) runs in a fresh subprocess. **time** is the best of "
-        f"{args.repeats} runs after a warm-up run (wall clock); `fwdbwd` is forward plus backward of a random output "
-        "gradient into the input and every weight. **peak MB** is the worker's resident-set high-water mark "
-        "(`getrusage(RUSAGE_SELF).ru_maxrss`) minus its resident set just before the first run (libraries, weights "
-        "and inputs loaded): every allocation the step makes, allocator slack included. **tensor MB** is the peak "
-        "of allocated-minus-freed torch tensor bytes during one extra untimed run, from the allocation events of "
-        "`torch.profiler(profile_memory=True)`. Ratios are against "
+        f"{args.repeats} runs after a warm-up run ({_clock_name(args)}); `fwdbwd` is forward plus backward of a "
+        "random output gradient into the input and every weight. **peak MB** is the worker's resident-set "
+        "high-water mark (`getrusage(RUSAGE_SELF).ru_maxrss`) minus its resident set just before the first run "
+        "(libraries, weights and inputs loaded): every allocation the step makes, allocator slack included. "
+        "**tensor MB** is the peak of allocated-minus-freed torch tensor bytes during one extra untimed run, from "
+        "the allocation events of `torch.profiler(profile_memory=True)`. Ratios are against "
         f"`{args.baseline}` at the same length and mode (time: how many times faster; memory: fraction of its peak).",
         "",
         "Implementations:",
@@ -1365,12 +1384,10 @@ def main(argv: list[str] | None = None) -> None:
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
-        help="--models: time rows by wall clock or by the process's CPU time (user + system, all threads); with "
-        "--threads 1 CPU time hardly moves with other processes' load, which wall clock does several-fold",
+        help="time by wall clock or by the worker process's CPU time (user + system, all threads); with --threads 1 "
+        "CPU time hardly moves with other processes' load, which wall clock does several-fold",
     )
-    parser.add_argument(
-        "--threads", type=int, default=0, help="--models: torch threads in each row (0: torch's default)"
-    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)")
     parser.add_argument(
         "--rounds",
         type=int,
