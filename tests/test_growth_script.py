@@ -33,7 +33,7 @@ def test_flop_model_grows_linearly_for_linear_kinds_and_faster_where_the_pattern
         assert model_growth(kind) == pytest.approx(4.0, rel=0.02), kind
     assert model_growth("fixed") > 8  # c·n/l summary cells per query (diluted by the linear projections)
     assert 4.2 < model_growth("routing") < 8  # the n x n/128 assignment
-    assert model_growth("reduction") > 12  # n²/R
+    assert model_growth("reduction") > 10  # n²/R (diluted by the linear projections)
     assert 4.0 < model_growth("binary_partition") < 5  # n log n
     with pytest.raises(ValueError, match="no FLOP model for kind 'full'"):
         growth.flop_model("full", 1024, ARGS)
