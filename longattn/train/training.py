@@ -25,7 +25,8 @@ folder is renamed to `step_N` (an atomic rename): a kill during a save leaves a 
 and removes. `--resume_from_checkpoint latest` loads the newest complete checkpoint and skips exactly the batches of
 the current epoch that were already consumed (`accelerator.skip_first_batches`). Randomness inside a step (dropout,
 MLM masking) is seeded from (seed, epoch, batch, process), and the shuffling from (seed, epoch), so a resumed run
-repeats the uninterrupted one bit for bit on CPU.
+repeats the uninterrupted one bit for bit on CPU. A streamed training set (--streaming) resumes the same way, by
+replaying each process's stream and skipping the examples it consumed (`longattn.train.streaming`).
 
 Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
 SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
@@ -1481,8 +1482,8 @@ def _end_stream_pass(state: TrainState, epoch: int, batch_index: int) -> None:
     """
     if batch_index == 0:
         raise RecipeError(
-            "the training stream gives no batch: it is empty, or (MLM / CLM) its texts make no block of "
-            "--max_seq_length tokens."
+            "the training stream gives no batch (in at least one process's share): it is empty, or (MLM / CLM) "
+            "its texts make no block of --max_seq_length tokens."
         )
     if state.epoch == epoch:  # the last step's group was full: `train_step` did not see the end
         state.epoch, state.batch_in_epoch, state.examples_in_epoch = epoch + 1, 0, 0
@@ -1542,7 +1543,8 @@ def train(
         args: The parsed recipe flags.
         accelerator: From `make_accelerator`.
         model: The model to train (not yet prepared).
-        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s.
+        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s; the training set may be a stream (a
+            `datasets.IterableDataset`, --streaming), which needs --max_train_steps (see `longattn.train.streaming`).
         collate_fn: Batches features (`PadCollator` or a task's own).
         evaluate: `(model, eval_dataloader) -> metrics` (keys without the `eval_` prefix); runs on every process.
         prepare_batch: `(batch, generator) -> batch` applied to each training batch before the forward pass, with a
