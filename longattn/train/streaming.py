@@ -87,10 +87,11 @@ def stream_loader(dataloader: torch.utils.data.DataLoader, *, device: torch.devi
 
     It must not go through `accelerator.prepare`: a `datasets.IterableDataset` is a torch `IterableDataset`, so by
     default accelerate reads the whole stream on rank 0 and sends each process its slice of every batch
-    (`dispatch_batches`), and with `dispatch_batches=False` it shards the dataset itself (`IterableDataset.shard` or
-    `IterableDatasetShard`). Either way, on top of `split_dataset_by_node` a process would get only part of its own
-    share, and the rest of the data would be silently dropped. So each process reads its own share
-    (`dispatch_batches=False`) and accelerate is told there is one process (no second split).
+    (`dispatch_batches`; it also refuses batches padded to different lengths), and with `dispatch_batches=False` it
+    shards the dataset itself (`IterableDataset.shard` or `IterableDatasetShard`). Either way, on top of
+    `split_dataset_by_node` a process would get only part of its own share, and the rest of the data would be
+    silently dropped (tests/test_streaming.py sees it in the processes' positions). So each process reads its own
+    share (`dispatch_batches=False`) and accelerate is told there is one process (no second split).
     """
     from accelerate.data_loader import prepare_data_loader
 
