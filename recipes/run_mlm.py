@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
                 desc=f"blocks of {max_length}",
             )
     for split in ("train", "validation"):
-        if len(processed[split]) == 0:
+        if training.is_empty(processed[split]):  # a stream is peeked
             raise training.RecipeError(
                 f"the {split} texts make no block of {max_length} tokens: lower "
                 f"--max_seq_length or pass --line_by_line."

@@ -25,7 +25,8 @@ folder is renamed to `step_N` (an atomic rename): a kill during a save leaves a 
 and removes. `--resume_from_checkpoint latest` loads the newest complete checkpoint and skips exactly the batches of
 the current epoch that were already consumed (`accelerator.skip_first_batches`). Randomness inside a step (dropout,
 MLM masking) is seeded from (seed, epoch, batch, process), and the shuffling from (seed, epoch), so a resumed run
-repeats the uninterrupted one bit for bit on CPU.
+repeats the uninterrupted one bit for bit on CPU. A streamed training set (--streaming) resumes the same way, by
+replaying each process's stream and skipping the examples it consumed (`longattn.train.streaming`).
 
 Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
 SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
@@ -71,7 +72,9 @@ from ..attention_registry import attention_class
 from ..configuration_longattn import LongAttnConfig, check_override_fields
 from ..tokenization_longattn import byte_tokenizer
 from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from . import streaming
 from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
+from .streaming import is_empty
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +175,18 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
         "attention's block multiple)",
     )
     data.add_argument("--preprocessing_num_workers", type=int, help="processes for datasets.map")
+    data.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the training data as a stream (datasets' IterableDataset), each process its own shard; "
+        "needs --max_train_steps",
+    )
+    data.add_argument(
+        "--shuffle_buffer_size",
+        type=int,
+        default=1000,
+        help="with --streaming: examples in the shuffle buffer (0: no shuffling)",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", help="a pretrained model (Hub id or folder) to fine-tune")
@@ -288,6 +303,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
         raise RecipeError(f"--validation_split_percentage {args.validation_split_percentage} must be in 1..99.")
     if args.num_warmup_steps < 0:
         raise RecipeError(f"--num_warmup_steps {args.num_warmup_steps} must be >= 0.")
+    if args.streaming and args.max_train_steps is None:
+        raise RecipeError("--streaming needs --max_train_steps: the length of a stream is unknown until it is read.")
+    if args.shuffle_buffer_size < 0:
+        raise RecipeError(f"--shuffle_buffer_size {args.shuffle_buffer_size} must be >= 0.")
     if args.checkpointing_steps is not None and args.checkpointing_steps != "epoch":
         if not args.checkpointing_steps.isdigit() or int(args.checkpointing_steps) < 1:
             raise RecipeError(
@@ -617,7 +636,8 @@ def requested_num_processes() -> int:
 
 def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None):
     """A `DatasetDict` with "train" and "validation" from --dataset_name or the data files (a validation split is
-    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples.
+    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples; with --streaming,
+    the `streaming.StreamingSplits` of `_streamed_splits`.
 
     Args:
         columns: `{flag: column}` the recipe reads (`{"text_column": "text"}`), checked before any split so that an
@@ -626,9 +646,10 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
     import datasets
     from datasets import DatasetDict, load_dataset
 
+    stream = getattr(args, "streaming", False)
     try:
         if args.dataset_name is not None:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name)
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, streaming=stream)
         else:
             data_files = {"train": args.train_file}
             if args.validation_file:
@@ -639,7 +660,9 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
             if quiet:
                 datasets.utils.disable_progress_bars()
             try:
-                raw = load_dataset(DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files)
+                raw = load_dataset(
+                    DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files, streaming=stream
+                )
             finally:
                 if quiet:
                     datasets.utils.enable_progress_bars()
@@ -647,6 +670,8 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
     if "train" not in raw:
         raise RecipeError(f"the dataset has no 'train' split (splits: {sorted(raw)}).")
+    if stream:
+        return _streamed_splits(args, raw, columns)
     if columns:  # the splits the recipe reads: test stands in for a missing validation split
         used = [split for split in ("train", "validation") if split in raw]
         used += ["test"] if "validation" not in raw and "test" in raw else []
@@ -670,6 +695,54 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         if len(raw[split]) == 0:
             raise RecipeError(f"the {split} split is empty.")
     return DatasetDict(train=raw["train"], validation=raw["validation"])  # other splits are not tokenized
+
+
+# With --streaming, the first rows of the training stream are checked before training (the rest as they are read).
+_STREAM_CHECKED_ROWS = 100
+
+
+def _streamed_splits(args: argparse.Namespace, raw, columns: dict[str, str] | None) -> streaming.StreamingSplits:
+    """The splits of a streamed run: the training stream (its first --max_train_samples examples), and the evaluation
+    split read into memory (at most --max_eval_samples examples) from the validation (or test) split, or else held
+    out from the start of the training stream, which then begins after them. The columns are checked on the
+    evaluation rows and on the first training rows (`require_columns`).
+
+    Raises:
+        RecipeError: no validation split and no --max_eval_samples, an empty split, a bad column or row.
+    """
+    from datasets import Dataset, DatasetDict
+
+    train = raw["train"]
+    held_out = next((raw[split] for split in ("validation", "test") if split in raw), None)
+    if held_out is None:
+        if args.max_eval_samples is None:
+            raise RecipeError(
+                "--streaming without a validation split needs --max_eval_samples N: the first N training examples "
+                "are held out for evaluation (or give --validation_file)."
+            )
+        held_out, train = train.take(args.max_eval_samples), train.skip(args.max_eval_samples)
+    elif args.max_eval_samples is not None:
+        held_out = held_out.take(args.max_eval_samples)
+    if args.max_train_samples is not None:
+        train = train.take(args.max_train_samples)
+    try:
+        validation = Dataset.from_list(list(held_out), features=held_out.features)
+        head = Dataset.from_list(list(train.take(_STREAM_CHECKED_ROWS)), features=train.features)
+        if train.column_names is None:  # a loader that does not declare its features: infer them from the rows
+            train = train._resolve_features()
+    except Exception as error:  # as in load_raw_datasets: unreadable data is the user's to fix
+        raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
+    for split, rows in (("train", head), ("validation", validation)):
+        if len(rows) == 0:
+            raise RecipeError(f"the {split} split is empty.")
+    if columns:
+        require_columns(
+            DatasetDict(train=head, validation=validation),
+            columns,
+            sources=_data_sources(args, {"train": None, "validation": None}),
+            problem_type=getattr(args, "problem_type", None),
+        )
+    return streaming.StreamingSplits(train=train, validation=validation)
 
 
 def require_columns(
@@ -839,6 +912,10 @@ class TrainState:
     generators of every process; `trainer_state.json` holds the position (`position()`). Randomness inside a step is
     derived from (`seed`, epoch, batch, `process_index`) (`step_seeds`, `batch_generator`), so the position alone
     fixes every draw a resumed step makes.
+
+    A streamed training set (`streaming`) has no length: a pass (`epoch`) ends when a process's share runs out, and
+    the position adds the examples each process consumed in the pass (`stream_examples`, one per process), which a
+    resumed process reads again and discards (see `longattn.train.streaming`).
     """
 
     model: Any
@@ -860,6 +937,9 @@ class TrainState:
     loss_count: int = 0
     last_loss: float | None = None
     run_settings: dict[str, Any] | None = None  # `run_settings`, compared on resumption
+    streaming: bool = False  # the training data is a stream
+    examples_in_epoch: int = 0  # with `streaming`: examples of `epoch` this process consumed
+    stream_examples: list[int] | None = None  # with `streaming`, in a checkpoint: `examples_in_epoch` per process
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # of the last evaluation (`eval_*`)
     last_eval_step: int | None = None
 
@@ -868,6 +948,8 @@ class TrainState:
         record = {key: getattr(self, key) for key in _POSITION_FIELDS}
         if self.run_settings is not None:
             record["run_settings"] = self.run_settings
+        if self.stream_examples is not None:
+            record["stream_examples"] = self.stream_examples
         return record
 
     def restore_position(self, saved: dict[str, Any]) -> None:
@@ -875,6 +957,9 @@ class TrainState:
         for key in _POSITION_FIELDS:
             if key in saved:
                 setattr(self, key, saved[key])
+        if saved.get("stream_examples") is not None:
+            self.stream_examples = saved["stream_examples"]
+            self.examples_in_epoch = self.stream_examples[self.process_index]
 
     def step_seeds(self, epoch: int, first_batch: int, count: int) -> list[int]:
         """The dropout seeds of `count` micro-batches from batch `first_batch` of `epoch`, in this process."""
@@ -901,6 +986,9 @@ def save_checkpoint(accelerator, args: argparse.Namespace, state: TrainState) ->
     --checkpoints_total_limit are removed afterwards."""
     directory = Path(args.output_dir) / CHECKPOINTS_DIR
     final = directory / f"step_{state.completed_steps}"
+    if state.streaming:  # each process's position in its own share of the stream
+        position = torch.tensor([state.examples_in_epoch], device=accelerator.device)
+        state.stream_examples = accelerator.gather(position).tolist()
     partial = directory / f".{final.name}{_PARTIAL_SUFFIX}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -1150,9 +1238,8 @@ def prepare_training(
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
-    train_dataloader = DataLoader(
-        train_dataset, shuffle=True, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size
-    )
+    stream = streaming.is_stream(train_dataset)
+    train_dataloader = _train_dataloader(args, accelerator, train_dataset, collate_fn)
     eval_dataloader = DataLoader(
         eval_dataset,
         shuffle=False,
@@ -1161,18 +1248,23 @@ def prepare_training(
     )
     optimizer = build_optimizer(args, model)
     # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
-    updates_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
+    max_train_steps = args.max_train_steps or args.num_train_epochs * math.ceil(
+        len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps
+    )
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer=optimizer,
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
-    )
-    updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    if stream:  # its loader is this process's alone, and must not be prepared again (`streaming.stream_loader`)
+        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, eval_dataloader, lr_scheduler
+        )
+    else:
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+        )
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     return TrainState(
         model=model,
@@ -1181,13 +1273,39 @@ def prepare_training(
         train_dataloader=train_dataloader,
         eval_dataloader=eval_dataloader,
         max_train_steps=max_train_steps,
-        num_epochs=math.ceil(max_train_steps / updates_per_epoch),
+        # A pass over a stream makes at least one step (`train_epoch` stops the run otherwise).
+        num_epochs=max_train_steps
+        if stream
+        else math.ceil(max_train_steps / math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)),
         global_batch_size=global_batch_size,
         num_processes=accelerator.num_processes,
         seed=args.seed,
         process_index=accelerator.process_index,
         loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)),
+        streaming=stream,
     )
+
+
+def _train_dataloader(args: argparse.Namespace, accelerator, train_dataset, collate_fn: Callable):
+    """The training DataLoader: over a `Dataset`, shuffled (by accelerate's seedable sampler once prepared); over a
+    stream, this process's shuffled share of it (`streaming.stream_for_process`), in a loader already prepared."""
+    from torch.utils.data import DataLoader
+
+    if not streaming.is_stream(train_dataset):
+        return DataLoader(
+            train_dataset, shuffle=True, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size
+        )
+    if args.max_train_steps is None:
+        raise RecipeError("a streamed training set needs --max_train_steps: its length is unknown until it is read.")
+    share = streaming.stream_for_process(
+        train_dataset,
+        seed=args.seed,
+        buffer_size=args.shuffle_buffer_size,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+    )
+    loader = DataLoader(share, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size)
+    return streaming.stream_loader(loader, device=accelerator.device)
 
 
 def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
@@ -1258,7 +1376,11 @@ def train_step(
     state.loss_sum += step_loss
     state.loss_count += 1
     state.last_loss = step_loss
-    end_of_epoch = batch_index >= len(state.train_dataloader)
+    if state.streaming:  # a short group: a process's share of the stream ran out (`streaming.common_group`)
+        end_of_epoch = len(group) < args.gradient_accumulation_steps
+        state.examples_in_epoch = 0 if end_of_epoch else state.examples_in_epoch + sum(map(streaming.batch_rows, group))
+    else:
+        end_of_epoch = batch_index >= len(state.train_dataloader)
     state.epoch, state.batch_in_epoch = (epoch + 1, 0) if end_of_epoch else (epoch, batch_index)
     return step_loss
 
@@ -1293,11 +1415,14 @@ def train_epoch(
     state.model.train()
     state.train_dataloader.set_epoch(epoch)
     skip = state.batch_in_epoch if epoch == state.epoch else 0
-    loader = iter(accelerator.skip_first_batches(state.train_dataloader, skip) if skip else state.train_dataloader)
+    if state.streaming:
+        loader = _replayed_stream(state, skip)
+    else:
+        loader = iter(accelerator.skip_first_batches(state.train_dataloader, skip) if skip else state.train_dataloader)
     batch_index = skip
     # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
     # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
-    while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
+    while group := _next_group(args, accelerator, state, loader):
         step_loss = train_step(
             args, accelerator, state, group, epoch=epoch, first_batch=batch_index, prepare_batch=prepare_batch
         )
@@ -1319,6 +1444,49 @@ def train_epoch(
             run_evaluation(args, accelerator, state, evaluate)
         if step >= state.max_train_steps:
             break
+    else:  # the data ran out before max_train_steps
+        if state.streaming:
+            _end_stream_pass(state, epoch, batch_index)
+
+
+def _next_group(args: argparse.Namespace, accelerator, state: TrainState, loader) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of the next optimizer step (fewer at the end of an epoch, none after it); of a stream, as
+    many as every process has (`streaming.common_group`)."""
+    group = list(itertools.islice(loader, args.gradient_accumulation_steps))
+    return streaming.common_group(group, accelerator) if state.streaming else group
+
+
+def _replayed_stream(state: TrainState, skip: int):
+    """The batches of this process's stream for the current pass, after the `skip` batches (`examples_in_epoch`
+    examples) a resumed run already trained on: read again and discarded (see `longattn.train.streaming`)."""
+    loader = iter(state.train_dataloader)
+    if skip:
+        replayed = streaming.skip_examples(loader, state.examples_in_epoch)
+        if replayed != (skip, state.examples_in_epoch):
+            logger.warning(
+                "the stream replayed to the checkpoint's position gave %d batches of %d examples where the run had "
+                "consumed %d of %d: the data is not what the checkpoint was written with; the resumed run will not "
+                "repeat the interrupted one.",
+                *replayed,
+                skip,
+                state.examples_in_epoch,
+            )
+    return loader
+
+
+def _end_stream_pass(state: TrainState, epoch: int, batch_index: int) -> None:
+    """A pass over the stream ended after `batch_index` batches: the next one starts (reshuffled) at its beginning.
+
+    Raises:
+        RecipeError: the pass gave no batch at all (the run would never make a step).
+    """
+    if batch_index == 0:
+        raise RecipeError(
+            "the training stream gives no batch (in at least one process's share): it is empty, or (MLM / CLM) "
+            "its texts make no block of --max_seq_length tokens."
+        )
+    if state.epoch == epoch:  # the last step's group was full: `train_step` did not see the end
+        state.epoch, state.batch_in_epoch, state.examples_in_epoch = epoch + 1, 0, 0
 
 
 def summarize(
@@ -1329,7 +1497,7 @@ def summarize(
     runtime: float,
     ranks_seen: list[int],
     resumed_from: Path | None,
-    train_samples: int,
+    train_samples: int | None,
     validation_samples: int,
 ) -> dict[str, Any]:
     """The results of a run (see `train`)."""
@@ -1339,7 +1507,8 @@ def summarize(
         "train_last_loss": state.last_loss,
         "train_runtime": round(runtime, 2),
         "train_steps": state.completed_steps,
-        "epochs": state.num_epochs,
+        # a stream's passes: those finished, and the current one if started
+        "epochs": state.epoch + (state.batch_in_epoch > 0) if state.streaming else state.num_epochs,
         "train_samples": train_samples,
         "validation_samples": validation_samples,
         "num_processes": accelerator.num_processes,
@@ -1374,7 +1543,8 @@ def train(
         args: The parsed recipe flags.
         accelerator: From `make_accelerator`.
         model: The model to train (not yet prepared).
-        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s.
+        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s; the training set may be a stream (a
+            `datasets.IterableDataset`, --streaming), which needs --max_train_steps (see `longattn.train.streaming`).
         collate_fn: Batches features (`PadCollator` or a task's own).
         evaluate: `(model, eval_dataloader) -> metrics` (keys without the `eval_` prefix); runs on every process.
         prepare_batch: `(batch, generator) -> batch` applied to each training batch before the forward pass, with a
@@ -1393,13 +1563,13 @@ def train(
     resumed_from = begin_run(args, accelerator, state)
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
     logger.info(
-        "training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
-        len(train_dataset),
+        "training: %s, %d processes %s, global batch %d, %d optimizer steps (%s)",
+        "a stream" if state.streaming else f"{len(train_dataset)} examples",
         accelerator.num_processes,
         ranks_seen,
         state.global_batch_size,
         state.max_train_steps,
-        state.num_epochs,
+        "as many passes as they need" if state.streaming else f"{state.num_epochs} epochs",
     )
     progress = tqdm(
         total=state.max_train_steps,
@@ -1430,7 +1600,7 @@ def train(
         runtime=runtime,
         ranks_seen=ranks_seen,
         resumed_from=resumed_from,
-        train_samples=len(train_dataset),
+        train_samples=streaming.num_examples(train_dataset),
         validation_samples=len(eval_dataset),
     )
 
@@ -1571,6 +1741,7 @@ __all__ = [
     "load_raw_datasets",
     "require_columns",
     "group_texts",
+    "is_empty",
     "PadCollator",
     "DataCollatorWithGlobalAttention",
     "attention_types",
