@@ -1,0 +1,193 @@
+"""Engines: FSDP2 sharding of a longattn model over gloo, the kinds with per-rank state (LSH rotations, routing
+centroids) kept in step across processes, and the accelerate configs of recipes/configs.
+
+The multi-process tests (marker `distributed`, part of the default suite) fork a few processes from the test process
+(no re-import of torch: about a second per run), each with one thread, joined by a file store (no port to collide
+with a parallel test run). Each compares a data-parallel run with one process that sees the whole batch: a tiny
+masked LM (hidden 32, 2 layers, length 64, dropout off, every token labelled, the batch split evenly, so the mean of
+the ranks' mean losses is the mean loss of the batch and the engines' gradient average is its gradient), three AdamW
+steps, losses and every weight and buffer within 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from kind_configs import random_ids, tiny_config
+from transformers import AutoModelForMaskedLM
+
+from longattn.attention_lsh import LSHAttention
+
+STEPS = 3
+BATCH = 4
+LENGTH = 64
+LSH_AND_ROUTING = dict(
+    attention_type=["lsh", "routing"],
+    lsh_bucket_size=8,
+    lsh_num_buckets=4,
+    routing_num_clusters=4,
+    routing_ema_decay=0.5,  # a large step, so that a centroid update one rank missed shows
+)
+
+
+def _model(fields: dict):
+    torch.manual_seed(0)
+    return AutoModelForMaskedLM.from_config(tiny_config(**{"attention_type": "sliding", "sliding_window": 8, **fields}))
+
+
+def _step_seed(step: int, rank: int) -> int:
+    """The seed a rank draws its step's randomness from: one per (step, process), as the recipes seed dropout, so
+    rank 0 draws what the single process draws and the other ranks draw otherwise."""
+    return 1000 * step + rank
+
+
+def _train(model, ids: torch.Tensor, rank: int, record_rotations: list) -> tuple[list[float], list]:
+    """STEPS AdamW steps on `ids` (every token labelled); the losses and each step's routing centroids."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, centroids = [], []
+    original = LSHAttention.current_rotations
+
+    def recording(layer, device):
+        rotations = original(layer, device)
+        record_rotations.append(rotations.clone())
+        return rotations
+
+    LSHAttention.current_rotations = recording
+    try:
+        for step in range(STEPS):
+            torch.manual_seed(_step_seed(step, rank))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+            centroids.append([b.detach().clone() for n, b in model.named_buffers() if n.endswith("centroids")])
+    finally:
+        LSHAttention.current_rotations = original
+    return losses, centroids
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a sharded parameter) gathered whole; a plain tensor (a buffer) as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _worker(rank: int, world: int, store: str, out: str, mesh_shape: tuple[int, ...], fields: dict) -> None:
+    """One rank: the model sharded with `fully_shard` on a CPU mesh (1-D: FSDP; 2-D: hybrid, replicate x shard),
+    trained on its slice of the batch; what it saw is saved for the test process to compare."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        names = ("replicate", "shard")[-len(mesh_shape) :]
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        model = _model(fields)
+        for layer in model.longattn.encoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        per_rank = BATCH // world
+        ids = random_ids(BATCH, LENGTH, seed=1)[rank * per_rank : (rank + 1) * per_rank]
+        rotations: list = []
+        losses, centroids = _train(model, ids, rank, rotations)
+        mean_losses = torch.stack(losses)
+        dist.all_reduce(mean_losses)
+        weight = model.longattn.encoder.layers[0].self_attn.q_proj.weight
+        torch.save(
+            {
+                "losses": (mean_losses / world).tolist(),
+                "state": {name: _full(value).detach().clone() for name, value in model.state_dict().items()},
+                "rotations": rotations,
+                "centroids": centroids,
+                "placements": [type(p).__name__ for p in weight.placements],
+                "local_rows": weight.to_local().shape[0],
+            },
+            Path(out) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(tmp_path: Path, mesh_shape: tuple[int, ...], fields: dict) -> list[dict]:
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("forks its processes")
+    world = int(torch.tensor(mesh_shape).prod())
+    # fork: the children share this process's imports; each sets its own thread count first.
+    mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "store"), str(tmp_path), mesh_shape, fields),
+        nprocs=world,
+        start_method="fork",
+    )
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+def _one_process(fields: dict) -> tuple[list[float], dict, list, list]:
+    model = _model(fields)
+    rotations: list = []
+    losses, centroids = _train(model, random_ids(BATCH, LENGTH, seed=1), 0, rotations)
+    return [float(loss) for loss in losses], model.state_dict(), rotations, centroids
+
+
+def _assert_same_run(ranks: list[dict], fields: dict) -> None:
+    losses, state, _, _ = _one_process(fields)
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=0, atol=1e-5)
+        assert result["state"].keys() == state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(result["state"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.fixture(autouse=True)
+def _single_threaded():
+    """One intra-op thread, as the ranks have: the single-process reference then sums in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.distributed
+def test_fully_shard_two_processes_matches_one_process(tmp_path):
+    ranks = _run_ranks(tmp_path, (2,), {})
+    assert ranks[0]["placements"] == ["Shard"] and ranks[0]["local_rows"] == 32 // 2  # really sharded
+    _assert_same_run(ranks, {})
+
+
+@pytest.mark.distributed
+def test_hybrid_shard_two_by_two_matches_one_process(tmp_path):
+    """HSDP: replicated over the first mesh dimension, sharded over the second; four ranks, one example each."""
+    ranks = _run_ranks(tmp_path, (2, 2), {})
+    assert ranks[0]["placements"] == ["Replicate", "Shard"]
+    _assert_same_run(ranks, {})
+
+
+@pytest.mark.distributed
+def test_lsh_rotations_and_routing_centroids_stay_in_step(tmp_path):
+    """Each rank seeds its step differently (as the recipes do for dropout): the LSH layer still hashes with the
+    same rotations on both (rank 0's, which the single process draws too), and the routing layer moves its centroids
+    by the statistics of the whole batch on both, so the run equals the single process."""
+    ranks = _run_ranks(tmp_path, (2,), LSH_AND_ROUTING)
+    _, _, rotations, centroids = _one_process(LSH_AND_ROUTING)
+    assert len(ranks[0]["rotations"]) == STEPS  # one LSH layer, one training forward per step
+    for result in ranks:
+        for got, expected in zip(result["rotations"], rotations, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for result in ranks:
+        for got, expected in zip(result["centroids"], centroids, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    _assert_same_run(ranks, LSH_AND_ROUTING)
+
+
+def test_rank_sync_without_a_process_group_leaves_tensors_alone():
+    from longattn import rank_sync
+
+    assert not dist.is_initialized() and not rank_sync.is_multi_process()
+    x, y = torch.arange(3.0), torch.ones(2, dtype=torch.long)
+    assert rank_sync.same_on_every_rank(x) is x and x.tolist() == [0.0, 1.0, 2.0]
+    assert rank_sync.sum_over_ranks(x, y) == (x, y) and y.tolist() == [1, 1]
