@@ -11,6 +11,7 @@ steps, losses and every weight and buffer within 1e-5.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,136 @@ def test_rank_sync_without_a_process_group_leaves_tensors_alone():
     x, y = torch.arange(3.0), torch.ones(2, dtype=torch.long)
     assert rank_sync.same_on_every_rank(x) is x and x.tolist() == [0.0, 1.0, 2.0]
     assert rank_sync.sum_over_ranks(x, y) == (x, y) and y.tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------------------------------------- accelerate configs
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+
+
+def _launch(monkeypatch, config: str):
+    """`accelerate launch --config_file recipes/configs/<config> recipes/run_mlm.py` up to the environment it gives
+    the processes (accelerate's own parsing, validation and environment), set here with monkeypatch; its arguments."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), "recipes/run_mlm.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as `launch_command` does
+        _, env = prepare_deepspeed_cmd_env(args)
+    else:
+        env = prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        if os.environ.get(key) != value and key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
+            monkeypatch.setenv(key, value)
+    return args
+
+
+def test_every_config_loads_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    names = sorted(path.name for path in CONFIGS.glob("*.yaml"))
+    assert {"deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "fsdp.yaml", "fsdp_hybrid.yaml"} <= set(names)
+    for name in names:
+        config = load_config_from_file(str(CONFIGS / name))  # unknown keys raise
+        assert config.compute_environment == "LOCAL_MACHINE", name
+
+
+@pytest.mark.parametrize("config", ["fsdp.yaml", "fsdp_hybrid.yaml"])
+def test_fsdp_configs_build_fsdp2_plugins(monkeypatch, config):
+    from accelerate import ParallelismConfig
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from longattn import modeling_longattn
+
+    args = _launch(monkeypatch, config)
+    assert args.use_fsdp and os.environ["ACCELERATE_USE_FSDP"] == "true"
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert all(hasattr(modeling_longattn, name) for name in plugin.transformer_cls_names_to_wrap)
+    if config == "fsdp_hybrid.yaml":
+        mesh = ParallelismConfig()  # from the environment, as the Accelerator builds it
+        assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 2) and mesh.total_size == args.num_processes == 4
+    else:
+        assert os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") is None
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_build_zero_plugins_that_take_the_recipe_settings(monkeypatch, stage):
+    """The DeepSpeed plugin accelerate builds from each config (DeepSpeed itself is not needed for that): its ZeRO
+    stage, no accumulation of its own, and the clipping left to the recipe, which fills in --max_grad_norm."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from longattn.train import training
+
+    _launch(monkeypatch, f"deepspeed_zero{stage}.yaml")
+    plugin = DeepSpeedPlugin()
+    assert plugin.zero_stage == stage and plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+    assert plugin.deepspeed_config["gradient_clipping"] == "auto"
+    if stage == 3:
+        assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), distributed_type="DEEPSPEED")
+    training.configure_deepspeed(SimpleNamespace(max_grad_norm=0.5), accelerator)
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.5
+    accelerator.num_processes = 2
+    assert training.shards_parameters(accelerator) is (stage == 3)
+
+
+def test_deepspeed_config_that_clips_or_accumulates_otherwise_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from longattn.train import training
+
+    _launch(monkeypatch, "deepspeed_zero2.yaml")
+    for field, value in (("gradient_clipping", 1.0), ("gradient_accumulation_steps", 4)):
+        plugin = DeepSpeedPlugin()
+        plugin.deepspeed_config[field] = value
+        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+        with pytest.raises(training.RecipeError, match=field):
+            training.configure_deepspeed(SimpleNamespace(max_grad_norm=0.5), accelerator)
+
+
+# ---------------------------------------------------------------------------------------------- FSDP asked on CPU
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_fsdp_run_that_would_be_ddp_on_cpu_is_refused(processes):
+    from types import SimpleNamespace
+
+    from longattn.train import training
+
+    on_cpu = SimpleNamespace(distributed_type="MULTI_CPU" if processes > 1 else "NO", num_processes=processes)
+    instead = "DDP" if processes > 1 else "one unsharded process"
+    with pytest.raises(training.RecipeError, match=f"FSDP needs CUDA; on CPU accelerate would run {instead}"):
+        training.check_engine(on_cpu, "FSDP")
+    with pytest.raises(training.RecipeError, match="DeepSpeed needs CUDA"):
+        training.check_engine(on_cpu, "DEEPSPEED")
+    training.check_engine(on_cpu, None)  # DDP asked, DDP run
+    training.check_engine(SimpleNamespace(distributed_type="FSDP", num_processes=processes), "FSDP")
+
+
+def test_make_accelerator_refuses_the_fsdp_config_on_cpu(tmp_path, monkeypatch):
+    """The environment `accelerate launch --config_file recipes/configs/fsdp.yaml` gives a process, on CPU: the
+    recipe stops with the one-line error instead of training unsharded."""
+    from accelerate.state import AcceleratorState
+
+    from longattn.train import training
+
+    _launch(monkeypatch, "fsdp.yaml")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # the config's bf16 is not what this test is about
+    parser = training.recipe_parser(None, task="mlm")
+    args = training.parse_args(parser, ["--output_dir", str(tmp_path), "--train_file", _text_file(tmp_path)])
+    try:
+        with pytest.raises(training.RecipeError, match="FSDP needs CUDA; on CPU accelerate would run"):
+            training.make_accelerator(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _text_file(tmp_path: Path) -> str:
+    path = tmp_path / "train.txt"
+    path.write_text("some text\n" * 4)
+    return str(path)
