@@ -77,51 +77,55 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _worker(rank: int, world: int, store: str, out: str, mesh_shape: tuple[int, ...], fields: dict) -> None:
-    """One rank: the model sharded with `fully_shard` on a CPU mesh (1-D: FSDP; 2-D: hybrid, replicate x shard),
-    trained on its slice of the batch; what it saw is saved for the test process to compare."""
+def _wrap(model, engine: str, mesh_shape: tuple[int, ...]):
+    """`model` under DDP, or sharded with `fully_shard` per layer and at the root on a CPU mesh (1-D: FSDP; 2-D:
+    hybrid, replicated over the first dimension and sharded over the second)."""
+    if engine == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape) :])
+    for layer in model.longattn.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _worker(rank: int, world: int, store: str, out: str, engine: str, mesh_shape: tuple[int, ...], fields: dict):
+    """One rank: the model under `engine`, trained on its slice of the batch; what it saw is saved for the test
+    process to compare."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        names = ("replicate", "shard")[-len(mesh_shape) :]
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        model = _model(fields)
-        for layer in model.longattn.encoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _wrap(_model(fields), engine, mesh_shape)
         per_rank = BATCH // world
         ids = random_ids(BATCH, LENGTH, seed=1)[rank * per_rank : (rank + 1) * per_rank]
         rotations: list = []
         losses, centroids = _train(model, ids, rank, rotations)
         mean_losses = torch.stack(losses)
         dist.all_reduce(mean_losses)
-        weight = model.longattn.encoder.layers[0].self_attn.q_proj.weight
-        torch.save(
-            {
-                "losses": (mean_losses / world).tolist(),
-                "state": {name: _full(value).detach().clone() for name, value in model.state_dict().items()},
-                "rotations": rotations,
-                "centroids": centroids,
-                "placements": [type(p).__name__ for p in weight.placements],
-                "local_rows": weight.to_local().shape[0],
-            },
-            Path(out) / f"rank{rank}.pt",
-        )
+        state = {
+            name.removeprefix("module."): _full(value).detach().clone() for name, value in model.state_dict().items()
+        }
+        result = {"losses": (mean_losses / world).tolist(), "state": state, "rotations": rotations}
+        result["centroids"] = centroids
+        if engine == "fsdp":
+            weight = model.longattn.encoder.layers[0].self_attn.q_proj.weight
+            result["placements"] = [type(p).__name__ for p in weight.placements]
+            result["local_rows"] = weight.to_local().shape[0]
+        torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path: Path, mesh_shape: tuple[int, ...], fields: dict) -> list[dict]:
+def _run_ranks(tmp_path: Path, mesh_shape: tuple[int, ...], fields: dict, engine: str = "fsdp") -> list[dict]:
     if "fork" not in mp.get_all_start_methods():
         pytest.skip("forks its processes")
     world = int(torch.tensor(mesh_shape).prod())
     # fork: the children share this process's imports; each sets its own thread count first.
     mp.start_processes(
         _worker,
-        args=(world, str(tmp_path / "store"), str(tmp_path), mesh_shape, fields),
+        args=(world, str(tmp_path / "store"), str(tmp_path), engine, mesh_shape, fields),
         nprocs=world,
         start_method="fork",
     )
@@ -169,11 +173,13 @@ def test_hybrid_shard_two_by_two_matches_one_process(tmp_path):
 
 
 @pytest.mark.distributed
-def test_lsh_rotations_and_routing_centroids_stay_in_step(tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "ddp"])
+def test_lsh_rotations_and_routing_centroids_stay_in_step(tmp_path, engine):
     """Each rank seeds its step differently (as the recipes do for dropout): the LSH layer still hashes with the
     same rotations on both (rank 0's, which the single process draws too), and the routing layer moves its centroids
-    by the statistics of the whole batch on both, so the run equals the single process."""
-    ranks = _run_ranks(tmp_path, (2,), LSH_AND_ROUTING)
+    by the statistics of the whole batch on both, so the run equals the single process. Under DDP too, whose
+    gradient all-reduce runs beside the routing layer's all-reduce in the same backward pass."""
+    ranks = _run_ranks(tmp_path, (2,), LSH_AND_ROUTING, engine)
     _, _, rotations, centroids = _one_process(LSH_AND_ROUTING)
     assert len(ranks[0]["rotations"]) == STEPS  # one LSH layer, one training forward per step
     for result in ranks:
