@@ -539,7 +539,9 @@ class TqdmLoggingHandler(logging.StreamHandler):
 
 def make_accelerator(args: argparse.Namespace):
     """The Accelerator, with the seedable sampler (shuffling is a function of seed and epoch, so a resumed run sees
-    the same order), logging set up for the main process only, and `set_seed(args.seed)`."""
+    the same order), logging set up for the main process only, and `set_seed(args.seed)`. A launch whose config asks
+    for FSDP or DeepSpeed where accelerate would run something else (DDP on CPU) stops here (`check_engine`), and
+    DeepSpeed gets the recipe's clipping (`configure_deepspeed`)."""
     import datasets
     import transformers
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
