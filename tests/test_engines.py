@@ -305,23 +305,34 @@ def test_an_fsdp_run_that_would_be_ddp_on_cpu_is_refused(processes):
     with pytest.raises(training.RecipeError, match="DeepSpeed needs CUDA"):
         training.check_engine(on_cpu, "DEEPSPEED")
     training.check_engine(on_cpu, None)  # DDP asked, DDP run
-    training.check_engine(SimpleNamespace(distributed_type="FSDP", num_processes=processes), "FSDP")
+    for on_gpus in ("MULTI_GPU", "FSDP"):  # the process state on GPUs, or the Accelerator's
+        training.check_engine(SimpleNamespace(distributed_type=on_gpus, num_processes=processes), "FSDP")
 
 
-def test_make_accelerator_refuses_the_fsdp_config_on_cpu(tmp_path, monkeypatch):
-    """The environment `accelerate launch --config_file recipes/configs/fsdp.yaml` gives a process, on CPU: the
-    recipe stops with the one-line error instead of training unsharded."""
+@pytest.mark.parametrize("config", ["fsdp.yaml", "fsdp_hybrid.yaml", "deepspeed_zero3.yaml"])
+def test_make_accelerator_refuses_the_sharding_configs_on_cpu(tmp_path, monkeypatch, config):
+    """The environment `accelerate launch --config_file recipes/configs/<config>` gives a process, on CPU: the
+    recipe stops with the one-line error instead of training unsharded (DeepSpeed: first because it is not
+    installed, where it is not)."""
+    import importlib.util
+
     from accelerate.state import AcceleratorState
 
     from longattn.train import training
 
-    _launch(monkeypatch, "fsdp.yaml")
+    _launch(monkeypatch, config)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # the config's bf16 is not what this test is about
     parser = training.recipe_parser(None, task="mlm")
     args = training.parse_args(parser, ["--output_dir", str(tmp_path), "--train_file", _text_file(tmp_path)])
+    if config.startswith("fsdp"):
+        message = "FSDP needs CUDA; on CPU accelerate would run"
+    elif importlib.util.find_spec("deepspeed") is None:
+        message = "DeepSpeed is not installed"
+    else:
+        message = "DeepSpeed needs CUDA; on CPU accelerate would run"
     try:
-        with pytest.raises(training.RecipeError, match="FSDP needs CUDA; on CPU accelerate would run"):
+        with pytest.raises(training.RecipeError, match=message):
             training.make_accelerator(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -540,12 +540,12 @@ class TqdmLoggingHandler(logging.StreamHandler):
 def make_accelerator(args: argparse.Namespace):
     """The Accelerator, with the seedable sampler (shuffling is a function of seed and epoch, so a resumed run sees
     the same order), logging set up for the main process only, and `set_seed(args.seed)`. A launch whose config asks
-    for FSDP or DeepSpeed where accelerate would run something else (DDP on CPU) stops here (`check_engine`), and
+    for FSDP or DeepSpeed where accelerate would run something else (DDP on CPU) stops first (`check_engine`), and
     DeepSpeed gets the recipe's clipping (`configure_deepspeed`)."""
     import datasets
     import transformers
-    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
+    from accelerate.utils import parse_flag_from_env, set_seed
 
     engine = requested_engine()
     if engine == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
@@ -554,6 +554,10 @@ def make_accelerator(args: argparse.Namespace):
             "it needs CUDA GPUs and a compiler). Without it, use recipes/configs/fsdp.yaml on GPUs, or "
             "recipes/configs/cpu_2proc.yaml (DDP) on CPU."
         )
+    if engine is not None:
+        # Asked of the process state, before the Accelerator: on CPU a hybrid-sharding config does not even build one
+        # (accelerate's ParallelismConfig refuses MULTI_CPU with a ValueError that does not say why).
+        check_engine(PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")), engine)
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if args.ddp_find_unused_parameters else []
     accelerator = Accelerator(
         # `train` accumulates itself (as transformers' Trainer does): the loss of an optimizer step is normalised by
@@ -565,7 +569,6 @@ def make_accelerator(args: argparse.Namespace):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         kwargs_handlers=handlers,
     )
-    check_engine(accelerator, engine)
     configure_deepspeed(args, accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
@@ -614,22 +617,27 @@ def requested_engine() -> str | None:
     return None
 
 
-def check_engine(accelerator, engine: str | None) -> None:
+def check_engine(state, engine: str | None) -> None:
     """Refuse to run with another engine than the one asked for.
 
     accelerate sets up FSDP and DeepSpeed on accelerators only: on CPU (`ACCELERATE_USE_CPU=1`, or a machine without
     CUDA) it keeps an FSDP or DeepSpeed config's processes but runs them as plain DDP (`MULTI_CPU`), or as one
-    unsharded process, without a word. A run that shards nothing while its config says it does misleads more than
-    it helps (memory, checkpoint layout), so it stops here.
+    unsharded process (`NO`), without a word. A run that shards nothing while its config says it does misleads more
+    than it helps (memory, checkpoint layout), so it stops here.
+
+    Args:
+        state: accelerate's `PartialState` (or the Accelerator): its `distributed_type` and `num_processes`.
+        engine: "FSDP", "DEEPSPEED" or None (`requested_engine`).
 
     Raises:
-        RecipeError: `engine` ("FSDP", "DEEPSPEED") was asked for and the accelerator runs something else.
+        RecipeError: `engine` was asked for and the processes run on CPU or unlaunched, where accelerate does not
+            set it up.
     """
-    running = str(accelerator.distributed_type).split(".")[-1]
-    if engine is None or running == engine:
+    running = str(state.distributed_type).split(".")[-1]
+    if engine is None or running not in ("MULTI_CPU", "NO"):
         return
     name = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[engine]
-    instead = "DDP" if accelerator.num_processes > 1 else "one unsharded process"
+    instead = "DDP" if state.num_processes > 1 else "one unsharded process"
     raise RecipeError(
         f"this run was launched with an {name} config, but {name} needs CUDA; on CPU accelerate would run {instead} "
         f"(distributed type {running}) instead. On CPU, launch DDP with recipes/configs/cpu_2proc.yaml "
