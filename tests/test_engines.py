@@ -107,8 +107,12 @@ def _worker(rank: int, world: int, store: str, out: str, engine: str, mesh_shape
         state = {
             name.removeprefix("module."): _full(value).detach().clone() for name, value in model.state_dict().items()
         }
-        result = {"losses": (mean_losses / world).tolist(), "state": state, "rotations": rotations}
-        result["centroids"] = centroids
+        result = {
+            "losses": (mean_losses / world).tolist(),
+            "state": state,
+            "rotations": rotations,
+            "centroids": centroids,
+        }
         if engine == "fsdp":
             weight = model.longattn.encoder.layers[0].self_attn.q_proj.weight
             result["placements"] = [type(p).__name__ for p in weight.placements]
