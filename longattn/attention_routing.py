@@ -44,6 +44,7 @@ from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
 from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .rank_sync import sum_over_ranks
 
 __all__ = [
     "RoutingAttention",
@@ -651,10 +652,14 @@ class RoutingAttention(LongAttnAttention):
     def update_centroids(self, sums: Tensor, counts: Tensor) -> None:
         """One step of the moving average: centroids move toward the mean of their members, then renormalise.
 
+        Under `torch.distributed` the statistics are first summed over all ranks (`rank_sync.sum_over_ranks`), so
+        every rank takes the same step, that of the whole global batch, and the centroids stay identical.
+
         Args:
             sums: `[hr, C, d]` sums of unit members (`cluster_statistics`: the members a centroid took).
             counts: `[hr, C]`; centroids without members stay where they are.
         """
+        sums, counts = sum_over_ranks(sums, counts)
         has_members = counts > 0
         means = sums / counts.clamp(min=1).unsqueeze(-1)
         moved = F.normalize(self.ema_decay * self.centroids.float() + (1 - self.ema_decay) * means, dim=-1)

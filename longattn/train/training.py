@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import itertools
 import json
@@ -557,12 +558,25 @@ class TqdmLoggingHandler(logging.StreamHandler):
 
 def make_accelerator(args: argparse.Namespace):
     """The Accelerator, with the seedable sampler (shuffling is a function of seed and epoch, so a resumed run sees
-    the same order), logging set up for the main process only, and `set_seed(args.seed)`."""
+    the same order), logging set up for the main process only, and `set_seed(args.seed)`. A launch whose config asks
+    for FSDP or DeepSpeed where accelerate would run something else (DDP on CPU) stops first (`check_engine`), and
+    DeepSpeed gets the recipe's clipping (`configure_deepspeed`)."""
     import datasets
     import transformers
-    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
+    from accelerate.utils import parse_flag_from_env, set_seed
 
+    engine = requested_engine()
+    if engine == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        raise RecipeError(
+            "this run was launched with a DeepSpeed config, but DeepSpeed is not installed (pip install deepspeed; "
+            "it needs CUDA GPUs and a compiler). Without it, use recipes/configs/fsdp.yaml on GPUs, or "
+            "recipes/configs/cpu_2proc.yaml (DDP) on CPU."
+        )
+    if engine is not None:
+        # Asked of the process state, before the Accelerator: on CPU a hybrid-sharding config does not even build one
+        # (accelerate's ParallelismConfig refuses MULTI_CPU with a ValueError that does not say why).
+        check_engine(PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")), engine)
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if args.ddp_find_unused_parameters else []
     accelerator = Accelerator(
         # `train` accumulates itself (as transformers' Trainer does): the loss of an optimizer step is normalised by
@@ -574,6 +588,7 @@ def make_accelerator(args: argparse.Namespace):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         kwargs_handlers=handlers,
     )
+    configure_deepspeed(args, accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
         raise RecipeError(
@@ -610,6 +625,79 @@ def make_accelerator(args: argparse.Namespace):
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     return accelerator
+
+
+def requested_engine() -> str | None:
+    """The sharding engine the launch asked for, "FSDP" or "DEEPSPEED" (`accelerate launch` with such a config sets
+    `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`), else None."""
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+            return engine
+    return None
+
+
+def check_engine(state, engine: str | None) -> None:
+    """Refuse to run with another engine than the one asked for.
+
+    accelerate sets up FSDP and DeepSpeed on accelerators only: on CPU (`ACCELERATE_USE_CPU=1`, or a machine without
+    CUDA) it keeps an FSDP or DeepSpeed config's processes but runs them as plain DDP (`MULTI_CPU`), or as one
+    unsharded process (`NO`), without a word. A run that shards nothing while its config says it does misleads more
+    than it helps (memory, checkpoint layout), so it stops here.
+
+    Args:
+        state: accelerate's `PartialState` (or the Accelerator): its `distributed_type` and `num_processes`.
+        engine: "FSDP", "DEEPSPEED" or None (`requested_engine`).
+
+    Raises:
+        RecipeError: `engine` was asked for and the processes run on CPU or unlaunched, where accelerate does not
+            set it up.
+    """
+    running = str(state.distributed_type).split(".")[-1]
+    if engine is None or running not in ("MULTI_CPU", "NO"):
+        return
+    name = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[engine]
+    instead = "DDP" if state.num_processes > 1 else "one unsharded process"
+    raise RecipeError(
+        f"this run was launched with an {name} config, but {name} needs CUDA; on CPU accelerate would run {instead} "
+        f"(distributed type {running}) instead. On CPU, launch DDP with recipes/configs/cpu_2proc.yaml "
+        f"(ACCELERATE_USE_CPU=1); run the {name} configs on GPUs."
+    )
+
+
+def configure_deepspeed(args: argparse.Namespace, accelerator) -> None:
+    """Hand the recipe's settings to DeepSpeed, whose engine clips and steps inside `accelerator.backward`.
+
+    The engine clips at its config's `gradient_clipping`: the recipes' configs leave it out ("auto"), and it is set to
+    `--max_grad_norm` here. The recipe accumulates micro-batches itself (`accumulation_step`), so the DeepSpeed config
+    must not accumulate as well: its `gradient_accumulation_steps` must be 1 or "auto".
+
+    Raises:
+        RecipeError: The DeepSpeed config sets another clipping than `--max_grad_norm`, or accumulates.
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    mismatches: list[str] = []
+    plugin.fill_match("gradient_clipping", mismatches, gradient_clipping=args.max_grad_norm)
+    plugin.fill_match("gradient_accumulation_steps", mismatches, gradient_accumulation_steps=1)
+    if mismatches:
+        raise RecipeError(
+            "the DeepSpeed config disagrees with the recipe: "
+            + "; ".join(m.lstrip("- ") for m in mismatches)
+            + " (leave gradient_clipping out of the config and set --max_grad_norm; set gradient_accumulation_steps: "
+            "1 in the config and --gradient_accumulation_steps on the recipe)"
+        )
+
+
+def shards_parameters(accelerator) -> bool:
+    """Whether each process holds only a shard of the weights (FSDP, DeepSpeed ZeRO-3) among several processes: then
+    every forward is a collective, and `generate()` needs `synced_gpus=True` so that a process that finished its
+    sequences early keeps taking part until all have."""
+    if accelerator.num_processes < 2:
+        return False
+    running = str(accelerator.distributed_type).split(".")[-1]
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return running == "FSDP" or (running == "DEEPSPEED" and plugin is not None and plugin.zero_stage == 3)
 
 
 def requested_num_processes() -> int:
@@ -1198,8 +1286,12 @@ def accumulation_step(
     step_loss = torch.zeros((), device=accelerator.device)
     for i, (batch, seed) in enumerate(zip(group, seeds)):
         torch.manual_seed(seed)
-        # Gradients are synchronised across processes on the last micro-batch only.
-        with accelerator.no_sync(model) if i < len(group) - 1 else contextlib.nullcontext():
+        last = i == len(group) - 1
+        # Gradients are synchronised across processes on the last micro-batch only: DDP and FSDP skip the others'
+        # all-reduce through `no_sync`; DeepSpeed, which steps its engine inside `backward` at a synchronisation
+        # boundary, is told which micro-batch is one (as transformers' Trainer does).
+        accelerator.gradient_state._set_sync_gradients(last)
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
             if num_items is not None:
                 loss = model(**batch, num_items_in_batch=num_items).loss
                 accelerator.backward(loss * accelerator.num_processes)
@@ -1738,6 +1830,10 @@ __all__ = [
     "resolve_max_seq_length",
     "length_multiple",
     "make_accelerator",
+    "requested_engine",
+    "check_engine",
+    "configure_deepspeed",
+    "shards_parameters",
     "load_raw_datasets",
     "require_columns",
     "group_texts",
