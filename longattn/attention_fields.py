@@ -306,8 +306,6 @@ def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optiona
     return Field(default, "int", minimum=minimum, per=per, optional=optional)
 
 
-_NOT_YET = "its executor takes no logit bias yet"
-
 # `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
 KINDS: dict[str, KindSpec] = {
     "adaptive_span": KindSpec(
@@ -316,9 +314,9 @@ KINDS: dict[str, KindSpec] = {
             "adaptive_span_ramp": _positive_int(32, per=""),
             "adaptive_span_loss_coef": Field(2e-6, "number"),
         },
-        no_relative_logits=_NOT_YET,
+        no_relative_logits="its banded kernel (the soft span mask) takes no logit bias: not implemented",
     ),
-    "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}, no_relative_logits=_NOT_YET),
+    "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
     "deformable": KindSpec(
         {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
         no_causal_form="a pooled level averages later tokens and interpolation reads the next cell, so a decoder "
@@ -355,7 +353,6 @@ KINDS: dict[str, KindSpec] = {
             "lsh_seed": Field(None, "int", optional=True),
         },
         backends=_XFORMERS_BLOCKS,
-        no_relative_logits=_NOT_YET,
         rules=(_lsh_even_buckets, _lsh_causal_band),
     ),
     "reduction": KindSpec(
@@ -382,7 +379,6 @@ KINDS: dict[str, KindSpec] = {
             "routing_ema_decay": Field(0.999, "number", maximum=1.0, exclusive_maximum=True),
         },
         backends=_XFORMERS_BLOCKS,
-        no_relative_logits=_NOT_YET,
         rules=(_routing_one_head_routes,),
     ),
     "sinkhorn": KindSpec(
