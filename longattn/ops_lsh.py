@@ -487,7 +487,8 @@ def attend_windows(
     dtype = compute_dtype(q.dtype)
     keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
     values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
-    scores = torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)) + bias.to(dtype)  # -inf where hidden
+    # masked_fill after the bias: a row with no visible key then sends no NaN gradient back (logsumexp of -inf).
+    scores = (torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)) + bias.to(dtype)).masked_fill(~mask, -math.inf)
     if self_column is not None:
         own = torch.zeros_like(scores, dtype=torch.bool)
         _self_diagonal(own, self_column).fill_(True)

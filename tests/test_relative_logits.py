@@ -231,3 +231,35 @@ def test_bad_embedding_is_named():
     q, k, v = random_qkv(1, 2, 7)
     with pytest.raises(ValueError, match=r"relative_embedding must have shape \[2·max_distance \+ 1, d=8\]"):
         ops.full_attention(q, k, v, relative_embedding=torch.zeros(6, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["lsh", "routing"])
+def test_window_dropout_paths_take_the_bias(kind, causal, monkeypatch):
+    """With attention dropout, LSH and routing run `attend_windows` on gathered copies instead of the gathered-window
+    kernel; its bias carries the relative logits too. Dropout drawn as the identity, so it must equal the dense form."""
+    from longattn.attention_routing import routing_attention
+    from longattn.ops_lsh import lsh_attention, lsh_rotations
+
+    q, k, v = random_qkv(2, 2, 19)
+    embedding = _embedding()
+    if kind == "lsh":
+        rotations = lsh_rotations(heads=2, head_dim=8, num_hashes=2, num_buckets=4, seed=0)
+        settings = dict(rotations=rotations, bucket_size=4, num_buckets=4, causal=causal, relative_embedding=embedding)
+        dense = lsh_attention(q, v, num_hashes=2, backend="reference", **settings)
+        monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+        fast = lsh_attention(q, v, num_hashes=2, dropout_p=0.1, **settings)
+        inputs = (q, v, embedding)
+    else:
+        centroids = torch.nn.functional.normalize(torch.randn(2, 3, 8, dtype=torch.float64), dim=-1)
+        settings = dict(causal=causal, causal_window=5, relative_embedding=embedding)
+        dense = routing_attention(q, k, v, centroids, dense=True, **settings)[0]
+        monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x)
+        fast = routing_attention(q, k, v, centroids, dropout_p=0.1, **settings)
+        inputs = (q, k, v, embedding)
+    torch.testing.assert_close(fast, dense)
+    cotangent = torch.randn(fast.shape, generator=torch.Generator().manual_seed(2), dtype=fast.dtype)
+    for grad_fast, grad_dense in zip(
+        torch.autograd.grad(fast, inputs, cotangent), torch.autograd.grad(dense, inputs, cotangent), strict=True
+    ):
+        torch.testing.assert_close(grad_fast, grad_dense)
