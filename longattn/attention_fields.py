@@ -276,13 +276,16 @@ def _fixed_summary_in_block(config: Any, layer_idx: int, is_causal: bool) -> Non
         )
 
 
+def _relative_logits_on(config: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has relative-position logits (validated `LAYER_FIELDS`; a config saved before them
+    has none)."""
+    if not hasattr(config, "relative_position_logits"):
+        return False
+    return check_bool_field(config, "relative_position_logits", layer_idx)
+
+
 def _sortcut_no_relative_logits(config: Any, layer_idx: int, is_causal: bool) -> None:
-    sortcut = _layer_value(config, "sinkhorn_sortcut", layer_idx)
-    if (
-        sortcut is not None
-        and getattr(config, "relative_position_logits", False) is not False
-        and (_layer_value(config, "relative_position_logits", layer_idx) is True)
-    ):
+    if _layer_value(config, "sinkhorn_sortcut", layer_idx) is not None and _relative_logits_on(config, layer_idx):
         raise ValueError(
             f"`relative_position_logits`={config.relative_position_logits!r} cannot be used with "
             f"`sinkhorn_sortcut`={config.sinkhorn_sortcut!r} (layer {layer_idx}): SortCut's keys are mixtures of "
@@ -437,21 +440,17 @@ def validate_kind(name: str, config: Any, *, layer_idx: int, is_causal: bool) ->
         )
     for field_name, spec_field in spec.fields.items():
         spec_field.check(field_name, config, layer_idx)
+    if hasattr(config, "relative_position_logits"):  # configs saved before these fields have none
+        for field_name, spec_field in LAYER_FIELDS.items():
+            spec_field.check(field_name, config, layer_idx)
     for rule in spec.rules:
         rule(config, layer_idx, is_causal)
     _check_relative_logits(name, config, layer_idx)
 
 
 def _check_relative_logits(name: str, config: Any, layer_idx: int) -> None:
-    """The `LAYER_FIELDS` of layer `layer_idx`, and whether its kind and back end take relative-position logits.
-
-    Configs saved before these fields have none: they mean no relative logits.
-    """
-    if not hasattr(config, "relative_position_logits"):
-        return
-    for field_name, spec_field in LAYER_FIELDS.items():
-        spec_field.check(field_name, config, layer_idx)
-    if not check_bool_field(config, "relative_position_logits", layer_idx):
+    """Whether the kind and the back end of layer `layer_idx` take its relative-position logits, if it has them."""
+    if not _relative_logits_on(config, layer_idx):
         return
     reason = KINDS[name].no_relative_logits
     if reason:
