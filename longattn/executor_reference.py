@@ -55,8 +55,8 @@ def reference_attention(
 
     Raises:
         ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, `mask` is not a
-            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `scale` is not finite, or `dropout_p`
-            is outside [0, 1).
+            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `bias` is not a float tensor
+            broadcastable to it, `scale` is not finite, or `dropout_p` is outside [0, 1).
     """
     b, h, n_q, n_k = check_qkv(q, k, v, queries_last=False)
     mask = check_bool_mask("mask", mask, device=q.device)
@@ -68,6 +68,16 @@ def reference_attention(
             raise ValueError(
                 f"mask must be broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {tuple(mask.shape)}"
             ) from None
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor)
+        or not bias.is_floating_point()
+        or bias.dim() > 4
+        or any(size not in (1, full) for size, full in zip(bias.shape[::-1], (n_k, n_q, h, b)))
+    ):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"bias must be a float tensor broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {shape}"
+        )
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
     return_weights = check_flag("return_weights", return_weights)

@@ -263,3 +263,9 @@ def test_window_dropout_paths_take_the_bias(kind, causal, monkeypatch):
         torch.autograd.grad(fast, inputs, cotangent), torch.autograd.grad(dense, inputs, cotangent), strict=True
     ):
         torch.testing.assert_close(grad_fast, grad_dense)
+
+
+def test_reference_refuses_a_bias_of_the_wrong_shape():
+    q, k, v = random_qkv(1, 2, 7)
+    with pytest.raises(ValueError, match=r"bias must be a float tensor broadcastable to \[b, h, n_q, n_k\]"):
+        ops.reference_attention(q, k, v, None, bias=torch.zeros(1, 2, 7, 6, dtype=torch.float64))
