@@ -185,7 +185,8 @@ def full_attention(
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring);
+        k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function (module
+            docstring); the relative logits enter SDPA as a dense additive mask (every pair is computed anyway);
             `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
 
     Raises:
@@ -264,7 +265,8 @@ def sliding_window_attention(
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
         global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it.
-        key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function (module
+            docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
