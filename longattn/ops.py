@@ -364,7 +364,8 @@ def strided_attention(
     Args:
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function
+            (module docstring).
 
     Raises:
         ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
@@ -436,7 +437,8 @@ def fixed_attention(
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function
+            (module docstring).
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
