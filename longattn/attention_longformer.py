@@ -55,4 +55,5 @@ class LongformerAttention(LongAttnAttention):
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
+            relative_embedding=self.relative_weight,
         )

@@ -159,6 +159,7 @@ class LSHAttention(LongAttnAttention):
             num_chunks_after=self.num_chunks_after,
             causal=self.is_causal,
             dropout_p=self.dropout_p if self.training else 0.0,
+            relative_embedding=self.relative_weight,
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):

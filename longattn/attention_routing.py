@@ -43,8 +43,16 @@ from .backends import AttentionRequest, select_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
-from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .ops_lsh import (
+    RelativeColumns,
+    attend_gathered_windows,
+    attend_windows,
+    attend_windows_on_kernel,
+    gather_rows,
+    head_rows,
+)
 from .rank_sync import sum_over_ranks
+from .relative_logits import check_relative_embedding, materialize_bias, relative_bias, relative_logit_table
 
 __all__ = [
     "RoutingAttention",
@@ -266,6 +274,7 @@ def routing_attention(
     return_statistics: bool = False,
     backend: str = "auto",
     dense: bool = False,
+    relative_embedding: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
@@ -285,6 +294,8 @@ def routing_attention(
             until it is measured on a GPU.
         dense: The dense form instead (`routing_attention_dense`): `(out, weights [b, h, n, m])`, and q may be
             the last n of m key positions (cached decoding) in the causal form.
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits (`longattn.relative_logits`), scale ·
+            q·r of the clipped distance between the original positions of each pair a cluster computes.
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
@@ -295,10 +306,13 @@ def routing_attention(
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    relative_embedding = check_relative_embedding(relative_embedding, q)
     if dense:
         if is_empty(q, k):
             return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
-        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p)
+        return _dense_routing(
+            q, k, v, centroids, causal, causal_window, valid, scale, dropout_p, relative_embedding=relative_embedding
+        )
     if is_empty(q, k):
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
@@ -309,7 +323,14 @@ def routing_attention(
         else select_backend(
             backend,
             AttentionRequest.for_inputs(
-                q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
+                q,
+                k,
+                v,
+                pattern="windows",
+                dropout_p=dropout_p,
+                causal=causal,
+                key_padding=valid is not None,
+                relative_logits=relative_embedding is not None,
             ),
         )
     )
@@ -341,6 +362,8 @@ def routing_attention(
                     _member_statistics(k, key_top, used),
                 )
                 statistics = (q_sums + k_sums, q_counts + k_counts)
+    # The O(n · M) relative table `[b, h, n, 2M + 1]`, read per computed pair at the original positions.
+    table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
     if causal:
         out = _causal_routing(
             q,
@@ -353,9 +376,12 @@ def routing_attention(
             scale=scale,
             dropout_p=dropout_p,
             windows=windows,
+            table=table,
         )
     else:
-        out = _balanced_routing(q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows)
+        out = _balanced_routing(
+            q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows, table=table
+        )
     return (out, statistics) if return_statistics else out
 
 
@@ -369,7 +395,7 @@ def _heads(x: Tensor) -> list[Tensor]:
     return [head.reshape(b * n, d) for head in x.unbind(1)]
 
 
-def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows):
+def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows, table=None):
     """Attention inside the balanced clusters `[b, h, C, k]` of queries and keys; a query in several clusters
     gets one softmax over the union of their keys.
 
@@ -390,26 +416,29 @@ def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, wi
             scale=scale,
             dropout_p=dropout_p,
             windows=windows,
+            table=None if table is None else table[:, head].reshape(b * n, -1),
         )
         for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
     ]
     return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
 
 
-def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows):
-    """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`; output `[b·n, d_v]`
-    in float32 for half inputs."""
+def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows, table=None):
+    """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`, relative table
+    `[b·n, 2M + 1]` or None; output `[b·n, d_v]` in float32 for half inputs."""
     d, d_v = q.shape[-1], v.shape[-1]
     b, clusters, size = query_top.shape
     with torch.no_grad():
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
+        slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
+    relative = {}
+    if table is not None:  # table rows are the rows (batch, position) `slots` name
+        relative = dict(relative_table=table, query_position=query_top.reshape(-1), key_position=key_top.reshape(-1))
     if windows is attend_windows and dropout_p == 0.0:
         # Memory O(n·d) + indices: the kernel gathers each group's rows itself (in forward and again in backward)
         # and merges the clusters of a query by log-sum-exp, so no gathered copy or probability is kept.
-        with torch.no_grad():
-            slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
         return attend_gathered_windows(
             q,
             k,
@@ -424,12 +453,17 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
             stride=size,
             scale=scale,
             mask=slot_used.reshape(-1, 1, size),
+            **relative,
         )
+    mask = slot_used.reshape(-1, 1, size)
+    if relative:
+        columns = RelativeColumns(table, relative["query_position"], relative["key_position"], slots, size, size, size)
+        mask = columns.bias(0, b * clusters).masked_fill(~mask, -math.inf)  # [b·C, k, k], differentiable
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d),
         k.index_select(0, key_index),
         v.index_select(0, key_index),
-        slot_used.reshape(-1, 1, size),
+        mask,
         stride=size,
         scale=scale,
         dropout_p=dropout_p,
@@ -452,8 +486,11 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
     )
 
 
-def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p, windows=attend_windows):
-    """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding)."""
+def _causal_routing(
+    q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p, windows=attend_windows, table=None
+):
+    """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding); `table`:
+    relative logits `[b, h, n, 2M + 1]` or None."""
     b, h, n, d = q.shape
     d_v = v.shape[-1]
     device = q.device
@@ -493,13 +530,23 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
         query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
         query_index[query_row.reshape(-1)] = source_row.reshape(-1)
+        slot_rows = query_row.reshape(-1)
+        out_index = torch.full_like(query_index, -1)
+        out_index[slot_rows] = (bh * n + query_order).reshape(-1)
+    relative = {}
+    if table is not None:  # table rows are the output rows (batch, head, position) `out_index` names
+        with torch.no_grad():
+            query_position = torch.zeros_like(query_index)
+            query_position[slot_rows] = query_order.reshape(-1)
+        relative = dict(
+            relative_table=table.reshape(b * h * n, -1),
+            query_position=query_position,
+            key_position=key_position.reshape(-1),
+        )
     if windows is attend_windows and dropout_p == 0.0:
         # Memory O(n·d) + indices: the kernel gathers each task's rows itself, and a query's visible keys are
         # its column range [first, last), two integers instead of a row of 2W flags.
         with torch.no_grad():
-            slot_rows = query_row.reshape(-1)
-            out_index = torch.full_like(query_index, -1)
-            out_index[slot_rows] = (bh * n + query_order).reshape(-1)
             first_slot, last_slot = torch.zeros_like(query_index), torch.zeros_like(query_index)
             first_slot[slot_rows], last_slot[slot_rows] = first.reshape(-1), last.reshape(-1)
         out = attend_gathered_windows(
@@ -517,6 +564,7 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
             scale=scale,
             first=first_slot,
             last=last_slot,
+            **relative,
         )
         return out.view(b, h, n, d_v)
     with torch.no_grad():
@@ -532,6 +580,18 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
             torch.zeros((), dtype=dtype, device=device).masked_fill(~visible, -math.inf).reshape(-1, 2 * window)
         )
         bias = bias.view(-1, chunk, 2 * window)
+    if relative:
+        columns = RelativeColumns(
+            relative["relative_table"],
+            relative["query_position"],
+            relative["key_position"],
+            out_index,
+            chunk,
+            2 * window,
+            2 * window,
+        )
+        bias = bias + columns.bias(0, bias.shape[0])  # differentiable; -inf stays -inf
+    with torch.no_grad():
         # Original position p of (b, h) is sorted query rank[p]; its buffer row, and the inverse for backward.
         rank = torch.empty_like(query_order).scatter_(-1, query_order, index)
         answer_row = query_row.gather(-1, rank).reshape(-1)  # [b·h·n]
@@ -573,13 +633,16 @@ def routing_attention_dense(
     return routing_attention(q, k, v, centroids, dense=True, **settings)
 
 
-def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p):
+def _dense_routing(
+    q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p, relative_embedding=None
+):
     """`routing_attention_dense` after the checks (key_padding_mask checked, scale resolved, inputs not empty)."""
     b, h, n, d = q.shape
     m = k.shape[2]
     dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
+    scores = scores + _dense_relative(q, relative_embedding, scale, m)
     if causal:
         key_cluster = _nearest(k, centroids)  # [b, h, m]
         query_cluster = _nearest(q, centroids)  # [b, h, n]
@@ -685,6 +748,7 @@ class RoutingAttention(LongAttnAttention):
             dropout_p=dropout_p,
             return_statistics=learn,
             backend=self.backend,
+            relative_embedding=self.relative_weight,
         )
         if learn:
             out, (sums, counts) = out
@@ -699,6 +763,7 @@ class RoutingAttention(LongAttnAttention):
                 key_padding_mask=key_padding_mask,
                 scale=self.scale,
                 dropout_p=dropout_p,
+                relative_embedding=self.relative_weight,
             )
             out = torch.cat([out, local], dim=1)
         return out
@@ -716,6 +781,7 @@ class RoutingAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=dropout_p,
+            relative_embedding=self.relative_weight,
         )
         if self.num_local_heads:
             n, m = q.shape[2], k.shape[2]
@@ -727,16 +793,29 @@ class RoutingAttention(LongAttnAttention):
             mask = near[None, None]
             if key_padding_mask is not None:
                 mask = mask & key_padding_mask[:, None, None, :]  # bool: checked by routing_attention_dense
-            local, local_weights = _masked_attention(q_l, k_l, v_l, mask, self.scale, dropout_p)
+            local, local_weights = _masked_attention(
+                q_l, k_l, v_l, mask, self.scale, dropout_p, relative_embedding=self.relative_weight
+            )
             out = torch.cat([out, local], dim=1)
             weights = torch.cat([weights, local_weights], dim=1)
         return out, weights
 
 
-def _masked_attention(q, k, v, mask, scale, dropout_p):
+def _dense_relative(q: Tensor, embedding: Tensor | None, scale: float, m: int) -> Tensor | float:
+    """The relative logits of queries q `[b, h, n, d]` (the last n of m positions) for every key: `[b, h, n, m]`,
+    or 0 without an embedding."""
+    if embedding is None:
+        return 0.0
+    b, h, n, _ = q.shape
+    bias_fn = relative_bias(q, embedding, scale=scale, kv_len=m)
+    return materialize_bias(bias_fn, batch=b, heads=h, q_len=n, kv_len=m, q_offset=m - n, device=q.device)
+
+
+def _masked_attention(q, k, v, mask, scale, dropout_p, relative_embedding=None):
     """Dense attention under a bool mask `[b|1, h|1, n, m]`, zeros for rows without a visible key."""
     dtype = compute_dtype(q.dtype)
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
+    scores = scores + _dense_relative(q, relative_embedding, scale, k.shape[2])
     scores = scores.masked_fill(~mask, -math.inf)
     sees = mask.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~sees, 0.0), dim=-1) * sees

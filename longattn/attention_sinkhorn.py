@@ -28,6 +28,10 @@ matrix S, a relaxed permutation of the blocks.
 Blocks start at each row's first real token (left padding is rotated to the end), so block boundaries, and thus
 the output of real tokens, do not depend on padding.
 
+Relative-position logits (`relative_position_logits`): the pair of query i and key j, own or sorted block, gains
+scale · q_i · r_{clip(j − i)} on the original positions, added to the logit as it is (not multiplied by S_ij*,
+which scales the sorted key vector). SortCut's keys are mixtures of blocks, with no position: it refuses them.
+
 Block pattern, 4 blocks, bidirectional (■ own block, ▣ sorted block; here S sorts 0→2, 1→0, 2→3, 3→1):
 
     ■ ⬚ ▣ ⬚
@@ -51,6 +55,7 @@ from .executor_blocked import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
 from .ops_checks import check_token_mask, empty_attention, is_empty
+from .relative_logits import block_bias, check_relative_embedding, relative_bias
 
 __all__ = [
     "SinkhornAttention",
@@ -214,6 +219,7 @@ def sinkhorn_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     return_weights: bool = False,
+    relative_embedding: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
@@ -238,6 +244,8 @@ def sinkhorn_attention(
             on a GPU); `"reference"`: the dense form, written over all key positions (`_dense_attention`).
         return_weights: Also return the effective attention weights (`sinkhorn_attention_dense`); needs
             `backend="reference"`.
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits on the pairs each query block
+            computes (`longattn.relative_logits`); not with SortCut.
 
     Returns:
         `[b, h, n, d_v]`; with `return_weights`, `(out, weights [b, h, n, n])`.
@@ -252,6 +260,12 @@ def sinkhorn_attention(
     if return_weights and backend != "reference":
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
+    relative_embedding = check_relative_embedding(relative_embedding, q)
+    if relative_embedding is not None and sortcut:
+        raise ValueError(
+            f"relative_embedding cannot be used with SortCut (sortcut={sortcut}): its keys are mixtures of blocks, "
+            "with no position to measure a distance to."
+        )
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
         return _dense_attention(
             q,
@@ -267,6 +281,7 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
+            relative_embedding,
         )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -284,6 +299,7 @@ def sinkhorn_attention(
                 dropout_p=dropout_p,
                 causal=causal,
                 key_padding=key_padding_mask is not None,
+                relative_logits=relative_embedding is not None,
             ),
         )
     )
@@ -302,11 +318,13 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
+            relative_embedding,
         )[0]
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale
     padded = key_padding_mask is not None or n % s != 0
+    bias_fn = relative_bias(q, relative_embedding, scale=scale, kv_len=n)  # read on original positions
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(
@@ -340,6 +358,15 @@ def sinkhorn_attention(
         keys, values = k, v
     m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
     mask = None if visible is None else visible.expand(b, h, blocks, s, m)  # None: every key visible
+    bias = None
+    if bias_fn is not None:
+        # The original position of every layout slot (padding slots: any position, they are hidden).
+        position = torch.arange(n, device=q.device).expand(b, n) if rotation is None else rotation
+        position = F.pad(position, (0, blocks * s - n))  # [b, B·s]
+        kv_pos = position.gather(1, kv_index.flatten(1)).view(b, h, blocks, m)
+        bias = block_bias(
+            bias_fn, batch=b, heads=torch.arange(h, device=q.device), q_pos=position.view(b, blocks, s), kv_pos=kv_pos
+        )  # [b, h, B, s, 2s]
     out, _ = attend_blocks(
         q.view(b, h, blocks, s, d),
         keys,
@@ -349,6 +376,7 @@ def sinkhorn_attention(
         scale=scale,
         dropout_p=dropout_p,
         kv_weight=kv_weight,
+        bias=bias,
     )  # [b, h, B, s, d_v]
     return _restore(out.flatten(2, 3), n, rotation)
 
@@ -485,7 +513,20 @@ def sinkhorn_attention_dense(
 
 
 def _dense_attention(
-    q, k, v, sort_weight, key_padding_mask, s, iterations, temperature, causal, sortcut, scale, noise, dropout_p
+    q,
+    k,
+    v,
+    sort_weight,
+    key_padding_mask,
+    s,
+    iterations,
+    temperature,
+    causal,
+    sortcut,
+    scale,
+    noise,
+    dropout_p,
+    relative_embedding=None,
 ):
     """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
     b, h, n, d = q.shape
@@ -520,6 +561,19 @@ def _dense_attention(
     q_block = torch.div(q_layout, s, rounding_mode="floor")
     key_block = torch.arange(m_pad, device=q.device) // s  # [m_pad]
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k_l) * scale  # [b, h, n, m_pad]
+    bias = 0.0
+    if relative_embedding is not None:
+        # On original positions: query m - n + i, layout key slot p holds position rotation[p] (padding slots: 0,
+        # hidden).
+        bias_fn = relative_bias(q, relative_embedding, scale=scale, kv_len=m)
+        key_position = F.pad(rotation, (0, m_pad - m))[:, None, None, :]  # [b, 1, 1, m_pad]
+        query_position = (m - n + torch.arange(n, device=q.device)).view(1, 1, n, 1)
+        bias = bias_fn(
+            torch.arange(b, device=q.device).view(b, 1, 1, 1),
+            torch.arange(h, device=q.device).view(1, h, 1, 1),
+            query_position,
+            key_position,
+        ).to(dtype)  # [b, h, n, m_pad]
 
     if sortcut:
         kept = min(sortcut, blocks)
@@ -544,7 +598,11 @@ def _dense_attention(
         other = (key_block == q_source[..., None]) & valid_l[:, None, None, :] & q_has[..., None]  # [b, h, n, m_pad]
         # Sorted keys are scaled by S_ij*: score w·(q·k), value w·v; the same key may appear twice (own = sorted).
         both = torch.cat(
-            [scores.masked_fill(~own, -math.inf), (scores * q_weight[..., None]).masked_fill(~other, -math.inf)], dim=-1
+            [
+                (scores + bias).masked_fill(~own, -math.inf),
+                (scores * q_weight[..., None] + bias).masked_fill(~other, -math.inf),
+            ],
+            dim=-1,
         )
         probs = _softmax_or_zero(both)  # [b, h, n, 2·m_pad]
         weights_layout = probs[..., :m_pad] + probs[..., m_pad:] * q_weight[..., None]
@@ -602,6 +660,7 @@ class SinkhornAttention(LongAttnAttention):
             scale=self.scale,
             noise=self.training,
             dropout_p=self.dropout_p if self.training else 0.0,
+            relative_embedding=self.relative_weight,
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):

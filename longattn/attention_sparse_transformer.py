@@ -51,6 +51,7 @@ class StridedAttention(LongAttnAttention):
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
+            relative_embedding=self.relative_weight,
         )
 
 
@@ -93,4 +94,5 @@ class FixedAttention(LongAttnAttention):
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
+            relative_embedding=self.relative_weight,
         )

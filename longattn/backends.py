@@ -84,6 +84,7 @@ class AttentionRequest:
         key_padding: A key padding mask is given.
         global_tokens: A global-token mask is given.
         dilation: Sliding-window dilation: an int, or a tuple with one per head.
+        relative_logits: Relative-position logits are added to the kept pairs' scores (`relative_logits`).
     """
 
     pattern: str
@@ -101,6 +102,7 @@ class AttentionRequest:
     key_padding: bool = False
     global_tokens: bool = False
     dilation: int | tuple[int, ...] = 1
+    relative_logits: bool = False
 
     @classmethod
     def for_inputs(
@@ -216,6 +218,13 @@ class XformersBackend(Backend):
 
     def reasons_not_supported(self, request):
         reasons = super().reasons_not_supported(request)
+        if request.relative_logits:
+            # Its kernels take a dense [b, h, n_q, n_k] bias only: that would be the n x n table the sparse
+            # layouts exist to avoid.
+            reasons.append(
+                "xformers takes relative-position logits only as a dense [b, h, n_q, n_k] bias (use 'torch', "
+                "'flex' or 'reference'; 'auto' picks one of them)"
+            )
         missing = xformers_unavailable_reasons()
         if missing:
             return reasons + missing

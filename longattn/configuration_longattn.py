@@ -75,10 +75,13 @@ class LongAttnConfig(PreTrainedConfig):
             `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
             The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
             naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
-        **kwargs: Attention-kind fields (see `attention_fields.KINDS`) and `PreTrainedConfig` fields. Unknown
-            keys are kept (as in every transformers config), except one within edit distance 2 of a longattn field:
-            a `ValueError` ("did you mean ...?"), a warning when the config is loaded from a file. `head_dim` is
-            accepted when it equals `hidden_size / num_attention_heads` (it is derived, not stored).
+        **kwargs: Attention-kind fields (see `attention_fields.KINDS`), the fields of every attention layer
+            (`attention_fields.LAYER_FIELDS`: `relative_position_logits`, one bool or one per layer, and
+            `relative_max_distance`, relative-position logits; see `longattn.relative_logits`) and
+            `PreTrainedConfig` fields. Unknown keys are kept (as in every transformers config), except one within
+            edit distance 2 of a longattn field: a `ValueError` ("did you mean ...?"), a warning when the config is
+            loaded from a file. `head_dim` is accepted when it equals `hidden_size / num_attention_heads` (it is
+            derived, not stored).
 
     Raises:
         ValueError: a field outside its allowed type or values (the message names the field, the value and what is

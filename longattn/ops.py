@@ -20,6 +20,9 @@ Arguments every pattern function takes, besides its pattern's own:
 - `dropout_p`: dropout on the attention probabilities.
 - `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
   blocked executor; SDPA for dense attention), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
+- `relative_embedding`: optional r `[2M + 1, d]`, relative-position logits (Shaw et al. 2018): the logit of query i
+  for key j gains scale · q_i · r[clip(j − i, −M, M) + M], on the pairs the pattern keeps only (see
+  `longattn.relative_logits`). Every back end but xformers (which takes only a dense bias) computes it.
 
 Each returns the output `[b, h, n_q, d_v]` and raises `ValueError` for q, k, v that are not floating-point tensors
 of matching shapes, dtype and device, a mask that is not bool `[b, n_k]`, a non-finite `scale`, `dropout_p` outside
@@ -64,6 +67,7 @@ from .patterns import (
     sliding_window_pattern,
     strided_pattern,
 )
+from .relative_logits import BiasFn, check_relative_embedding, materialize_bias, relative_bias
 
 __all__ = [
     "reference_attention",
@@ -84,6 +88,7 @@ class _Checked(NamedTuple):
     scale: float
     dropout_p: float
     backend: str
+    bias_fn: BiasFn | None = None  # relative-position logits of the kept pairs
 
 
 def _check_shared(
@@ -95,14 +100,19 @@ def _check_shared(
     scale: float | None,
     dropout_p: float,
     backend: str,
+    relative_embedding: Tensor | None = None,
 ) -> _Checked:
-    """Validate the masks, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`."""
+    """Validate the masks, scale, dropout, back-end name and relative embedding of a call on q `[b, h, n_q, d]`,
+    k `[b, h_kv, n_k, d]`."""
     b, n_k = q.shape[0], k.shape[2]
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
-    return _Checked(padding, global_tokens, scale, dropout_p, check_backend_name(backend))
+    backend = check_backend_name(backend)
+    embedding = check_relative_embedding(relative_embedding, q)
+    bias_fn = relative_bias(q, embedding, scale=scale, kv_len=n_k)  # the O(n · M) table, read per kept pair
+    return _Checked(padding, global_tokens, scale, dropout_p, backend, bias_fn)
 
 
 def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
@@ -118,6 +128,7 @@ def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, ca
             causal=causal,
             key_padding=call.padding is not None,
             global_tokens=call.global_tokens is not None,
+            relative_logits=call.bias_fn is not None,
             **fields,
         ),
     )
@@ -129,7 +140,14 @@ def _run_pattern(
     """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
     if backend == "reference":
         return reference_pattern_attention(
-            q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p, per_head=per_head
+            q,
+            k,
+            v,
+            mask_fn=mask_fn,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            per_head=per_head,
+            bias_fn=call.bias_fn,
         )
     # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
     per_batch = call.padding is not None or call.global_tokens is not None
@@ -142,6 +160,7 @@ def _run_pattern(
         per_batch=per_batch,
         per_head=per_head,
         cache_key=None if per_batch else mask_fn.__name__,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -156,6 +175,7 @@ def full_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Dense attention over every (visible) key through torch's `scaled_dot_product_attention`: the baseline.
 
@@ -165,7 +185,8 @@ def full_attention(
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring);
+        k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function (module
+            docstring); the relative logits enter SDPA as a dense additive mask (every pair is computed anyway);
             `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
 
     Raises:
@@ -175,7 +196,15 @@ def full_attention(
     # Only causal attention aligns the queries with the last keys; cross-attention has any number of queries.
     b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal)
     check_token_mask("global_mask", global_mask, b, n_k, device=q.device)  # checked only: it adds no key
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        relative_embedding=relative_embedding,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     choice = _select(q, k, v, call, pattern="full", causal=causal)
@@ -183,7 +212,7 @@ def full_attention(
         return xformers_full_attention(
             q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p
         )
-    if choice == "torch" and call.padding is None and (not causal or n_q == n_k):
+    if choice == "torch" and call.padding is None and call.bias_fn is None and (not causal or n_q == n_k):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, is_causal=causal, scale=call.scale)
     parts = [causal_mask()] if causal else []
     if call.padding is not None:
@@ -195,9 +224,14 @@ def full_attention(
     )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
     # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=call.dropout_p, scale=call.scale
-    )
+    attn_mask = mask | ~sees_a_key
+    if call.bias_fn is not None:
+        # Dense attention computes every pair anyway: the relative logits enter as SDPA's additive float mask.
+        bias = materialize_bias(
+            call.bias_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
+        )  # [b, h, n_q, n_k]
+        attn_mask = bias.to(q.dtype).masked_fill(~attn_mask, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale)
     return out.masked_fill(~sees_a_key, 0.0)
 
 
@@ -214,6 +248,7 @@ def sliding_window_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Longformer attention: (dilated) sliding window plus symmetric global tokens, in O(n · window).
 
@@ -230,7 +265,8 @@ def sliding_window_attention(
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
         global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it.
-        key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function (module
+            docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
@@ -250,6 +286,7 @@ def sliding_window_attention(
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
+        relative_embedding=relative_embedding,
     )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -286,6 +323,7 @@ def sliding_window_attention(
             scale=call.scale,
             dropout_p=call.dropout_p,
             backend="torch",
+            relative_embedding=relative_embedding,
         )
     return banded_attention(
         q,
@@ -298,6 +336,7 @@ def sliding_window_attention(
         global_mask=call.global_tokens,
         scale=call.scale,
         dropout_p=call.dropout_p,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -312,6 +351,7 @@ def strided_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Sparse Transformer strided attention (Child et al. 2019): the previous l keys and every l-th key.
 
@@ -324,7 +364,8 @@ def strided_attention(
     Args:
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function
+            (module docstring).
 
     Raises:
         ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
@@ -333,7 +374,15 @@ def strided_attention(
     b, h, n_q, n_k = check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = check_flag("causal", causal)
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        relative_embedding=relative_embedding,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding)
@@ -346,7 +395,15 @@ def strided_attention(
     if choice != "torch":
         return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=False)
     return strided_blocked_attention(
-        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, scale=call.scale, dropout_p=call.dropout_p
+        q,
+        k,
+        v,
+        mask_fn=mask_fn,
+        stride=stride,
+        causal=causal,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -363,6 +420,7 @@ def fixed_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Sparse Transformer fixed attention (Child et al. 2019): the query's own block and every block's summary cells.
 
@@ -379,7 +437,8 @@ def fixed_attention(
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        q, k, v, key_padding_mask, scale, dropout_p, backend: As in every pattern function (module docstring).
+        q, k, v, key_padding_mask, scale, dropout_p, backend, relative_embedding: As in every pattern function
+            (module docstring).
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
@@ -389,7 +448,15 @@ def fixed_attention(
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
-    call = _check_shared(q, k, key_padding_mask=key_padding_mask, scale=scale, dropout_p=dropout_p, backend=backend)
+    call = _check_shared(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        relative_embedding=relative_embedding,
+    )
     if is_empty(q, k):
         return empty_attention(q, k, v)
     padding = call.padding
@@ -423,8 +490,11 @@ def fixed_attention(
     else:
 
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
-            # In rolled rows, the SAME predicate evaluated on the original positions of the slots.
+            # In rolled rows, the SAME predicate (and bias) evaluated on the original positions of the slots.
             rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
+            bias_fn = call.bias_fn
+            if bias_fn is not None and rolled_index is not None:
+                bias_fn = _on_rolled_positions(bias_fn, first, n_k)
             return fixed_blocked_attention(
                 q,
                 k,
@@ -436,6 +506,7 @@ def fixed_attention(
                 causal=causal,
                 scale=call.scale,
                 dropout_p=call.dropout_p,
+                bias_fn=bias_fn,
             )
 
     # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
