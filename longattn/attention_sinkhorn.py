@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .executor_blocked import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
@@ -253,42 +253,17 @@ def sinkhorn_attention(
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
-        return _dense_attention(
-            q,
-            k,
-            v,
-            sort_weight,
-            key_padding_mask,
-            block_size,
-            iterations,
-            temperature,
-            causal,
-            sortcut,
-            scale,
-            noise,
-            dropout_p,
-        )
-    if is_empty(q, k):
+        choice = "reference"
+    elif is_empty(q, k):
         return empty_attention(q, k, v)
-    # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
-    choice = (
-        "torch"
-        if backend == "auto"
-        else select_backend(
-            backend,
-            AttentionRequest.for_inputs(
-                q,
-                k,
-                v,
-                pattern="sinkhorn",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=key_padding_mask is not None,
-            ),
+    else:
+        # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
+        padding = key_padding_mask is not None
+        choice = select_named_backend(
+            backend, q, k, v, pattern="sinkhorn", dropout_p=dropout_p, causal=causal, key_padding=padding
         )
-    )
     if choice == "reference":
-        return _dense_attention(
+        out, weights = _dense_attention(
             q,
             k,
             v,
@@ -302,7 +277,8 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
-        )[0]
+        )
+        return (out, weights) if return_weights else out
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale
