@@ -145,6 +145,16 @@ class LongAttnAttention(nn.Module):
         b, _, n, _ = x.shape
         return x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)  # [b, n, D]
 
+    def op_arguments(self) -> dict[str, Any]:
+        """What every `longattn.ops` pattern function takes from the layer: `scale`, `dropout_p` (in training only),
+        `backend` and the relative-position logits' `relative_embedding` (None without them)."""
+        return dict(
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
+            relative_embedding=self.relative_weight,
+        )
+
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v `[b, h, n, d]` from hidden states `[b, n, D]` (LSH overrides this to share q and k)."""
         return (

@@ -33,8 +33,9 @@ class LongformerAttention(LongAttnAttention):
         dilation = config.sliding_dilation
         self.dilation = list(dilation) if isinstance(dilation, (list, tuple)) else dilation
 
-    def pattern(self, *, key_padding_mask, global_mask):
-        return sliding_window_pattern(
+    def _pattern_arguments(self, key_padding_mask, global_mask) -> dict[str, Any]:
+        """The settings the pattern and its executor (`sliding_window_attention`) share."""
+        return dict(
             window=self.window,
             dilation=self.dilation,
             causal=self.is_causal,
@@ -42,18 +43,9 @@ class LongformerAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
         )
 
+    def pattern(self, *, key_padding_mask, global_mask):
+        return sliding_window_pattern(**self._pattern_arguments(key_padding_mask, global_mask))
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        return sliding_window_attention(
-            q,
-            k,
-            v,
-            window=self.window,
-            dilation=self.dilation,
-            causal=self.is_causal,
-            global_mask=global_mask,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
-            relative_embedding=self.relative_weight,
-        )
+        pattern = self._pattern_arguments(key_padding_mask, global_mask)
+        return sliding_window_attention(q, k, v, **pattern, **self.op_arguments())

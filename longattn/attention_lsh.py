@@ -100,15 +100,18 @@ class LSHAttention(LongAttnAttention):
                 f"{'' if self.seed is None else f' from lsh_seed (layer seed {self.seed})'}: its eval outputs differ "
                 "from those it gave before. Save the model again to keep these."
             )
-        rotations = lsh_rotations(
+        init.copy_(self.eval_rotations, self._draw_rotations(seed=self.seed, device="cpu"))
+
+    def _draw_rotations(self, *, seed: int | None, device: torch.device | str) -> Tensor:
+        """Rotations `[h, d, r, Σ factors/2]` of this layer's shape, from `seed` (None: torch's generator)."""
+        return lsh_rotations(
             heads=self.num_heads,
             head_dim=self.head_dim,
             num_hashes=self.num_hashes,
             num_buckets=self.num_buckets,
-            seed=self.seed,
-            device="cpu",
+            seed=seed,
+            device=device,
         )
-        init.copy_(self.eval_rotations, rotations)
 
     def set_rotations(self, rotations: Tensor | None) -> None:
         """Use these rotations `[h or 1, d, r, Σ factors/2]` instead of seeded or random ones (None: back to those).
@@ -134,13 +137,7 @@ class LSHAttention(LongAttnAttention):
         if self.rotations is not None:
             return self.rotations.to(device)
         if self.training:
-            rotations = lsh_rotations(
-                heads=self.num_heads,
-                head_dim=self.head_dim,
-                num_hashes=self.num_hashes,
-                num_buckets=self.num_buckets,
-                device=device,
-            )
+            rotations = self._draw_rotations(seed=None, device=device)
             # Each rank's generator is its own (dropout differs per process): hash with rank 0's draw everywhere.
             return same_on_every_rank(rotations)
         return self.eval_rotations.to(device)

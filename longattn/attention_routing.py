@@ -39,7 +39,7 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_token_mask, empty_attention, is_empty
@@ -317,22 +317,16 @@ def routing_attention(
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
-    choice = (
-        "torch"
-        if backend == "auto"
-        else select_backend(
-            backend,
-            AttentionRequest.for_inputs(
-                q,
-                k,
-                v,
-                pattern="windows",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=valid is not None,
-                relative_logits=relative_embedding is not None,
-            ),
-        )
+    choice = select_named_backend(
+        backend,
+        q,
+        k,
+        v,
+        pattern="windows",
+        dropout_p=dropout_p,
+        causal=causal,
+        key_padding=valid is not None,
+        relative_logits=relative_embedding is not None,
     )
     if choice not in ("torch", "xformers"):
         raise ValueError(
@@ -731,12 +725,10 @@ class RoutingAttention(LongAttnAttention):
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x[:, : self.num_routing_heads], x[:, self.num_routing_heads :]
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask):
-        dropout_p = self.dropout_p if self.training else 0.0
-        (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
-        # The centroids move when the backward pass reaches this layer (see the module docstring).
-        learn = self.training and q_r.requires_grad
-        out = routing_attention(
+    def _route(self, attention, q_r, k_r, v_r, key_padding_mask, dropout_p, **extra):
+        """`attention` (`routing_attention` or its dense form) on the routing heads `[b, h_r, n, d]`, with this
+        layer's centroids and settings."""
+        return attention(
             q_r,
             k_r,
             v_r,
@@ -746,9 +738,17 @@ class RoutingAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=dropout_p,
-            return_statistics=learn,
-            backend=self.backend,
             relative_embedding=self.relative_weight,
+            **extra,
+        )
+
+    def attend(self, q, k, v, *, key_padding_mask, global_mask):
+        dropout_p = self.dropout_p if self.training else 0.0
+        (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
+        # The centroids move when the backward pass reaches this layer (see the module docstring).
+        learn = self.training and q_r.requires_grad
+        out = self._route(
+            routing_attention, q_r, k_r, v_r, key_padding_mask, dropout_p, return_statistics=learn, backend=self.backend
         )
         if learn:
             out, (sums, counts) = out
@@ -771,18 +771,7 @@ class RoutingAttention(LongAttnAttention):
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
         dropout_p = self.dropout_p if self.training else 0.0
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
-        out, weights = routing_attention_dense(
-            q_r,
-            k_r,
-            v_r,
-            self.centroids,
-            causal=self.is_causal,
-            causal_window=self.causal_window,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=dropout_p,
-            relative_embedding=self.relative_weight,
-        )
+        out, weights = self._route(routing_attention_dense, q_r, k_r, v_r, key_padding_mask, dropout_p)
         if self.num_local_heads:
             n, m = q.shape[2], k.shape[2]
             q_pos = torch.arange(m - n, m, device=q.device)[:, None]

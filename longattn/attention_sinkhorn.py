@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .executor_blocked import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
@@ -267,44 +267,24 @@ def sinkhorn_attention(
             "with no position to measure a distance to."
         )
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
-        return _dense_attention(
-            q,
-            k,
-            v,
-            sort_weight,
-            key_padding_mask,
-            block_size,
-            iterations,
-            temperature,
-            causal,
-            sortcut,
-            scale,
-            noise,
-            dropout_p,
-            relative_embedding,
-        )
-    if is_empty(q, k):
+        choice = "reference"
+    elif is_empty(q, k):
         return empty_attention(q, k, v)
-    # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
-    choice = (
-        "torch"
-        if backend == "auto"
-        else select_backend(
+    else:
+        # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
+        choice = select_named_backend(
             backend,
-            AttentionRequest.for_inputs(
-                q,
-                k,
-                v,
-                pattern="sinkhorn",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=key_padding_mask is not None,
-                relative_logits=relative_embedding is not None,
-            ),
+            q,
+            k,
+            v,
+            pattern="sinkhorn",
+            dropout_p=dropout_p,
+            causal=causal,
+            key_padding=key_padding_mask is not None,
+            relative_logits=relative_embedding is not None,
         )
-    )
     if choice == "reference":
-        return _dense_attention(
+        out, weights = _dense_attention(
             q,
             k,
             v,
@@ -319,7 +299,8 @@ def sinkhorn_attention(
             noise,
             dropout_p,
             relative_embedding,
-        )[0]
+        )
+        return (out, weights) if return_weights else out
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ __all__ = [
     "check_backend_name",
     "backend_reasons",
     "select_backend",
+    "select_named_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -327,6 +328,19 @@ def select_backend(name: str, request: AttentionRequest) -> str:
             return candidate
         passed_over.append(f"{candidate}: " + "; ".join(reasons))
     raise AssertionError("the 'torch' back end serves every request")  # pragma: no cover
+
+
+def select_named_backend(name: str, q: Tensor, k: Tensor, v: Tensor, **request: Any) -> str:
+    """`select_backend` for kinds whose `"auto"` is the PyTorch executor until another back end is measured for them:
+    `"auto"` gives `"torch"` without building a request (nothing to dispatch on the hot path), and a named back end is
+    checked against `AttentionRequest.for_inputs(q, k, v, **request)`.
+
+    Raises:
+        ValueError: As `select_backend`.
+    """
+    if name == "auto":
+        return "torch"
+    return select_backend(name, AttentionRequest.for_inputs(q, k, v, **request))
 
 
 def _log_choice(name: str, request: AttentionRequest, passed_over: list[str]) -> None:

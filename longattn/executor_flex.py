@@ -228,14 +228,11 @@ def flex_pattern_attention(
     cache_key: Hashable | None = None,
     bias_fn: BiasFn | None = None,
 ) -> Tensor:
-    """Attention under a pattern predicate through FlexAttention.
+    """Attention under a pattern predicate through FlexAttention: what `executor_reference.reference_pattern_attention`
+    computes densely (no dropout), `[b, h, n_q, d_v]`.
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
-        mask_fn: The pattern predicate (the same one the dense reference materialises).
-        scale: Multiplier of q·k.
+        q, k, v, mask_fn, scale: As in `reference_pattern_attention` (q: the last n_q positions).
         per_batch: The predicate reads the batch index (padding or global-token masks).
         per_head: The predicate reads the head index (per-head dilation).
         cache_key: Names a predicate that reads no tensor, so its block mask is cached; None = build per call.

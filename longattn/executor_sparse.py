@@ -17,6 +17,9 @@ pattern restricted to its geometry (`|i - j| <= l`, or the same block) and the s
 complement, so every visible key lies in exactly one part. Visibility itself is always decided by the pattern's
 `MaskFn` evaluated on original positions (`evaluate_block_mask`): the geometry arguments only say where visible
 keys can be, so the dense reference (`patterns.materialize_mask`) and these executors share one definition.
+
+Both executors take queries q `[b, h, n_q, d]` (the last n_q positions when n_q < n_k), keys k `[b, h, n_k, d]` and
+values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for a query that sees no key.
 """
 
 from __future__ import annotations
@@ -214,9 +217,7 @@ def strided_blocked_attention(
     residue class, merged by log-sum-exp. Cost O(n · (l + n / l)) time; no n x n tensor.
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions when `n_q < n_k`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        q, k, v: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.strided_pattern(...)`); it must not see keys outside the
             strided geometry.
         stride: The stride l (>= 1).
@@ -230,7 +231,7 @@ def strided_blocked_attention(
             part computes and added to its scores.
 
     Returns:
-        Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
+        The output (module docstring).
     """
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
@@ -293,9 +294,7 @@ def fixed_blocked_attention(
     attention of each query block over the gathered summary keys, merged by log-sum-exp. Cost O(n · (l + c·n/l)).
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions when `n_q < n_k`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        q, k, v: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.fixed_pattern(...)`); it must not see keys outside the
             fixed geometry.
         block_size: Block length l (>= 1).
@@ -313,7 +312,7 @@ def fixed_blocked_attention(
             part computes and added to its scores.
 
     Returns:
-        Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
+        The output (module docstring).
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -553,12 +554,10 @@ class _GatheredWindows(torch.autograd.Function):
             key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
-        rows = _GroupRows(
-            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-        )
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index)
         hidden = None if mask is None else ~mask
         for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = rows.group(start, stop)
+            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
             if relative is not None:
                 scores.add_(relative.bias(start, stop))
@@ -574,23 +573,7 @@ class _GatheredWindows(torch.autograd.Function):
         slot_lse = slot_lse.view(-1)
         out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
         ctx.save_for_backward(
-            q_rows,
-            k_rows,
-            v_rows,
-            key_factor,
-            query_index,
-            key_index,
-            value_index,
-            out_index,
-            mask,
-            first,
-            last,
-            slot_lse,
-            out,
-            lse,
-            relative_table,
-            query_position,
-            key_position,
+            *rows, out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position
         )
         ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
         ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
@@ -598,25 +581,12 @@ class _GatheredWindows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (
-            q_rows,
-            k_rows,
-            v_rows,
-            key_factor,
-            query_index,
-            key_index,
-            value_index,
-            out_index,
-            mask,
-            first,
-            last,
-            slot_lse,
-            out,
-            lse,
-            relative_table,
-            query_position,
-            key_position,
-        ) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        rows = _GroupRows(*saved[: len(_GroupRows._fields)])
+        out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position = saved[
+            len(_GroupRows._fields) :
+        ]
+        q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index = rows
         n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
@@ -635,9 +605,6 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
-        rows = _GroupRows(
-            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-        )
         hidden = None if mask is None else ~mask
         relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
         grad_table = None
@@ -645,7 +612,7 @@ class _GatheredWindows(torch.autograd.Function):
             grad_table = torch.zeros(relative_table.shape, dtype=dtype, device=out.device)
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
-            queries, keys, values = rows.group(start, stop)
+            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
             if relative is not None:
                 probs.add_(relative.bias(start, stop))
@@ -726,30 +693,34 @@ def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: t
         yield start, stop, buffer[: stop - start]
 
 
-class _GroupRows:
-    """The rows of each group of windows, gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value
-    windows `[g, w, d]` (keys times `key_factor [Nk, 1]` when given). A -1 index reads row 0: such a key is hidden
-    by the mask and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+class _GroupRows(NamedTuple):
+    """The rows and indices `_GatheredWindows` reads (saved for backward as they are), and their gather per group of
+    windows."""
 
-    def __init__(
-        self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-    ):
-        self.q_rows, self.k_rows, self.v_rows, self.key_factor = q_rows, k_rows, v_rows, key_factor
-        self.query_index, self.key_index = query_index.clamp(min=0), key_index.clamp(min=0)
-        self.value_index = value_index.clamp(min=0)
-        self.c, self.stride, self.w, self.dtype, self.scale = c, stride, w, dtype, scale
+    q_rows: Tensor  # [Nq, d]
+    k_rows: Tensor  # [Nk, d]
+    v_rows: Tensor  # [Nv, d_v]
+    key_factor: Tensor | None  # [Nk, 1]
+    query_index: Tensor  # [U·c]
+    key_index: Tensor  # [R]
+    value_index: Tensor  # [R]
 
-    def group(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
-        c, stride, w, dtype = self.c, self.stride, self.w, self.dtype
-        queries = self.q_rows.index_select(0, self.query_index[start * c : stop * c]).to(dtype)
-        queries = queries.view(stop - start, c, -1)
-        if self.scale != 1.0:
-            queries.mul_(self.scale)
+    def group(
+        self, start: int, stop: int, c: int, stride: int, w: int, dtype: torch.dtype, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Windows start..stop gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value windows
+        `[g, w, d]` (keys times `key_factor` when given). A -1 index reads row 0: such a key is hidden by the mask
+        and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+        query_index = self.query_index[start * c : stop * c].clamp(min=0)
+        queries = self.q_rows.index_select(0, query_index).to(dtype).view(stop - start, c, -1)
+        if scale != 1.0:
+            queries.mul_(scale)
         span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
-        keys = self.k_rows.index_select(0, self.key_index[span]).to(dtype)
+        key_index, value_index = self.key_index[span].clamp(min=0), self.value_index[span].clamp(min=0)
+        keys = self.k_rows.index_select(0, key_index).to(dtype)
         if self.key_factor is not None:
-            keys.mul_(self.key_factor.index_select(0, self.key_index[span]))
-        values = self.v_rows.index_select(0, self.value_index[span]).to(dtype)
+            keys.mul_(self.key_factor.index_select(0, key_index))
+        values = self.v_rows.index_select(0, value_index).to(dtype)
         return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
 
 

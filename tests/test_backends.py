@@ -82,6 +82,18 @@ def test_explicit_backend_that_cannot_run_raises_with_its_reasons(monkeypatch):
     assert select_backend("torch", _request(dropout=True)) == "torch"
 
 
+def test_select_named_backend_keeps_auto_on_torch_and_checks_a_named_one(monkeypatch):
+    """The kinds not yet measured on another back end (routing, Sinkhorn): "auto" is the PyTorch executor without a
+    request being built; a named back end is checked against the call's request, with its reasons."""
+    q, k, v = random_qkv(1, 2, 8, 4, seed=0)
+    monkeypatch.setattr(AttentionRequest, "for_inputs", None)  # "auto" must not build a request
+    assert backends.select_named_backend("auto", q, k, v, pattern="windows", causal=False) == "torch"
+    monkeypatch.undo()
+    assert backends.select_named_backend("reference", q, k, v, pattern="sinkhorn", causal=True) == "reference"
+    with pytest.raises(ValueError, match=r"'xformers' cannot run this 'windows' attention on cpu"):
+        backends.select_named_backend("xformers", q, k, v, pattern="windows", dropout_p=0.1, key_padding=True)
+
+
 def test_xformers_declares_what_its_layouts_cannot_serve():
     def reasons(**fields):
         return executor_xformers.request_reasons(
