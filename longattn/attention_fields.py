@@ -30,8 +30,10 @@ __all__ = [
     "validate_kind",
 ]
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
+BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers", "triton")
 """Accepted values of `attention_backend` and of the `backend=` argument of `longattn.ops`."""
+
+_PATTERN_BACKENDS = BACKEND_NAMES[:-1]  # the kinds whose pattern FlexAttention and xformers run; not the Triton band
 
 EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
@@ -265,7 +267,8 @@ def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optiona
     return Field(default, "int", minimum=minimum, per=per, optional=optional)
 
 
-# `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
+# `backends=_PATTERN_BACKENDS`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end
+# but the Triton kernels, which compute the sliding window only.
 KINDS: dict[str, KindSpec] = {
     "adaptive_span": KindSpec(
         {
@@ -281,7 +284,7 @@ KINDS: dict[str, KindSpec] = {
         "would see the future",
     ),
     "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
-    "full": KindSpec(backends=BACKEND_NAMES),
+    "full": KindSpec(backends=_PATTERN_BACKENDS),
     "linformer": KindSpec(
         {
             "linformer_proj_len": _positive_int(256),
@@ -293,7 +296,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "sliding": KindSpec(
         {"sliding_window": _positive_int(256), "sliding_dilation": _positive_int(1, per="head")},
-        backends=BACKEND_NAMES,
+        backends=BACKEND_NAMES,  # the Triton kernels included
     ),
     "lsh": KindSpec(
         {
@@ -311,14 +314,14 @@ KINDS: dict[str, KindSpec] = {
         {"reduction_ratio": _positive_int(8)},
         no_causal_form="each reduced key mixes R consecutive tokens, so a decoder would see later tokens",
     ),
-    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=BACKEND_NAMES),
+    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=_PATTERN_BACKENDS),
     "fixed": KindSpec(
         {
             "fixed_block_size": _positive_int(128),
             "fixed_num_summary": _positive_int(8),
             "fixed_summary_per_head": Field(False, "bool"),
         },
-        backends=BACKEND_NAMES,
+        backends=_PATTERN_BACKENDS,
         rules=(_fixed_summary_in_block,),
     ),
     "routing": KindSpec(
