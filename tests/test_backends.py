@@ -196,7 +196,7 @@ def test_config_backend_reaches_the_kinds(kind):
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     gpu_paths = {
         "full": {"flex", "xformers"},
-        "sliding": {"flex", "xformers"},
+        "sliding": {"flex", "xformers", "triton"},
         "strided": {"flex", "xformers"},
         "fixed": {"flex", "xformers"},
         "sinkhorn": {"xformers"},
@@ -206,7 +206,7 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
-    for backend in ("flex", "xformers"):
+    for backend in ("flex", "xformers", "triton"):
         if backend in gpu_paths:
             LongAttnConfig(attention_type=kind, attention_backend=backend)
         else:
