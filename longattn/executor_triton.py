@@ -468,7 +468,7 @@ def _backward(grad_out, q, k, v, out, lse, flags, dilation, glob, band) -> tuple
     group = h // h_kv
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # [b, h, n]: rowsum(dO ∘ O), the softmax's correction
     # Per query head, in float32 when a group's heads or the global parts are summed into them afterwards.
-    acc = torch.float32 if group > 1 or glob is not None else None
+    acc = compute_dtype(q.dtype) if group > 1 or glob is not None else None
     grad_q = torch.empty(b, h, n, d, dtype=acc or q.dtype, device=q.device)
     grad_k = torch.empty(b, h, n, d, dtype=acc or k.dtype, device=q.device)
     grad_v = torch.empty(b, h, n, d_v, dtype=acc or v.dtype, device=q.device)
