@@ -32,8 +32,10 @@ __all__ = [
     "validate_kind",
 ]
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
+BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers", "triton")
 """Accepted values of `attention_backend` and of the `backend=` argument of `longattn.ops`."""
+
+_PATTERN_BACKENDS = BACKEND_NAMES[:-1]  # the kinds whose pattern FlexAttention and xformers run; not the Triton band
 
 EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
@@ -309,7 +311,8 @@ def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optiona
     return Field(default, "int", minimum=minimum, per=per, optional=optional)
 
 
-# `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
+# `backends=_PATTERN_BACKENDS`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end
+# but the Triton kernels, which compute the sliding window only.
 KINDS: dict[str, KindSpec] = {
     "adaptive_span": KindSpec(
         {
@@ -331,7 +334,7 @@ KINDS: dict[str, KindSpec] = {
         {"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)},
         no_relative_logits="it computes Q (Kᵀ V) and never forms a logit per (query, key) pair",
     ),
-    "full": KindSpec(backends=BACKEND_NAMES),
+    "full": KindSpec(backends=_PATTERN_BACKENDS),
     "linformer": KindSpec(
         {
             "linformer_proj_len": _positive_int(256),
@@ -344,7 +347,7 @@ KINDS: dict[str, KindSpec] = {
     ),
     "sliding": KindSpec(
         {"sliding_window": _positive_int(256), "sliding_dilation": _positive_int(1, per="head")},
-        backends=BACKEND_NAMES,
+        backends=BACKEND_NAMES,  # the Triton kernels included
     ),
     "lsh": KindSpec(
         {
@@ -363,14 +366,14 @@ KINDS: dict[str, KindSpec] = {
         no_causal_form="each reduced key mixes R consecutive tokens, so a decoder would see later tokens",
         no_relative_logits="each key pools R tokens, so it has no single position to measure a distance to",
     ),
-    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=BACKEND_NAMES),
+    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=_PATTERN_BACKENDS),
     "fixed": KindSpec(
         {
             "fixed_block_size": _positive_int(128),
             "fixed_num_summary": _positive_int(8),
             "fixed_summary_per_head": Field(False, "bool"),
         },
-        backends=BACKEND_NAMES,
+        backends=_PATTERN_BACKENDS,
         rules=(_fixed_summary_in_block,),
     ),
     "routing": KindSpec(
@@ -461,11 +464,14 @@ def _check_relative_logits(name: str, config: Any, layer_idx: int) -> None:
             f"layer, or one of {takes}."
         )
     backend = getattr(config, "attention_backend", "auto")
-    if backend == "xformers":
+    why_not = {
+        "xformers": "xformers takes only a dense [b, h, n, n] bias, the table the sparse kinds avoid",
+        "triton": "the Triton band kernels take no logit bias",
+    }
+    if backend in why_not:
         raise ValueError(
-            f"`attention_backend`={backend!r} cannot run `relative_position_logits` (layer {layer_idx}): xformers "
-            "takes only a dense [b, h, n, n] bias, the table the sparse kinds avoid. Use 'auto', 'torch', 'flex' "
-            "or 'reference'."
+            f"`attention_backend`={backend!r} cannot run `relative_position_logits` (layer {layer_idx}): "
+            f"{why_not[backend]}. Use 'auto', 'torch', 'flex' or 'reference'."
         )
 
 

@@ -19,7 +19,8 @@ Arguments every pattern function takes, besides its pattern's own:
 - `scale`: multiplier of q·k; default 1/sqrt(d).
 - `dropout_p`: dropout on the attention probabilities.
 - `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
-  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
+  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"`, `"reference"`, or `"triton"` (sliding
+  windows only; never chosen by `"auto"`); see `longattn.backends`.
 - `relative_embedding`: optional r `[2M + 1, d]`, relative-position logits (Shaw et al. 2018): the logit of query i
   for key j gains scale · q_i · r[clip(j − i, −M, M) + M], on the pairs the pattern keeps only (see
   `longattn.relative_logits`). Every back end but xformers (which takes only a dense bias) computes it.
@@ -259,7 +260,8 @@ def sliding_window_attention(
     Args:
         q: Queries `[b, h, n_q, d]`.
         k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h: grouped-query attention, each key/value head read by its
-            group of h / h_kv query heads (the blocked executor reads it in place; other back ends repeat it).
+            group of h / h_kv query heads (the blocked executor and the Triton kernels read it in place; other back
+            ends repeat it).
         v: Values `[b, h_kv, n_k, d_v]`.
         window: Keys on each side of a query (>= 1); a causal query sees `window` earlier keys and itself.
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
@@ -294,8 +296,22 @@ def sliding_window_attention(
         window=window, dilation=dilation, causal=causal, global_mask=call.global_tokens, key_padding_mask=call.padding
     )
     choice = _select(q, k, v, call, pattern="sliding", causal=causal, dilation=dilation)
+    if choice == "triton":
+        from .executor_triton import triton_sliding_window_attention  # noqa: PLC0415  (triton is optional)
+
+        return triton_sliding_window_attention(
+            q,
+            k,
+            v,
+            window=window,
+            dilation=dilation,
+            causal=causal,
+            global_mask=call.global_tokens,
+            key_padding_mask=call.padding,
+            scale=call.scale,
+        )
     if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
-        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # the blocked executor reads groups
     if choice == "xformers":
         return xformers_sliding_window_attention(
             q,

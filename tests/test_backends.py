@@ -53,11 +53,15 @@ def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
 
 # ---------------------------------------------------------------------------------------------- the dispatcher
 def test_unknown_backend_name_lists_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"'cuda'.*'auto', 'reference', 'torch', 'flex', 'xformers'"):
+    with pytest.raises(ValueError, match=r"'cuda'.*'auto', 'reference', 'torch', 'flex', 'xformers', 'triton'"):
         select_backend("cuda", _request())
     with pytest.raises(ValueError, match="attention_backend"):
-        LongAttnConfig(attention_type="sliding", attention_backend="triton")
+        LongAttnConfig(attention_type="sliding", attention_backend="cuda")
     assert LongAttnConfig(attention_type="sliding").attention_backend == "auto"
+    # The Triton kernels compute the sliding window only: other kinds refuse them at config time.
+    assert LongAttnConfig(attention_type="sliding", attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(ValueError, match=r"`attention_backend`='triton' cannot run `attention_type`='strided'"):
+        LongAttnConfig(attention_type="strided", attention_backend="triton")
 
 
 @pytest.mark.parametrize("pattern", ["full", "sliding", "strided", "fixed"])
@@ -204,7 +208,7 @@ def test_config_backend_reaches_the_kinds(kind):
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     gpu_paths = {
         "full": {"flex", "xformers"},
-        "sliding": {"flex", "xformers"},
+        "sliding": {"flex", "xformers", "triton"},
         "strided": {"flex", "xformers"},
         "fixed": {"flex", "xformers"},
         "sinkhorn": {"xformers"},
@@ -214,7 +218,7 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
-    for backend in ("flex", "xformers"):
+    for backend in ("flex", "xformers", "triton"):
         if backend in gpu_paths:
             LongAttnConfig(attention_type=kind, attention_backend=backend)
         else:

@@ -219,6 +219,8 @@ def test_sortcut_and_xformers_refuse():
         kind_config("sinkhorn", sinkhorn_sortcut=2, relative_position_logits=True)
     with pytest.raises(ValueError, match="`attention_backend`='xformers' cannot run `relative_position_logits`"):
         LongAttnConfig(attention_type="full", attention_backend="xformers", relative_position_logits=True)
+    with pytest.raises(ValueError, match="`attention_backend`='triton' cannot run `relative_position_logits`"):
+        LongAttnConfig(attention_type="sliding", attention_backend="triton", relative_position_logits=True)
     request = AttentionRequest(
         pattern="sliding", device="cuda", dtype=torch.float16, head_dim=64, value_head_dim=64, q_len=64, kv_len=64
     )
