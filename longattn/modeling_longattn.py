@@ -968,7 +968,8 @@ def _classifier_dropout(config: LongAttnConfig) -> float:
 
 
 class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
-    """Classification from the first token's state. The first token is global unless `global_attention_mask` is given
+    """Classification from the first token's state, or the mean state of the real tokens with
+    `config.classifier_pooling="mean"`. The first token is global unless `global_attention_mask` is given
     (Longformer's recipe: the classification token then sees the whole document)."""
 
     def __init__(self, config: LongAttnConfig):
@@ -1017,11 +1018,23 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
             output_hidden_states,
             output_attentions,
         )
-        pooled = outputs.last_hidden_state[:, 0]  # [b, D]
+        if self.config.classifier_pooling == "mean":
+            pooled = _mean_over_tokens(outputs.last_hidden_state, attention_mask)  # [b, D]
+        else:
+            pooled = outputs.last_hidden_state[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         return _head_output(self, SequenceClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
+
+
+def _mean_over_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`[b, n, D]` -> `[b, D]`: the mean over the real tokens (`attention_mask` `[b, n]`, 1 = token), so that padding
+    does not change a sequence's pooled state."""
+    if attention_mask is None:
+        return hidden_states.mean(dim=1)
+    weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)  # [b, n, 1]
+    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
 
 
 def _classification_loss(
