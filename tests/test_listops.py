@@ -103,46 +103,46 @@ def test_mean_pooling_reads_the_real_tokens_only():
         longattn.LongAttnConfig(classifier_pooling="max")
 
 
-def test_self_pretraining_then_classification_end_to_end(tmp_path, monkeypatch):
-    """The two-step recipe of recipes/README.md on a tiny split: generate, masked-LM on the training sequences with
-    the word-level tokenizer, classification from that checkpoint, evaluation, `AutoModel` on the result."""
-    folder, tokenizer_dir = tmp_path / "listops", tmp_path / "tokenizer"
-    sizes = ["--num_train", "24", "--num_validation", "8", "--num_test", "8"]
+def test_experiment_plan_has_the_seeds_and_step_budgets_of_the_targets():
+    runs = listops_script().plan(steps=5000, pretrain_steps=3000)
+    count = {}
+    for run in runs:
+        count[run.group, run.kind] = count.get((run.group, run.kind), 0) + 1
+    assert count[("scratch", "sliding")] == count[("scratch", "lsh")] == 3 and count[("scratch", "full")] == 1
     assert (
-        data.main(["listops", "--output_dir", str(folder), "--tokenizer_dir", str(tokenizer_dir), *sizes, *TINY_SPLIT])
-        == 0
+        count[("pretrained", "sliding")] == count[("scratch-same-steps", "sliding")] == count[("mlm", "sliding")] == 2
     )
-    common = [
-        "--train_file",
-        str(folder / "train.jsonl"),
-        "--per_device_train_batch_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "8",
-        "--max_train_steps",
-        "2",
-        "--seed",
-        "3",
-    ]
-    kind = "attention_type=sliding,sliding_window=8"
-    mlm_dir, cls_dir = tmp_path / "mlm", tmp_path / "cls"
-    mlm = load_script("recipes/run_mlm.py", "recipe_mlm_listops").main(
-        [
-            *common,
-            "--validation_file",
-            str(folder / "validation.jsonl"),
-            "--config_name",
-            str(SMALL_CONFIG),
-            "--tokenizer_name",
-            str(tokenizer_dir),
-            "--config_overrides",
-            kind,
-            "--line_by_line",
-            "--output_dir",
-            str(mlm_dir),
-        ]
+    names = [run.name for run in runs]
+    for run in runs:
+        if run.pretrained:  # the masked-LM run comes first, and the scratch run beside it has the same total steps
+            assert names.index(run.pretrained) < names.index(run.name) and run.steps == 5000
+        if run.group == "scratch-same-steps":
+            assert run.steps == 8000
+    assert len(set(names)) == len(names)
+
+
+def test_self_pretraining_then_classification_end_to_end(tmp_path, monkeypatch):
+    """The two-step recipe, with the very commands of scripts/listops.py, on a tiny split: generate, masked-LM on the
+    training sequences with the word-level tokenizer, classification from that checkpoint, evaluation, the test
+    split scored on the folder loaded with the Auto classes, the results table written."""
+    script = listops_script()
+    for name in ("DATA", "TOKENIZER", "RUNS", "DOC"):
+        monkeypatch.setattr(script, name, tmp_path / name.lower())
+    (tmp_path / "doc").write_text((REPO / "docs" / "listops.md").read_text())
+    sizes = ["--num_train", "24", "--num_validation", "8", "--num_test", "8"]
+    argv = ["listops", "--output_dir", str(script.DATA), "--tokenizer_dir", str(script.TOKENIZER), *sizes, *TINY_SPLIT]
+    assert data.main(argv) == 0
+    settings = script.build_parser().parse_args(
+        "--steps 2 --pretrain_steps 2 --batch_size 4 --warmup_steps 0 --eval_steps 2 --checkpointing_steps 1 "
+        "--mixed_precision no".split()
     )
+    runs = {run.name: run for run in script.plan(settings.steps, settings.pretrain_steps)}
+    mlm_run, cls_run = runs["mlm-sliding-s1"], runs["pretrained-sliding-s1"]
+
+    mlm = load_script("recipes/run_mlm.py", "recipe_mlm_listops").main(script.command(mlm_run, settings)[2:])
     assert mlm["train_steps"] == 2 and math.isfinite(mlm["eval_loss"])
+    mlm_dir = script.RUNS / mlm_run.name
+    assert len(AutoTokenizer.from_pretrained(mlm_dir)) == 20
 
     at_start = []  # the classifier's encoder as loaded, before its first step
     load_model = training.load_model
@@ -153,33 +153,28 @@ def test_self_pretraining_then_classification_end_to_end(tmp_path, monkeypatch):
         return model
 
     monkeypatch.setattr(training, "load_model", record)
-    results = load_script("recipes/run_classification.py", "recipe_classification_listops").main(
-        [
-            *common,
-            "--validation_file",
-            str(folder / "test.jsonl"),
-            "--model_name_or_path",
-            str(mlm_dir),
-            "--label_names",
-            ",".join(map(str, range(10))),  # a tiny split may miss a class
-            "--output_dir",
-            str(cls_dir),
-        ]
-    )
+    recipe = load_script("recipes/run_classification.py", "recipe_classification_listops")
+    results = recipe.main(script.command(cls_run, settings)[2:])
     pretrained = AutoModel.from_pretrained(mlm_dir).state_dict()
     assert at_start and set(at_start[0]) == set(pretrained)
     for name, tensor in pretrained.items():  # fine-tuning starts from the masked-LM encoder
         torch.testing.assert_close(at_start[0][name], tensor, msg=name)
-    assert (
-        results["train_steps"] == 2 and 0.0 <= results["eval_accuracy"] <= 1.0 and math.isfinite(results["eval_loss"])
-    )
+    assert results["train_steps"] == 2 and math.isfinite(results["eval_loss"])
     assert results["attention_types"] == ["sliding", "sliding"]
+
+    cls_dir = script.RUNS / cls_run.name
     model = AutoModel.from_pretrained(cls_dir)
     assert type(model).__name__ == "LongAttnModel" and model.config.classifier_pooling == "mean"
     assert model.config.vocab_size == 20 and model.config.num_labels == 10
-    tokenizer = AutoTokenizer.from_pretrained(cls_dir)
-    assert len(tokenizer) == 20
-    text = data.read_jsonl(folder / "test.jsonl")[0]["text"]
-    with torch.no_grad():
-        assert torch.isfinite(model(**tokenizer(text, return_tensors="pt")).last_hidden_state).all()
-    assert json.loads((cls_dir / "all_results.json").read_text())["task"] == "classification"
+    # the script's evaluation (Auto classes, its own batches) agrees with the recipe's on the same split
+    scored = script.evaluate(cls_dir, script.DATA / "validation.jsonl", batch_size=3)
+    assert scored["test_accuracy"] == pytest.approx(results["eval_accuracy"]) and scored["test_examples"] == 8
+    table = script.report(settings)
+    assert "| pretrained-sliding-s1 | pretrained | sliding | 1 | 2 |" in table
+    written = (tmp_path / "doc").read_text()
+    assert table in written and "awaiting a GPU" not in written.split(script.BEGIN)[1]
+    assert json.loads((cls_dir / "test_results.json").read_text())["test_examples"] == 8
+
+
+def listops_script():
+    return load_script("scripts/listops.py", "longattn_listops_script")
