@@ -9,9 +9,9 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
   (else a digit; always a digit at `max_depth`), an operator takes 2..`max_args` arguments, the length counts one
   token per operator, digit and closing bracket, and trees are drawn until `min_length < length < max_length`
   (LRA: depth 10, 10 arguments, lengths 500-2000, duplicates dropped). Splits never share an expression.
-  `--lra` gives LRA's split sizes (96,000 / 2,000 / 2,000; about a minute on one CPU core: the trees are drawn
-  thousands at a time with numpy) and `--tokenizer_dir` saves `listops_tokenizer`, the word-level tokenizer that
-  reads an expression at its LRA length (one id per token, plus `<s>` and `</s>`).
+  `--lra` gives LRA's split sizes (96,000 / 2,000 / 2,000; about 25 s of CPU: the trees are drawn thousands at a
+  time with numpy) and `--tokenizer_dir` saves `listops_tokenizer`, the word-level tokenizer that reads an
+  expression at its LRA length (one id per token, plus `<s>` and `</s>`).
 - `needle` (classification): `{"text": "qz ujvb...7...kd", "label": 7}`: one digit hidden at a uniformly random
   position of a random lowercase haystack; the label is the digit. Half of the needles lie farther from the first
   token than any local window reaches, so a model must move information across the whole sequence (global tokens,
@@ -20,8 +20,11 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
   hidden in a haystack; the target lists them in increasing order (order-free, so the decoder's cross-attention
   needs no absolute positions). A long-document "summarisation" in miniature, evaluated by generation.
 
-CLI: `longattn-data needle --output_dir data/generated/needle --num_train 4000`,
-`longattn-data listops --lra --output_dir data/listops --tokenizer_dir data/listops/tokenizer` (see `--help`).
+CLI (see `--help`):
+
+    longattn-data needle --output_dir data/generated/needle --num_train 4000
+    longattn-data listops --lra --output_dir data/generated/listops-lra \\
+        --tokenizer_dir data/generated/listops-lra-tokenizer
 """
 
 from __future__ import annotations
