@@ -101,7 +101,9 @@ def _draw_listops_levels(
     return levels, length, complete
 
 
-def _operator_values(operators: np.ndarray, counts: np.ndarray, child_values: np.ndarray, child_parent: np.ndarray):
+def _operator_values(
+    operators: np.ndarray, counts: np.ndarray, child_values: np.ndarray, child_parent: np.ndarray
+) -> np.ndarray:
     """The values of operator nodes `[m]` from their arguments' values, contiguous groups of `counts` `[m]`."""
     starts = np.cumsum(counts) - counts
     ordered = child_values[np.lexsort((child_values, child_parent))]  # each group sorted, for the median
