@@ -877,7 +877,7 @@ class _LongAttnEncoderHead(LongAttnPreTrainedModel):
             output_hidden_states,
             output_attentions,
         )
-        logits, loss = self._head(outputs.last_hidden_state, labels, num_items_in_batch)
+        logits, loss = self._head(outputs.last_hidden_state, labels, num_items_in_batch, attention_mask=attention_mask)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
         return _head_output(self, self.output_class, outputs, return_dict, loss=loss, logits=logits)
 
@@ -888,9 +888,10 @@ class _LongAttnEncoderHead(LongAttnPreTrainedModel):
         return global_attention_mask
 
     def _head(
-        self, hidden_states: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch
+        self, hidden_states: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch, attention_mask=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Encoder states `[b, n, D]` -> (logits, the task loss against `labels` or None without them)."""
+        """Encoder states `[b, n, D]` -> (logits, the task loss against `labels` or None without them);
+        `attention_mask` `[b, n]` (1 = token) for heads that pool over the real tokens."""
         raise NotImplementedError
 
 
@@ -911,7 +912,7 @@ class LongAttnForMaskedLM(_LongAttnEncoderHead):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head.decoder = value
 
-    def _head(self, hidden_states, labels, num_items_in_batch):
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
         logits = self.lm_head(hidden_states)  # [b, n, V]
         return logits, _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
@@ -980,7 +981,8 @@ def _classifier_dropout(config: LongAttnConfig) -> float:
 
 
 class LongAttnForSequenceClassification(_LongAttnEncoderHead):
-    """Classification from the first token's state. The first token is global unless `global_attention_mask` is given
+    """Classification from the first token's state, or the mean state of the real tokens with
+    `config.classifier_pooling="mean"`. The first token is global unless `global_attention_mask` is given
     (Longformer's recipe: the classification token then sees the whole document)."""
 
     output_class = SequenceClassifierOutput
@@ -1009,10 +1011,22 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
             global_attention_mask[:, 0] = True
         return global_attention_mask
 
-    def _head(self, hidden_states, labels, num_items_in_batch):
-        pooled = hidden_states[:, 0]  # [b, D]
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
+        if self.config.classifier_pooling == "mean":
+            pooled = _mean_over_tokens(hidden_states, attention_mask)  # [b, D]
+        else:
+            pooled = hidden_states[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
         return logits, _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
+
+
+def _mean_over_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`[b, n, D]` -> `[b, D]`: the mean over the real tokens (`attention_mask` `[b, n]`, 1 = token), so that padding
+    does not change a sequence's pooled state."""
+    if attention_mask is None:
+        return hidden_states.mean(dim=1)
+    weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)  # [b, n, 1]
+    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
 
 
 def _classification_loss(
@@ -1067,7 +1081,7 @@ class LongAttnForTokenClassification(_LongAttnEncoderHead):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def _head(self, hidden_states, labels, num_items_in_batch):
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
         logits = self.classifier(self.dropout(hidden_states))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
