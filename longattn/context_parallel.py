@@ -40,7 +40,8 @@ CPU, and accelerate's context parallelism builds on it and needs FSDP2; other ki
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,9 @@ from .patterns import MaskFn, and_masks, check_dilation, check_window, sliding_w
 __all__ = [
     "CONTEXT_PARALLEL_KINDS",
     "ContextParallel",
+    "check_context_parallel",
     "chunk_bounds",
+    "context_parallel_paused",
     "context_parallel_sliding_attention",
     "enable_context_parallel",
     "init_context_parallel",
@@ -177,9 +180,8 @@ def reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -
 
 
 # ------------------------------------------------------------------------------------------------ the model hooks
-def enable_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
-    """Make `model` (a longattn model) attend across `cp`: each sliding layer gets the group, and the base model
-    fills in global `position_ids` when none are given.
+def check_context_parallel(model: nn.Module) -> None:
+    """Raise `ValueError` unless every attention layer of `model` can run context-parallel.
 
     Raises:
         ValueError: a layer whose kind is not in `CONTEXT_PARALLEL_KINDS` (naming it), an `attention_backend` other
@@ -188,11 +190,16 @@ def enable_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
     from .attention_base import LongAttnAttention
     from .modeling_longattn import LongAttnModel
 
+    if not any(isinstance(module, LongAttnModel) for module in model.modules()):
+        raise ValueError(
+            f"context parallelism: {type(model).__name__} is not a longattn model (LongAttnModel or a LongAttnFor* "
+            "head); stock transformers models running longattn's kinds are not supported."
+        )
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
-            "context parallelism: encoder-decoder models are not supported (the decoder's cross-attention "
-            "sees the whole encoder output)."
+            "context parallelism: encoder-decoder models are not supported (the decoder's cross-attention sees the "
+            "whole encoder output)."
         )
     backend = getattr(config, "attention_backend", "auto")
     if backend not in ("auto", "torch"):
@@ -200,41 +207,70 @@ def enable_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
             f"context parallelism: `attention_backend`={backend!r} cannot run it; use 'auto' or 'torch' (the blocked "
             "executor runs each shard)."
         )
-    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, LongAttnAttention)]
-    for name, module in layers:
-        if module.attention_type not in CONTEXT_PARALLEL_KINDS:
+    for name, module in model.named_modules():
+        if isinstance(module, LongAttnAttention) and module.attention_type not in CONTEXT_PARALLEL_KINDS:
             raise ValueError(
                 f"context parallelism: layer {name} has `attention_type`={module.attention_type!r}; only "
                 f"{list(CONTEXT_PARALLEL_KINDS)} can split a sequence across processes (a bounded window exchanges a "
-                "halo; full attention would need ring attention, see the module docstring)."
+                "halo; full attention would need ring attention, see the `longattn.context_parallel` docstring)."
             )
-    for _, module in layers:
-        module.context_parallel = cp
+
+
+def enable_context_parallel(model: nn.Module, cp: ContextParallel | None) -> None:
+    """Make `model` (a longattn model) attend across `cp`: each sliding layer gets the group, and the base model
+    fills in global `position_ids` when none are given. `cp=None` turns it off again.
+
+    Raises:
+        ValueError: as `check_context_parallel`.
+    """
+    from .attention_base import LongAttnAttention
+    from .modeling_longattn import LongAttnModel
+
+    if cp is not None:
+        check_context_parallel(model)
     for module in model.modules():
+        if isinstance(module, LongAttnAttention):
+            module.context_parallel = cp
         if isinstance(module, LongAttnModel):
-            module.register_forward_pre_hook(_global_positions_hook(cp), with_kwargs=True)
+            module.context_parallel = cp
+            if cp is not None and not hasattr(module, "_context_parallel_hook"):
+                module._context_parallel_hook = module.register_forward_pre_hook(_global_positions, with_kwargs=True)
 
 
-def _global_positions_hook(cp: ContextParallel):
+@contextlib.contextmanager
+def context_parallel_paused(model: nn.Module) -> Iterator[None]:
+    """Run `model` on whole sequences inside the block (evaluation, where every process takes its own batch), with
+    context parallelism as it was afterwards."""
+    from .modeling_longattn import LongAttnModel
+
+    cp = next((getattr(m, "context_parallel", None) for m in model.modules() if isinstance(m, LongAttnModel)), None)
+    if cp is None:
+        yield
+        return
+    enable_context_parallel(model, None)
+    try:
+        yield
+    finally:
+        enable_context_parallel(model, cp)
+
+
+def _global_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A forward pre-hook of `LongAttnModel` giving it the global `position_ids` of this rank's chunk: those of the
     single-process model (counted over real tokens, as `modeling_longattn._position_ids`)."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("position_ids") is not None or len(args) > 1:
-            return args, kwargs
-        ids = args[0] if args else kwargs.get("input_ids")
-        ids = ids if ids is not None else kwargs["inputs_embeds"]
-        batch, length = ids.shape[:2]
-        mask = kwargs.get("attention_mask")
-        counts = torch.full((batch,), length, device=ids.device) if mask is None else mask.bool().sum(dim=1)
-        before = _gather_rows(counts[:, None].long(), cp)[:, : cp.rank].sum(dim=1, keepdim=True)  # [b, 1]
-        if mask is None:
-            positions = before + torch.arange(length, device=ids.device)
-        else:
-            positions = (before + mask.long().cumsum(-1) - 1).clamp(min=0)
-        return args, {**kwargs, "position_ids": positions}
-
-    return hook
+    cp = getattr(module, "context_parallel", None)
+    if cp is None or kwargs.get("position_ids") is not None or len(args) > 1:
+        return args, kwargs
+    ids = args[0] if args else kwargs.get("input_ids")
+    ids = ids if ids is not None else kwargs["inputs_embeds"]
+    batch, length = ids.shape[:2]
+    mask = kwargs.get("attention_mask")
+    counts = torch.full((batch,), length, device=ids.device) if mask is None else mask.bool().sum(dim=1)
+    before = _gather_rows(counts[:, None].long(), cp)[:, : cp.rank].sum(dim=1, keepdim=True)  # [b, 1]
+    if mask is None:
+        positions = before + torch.arange(length, device=ids.device)
+    else:
+        positions = (before + mask.long().cumsum(-1) - 1).clamp(min=0)
+    return args, {**kwargs, "position_ids": positions}
 
 
 def _gather_rows(x: Tensor, cp: ContextParallel) -> Tensor:
