@@ -22,9 +22,9 @@ gradient: summed over the group (`reduce_gradients`) they are the single-process
 
 A training step with context parallelism:
 
-    mesh = init_context_parallel(2)                         # a (dp, cp) device mesh over the launched processes
-    enable_context_parallel(model, mesh)                    # the sliding layers attend across the cp group
-    batch = shard_batch(batch, mesh, causal=True)           # every rank of a cp group starts from the same batch
+    cp = init_context_parallel(2)                           # a (dp, cp) device mesh over the launched processes
+    enable_context_parallel(model, cp)                      # the sliding layers attend across the cp group
+    batch = shard_batch(batch, cp, causal=True)             # every rank of a cp group starts from the same batch
     loss = model(**batch, num_items_in_batch=global_count).loss   # normalised by the labelled tokens of all shards
     loss.backward()
     reduce_gradients(model)                                 # summed over every process (see its docstring)
@@ -46,6 +46,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# Collectives that carry gradients back, on gloo as on NCCL (torch.distributed.nn.functional's are deprecated in
+# their favour in torch 2.13).
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
@@ -75,9 +78,6 @@ __all__ = [
 
 CONTEXT_PARALLEL_KINDS = ("sliding",)
 """Attention kinds that run context-parallel: those whose queries see a bounded band plus global tokens."""
-
-# torch.distributed.nn.functional's autograd collectives are deprecated in favour of these (torch 2.13); they carry
-# gradients back and run on gloo as on NCCL.
 
 
 @dataclass(frozen=True)
@@ -527,11 +527,12 @@ def _global_queries(
         q_valid=global_valid.view(b, 1, g),
     )  # [b, 1|h, 1, g, n]
     part, lse = attend_blocks(q_global[:, :, None], k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p)
-    # [b, h, 1, g, d_v] and [b, h, 1, g] of every rank, side by side: [P·b, h, 1, g, d_v + 1].
-    packed = torch.cat([part, lse[..., None].to(part.dtype)], dim=-1)
+    # [b, h, 1, g, d_v] and [b, h, 1, g] of every rank, side by side: [P·b, h, 1, g, d_v + 1], in the dtype of the
+    # log-sum-exp (float32 for half inputs), so that packing rounds neither.
+    packed = torch.cat([part.to(lse.dtype), lse[..., None]], dim=-1)
     every = funcol.all_gather_single_autograd(packed.contiguous(), 0, cp.group).view(cp.size, *packed.shape)
     merged, _ = merge_attention([(every[r, ..., :d_v], every[r, ..., d_v]) for r in range(cp.size)])
-    merged = merged.reshape(b, h, g, d_v)
+    merged = merged.reshape(b, h, g, d_v).to(out.dtype)
     # Rows of global tokens held elsewhere go to an extra row that is cut off, so no row is written twice.
     target = torch.where(owned, global_index - shard.start, torch.full_like(global_index, n))  # [b, g]
     padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n + 1, d_v]
