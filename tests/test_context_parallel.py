@@ -4,9 +4,10 @@ processes (gloo) gives the single-process model's outputs, loss, gradients and o
 Each run forks its processes once and goes through every case in them: every rank builds the same tiny model and
 batch, computes the single-process reference itself, then its own chunk with context parallelism, and compares.
 Cases: a bidirectional MLM with per-head dilation, two global tokens and padding (learned absolute positions); a
-causal LM with rotary positions, a global token and a halo longer than a chunk (fetched from ranks further away);
-the recipes' step (`training.accumulation_step`, 2 micro-batches) on a 2 x 2 (dp, cp) mesh: the loss and the
-gradient scale of one process over every data-parallel batch. The whole recipe against one process is `slow`.
+causal LM with rotary positions, a global token, a halo longer than a chunk (fetched from ranks further away) and
+activation checkpointing; the recipes' step (`training.accumulation_step`, 2 micro-batches) on a 2 x 2 (dp, cp)
+mesh: the loss and the gradient scale of one process over every data-parallel batch. The whole recipe against one
+process is `slow`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _check_case(make_case, cp):
     loss, logits, grads = _reference(model, batch, causal)
 
     sharded = copy.deepcopy(model)
+    if causal:  # activation checkpointing: backward runs each layer's exchanges again
+        sharded.activation_checkpointing_enable()
     enable_context_parallel(sharded, cp)
     local = shard_batch(batch, cp, causal=causal)
     targets = local["shift_labels"] if causal else local["labels"]
