@@ -8,8 +8,10 @@ batch are built, the batch is sharded (`shard_batch`), then the resident memory 
 high-water mark reset (`/proc/self/clear_refs`), and one step runs: forward, backward and the gradient sum across
 the processes. Peak = high-water mark (`VmHWM`) minus the baseline: every allocation of the step (activations kept
 for backward, the halo and the gathered global tokens, workspaces, allocator slack), not the weights, the libraries
-or the inputs. With 1 process the model runs without context parallelism (its usual fused band path). One thread per
-process, so the figures do not depend on how many cores the processes share.
+or the inputs; glibc keeping or returning freed blocks moves it between runs. Tensor MiB: the peak of allocated minus
+freed torch tensor bytes during the same step run again (`scripts/benchmark.py`'s profiler count), which does not.
+With 1 process the model runs without context parallelism (its usual fused band path). One thread per process, so
+the figures do not depend on how many cores the processes share.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 
 def _status_kib(field: str) -> int:
@@ -38,6 +40,7 @@ def _status_kib(field: str) -> int:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
+    from benchmark import _tensor_peak_mb
 
     from longattn import LongAttnConfig, LongAttnForMaskedLM
     from longattn.context_parallel import enable_context_parallel, init_context_parallel, reduce_gradients, shard_batch
@@ -70,16 +73,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         cp = init_context_parallel(world)
         enable_context_parallel(model, cp)
         batch = shard_batch(batch, cp, causal=False)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch, num_items_in_batch=torch.tensor(count)).loss
+        loss.backward()
+        if cp is not None:
+            reduce_gradients(model, cp.group)
+
     baseline = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     start = time.perf_counter()
-    loss = model(**batch, num_items_in_batch=torch.tensor(count)).loss
-    loss.backward()
-    if cp is not None:
-        reduce_gradients(model, cp.group)
+    step()
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM") - baseline
-    record = {"rank": rank, "tokens": batch["input_ids"].shape[1], "peak_mib": peak / 1024, "seconds": seconds}
+    tensor_peak = _tensor_peak_mb(step)
+    record = {
+        "rank": rank,
+        "tokens": batch["input_ids"].shape[1],
+        "peak_mib": peak / 1024,
+        "tensor_mib": tensor_peak,
+        "seconds": seconds,
+    }
     Path(out_dir, f"{rank}.json").write_text(json.dumps(record))
     if cp is not None:
         dist.destroy_process_group()
@@ -107,16 +122,17 @@ def main(argv: list[str] | None = None) -> None:
         f"length {args.length}, hidden {args.hidden}, {args.layers} layers, {args.heads} heads, window "
         f"{args.window}, one global token, MLM, forward + backward, 1 thread per process\n"
     )
-    print("| processes | tokens per process | peak MiB per process (max over ranks) | step seconds (max) |")
-    print("|---:|---:|---:|---:|")
+    print("| processes | tokens per process | peak RSS MiB per process | tensor MiB per process | step seconds |")
+    print("|---:|---:|---:|---:|---:|")
     for world in args.processes:
         with tempfile.TemporaryDirectory() as out_dir:
             mp.spawn(_worker, args=(world, _free_port(), args, out_dir), nprocs=world)
             records = [json.loads(path.read_text()) for path in sorted(Path(out_dir).glob("*.json"))]
-        peak = max(r["peak_mib"] for r in records)
-        seconds = max(r["seconds"] for r in records)
-        tokens = max(r["tokens"] for r in records)
-        print(f"| {world} | {tokens} | {peak:.0f} | {seconds:.1f} |", flush=True)
+        # The largest over the ranks (the first chunks hold one token more, the first rank the global token).
+        peak, tensors, seconds, tokens = (
+            max(r[key] for r in records) for key in ("peak_mib", "tensor_mib", "seconds", "tokens")
+        )
+        print(f"| {world} | {tokens} | {peak:.0f} | {tensors:.0f} | {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
