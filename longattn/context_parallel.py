@@ -208,11 +208,18 @@ def check_context_parallel(model: nn.Module) -> None:
             "executor runs each shard)."
         )
     for name, module in model.named_modules():
-        if isinstance(module, LongAttnAttention) and module.attention_type not in CONTEXT_PARALLEL_KINDS:
+        if not isinstance(module, LongAttnAttention):
+            continue
+        if module.attention_type not in CONTEXT_PARALLEL_KINDS:
             raise ValueError(
                 f"context parallelism: layer {name} has `attention_type`={module.attention_type!r}; only "
                 f"{list(CONTEXT_PARALLEL_KINDS)} can split a sequence across processes (a bounded window exchanges a "
                 "halo; full attention would need ring attention, see the `longattn.context_parallel` docstring)."
+            )
+        if getattr(module, "relative_embedding", None) is not None:
+            raise ValueError(
+                f"context parallelism: layer {name} has `relative_position_logits`, which the context-parallel "
+                "executor does not add; train it on one process per sequence."
             )
 
 

@@ -133,6 +133,11 @@ class _Processes:
         dist.all_reduce(total)
         return total if reduction == "sum" else total / self.num_processes
 
+    class gradient_state:  # noqa: N801 (accelerate's attribute name)
+        @staticmethod
+        def _set_sync_gradients(flag):
+            pass
+
     def no_sync(self, model):
         return contextlib.nullcontext()
 
@@ -218,6 +223,7 @@ def test_context_parallel_equals_one_process(world, cp_size):
             "layer longattn.encoder.layers.1.self_attn has `attention_type`='full'",
         ),
         (dict(attention_type="sliding", attention_backend="reference"), "attention_backend"),
+        (dict(attention_type="sliding", relative_position_logits=True), "relative_position_logits"),
     ],
 )
 def test_kinds_without_a_halo_are_refused(fields, message):

@@ -315,6 +315,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             f"--context_parallel {args.context_parallel}: only run_mlm.py and run_clm.py split sequences across "
             "processes (a per-sequence label or a decoder needs the whole sequence)."
         )
+    if args.context_parallel > 1 and args.streaming:
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} with --streaming: a stream is read in a share per process, "
+            "and the ranks of a context-parallel group need the same batches; use a local data set."
+        )
     if not 0 < args.validation_split_percentage < 100:
         raise RecipeError(f"--validation_split_percentage {args.validation_split_percentage} must be in 1..99.")
     if args.num_warmup_steps < 0:
@@ -1444,6 +1449,12 @@ def _context_parallel_group(args: argparse.Namespace, accelerator) -> cp_lib.Con
     """This process's context-parallel group on a (dp, cp) device mesh for --context_parallel N > 1, else None."""
     if args.context_parallel == 1:
         return None
+    running = str(accelerator.distributed_type).split(".")[-1]
+    if running in ("FSDP", "DEEPSPEED"):
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} runs its own gradient reduction, not under {running}: "
+            "launch it with a DDP config (recipes/configs/cpu_2proc.yaml, multi_gpu_bf16.yaml)."
+        )
     if accelerator.num_processes % args.context_parallel:
         raise RecipeError(
             f"--context_parallel {args.context_parallel} must divide the number of processes "
