@@ -1390,17 +1390,9 @@ def prepare_training(
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
-    if stream:  # its loader is this process's alone, and must not be prepared again (`streaming.stream_loader`)
-        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
-            model, optimizer, eval_dataloader, lr_scheduler
-        )
-    elif context_parallel is not None:
-        model, train_dataloader = _prepare_context_parallel(accelerator, model, train_dataloader, context_parallel)
-        optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(optimizer, eval_dataloader, lr_scheduler)
-    else:
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-            model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
-        )
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = _prepare(
+        accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, context_parallel
+    )
     global_batch_size = args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
     return TrainState(
         model=model,
@@ -1463,14 +1455,26 @@ def _context_parallel_group(args: argparse.Namespace, accelerator) -> cp_lib.Con
     return cp_lib.init_context_parallel(args.context_parallel, device_type=accelerator.device.type)
 
 
-def _prepare_context_parallel(accelerator, model, train_dataloader, cp: cp_lib.ContextParallel):
-    """The model and training data loader of a context-parallel run, which `accelerator.prepare` cannot give: its
-    DDP averages gradients over every process (a context-parallel group's shares must be summed:
-    `accumulation_step` reduces them itself), and its data loader gives every process a different batch (the ranks
-    of a group must share one). So the model is only placed and registered for checkpoints (no DDP), and the data
-    is sharded over the data-parallel group alone with accelerate's own `prepare_data_loader`."""
+def _prepare(accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, cp):
+    """`accelerator.prepare` of the model, optimizer, data loaders and schedule (`prepare_training`), but for
+
+    - a streamed training set (`stream`): its loader is this process's alone, and must not be prepared again
+      (`streaming.stream_loader`);
+    - context parallelism (`cp`), which `accelerator.prepare` cannot give: its DDP averages gradients over every
+      process (a context-parallel group's shares must be summed: `accumulation_step` reduces them itself), and its
+      data loader gives every process a different batch (the ranks of a group must share one). So the model is only
+      placed and registered for checkpoints (no DDP), and the data is sharded over the data-parallel group alone
+      with accelerate's own `prepare_data_loader`.
+    """
     from accelerate.data_loader import prepare_data_loader
 
+    if stream:
+        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, eval_dataloader, lr_scheduler
+        )
+        return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    if cp is None:
+        return accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     model = accelerator.prepare_model(model, evaluation_mode=True)
     cp_lib.enable_context_parallel(model, cp)
     train_dataloader = prepare_data_loader(
@@ -1484,7 +1488,8 @@ def _prepare_context_parallel(accelerator, model, train_dataloader, cp: cp_lib.C
         data_seed=accelerator.dataloader_config.data_seed,
     )
     accelerator._dataloaders.append(train_dataloader)  # saved and restored with the checkpoints, as a prepared one
-    return model, train_dataloader
+    optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(optimizer, eval_dataloader, lr_scheduler)
+    return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
 
 
 def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
