@@ -41,6 +41,7 @@ CPU, and accelerate's context parallelism builds on it and needs FSDP2; other ki
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -413,9 +414,7 @@ def context_parallel_sliding_attention(
     window = check_window(window)
     dilation = check_dilation(dilation, heads=h)
     lengths, (padding, is_global) = _gather_masks(n, [(key_padding_mask, True), (global_mask, False)], cp, b, q.device)
-    bounds = [0]
-    for length in lengths:
-        bounds.append(bounds[-1] + length)
+    bounds = [0, *itertools.accumulate(lengths)]
     total = bounds[-1]
     reach = window * (dilation if isinstance(dilation, int) else max(dilation))
     shard = _Shard(
@@ -435,8 +434,8 @@ def context_parallel_sliding_attention(
 
     # Keys and values with their halo: [b, h_kv, m, d + d_v], sequence first for the exchange.
     d_k = k.shape[3]
-    kv = torch.cat([k, v], dim=3).permute(2, 0, 1, 3)  # [n, b, h_kv, d + d_v]
-    kv_halo = _exchange_halo(kv, shard, cp).permute(1, 2, 0, 3)  # [b, h_kv, m, d + d_v]
+    kv = torch.cat([k, v], dim=3)  # [b, h_kv, n, d + d_v]: one exchange for both
+    kv_halo = _exchange_halo(kv.permute(2, 0, 1, 3), shard, cp).permute(1, 2, 0, 3)  # [b, h_kv, m, d + d_v]
     left = shard.left[cp.rank]
     m = kv_halo.shape[2]
 
@@ -447,11 +446,9 @@ def context_parallel_sliding_attention(
         owned = global_valid & (global_index >= shard.start) & (global_index < shard.stop)  # [b, g]
         # Each rank contributes the global rows it holds; the sum over the group has every global token's keys,
         # values and queries (and sends their gradients back to their owners).
-        kv_global = funcol.all_reduce(
-            _owned_rows(torch.cat([k, v], dim=3), global_index, owned, shard.start), "sum", cp.group
-        )  # [b, h_kv, g, d + d_v]
+        kv_global = funcol.all_reduce(_owned_rows(kv, global_index, owned, shard.start), "sum", cp.group)
         q_global = funcol.all_reduce(_owned_rows(q, global_index, owned, shard.start), "sum", cp.group)  # [b, h, g, d]
-        kv_halo = torch.cat([kv_halo, kv_global], dim=2)  # global keys after the shard's: [b, h_kv, m + g, d + d_v]
+        kv_halo = torch.cat([kv_halo, kv_global], dim=2)  # global keys after the band's: [b, h_kv, m + g, d + d_v]
         slots = (m + torch.arange(g, device=q.device)).expand(b, g)
         global_keys = (slots, global_index, global_valid)
         # Their copies inside the band are hidden, so every key counts once in the softmax.
@@ -473,7 +470,7 @@ def context_parallel_sliding_attention(
             window_left=window,
             window_right=0 if causal else window,
             dilation=d,
-            block_size=128,
+            block_size=128,  # banded_attention's for `attend_blocks`
             q_offset=left,
             device=q.device,
         )
