@@ -265,3 +265,22 @@ def test_recipe_with_context_parallel_logs_the_losses_of_one_process(datasets_di
     for expected, actual in zip(one, split):
         for key, value in expected.items():
             assert actual[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, expected, actual)
+
+
+def test_the_halo_comes_from_the_neighbours_or_from_further_when_longer_than_a_chunk():
+    from longattn.context_parallel import _Shard
+
+    def halos(reach: int, rank: int) -> dict[int, tuple[int, int]]:
+        bounds = [0, 20, 40, 60]
+        shard = _Shard(
+            bounds=bounds,
+            left=[min(reach, bounds[r]) for r in range(3)],
+            right=[min(reach, 60 - bounds[r + 1]) for r in range(3)],
+            rank=rank,
+        )
+        ranges = {owner: shard.needs(rank, owner) for owner in range(3)}
+        return {owner: (lo, hi) for owner, (lo, hi) in ranges.items() if lo < hi}
+
+    assert halos(5, 1) == {0: (15, 20), 2: (40, 45)}  # only the neighbours' edges
+    assert halos(5, 0) == {1: (20, 25)}
+    assert halos(30, 2) == {0: (10, 20), 1: (20, 40)}  # 30 keys: past the neighbour, from rank 0 directly
