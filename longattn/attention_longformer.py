@@ -10,6 +10,9 @@ O(n · window).
 Unlike Longformer, global tokens reuse the layer's q/k/v projections instead of separate `query_global` etc.: every
 parameter then receives a gradient whether or not a batch has global tokens (DDP with
 `find_unused_parameters=False` works), and a checkpoint keeps the parameter names of every other kind.
+
+With `context_parallel.enable_context_parallel`, a sequence split across processes attends through
+`context_parallel.context_parallel_sliding_attention` (halo exchange, global tokens gathered).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_base import LongAttnAttention
+from .context_parallel import ContextParallel, context_parallel_sliding_attention
 from .ops import sliding_window_attention
 from .patterns import sliding_window_pattern
 
@@ -26,6 +30,8 @@ class LongformerAttention(LongAttnAttention):
     `sliding_dilation` (int or one per head)."""
 
     attention_type = "sliding"
+    context_parallel: ContextParallel | None = None
+    """The group this layer's sequence is split across (set by `context_parallel.enable_context_parallel`)."""
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -48,4 +54,19 @@ class LongformerAttention(LongAttnAttention):
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         pattern = self._pattern_arguments(key_padding_mask, global_mask)
+        if self.context_parallel is not None:
+            # Relative-position logits and back ends other than the blocked executor are refused when enabled.
+            arguments = self.op_arguments()
+            return context_parallel_sliding_attention(
+                q, k, v, **pattern, cp=self.context_parallel, scale=arguments["scale"], dropout_p=arguments["dropout_p"]
+            )
         return sliding_window_attention(q, k, v, **pattern, **self.op_arguments())
+
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask):
+        if self.context_parallel is not None:
+            # The dense form sees only this rank's keys: it would be silently wrong.
+            raise ValueError(
+                "context parallelism: output_attentions=True and cached decoding need the whole sequence on one "
+                "process; run them without enable_context_parallel."
+            )
+        return super().attend_dense(q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask)

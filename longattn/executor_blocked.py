@@ -46,6 +46,7 @@ __all__ = [
     "BandLayout",
     "band_layout",
     "banded_attention",
+    "band_block_attention",
     "global_token_index",
 ]
 
@@ -831,7 +832,6 @@ def banded_attention(
             q_offset=q_offset,
             device=device,
         )
-        nb, c = layout.q_pos.shape
         if fused:
             plan = _BandPlan(
                 layout=layout,
@@ -846,51 +846,21 @@ def banded_attention(
             group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
             group_heads.extend(heads)
             continue
-        if layout.slot_of_query is None:
-            q_blocks = q_g.reshape(b, hg, nb, c, q_g.shape[3])
-        else:
-            q_blocks = q_g.index_select(2, (layout.q_pos - q_offset).reshape(-1)).view(b, hg, nb, c, q_g.shape[3])
-        local_mask = evaluate_block_mask(
-            local_fn,
-            batch=b,
+        global_keys = None if global_index is None else (global_index, global_index, global_valid)
+        out_g = band_block_attention(
+            q_g,
+            k_g,
+            v_g,
+            layout=layout,
             heads=heads_t,
-            q_pos=layout.q_pos[None],
-            kv_pos=layout.kv_pos[None],
-            q_valid=layout.q_valid[None],
-            kv_valid=layout.kv_valid[None],
+            local_fn=local_fn,
+            mask_fn=mask_fn,
+            q_offset=q_offset,
+            global_keys=global_keys,
+            scale=scale,
+            dropout_p=dropout_p,
+            bias_fn=bias_fn,
         )
-        kv_index = layout.kv_pos  # [nb, m]
-        bias = None
-        if bias_fn is not None:
-            bias = block_bias(bias_fn, batch=b, heads=heads_t, q_pos=layout.q_pos[None], kv_pos=layout.kv_pos[None])
-        if global_index is not None:
-            # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
-            # second pass to merge. [b, nb, m + g]
-            g = global_index.shape[1]
-            kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
-            global_key_mask = evaluate_block_mask(
-                mask_fn,
-                batch=b,
-                heads=heads_t,
-                q_pos=layout.q_pos[None],
-                kv_pos=global_index[:, None, :],
-                q_valid=layout.q_valid[None],
-                kv_valid=global_valid[:, None, :],
-            )  # [b, 1|hg, nb, c, g]
-            heads_dim = max(local_mask.shape[1], global_key_mask.shape[1])
-            local_mask = torch.cat(
-                [local_mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
-            )  # [b, 1|hg, nb, c, m + g]
-            if bias is not None:
-                global_bias = block_bias(
-                    bias_fn, batch=b, heads=heads_t, q_pos=layout.q_pos[None], kv_pos=global_index[:, None, :]
-                )
-                bias = torch.cat([bias, global_bias], dim=4)  # [b, hg, nb, c, m + g]
-        out_blocks, _ = attend_blocks(
-            q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale, dropout_p=dropout_p, bias=bias
-        )  # [b, hg, nb, c, d_v]
-        out_g = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
-        out_g = out_g[:, :, :n_q] if layout.slot_of_query is None else out_g.index_select(2, layout.slot_of_query)
         group_outputs.append(out_g)
         group_heads.extend(heads)
 
@@ -900,6 +870,93 @@ def banded_attention(
     if global_index is not None:
         out = _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn)
     return out
+
+
+def band_block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: BandLayout,
+    heads: Tensor,
+    local_fn: MaskFn,
+    mask_fn: MaskFn,
+    q_offset: int,
+    global_keys: tuple[Tensor, Tensor, Tensor] | None = None,
+    position_offset: int = 0,
+    scale: float,
+    dropout_p: float = 0.0,
+    bias_fn: BiasFn | None = None,
+) -> Tensor:
+    """One head group of a banded attention through `attend_blocks`: every query block gathers its band keys and its
+    batch row's global keys, one softmax over both.
+
+    Positions in `layout` count from the first key of `k`; the predicates read them shifted by `position_offset`
+    (a context-parallel shard, whose keys start at that position of the whole sequence).
+
+    Args:
+        q: Queries `[b, hg, n_q, d]`, the layout's query positions `q_offset … q_offset + n_q − 1`.
+        k: Keys `[b, h_kv, n_k, d]` (h_kv dividing hg); v: values `[b, h_kv, n_k, d_v]`.
+        layout: The band's `band_layout` (with `q_offset`).
+        heads: Long `[hg]`, the original index of each head (the predicates may depend on it).
+        local_fn: The predicate of band keys (the band copies of global keys hidden).
+        mask_fn: The predicate of global keys.
+        q_offset: Index in `k` of the first query.
+        global_keys: `(index, position, valid)`, each `[b, g]`: where each global key of a row sits in k, its
+            position, and False for padding slots; None = no global token.
+        position_offset: Position of `k`'s first key in the sequence the predicates describe.
+        scale, dropout_p: As in `attend_blocks`.
+        bias_fn: Optional logit bias of each pair (relative-position logits), on the positions the predicates read.
+
+    Returns:
+        Output `[b, hg, n_q, d_v]`.
+    """
+    b, hg, n_q, d = q.shape
+    nb, c = layout.q_pos.shape
+    if layout.slot_of_query is None:
+        q_blocks = q.reshape(b, hg, nb, c, d)
+    else:
+        q_blocks = q.index_select(2, (layout.q_pos - q_offset).reshape(-1)).view(b, hg, nb, c, d)
+    q_pos = layout.q_pos[None] + position_offset  # [1, nb, c]
+    kv_pos = layout.kv_pos[None] + position_offset  # [1, nb, m]
+    mask = evaluate_block_mask(
+        local_fn,
+        batch=b,
+        heads=heads,
+        q_pos=q_pos,
+        kv_pos=kv_pos,
+        q_valid=layout.q_valid[None],
+        kv_valid=layout.kv_valid[None],
+    )
+    bias = None if bias_fn is None else block_bias(bias_fn, batch=b, heads=heads, q_pos=q_pos, kv_pos=kv_pos)
+    kv_index = layout.kv_pos  # [nb, m]
+    if global_keys is not None:
+        # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
+        # second pass to merge. [b, nb, m + g]
+        global_index, global_pos, global_valid = global_keys
+        g = global_index.shape[1]
+        kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
+        global_key_mask = evaluate_block_mask(
+            mask_fn,
+            batch=b,
+            heads=heads,
+            q_pos=q_pos,
+            kv_pos=global_pos[:, None, :],
+            q_valid=layout.q_valid[None],
+            kv_valid=global_valid[:, None, :],
+        )  # [b, 1|hg, nb, c, g]
+        heads_dim = max(mask.shape[1], global_key_mask.shape[1])
+        mask = torch.cat(
+            [mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
+        )  # [b, 1|hg, nb, c, m + g]
+        if bias is not None:
+            global_bias = block_bias(bias_fn, batch=b, heads=heads, q_pos=q_pos, kv_pos=global_pos[:, None, :])
+            bias = torch.cat([bias, global_bias], dim=4)  # [b, hg, nb, c, m + g]
+    out_blocks, _ = attend_blocks(
+        q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
+    )  # [b, hg, nb, c, d_v]
+    out = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
+    return out[:, :, :n_q] if layout.slot_of_query is None else out.index_select(2, layout.slot_of_query)
 
 
 def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:

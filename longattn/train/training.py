@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from .. import config_overrides
+from .. import context_parallel as cp_lib
 from ..attention_registry import attention_class
 from ..configuration_longattn import LongAttnConfig, check_override_fields
 from ..tokenization_longattn import byte_tokenizer
@@ -239,6 +240,13 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
     train.add_argument("--with_tracking", action="store_true", help="log to the trackers of --report_to")
     train.add_argument("--report_to", default="all", help="tensorboard, wandb, trackio, ... or all")
     train.add_argument(
+        "--context_parallel",
+        type=int,
+        default=1,
+        help="split each sequence across N processes (sliding kinds; MLM and CLM): N divides the processes, the "
+        "ranks of each group of N share a batch",
+    )
+    train.add_argument(
         "--ddp_find_unused_parameters",
         action="store_true",
         help="for attention kinds with parameters some batches do not use",
@@ -300,6 +308,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             raise RecipeError(f"--{flag} {value} must be >= 1.")
     if args.learning_rate <= 0:
         raise RecipeError(f"--learning_rate {args.learning_rate} must be > 0.")
+    if args.context_parallel < 1:
+        raise RecipeError(f"--context_parallel {args.context_parallel} must be >= 1.")
+    if args.context_parallel > 1 and args.task not in ("mlm", "clm"):
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel}: only run_mlm.py and run_clm.py split sequences across "
+            "processes (a per-sequence label or a decoder needs the whole sequence)."
+        )
+    if args.context_parallel > 1 and args.streaming:
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} with --streaming: a stream is read in a share per process, "
+            "and the ranks of a context-parallel group need the same batches; use a local data set."
+        )
     if not 0 < args.validation_split_percentage < 100:
         raise RecipeError(f"--validation_split_percentage {args.validation_split_percentage} must be in 1..99.")
     if args.num_warmup_steps < 0:
@@ -968,6 +988,11 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
     if args.gradient_checkpointing:
         # transformers 5 renamed it; the old name warns that it goes away in v6
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    if args.context_parallel > 1:
+        try:
+            cp_lib.check_context_parallel(model)
+        except ValueError as error:
+            raise RecipeError(f"--context_parallel {args.context_parallel}: {_one_line(error)}") from None
     return model
 
 
@@ -1018,6 +1043,7 @@ class TrainState:
     seed: int
     process_index: int
     loss_takes_num_items: bool  # the model normalises its loss by `num_items_in_batch` (`accumulation_step`)
+    context_parallel: cp_lib.ContextParallel | None = None  # --context_parallel: this process's group
     completed_steps: int = 0  # optimizer steps
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (skipped on resumption)
@@ -1249,9 +1275,12 @@ def count_loss_items(batches: list[dict[str, torch.Tensor]], *, shifted_labels: 
     """The labelled items (label != -100) of the micro-batches of one optimizer step, in this process: `shift_labels`
     where a batch has them, else `labels[..., 1:]` when the model shifts its labels (a causal LM: the first label is
     never a target), else every label (one per example for classification)."""
-    total = torch.zeros((), dtype=torch.long, device=batches[0]["labels"].device)
+    total = torch.zeros((), dtype=torch.long, device=batches[0]["input_ids"].device)
     for batch in batches:
-        labels = batch.get("shift_labels", batch["labels"][..., 1:] if shifted_labels else batch["labels"])
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        else:
+            labels = batch["labels"][..., 1:] if shifted_labels else batch["labels"]
         total += labels.ne(-100).sum()
     return total
 
@@ -1264,6 +1293,7 @@ def accumulation_step(
     use_num_items: bool,
     shifted_labels: bool,
     seeds: list[int],
+    context_parallel: cp_lib.ContextParallel | None = None,
 ) -> float:
     """Forward and backward over the micro-batches of one optimizer step; return the step's loss (all processes).
 
@@ -1277,9 +1307,15 @@ def accumulation_step(
         group: The micro-batches, already prepared (MLM masking).
         shifted_labels: The model shifts `labels` itself (causal LM), see `count_loss_items`.
         seeds: One seed per micro-batch for dropout, so that a resumed run repeats the interrupted one.
+        context_parallel: Split each micro-batch's sequences across this group (`--context_parallel`): every rank
+            takes its chunk (`shift_labels` made before the split), the loss is normalised by the labelled tokens of
+            every chunk and batch, and the model, which no DDP wraps, gets its gradients summed over every process
+            (`context_parallel.reduce_gradients`).
     """
+    if context_parallel is not None:
+        group = [cp_lib.shard_batch(batch, context_parallel, causal=shifted_labels) for batch in group]
     num_items = None
-    if use_num_items and "labels" in group[0]:
+    if use_num_items and ("labels" in group[0] or "shift_labels" in group[0]):
         num_items = accelerator.reduce(count_loss_items(group, shifted_labels=shifted_labels), reduction="sum").clamp(
             min=1
         )
@@ -1294,11 +1330,14 @@ def accumulation_step(
         with contextlib.nullcontext() if last else accelerator.no_sync(model):
             if num_items is not None:
                 loss = model(**batch, num_items_in_batch=num_items).loss
-                accelerator.backward(loss * accelerator.num_processes)
+                # DDP averages over the processes; without DDP (context parallelism) the gradients are summed.
+                accelerator.backward(loss * (1 if context_parallel is not None else accelerator.num_processes))
             else:
                 loss = model(**batch).loss
                 accelerator.backward(loss / len(group))
         step_loss += loss.detach().float()
+    if context_parallel is not None:
+        cp_lib.reduce_gradients(model)
     if num_items is not None:  # each process holds its share of the step's token mean
         return accelerator.reduce(step_loss, reduction="sum").item()
     return accelerator.reduce(step_loss / len(group), reduction="mean").item()
@@ -1339,9 +1378,11 @@ def prepare_training(
         batch_size=args.per_device_eval_batch_size,
     )
     optimizer = build_optimizer(args, model)
+    context_parallel = _context_parallel_group(args, accelerator)
+    data_parallel = accelerator.num_processes // args.context_parallel  # processes that read different batches
     # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
     max_train_steps = args.max_train_steps or args.num_train_epochs * math.ceil(
-        len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps
+        len(train_dataloader) / data_parallel / args.gradient_accumulation_steps
     )
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
@@ -1349,15 +1390,10 @@ def prepare_training(
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
-    if stream:  # its loader is this process's alone, and must not be prepared again (`streaming.stream_loader`)
-        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
-            model, optimizer, eval_dataloader, lr_scheduler
-        )
-    else:
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-            model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
-        )
-    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = _prepare(
+        accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, context_parallel
+    )
+    global_batch_size = args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
     return TrainState(
         model=model,
         optimizer=optimizer,
@@ -1375,6 +1411,7 @@ def prepare_training(
         process_index=accelerator.process_index,
         loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)),
         streaming=stream,
+        context_parallel=context_parallel,
     )
 
 
@@ -1398,6 +1435,61 @@ def _train_dataloader(args: argparse.Namespace, accelerator, train_dataset, coll
     )
     loader = DataLoader(share, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size)
     return streaming.stream_loader(loader, device=accelerator.device)
+
+
+def _context_parallel_group(args: argparse.Namespace, accelerator) -> cp_lib.ContextParallel | None:
+    """This process's context-parallel group on a (dp, cp) device mesh for --context_parallel N > 1, else None."""
+    if args.context_parallel == 1:
+        return None
+    running = str(accelerator.distributed_type).split(".")[-1]
+    if running in ("FSDP", "DEEPSPEED"):
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} runs its own gradient reduction, not under {running}: "
+            "launch it with a DDP config (recipes/configs/cpu_2proc.yaml, multi_gpu_bf16.yaml)."
+        )
+    if accelerator.num_processes % args.context_parallel:
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} must divide the number of processes "
+            f"({accelerator.num_processes}): launch with accelerate launch --num_processes N."
+        )
+    return cp_lib.init_context_parallel(args.context_parallel, device_type=accelerator.device.type)
+
+
+def _prepare(accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, cp):
+    """`accelerator.prepare` of the model, optimizer, data loaders and schedule (`prepare_training`), but for
+
+    - a streamed training set (`stream`): its loader is this process's alone, and must not be prepared again
+      (`streaming.stream_loader`);
+    - context parallelism (`cp`), which `accelerator.prepare` cannot give: its DDP averages gradients over every
+      process (a context-parallel group's shares must be summed: `accumulation_step` reduces them itself), and its
+      data loader gives every process a different batch (the ranks of a group must share one). So the model is only
+      placed and registered for checkpoints (no DDP), and the data is sharded over the data-parallel group alone
+      with accelerate's own `prepare_data_loader`.
+    """
+    from accelerate.data_loader import prepare_data_loader
+
+    if stream:
+        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, eval_dataloader, lr_scheduler
+        )
+        return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    if cp is None:
+        return accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    cp_lib.enable_context_parallel(model, cp)
+    train_dataloader = prepare_data_loader(
+        train_dataloader,
+        accelerator.device,
+        num_processes=cp.dp_size,
+        process_index=cp.dp_rank,
+        put_on_device=True,
+        rng_types=accelerator.rng_types.copy(),
+        use_seedable_sampler=True,
+        data_seed=accelerator.dataloader_config.data_seed,
+    )
+    accelerator._dataloaders.append(train_dataloader)  # saved and restored with the checkpoints, as a prepared one
+    optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(optimizer, eval_dataloader, lr_scheduler)
+    return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
 
 
 def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
@@ -1446,8 +1538,10 @@ def train_step(
         The step's loss (all processes).
     """
     if prepare_batch is not None:
+        # The ranks of a context-parallel group prepare their shared batch alike (the same MLM masking).
+        reader = accelerator.process_index if state.context_parallel is None else state.context_parallel.dp_rank
         group = [
-            prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i, accelerator.process_index))
+            prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i, reader))
             for i, batch in enumerate(group)
         ]
     step_loss = accumulation_step(
@@ -1457,6 +1551,7 @@ def train_step(
         use_num_items=state.loss_takes_num_items,
         shifted_labels=args.task == "clm",
         seeds=state.step_seeds(epoch, first_batch, len(group)),
+        context_parallel=state.context_parallel,
     )
     if args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(state.model.parameters(), args.max_grad_norm)
@@ -1483,7 +1578,8 @@ def run_evaluation(
     """The recipe's `evaluate(model, eval_dataloader)` without gradients, its metrics prefixed `eval_`, logged and
     kept in `state.metrics`."""
     state.model.eval()
-    with torch.no_grad():
+    # With --context_parallel, every process evaluates whole sequences of its own batches (no gradients to keep).
+    with torch.no_grad(), cp_lib.context_parallel_paused(state.model):
         result = {f"eval_{k}": v for k, v in evaluate(state.model, state.eval_dataloader).items()}
     state.model.train()
     _log(accelerator, Path(args.output_dir) / LOG_FILE, {"step": state.completed_steps, **result}, args)
