@@ -22,6 +22,11 @@ synthesised scores).
 
 Parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`) are the same for every kind, so a checkpoint reloads under
 another `attention_type` with only the kind-specific weights reported missing.
+
+A layer with `relative_position_logits` also holds `relative_embedding` (an `nn.Embedding` of
+2 · `relative_max_distance` + 1 rows of width d, shared by the heads as in Shaw et al. 2018); its kind passes
+`relative_weight` to its executor (`relative_embedding=` of `longattn.ops`), and `attend_dense` adds the same
+logits densely (`longattn.relative_logits`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .attention_fields import KINDS, check_kind_backend, field_defaults, validat
 from .numerics import apply_rotary, default_scale
 from .ops import reference_attention
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
+from .relative_logits import materialize_bias, relative_bias
 
 
 def _packing_kinds() -> list[str]:
@@ -90,6 +96,19 @@ class LongAttnAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        # r of the relative-position logits: row δ + M for the distance j − i clipped to [−M, M]. An embedding, so
+        # the model's `_init_weights` initialises it like every other table (normal, `initializer_range`).
+        self.relative_embedding = None
+        if getattr(config, "relative_position_logits", False) and config.per_layer(
+            "relative_position_logits", layer_idx
+        ):
+            max_distance = config.per_layer("relative_max_distance", layer_idx)
+            self.relative_embedding = nn.Embedding(2 * max_distance + 1, self.head_dim)
+
+    @property
+    def relative_weight(self) -> Tensor | None:
+        """r `[2M + 1, d]` of this layer's relative-position logits, or None when the layer has none."""
+        return None if self.relative_embedding is None else self.relative_embedding.weight
 
     # -------------------------------------------------------------- what a kind provides
     @classmethod
@@ -169,6 +188,16 @@ class LongAttnAttention(nn.Module):
         b, _, n, _ = x.shape
         return x.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)  # [b, n, D]
 
+    def op_arguments(self) -> dict[str, Any]:
+        """What every `longattn.ops` pattern function takes from the layer: `scale`, `dropout_p` (in training only),
+        `backend` and the relative-position logits' `relative_embedding` (None without them)."""
+        return dict(
+            scale=self.scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            backend=self.backend,
+            relative_embedding=self.relative_weight,
+        )
+
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v `[b, h, n, d]` from hidden states `[b, n, D]` (LSH overrides this to share q and k)."""
         return (
@@ -203,8 +232,14 @@ class LongAttnAttention(nn.Module):
             q_offset=m - n,
             device=q.device,
         )
+        bias = None
+        if self.relative_embedding is not None:
+            bias_fn = relative_bias(q, self.relative_weight, scale=self.scale, kv_len=m)
+            bias = materialize_bias(
+                bias_fn, batch=b, heads=self.num_heads, q_len=n, kv_len=m, q_offset=m - n, device=q.device
+            )  # [b, h, n, m]
         dropout_p = self.dropout_p if self.training else 0.0
-        return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)
+        return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True, bias=bias)
 
     def attention_inputs(
         self,

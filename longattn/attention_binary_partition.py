@@ -39,6 +39,12 @@ the span, still a function of relative positions only (fine rotary frequencies a
 bias carries the coarse position). Learned absolute positions are in the hidden states and pool with them. The tree
 is counted from each row's first real token (like the model's position ids), so left padding does not move it.
 
+**Relative-position logits** (`relative_position_logits`, `longattn.relative_logits`) are added on the token edges
+(the query itself and its level-0 neighbours): scale · q_i · r_{clip(j − i)}, on top of the edge type's bias. A span
+node has no single distance to the query; its (side, level, offset) edge type already is its relative position, so
+span edges keep that bias alone. The two combine by addition: the edge-type bias is a learned scalar per head, the
+relative term depends on the query's content.
+
 **Executors.** `binary_partition_attention` cuts the queries into blocks of `QUERY_BLOCK` (c = 32); each block
 gathers one set of node keys and values (indices into [token keys ; span keys]): at each level the window of nodes
 its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
@@ -66,6 +72,7 @@ from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, hidden_logit_for
 from .ops_checks import empty_attention, is_empty
 from .patterns import first_real_token
+from .relative_logits import check_relative_embedding, relative_logit_table
 
 __all__ = [
     "MAX_LEVELS",
@@ -288,6 +295,17 @@ def _cached_block_layout(n: int, context: int, causal: bool, device: torch.devic
     return block_layout(n, context=context, causal=causal, device=device)
 
 
+def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_offset: int = 0) -> Tensor:
+    """Relative logits of token edges: `table` `[b, h, n_q, 2M + 1]` of the queries at positions q_offset .. read at
+    queries `q_pos` (positions) and nodes `node` (indices into the node list, broadcastable with q_pos), 0 for span
+    nodes (index >= n). Query positions outside the table (padding slots) are clamped into it."""
+    reach = (table.shape[-1] - 1) // 2
+    row = (q_pos - q_offset).clamp(0, table.shape[2] - 1)
+    token = node < n
+    column = (node.clamp(max=n - 1) - q_pos).clamp(-reach, reach) + reach
+    return table[:, :, row, column] * token
+
+
 def _attend_chunk(
     q_blocks: Tensor,
     nodes_k: Tensor,
@@ -297,12 +315,16 @@ def _attend_chunk(
     visible: Tensor,
     scale: float,
     dropout_p: float,
+    table: Tensor | None = None,
+    q_pos: Tensor | None = None,
 ) -> Tensor:
-    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]` -> out
-    `[b, h, nb, c, d]`."""
+    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]`, relative
+    table `[b, h, n, 2M + 1]` or None with query positions q_pos `[nb, c]` -> out `[b, h, nb, c, d]`."""
     dtype = compute_dtype(q_blocks.dtype)
     keys, values = nodes_k[:, :, nodes].to(dtype), nodes_v[:, :, nodes].to(dtype)  # [b, h, nb, m, d]
     scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2) + bias.to(dtype)  # [b, h, nb, c, m]
+    if table is not None:  # gathered here, so that backward recomputes it too
+        scores = scores + _token_edge_logits(table, q_pos[:, :, None], nodes[:, None, :], table.shape[2]).to(dtype)
     return (_softmax_rows(scores, visible, dropout_p) @ values).to(q_blocks.dtype)
 
 
@@ -317,6 +339,7 @@ def binary_partition_attention(
     relative_bias: Tensor,
     scale: float,
     dropout_p: float = 0.0,
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`).
 
@@ -328,13 +351,17 @@ def binary_partition_attention(
         relative_bias: `[h, num_edge_types(context)]`, added to the logits per edge type.
         scale: Multiplier of q·k.
         dropout_p: Dropout on the attention probabilities.
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits on the token edges (module
+            docstring).
 
     Returns:
         `[b, h, n, d]`.
     """
+    relative_embedding = check_relative_embedding(relative_embedding, q)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     b, h, n, d = q.shape
+    table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
     levels = num_levels(n, context)
     nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
@@ -344,6 +371,7 @@ def binary_partition_attention(
         nodes, edges = _cached_block_layout(n, context, causal, q.device)
     blocks, c, m = edges.shape
     q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
+    q_pos = torch.arange(blocks * c, device=q.device).view(blocks, c)  # [nb, c]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
     outs = []
     for start in range(0, blocks, chunk):
@@ -358,6 +386,8 @@ def binary_partition_attention(
             visible,
             scale,
             dropout_p,
+            table,
+            q_pos[rows],
         )
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             # Recomputed in backward: the gathered keys, values and scores are not kept.
@@ -378,6 +408,7 @@ def binary_partition_reference(
     relative_bias: Tensor,
     scale: float,
     dropout_p: float = 0.0,
+    relative_embedding: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The dense form: the n queries (the last n of m positions) against all N nodes, with the explicit edge table.
 
@@ -398,6 +429,12 @@ def binary_partition_reference(
     dtype = compute_dtype(q.dtype)
     bias = relative_bias[:, edges.clamp(min=0)].to(dtype)  # [h, n, N]
     scores = (q.to(dtype) * scale) @ nodes_k.to(dtype).transpose(-1, -2) + bias  # [b, h, n, N]
+    relative_embedding = check_relative_embedding(relative_embedding, q)
+    if relative_embedding is not None:
+        table = relative_logit_table(q, relative_embedding, scale)  # [b, h, n, 2M + 1], rows: positions m - n ..
+        q_pos = torch.arange(m - n, m, device=q.device)[:, None]  # [n, 1]
+        node = torch.arange(edges.shape[1], device=q.device)[None, :]  # [1, N]
+        scores = scores + _token_edge_logits(table, q_pos, node, m, q_offset=m - n).to(dtype)
     probs = _softmax_rows(scores, (edges >= 0) & real[:, None, None, :], dropout_p)
     out = (probs @ nodes_v.to(dtype)).to(q.dtype)
     # A span's key and value are the means of its real tokens: its weight, spread over them, gives the same output.
@@ -468,6 +505,7 @@ class BinaryPartitionAttention(LongAttnAttention):
             relative_bias=self.relative_bias,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
+            relative_embedding=self.relative_weight,
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):

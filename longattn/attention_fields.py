@@ -20,9 +20,11 @@ from typing import Any
 __all__ = [
     "BACKEND_NAMES",
     "KINDS",
+    "LAYER_FIELDS",
     "Field",
     "KindSpec",
     "check_backend_name",
+    "check_bool_field",
     "check_int_field",
     "check_kind_backend",
     "check_number",
@@ -30,8 +32,10 @@ __all__ = [
     "validate_kind",
 ]
 
-BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers")
+BACKEND_NAMES = ("auto", "reference", "torch", "flex", "xformers", "triton")
 """Accepted values of `attention_backend` and of the `backend=` argument of `longattn.ops`."""
+
+_PATTERN_BACKENDS = BACKEND_NAMES[:-1]  # the kinds whose pattern FlexAttention and xformers run; not the Triton band
 
 EFFICIENT_NORMALIZATIONS = ("softmax", "scaling")
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
@@ -84,6 +88,24 @@ def check_int_field(
     return values[layer_idx] if per == "layer" and len(values) > 1 else values[0]
 
 
+def check_bool_field(config: Any, field: str, layer_idx: int) -> bool:
+    """Validate a boolean field that holds one bool or a list of one per layer; return this layer's value.
+
+    Raises:
+        ValueError: a list of the wrong length, or an entry that is not a bool.
+    """
+    value = getattr(config, field)
+    expected = config.num_hidden_layers
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, (list, tuple)) and len(values) != expected:
+        raise ValueError(
+            f"`{field}`={values!r} has {len(values)} entries: expected True, False or one bool per layer ({expected})."
+        )
+    if not all(isinstance(item, bool) for item in values):
+        raise ValueError(f"`{field}`={value!r} is invalid: expected True, False or a list of one bool per layer.")
+    return values[layer_idx] if len(values) > 1 else values[0]
+
+
 def check_number(
     field: str,
     value: Any,
@@ -125,7 +147,8 @@ class Field:
         maximum: Largest allowed value (`"number"`).
         exclusive_minimum: `minimum` itself is not allowed (`"number"`).
         exclusive_maximum: `maximum` itself is not allowed (`"number"`).
-        per: `"layer"` or `"head"`: one integer or a list with one per layer / head (`"int"`); `""`: one value.
+        per: `"layer"` or `"head"`: one integer or a list with one per layer / head (`"int"`; `"bool"` per layer
+            too); `""`: one value.
         optional: None is allowed (for a per-layer integer, also as an entry of the list).
         choices: The allowed values (`"choice"`).
     """
@@ -147,6 +170,8 @@ class Field:
             ValueError: naming the field, the value and what is allowed.
         """
         value = getattr(config, name)
+        if self.type == "bool" and self.per == "layer":
+            return check_bool_field(config, name, layer_idx)
         if self.type == "int" and self.per:
             return check_int_field(
                 config, name, layer_idx, minimum=int(self.minimum), per=self.per, optional=self.optional
@@ -188,12 +213,15 @@ class KindSpec:
             `"auto"` uses where nothing faster serves it) and its dense form (`"reference"`); kinds whose pattern
             the GPU back ends compute add `"flex"` and / or `"xformers"`.
         no_causal_form: Why the kind cannot be causal (a decoder use is refused with this reason); "" if it can.
+        no_relative_logits: Why the kind cannot add relative-position logits (`relative_position_logits` on one of
+            its layers is refused with this reason); "" if it takes them on every pair it computes q·k for.
         rules: Checks between its fields.
     """
 
     fields: dict[str, Field] = field(default_factory=dict)
     backends: tuple[str, ...] = ("auto", "torch", "reference")
     no_causal_form: str = ""
+    no_relative_logits: str = ""
     rules: tuple[Rule, ...] = ()
 
 
@@ -250,6 +278,24 @@ def _fixed_summary_in_block(config: Any, layer_idx: int, is_causal: bool) -> Non
         )
 
 
+def _relative_logits_on(config: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has relative-position logits (validated `LAYER_FIELDS`; a config saved before them
+    has none)."""
+    if not hasattr(config, "relative_position_logits"):
+        return False
+    return check_bool_field(config, "relative_position_logits", layer_idx)
+
+
+def _sortcut_no_relative_logits(config: Any, layer_idx: int, is_causal: bool) -> None:
+    if _layer_value(config, "sinkhorn_sortcut", layer_idx) is not None and _relative_logits_on(config, layer_idx):
+        raise ValueError(
+            f"`relative_position_logits`={config.relative_position_logits!r} cannot be used with "
+            f"`sinkhorn_sortcut`={config.sinkhorn_sortcut!r} (layer {layer_idx}): SortCut's keys are mixtures of "
+            "blocks, with no position to measure a distance to. Allowed: sinkhorn_sortcut=None, or False for this "
+            "layer."
+        )
+
+
 def _sortcut_not_causal(config: Any, layer_idx: int, is_causal: bool) -> None:
     if is_causal and _layer_value(config, "sinkhorn_sortcut", layer_idx) is not None:
         raise ValueError(
@@ -265,23 +311,30 @@ def _positive_int(default: Any, *, per: str = "layer", minimum: int = 1, optiona
     return Field(default, "int", minimum=minimum, per=per, optional=optional)
 
 
-# `backends=BACKEND_NAMES`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end.
+# `backends=_PATTERN_BACKENDS`: the kind passes `backend=` to `longattn.ops`, whose dispatcher runs it on every back end
+# but the Triton kernels, which compute the sliding window only.
 KINDS: dict[str, KindSpec] = {
     "adaptive_span": KindSpec(
         {
             "adaptive_span_max": _positive_int(1024),
             "adaptive_span_ramp": _positive_int(32, per=""),
             "adaptive_span_loss_coef": Field(2e-6, "number"),
-        }
+        },
+        no_relative_logits="its banded kernel (the soft span mask) takes no logit bias: not implemented",
     ),
     "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
     "deformable": KindSpec(
         {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
         no_causal_form="a pooled level averages later tokens and interpolation reads the next cell, so a decoder "
         "would see the future",
+        no_relative_logits="its weights come from a linear map of the query and one softmax over sampling points, "
+        "not from q·k logits of key pairs",
     ),
-    "efficient": KindSpec({"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)}),
-    "full": KindSpec(backends=BACKEND_NAMES),
+    "efficient": KindSpec(
+        {"efficient_normalization": Field("softmax", "choice", choices=EFFICIENT_NORMALIZATIONS)},
+        no_relative_logits="it computes Q (Kᵀ V) and never forms a logit per (query, key) pair",
+    ),
+    "full": KindSpec(backends=_PATTERN_BACKENDS),
     "linformer": KindSpec(
         {
             "linformer_proj_len": _positive_int(256),
@@ -289,11 +342,12 @@ KINDS: dict[str, KindSpec] = {
         },
         no_causal_form="projecting the length mixes every position into every projected key, so a decoder would "
         "see the future",
+        no_relative_logits="its keys are projections of the whole length, with no position to measure a distance to",
         rules=(_linformer_one_length,),
     ),
     "sliding": KindSpec(
         {"sliding_window": _positive_int(256), "sliding_dilation": _positive_int(1, per="head")},
-        backends=BACKEND_NAMES,
+        backends=BACKEND_NAMES,  # the Triton kernels included
     ),
     "lsh": KindSpec(
         {
@@ -310,15 +364,16 @@ KINDS: dict[str, KindSpec] = {
     "reduction": KindSpec(
         {"reduction_ratio": _positive_int(8)},
         no_causal_form="each reduced key mixes R consecutive tokens, so a decoder would see later tokens",
+        no_relative_logits="each key pools R tokens, so it has no single position to measure a distance to",
     ),
-    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=BACKEND_NAMES),
+    "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=_PATTERN_BACKENDS),
     "fixed": KindSpec(
         {
             "fixed_block_size": _positive_int(128),
             "fixed_num_summary": _positive_int(8),
             "fixed_summary_per_head": Field(False, "bool"),
         },
-        backends=BACKEND_NAMES,
+        backends=_PATTERN_BACKENDS,
         rules=(_fixed_summary_in_block,),
     ),
     "routing": KindSpec(
@@ -340,7 +395,7 @@ KINDS: dict[str, KindSpec] = {
             "sinkhorn_sortcut": _positive_int(None, optional=True),
         },
         backends=_XFORMERS_BLOCKS,
-        rules=(_sortcut_not_causal,),
+        rules=(_sortcut_not_causal, _sortcut_no_relative_logits),
     ),
     "synthesizer": KindSpec(
         {
@@ -348,16 +403,30 @@ KINDS: dict[str, KindSpec] = {
             "synthesizer_random_trainable": Field(True, "bool"),
             "synthesizer_factor_k": _positive_int(8, per=""),
             "synthesizer_mix": Field(False, "bool"),
-        }
+        },
+        no_relative_logits="its weights are synthesised from each token alone (or learned), without q·k logits",
     ),
 }
 """Attention name -> what the kind declares. The registry (`attention_registry`) holds one class per row."""
 
+LAYER_FIELDS: dict[str, Field] = {
+    "relative_position_logits": Field(False, "bool", per="layer"),
+    "relative_max_distance": _positive_int(16),
+}
+"""Fields of every attention layer, whatever its kind: relative-position logits (`longattn.relative_logits`), one
+value or one per layer. A layer with `relative_position_logits` holds r `[2 · relative_max_distance + 1, head_dim]`
+and adds q·r of the clipped distance to the logits of the pairs its pattern keeps; a kind whose row states
+`no_relative_logits` refuses it."""
+
 
 def field_defaults(name: str | None = None) -> dict[str, Any]:
-    """The default of each field of kind `name`, or of every kind's fields when `name` is None."""
+    """The default of each field of kind `name`, or of every kind's fields and the `LAYER_FIELDS` when `name` is
+    None."""
     specs = KINDS.values() if name is None else [KINDS[name]]
-    return {field_name: spec_field.default for spec in specs for field_name, spec_field in spec.fields.items()}
+    defaults = {field_name: spec_field.default for spec in specs for field_name, spec_field in spec.fields.items()}
+    if name is None:
+        defaults.update({field_name: spec_field.default for field_name, spec_field in LAYER_FIELDS.items()})
+    return defaults
 
 
 def validate_kind(name: str, config: Any, *, layer_idx: int, is_causal: bool) -> None:
@@ -374,8 +443,36 @@ def validate_kind(name: str, config: Any, *, layer_idx: int, is_causal: bool) ->
         )
     for field_name, spec_field in spec.fields.items():
         spec_field.check(field_name, config, layer_idx)
+    if hasattr(config, "relative_position_logits"):  # configs saved before these fields have none
+        for field_name, spec_field in LAYER_FIELDS.items():
+            spec_field.check(field_name, config, layer_idx)
     for rule in spec.rules:
         rule(config, layer_idx, is_causal)
+    _check_relative_logits(name, config, layer_idx)
+
+
+def _check_relative_logits(name: str, config: Any, layer_idx: int) -> None:
+    """Whether the kind and the back end of layer `layer_idx` take its relative-position logits, if it has them."""
+    if not _relative_logits_on(config, layer_idx):
+        return
+    reason = KINDS[name].no_relative_logits
+    if reason:
+        takes = sorted(kind for kind, spec in KINDS.items() if not spec.no_relative_logits)
+        raise ValueError(
+            f"`relative_position_logits`={config.relative_position_logits!r} asks for relative-position logits on "
+            f"layer {layer_idx}, whose `attention_type`={name!r} cannot add them: {reason}. Allowed: False for this "
+            f"layer, or one of {takes}."
+        )
+    backend = getattr(config, "attention_backend", "auto")
+    why_not = {
+        "xformers": "xformers takes only a dense [b, h, n, n] bias, the table the sparse kinds avoid",
+        "triton": "the Triton band kernels take no logit bias",
+    }
+    if backend in why_not:
+        raise ValueError(
+            f"`attention_backend`={backend!r} cannot run `relative_position_logits` (layer {layer_idx}): "
+            f"{why_not[backend]}. Use 'auto', 'torch', 'flex' or 'reference'."
+        )
 
 
 def check_kind_backend(name: str, backend: str) -> None:

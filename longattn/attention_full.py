@@ -31,6 +31,7 @@ class FullAttention(LongAttnAttention):
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
             backend=self.backend,
+            relative_embedding=self.relative_weight,
         )
 
 

@@ -10,6 +10,9 @@ O(n · window).
 Unlike Longformer, global tokens reuse the layer's q/k/v projections instead of separate `query_global` etc.: every
 parameter then receives a gradient whether or not a batch has global tokens (DDP with
 `find_unused_parameters=False` works), and a checkpoint keeps the parameter names of every other kind.
+
+With `context_parallel.enable_context_parallel`, a sequence split across processes attends through
+`context_parallel.context_parallel_sliding_attention` (halo exchange, global tokens gathered).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_base import LongAttnAttention
+from .context_parallel import ContextParallel, context_parallel_sliding_attention
 from .ops import sliding_window_attention
 from .patterns import sliding_window_pattern
 
@@ -27,6 +31,8 @@ class LongformerAttention(LongAttnAttention):
 
     attention_type = "sliding"
     supports_packing = True
+    context_parallel: ContextParallel | None = None
+    """The group this layer's sequence is split across (set by `context_parallel.enable_context_parallel`)."""
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
@@ -34,8 +40,9 @@ class LongformerAttention(LongAttnAttention):
         dilation = config.sliding_dilation
         self.dilation = list(dilation) if isinstance(dilation, (list, tuple)) else dilation
 
-    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
-        return sliding_window_pattern(
+    def _pattern_arguments(self, key_padding_mask, global_mask, document_ids=None) -> dict[str, Any]:
+        """The settings the pattern and its executor (`sliding_window_attention`) share."""
+        return dict(
             window=self.window,
             dilation=self.dilation,
             causal=self.is_causal,
@@ -44,18 +51,35 @@ class LongformerAttention(LongAttnAttention):
             document_ids=document_ids,
         )
 
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
+        return sliding_window_pattern(**self._pattern_arguments(key_padding_mask, global_mask, document_ids))
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        return sliding_window_attention(
-            q,
-            k,
-            v,
-            window=self.window,
-            dilation=self.dilation,
-            causal=self.is_causal,
-            global_mask=global_mask,
-            key_padding_mask=key_padding_mask,
-            document_ids=document_ids,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
+        pattern = self._pattern_arguments(key_padding_mask, global_mask, document_ids)
+        if self.context_parallel is not None:
+            if document_ids is not None:
+                # A rank sees its own chunk's documents only, and its halo would carry the neighbours' keys of
+                # other documents: packed rows have no context-parallel form.
+                raise ValueError(
+                    "context parallelism cannot run packed documents (`position_ids` that restart, or "
+                    "`cu_seq_lens_q`/`cu_seq_lens_k`): split one unpacked sequence per row, or run packed rows "
+                    "without enable_context_parallel."
+                )
+            # Relative-position logits and back ends other than the blocked executor are refused when enabled.
+            arguments = self.op_arguments()
+            del pattern["document_ids"]
+            return context_parallel_sliding_attention(
+                q, k, v, **pattern, cp=self.context_parallel, scale=arguments["scale"], dropout_p=arguments["dropout_p"]
+            )
+        return sliding_window_attention(q, k, v, **pattern, **self.op_arguments())
+
+    def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        if self.context_parallel is not None:
+            # The dense form sees only this rank's keys: it would be silently wrong.
+            raise ValueError(
+                "context parallelism: output_attentions=True and cached decoding need the whole sequence on one "
+                "process; run them without enable_context_parallel."
+            )
+        return super().attend_dense(
+            q, k, v, key_padding_mask=key_padding_mask, global_mask=global_mask, document_ids=document_ids
         )

@@ -16,6 +16,7 @@ from transformers.utils import logging
 
 from .attention_base import LongAttnAttention
 from .ops_lsh import default_num_buckets, hash_factors, lsh_attention, lsh_attention_dense, lsh_rotations
+from .rank_sync import same_on_every_rank
 
 __all__ = ["LSHAttention", "layer_seed"]
 
@@ -43,13 +44,14 @@ class LSHAttention(LongAttnAttention):
         lsh_seed (None): seed of the eval rotations: layer i draws them with `layer_seed(lsh_seed, i)`; None
             draws them from torch's generator when the model is created.
 
-    Rotations: in training every call draws fresh ones (the paper: the model learns to be robust to the hashing);
-    in eval the layer uses its own fixed rotations, the persistent buffer `eval_rotations` `[h, d, r, Σ factors/2]`,
-    saved with the model, so that eval outputs are deterministic, survive a save/reload, and cached decoding equals
-    the full forward pass. A checkpoint without that buffer (saved before it existed, or by another attention kind)
-    gets new eval rotations on load, with a warning. Explicit rotations `[h, d, r, nb/2]` (e.g. taken from
-    transformers) can be set with `set_rotations`; they override both. The layer has `q_proj` (queries and keys),
-    `v_proj` and `o_proj`, but no `k_proj`.
+    Rotations: in training every call draws fresh ones (the paper: the model learns to be robust to the hashing),
+    the same on every rank of a data-parallel run (rank 0's draw, `rank_sync.same_on_every_rank`), so that a global
+    batch split across processes is hashed as one process would hash it; in eval the layer uses its own fixed
+    rotations, the persistent buffer `eval_rotations` `[h, d, r, Σ factors/2]`, saved with the model, so that eval
+    outputs are deterministic, survive a save/reload, and cached decoding equals the full forward pass. A checkpoint
+    without that buffer (saved before it existed, or by another attention kind) gets new eval rotations on load, with
+    a warning. Explicit rotations `[h, d, r, nb/2]` (e.g. taken from transformers) can be set with `set_rotations`;
+    they override both. The layer has `q_proj` (queries and keys), `v_proj` and `o_proj`, but no `k_proj`.
     """
 
     attention_type = "lsh"
@@ -99,15 +101,18 @@ class LSHAttention(LongAttnAttention):
                 f"{'' if self.seed is None else f' from lsh_seed (layer seed {self.seed})'}: its eval outputs differ "
                 "from those it gave before. Save the model again to keep these."
             )
-        rotations = lsh_rotations(
+        init.copy_(self.eval_rotations, self._draw_rotations(seed=self.seed, device="cpu"))
+
+    def _draw_rotations(self, *, seed: int | None, device: torch.device | str) -> Tensor:
+        """Rotations `[h, d, r, Σ factors/2]` of this layer's shape, from `seed` (None: torch's generator)."""
+        return lsh_rotations(
             heads=self.num_heads,
             head_dim=self.head_dim,
             num_hashes=self.num_hashes,
             num_buckets=self.num_buckets,
-            seed=self.seed,
-            device="cpu",
+            seed=seed,
+            device=device,
         )
-        init.copy_(self.eval_rotations, rotations)
 
     def set_rotations(self, rotations: Tensor | None) -> None:
         """Use these rotations `[h or 1, d, r, Σ factors/2]` instead of seeded or random ones (None: back to those).
@@ -133,13 +138,9 @@ class LSHAttention(LongAttnAttention):
         if self.rotations is not None:
             return self.rotations.to(device)
         if self.training:
-            return lsh_rotations(
-                heads=self.num_heads,
-                head_dim=self.head_dim,
-                num_hashes=self.num_hashes,
-                num_buckets=self.num_buckets,
-                device=device,
-            )
+            rotations = self._draw_rotations(seed=None, device=device)
+            # Each rank's generator is its own (dropout differs per process): hash with rank 0's draw everywhere.
+            return same_on_every_rank(rotations)
         return self.eval_rotations.to(device)
 
     def project(self, hidden_states):
@@ -156,6 +157,7 @@ class LSHAttention(LongAttnAttention):
             num_chunks_after=self.num_chunks_after,
             causal=self.is_causal,
             dropout_p=self.dropout_p if self.training else 0.0,
+            relative_embedding=self.relative_weight,
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):

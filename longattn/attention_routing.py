@@ -39,12 +39,21 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
-from .ops_lsh import attend_gathered_windows, attend_windows, attend_windows_on_kernel, gather_rows, head_rows
+from .ops_lsh import (
+    RelativeColumns,
+    attend_gathered_windows,
+    attend_windows,
+    attend_windows_on_kernel,
+    gather_rows,
+    head_rows,
+)
 from .patterns import document_index
+from .rank_sync import sum_over_ranks
+from .relative_logits import check_relative_embedding, materialize_bias, relative_bias, relative_logit_table
 
 __all__ = [
     "RoutingAttention",
@@ -267,6 +276,7 @@ def routing_attention(
     backend: str = "auto",
     dense: bool = False,
     document_ids: Tensor | None = None,
+    relative_embedding: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
@@ -289,6 +299,8 @@ def routing_attention(
         document_ids: Integer `[b, m]`, the document of each token of packed rows: a query attends to the keys of
             its cluster that belong to its own document only (causal: the cluster is split per document, so the
             W most recent keys are of the query's document).
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits (`longattn.relative_logits`), scale ·
+            q·r of the clipped distance between the original positions of each pair a cluster computes.
 
     Returns:
         Output `[b, h, n, d_v]` (zeros for a query that sees no key; empty for batch or length 0), and
@@ -300,23 +312,37 @@ def routing_attention(
     scale = default_scale(q.shape[-1]) if scale is None else scale
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     documents = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
+    relative_embedding = check_relative_embedding(relative_embedding, q)
     if dense:
         if is_empty(q, k):
             return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
-        return _dense_routing(q, k, v, centroids, causal, causal_window, valid, scale, dropout_p, documents)
+        return _dense_routing(
+            q,
+            k,
+            v,
+            centroids,
+            causal,
+            causal_window,
+            valid,
+            scale,
+            dropout_p,
+            documents=documents,
+            relative_embedding=relative_embedding,
+        )
     if is_empty(q, k):
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
-    choice = (
-        "torch"
-        if backend == "auto"
-        else select_backend(
-            backend,
-            AttentionRequest.for_inputs(
-                q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, key_padding=valid is not None
-            ),
-        )
+    choice = select_named_backend(
+        backend,
+        q,
+        k,
+        v,
+        pattern="windows",
+        dropout_p=dropout_p,
+        causal=causal,
+        key_padding=valid is not None,
+        relative_logits=relative_embedding is not None,
     )
     if choice not in ("torch", "xformers"):
         raise ValueError(
@@ -352,6 +378,8 @@ def routing_attention(
                     _member_statistics(k, key_top, used),
                 )
                 statistics = (q_sums + k_sums, q_counts + k_counts)
+    # The O(n · M) relative table `[b, h, n, 2M + 1]`, read per computed pair at the original positions.
+    table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
     if causal:
         out = _causal_routing(
             q,
@@ -364,10 +392,21 @@ def routing_attention(
             scale=scale,
             dropout_p=dropout_p,
             windows=windows,
+            table=table,
         )
     else:
         out = _balanced_routing(
-            q, k, v, query_top, key_top, used, scale=scale, dropout_p=dropout_p, windows=windows, documents=documents
+            q,
+            k,
+            v,
+            query_top,
+            key_top,
+            used,
+            scale=scale,
+            dropout_p=dropout_p,
+            windows=windows,
+            documents=documents,
+            table=table,
         )
     return (out, statistics) if return_statistics else out
 
@@ -382,7 +421,9 @@ def _heads(x: Tensor) -> list[Tensor]:
     return [head.reshape(b * n, d) for head in x.unbind(1)]
 
 
-def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows, documents=None):
+def _balanced_routing(
+    q, k, v, query_top, key_top, used, *, scale, dropout_p, windows=attend_windows, documents=None, table=None
+):
     """Attention inside the balanced clusters `[b, h, C, k]` of queries and keys; a query in several clusters
     gets one softmax over the union of their keys.
 
@@ -404,31 +445,36 @@ def _balanced_routing(q, k, v, query_top, key_top, used, *, scale, dropout_p, wi
             dropout_p=dropout_p,
             windows=windows,
             documents=documents,
+            table=None if table is None else table[:, head].reshape(b * n, -1),
         )
         for head, (q_h, k_h, v_h) in enumerate(zip(_heads(q), _heads(k), _heads(v), strict=True))
     ]
     return torch.stack(outs, dim=1).view(b, n, len(outs), -1).transpose(1, 2).to(q.dtype)  # merge_heads: no copy
 
 
-def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows, documents=None):
+def _balanced_head(
+    q, k, v, query_top, key_top, used, *, n, scale, dropout_p, windows=attend_windows, documents=None, table=None
+):
     """One head: rows q, k `[b·n, d]`, v `[b·n, d_v]`, clusters `[b, C, k]`, `used [b, 1, 1, k]`, documents
-    `[b, n]` or None; output `[b·n, d_v]` in float32 for half inputs."""
+    `[b, n]` or None, relative table `[b·n, 2M + 1]` or None; output `[b·n, d_v]` in float32 for half inputs."""
     d, d_v = q.shape[-1], v.shape[-1]
     b, clusters, size = query_top.shape
     with torch.no_grad():
         first = (torch.arange(b, device=q.device) * n).view(b, 1, 1)  # the row of (batch, position 0)
         query_index, key_index = (query_top + first).reshape(-1), (key_top + first).reshape(-1)  # [b·C·k]
         slot_used = used.view(b, 1, size).expand(b, clusters, size)
+        slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
         key_mask = slot_used.reshape(-1, 1, size)  # [b·C, 1, k]
         if documents is not None:  # a cluster may hold several documents: its queries see their own document's keys
             query_document = documents.gather(1, query_top.reshape(b, -1)).view(-1, size, 1)
             key_document = documents.gather(1, key_top.reshape(b, -1)).view(-1, 1, size)
             key_mask = key_mask & (query_document == key_document)  # [b·C, k, k]
+    relative = {}
+    if table is not None:  # table rows are the rows (batch, position) `slots` name
+        relative = dict(relative_table=table, query_position=query_top.reshape(-1), key_position=key_top.reshape(-1))
     if windows is attend_windows and dropout_p == 0.0:
         # Memory O(n·d) + indices: the kernel gathers each group's rows itself (in forward and again in backward)
         # and merges the clusters of a query by log-sum-exp, so no gathered copy or probability is kept.
-        with torch.no_grad():
-            slots = torch.where(slot_used.reshape(-1), query_index, -1)  # an unused slot answers nothing
         return attend_gathered_windows(
             q,
             k,
@@ -443,12 +489,17 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
             stride=size,
             scale=scale,
             mask=key_mask,
+            **relative,
         )
+    mask = slot_used.reshape(-1, 1, size)
+    if relative:
+        columns = RelativeColumns(table, relative["query_position"], relative["key_position"], slots, size, size, size)
+        mask = columns.bias(0, b * clusters).masked_fill(~mask, -math.inf)  # [b·C, k, k], differentiable
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d),
         k.index_select(0, key_index),
         v.index_select(0, key_index),
-        key_mask,
+        mask,
         stride=size,
         scale=scale,
         dropout_p=dropout_p,
@@ -471,8 +522,11 @@ def _balanced_head(q, k, v, query_top, key_top, used, *, n, scale, dropout_p, wi
     )
 
 
-def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p, windows=attend_windows):
-    """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding)."""
+def _causal_routing(
+    q, k, v, query_cluster, key_cluster, *, clusters, window, scale, dropout_p, windows=attend_windows, table=None
+):
+    """Each query over the most recent `window` keys of its cluster (clusters `[b, h, n]`, -1 = padding); `table`:
+    relative logits `[b, h, n, 2M + 1]` or None."""
     b, h, n, d = q.shape
     d_v = v.shape[-1]
     device = q.device
@@ -512,13 +566,23 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
         source_row = q_row_of(bi[..., 0], hi_[..., 0], query_order)  # [b, h, n] row of q of each sorted query
         query_index = torch.full((b * h * n_tasks * chunk,), -1, dtype=torch.long, device=device)
         query_index[query_row.reshape(-1)] = source_row.reshape(-1)
+        slot_rows = query_row.reshape(-1)
+        out_index = torch.full_like(query_index, -1)
+        out_index[slot_rows] = (bh * n + query_order).reshape(-1)
+    relative = {}
+    if table is not None:  # table rows are the output rows (batch, head, position) `out_index` names
+        with torch.no_grad():
+            query_position = torch.zeros_like(query_index)
+            query_position[slot_rows] = query_order.reshape(-1)
+        relative = dict(
+            relative_table=table.reshape(b * h * n, -1),
+            query_position=query_position,
+            key_position=key_position.reshape(-1),
+        )
     if windows is attend_windows and dropout_p == 0.0:
         # Memory O(n·d) + indices: the kernel gathers each task's rows itself, and a query's visible keys are
         # its column range [first, last), two integers instead of a row of 2W flags.
         with torch.no_grad():
-            slot_rows = query_row.reshape(-1)
-            out_index = torch.full_like(query_index, -1)
-            out_index[slot_rows] = (bh * n + query_order).reshape(-1)
             first_slot, last_slot = torch.zeros_like(query_index), torch.zeros_like(query_index)
             first_slot[slot_rows], last_slot[slot_rows] = first.reshape(-1), last.reshape(-1)
         out = attend_gathered_windows(
@@ -536,6 +600,7 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
             scale=scale,
             first=first_slot,
             last=last_slot,
+            **relative,
         )
         return out.view(b, h, n, d_v)
     with torch.no_grad():
@@ -551,6 +616,18 @@ def _causal_routing(q, k, v, query_cluster, key_cluster, *, clusters, window, sc
             torch.zeros((), dtype=dtype, device=device).masked_fill(~visible, -math.inf).reshape(-1, 2 * window)
         )
         bias = bias.view(-1, chunk, 2 * window)
+    if relative:
+        columns = RelativeColumns(
+            relative["relative_table"],
+            relative["query_position"],
+            relative["key_position"],
+            out_index,
+            chunk,
+            2 * window,
+            2 * window,
+        )
+        bias = bias + columns.bias(0, bias.shape[0])  # differentiable; -inf stays -inf
+    with torch.no_grad():
         # Original position p of (b, h) is sorted query rank[p]; its buffer row, and the inverse for backward.
         rank = torch.empty_like(query_order).scatter_(-1, query_order, index)
         answer_row = query_row.gather(-1, rank).reshape(-1)  # [b·h·n]
@@ -592,7 +669,19 @@ def routing_attention_dense(
     return routing_attention(q, k, v, centroids, dense=True, **settings)
 
 
-def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, scale, dropout_p, documents=None):
+def _dense_routing(
+    q,
+    k,
+    v,
+    centroids,
+    causal,
+    causal_window,
+    key_padding_mask,
+    scale,
+    dropout_p,
+    documents=None,
+    relative_embedding=None,
+):
     """`routing_attention_dense` after the checks (key_padding_mask and documents checked, scale resolved, inputs
     not empty)."""
     b, h, n, d = q.shape
@@ -600,6 +689,7 @@ def _dense_routing(q, k, v, centroids, causal, causal_window, key_padding_mask, 
     dtype = compute_dtype(q.dtype)
     valid = torch.ones(b, m, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
+    scores = scores + _dense_relative(q, relative_embedding, scale, m)
     same_document = None
     if documents is not None:
         same_document = (documents[:, m - n :, None] == documents[:, None, :])[:, None]  # [b, 1, n, m]
@@ -680,10 +770,14 @@ class RoutingAttention(LongAttnAttention):
     def update_centroids(self, sums: Tensor, counts: Tensor) -> None:
         """One step of the moving average: centroids move toward the mean of their members, then renormalise.
 
+        Under `torch.distributed` the statistics are first summed over all ranks (`rank_sync.sum_over_ranks`), so
+        every rank takes the same step, that of the whole global batch, and the centroids stay identical.
+
         Args:
             sums: `[hr, C, d]` sums of unit members (`cluster_statistics`: the members a centroid took).
             counts: `[hr, C]`; centroids without members stay where they are.
         """
+        sums, counts = sum_over_ranks(sums, counts)
         has_members = counts > 0
         means = sums / counts.clamp(min=1).unsqueeze(-1)
         moved = F.normalize(self.ema_decay * self.centroids.float() + (1 - self.ema_decay) * means, dim=-1)
@@ -692,12 +786,10 @@ class RoutingAttention(LongAttnAttention):
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x[:, : self.num_routing_heads], x[:, self.num_routing_heads :]
 
-    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        dropout_p = self.dropout_p if self.training else 0.0
-        (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
-        # The centroids move when the backward pass reaches this layer (see the module docstring).
-        learn = self.training and q_r.requires_grad
-        out = routing_attention(
+    def _route(self, attention, q_r, k_r, v_r, key_padding_mask, document_ids, dropout_p, **extra):
+        """`attention` (`routing_attention` or its dense form) on the routing heads `[b, h_r, n, d]`, with this
+        layer's centroids and settings."""
+        return attention(
             q_r,
             k_r,
             v_r,
@@ -707,9 +799,26 @@ class RoutingAttention(LongAttnAttention):
             key_padding_mask=key_padding_mask,
             scale=self.scale,
             dropout_p=dropout_p,
+            document_ids=document_ids,
+            relative_embedding=self.relative_weight,
+            **extra,
+        )
+
+    def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
+        dropout_p = self.dropout_p if self.training else 0.0
+        (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
+        # The centroids move when the backward pass reaches this layer (see the module docstring).
+        learn = self.training and q_r.requires_grad
+        out = self._route(
+            routing_attention,
+            q_r,
+            k_r,
+            v_r,
+            key_padding_mask,
+            document_ids,
+            dropout_p,
             return_statistics=learn,
             backend=self.backend,
-            document_ids=document_ids,
         )
         if learn:
             out, (sums, counts) = out
@@ -725,6 +834,7 @@ class RoutingAttention(LongAttnAttention):
                 document_ids=document_ids,
                 scale=self.scale,
                 dropout_p=dropout_p,
+                relative_embedding=self.relative_weight,
             )
             out = torch.cat([out, local], dim=1)
         return out
@@ -732,18 +842,7 @@ class RoutingAttention(LongAttnAttention):
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         dropout_p = self.dropout_p if self.training else 0.0
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
-        out, weights = routing_attention_dense(
-            q_r,
-            k_r,
-            v_r,
-            self.centroids,
-            causal=self.is_causal,
-            causal_window=self.causal_window,
-            key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=dropout_p,
-            document_ids=document_ids,
-        )
+        out, weights = self._route(routing_attention_dense, q_r, k_r, v_r, key_padding_mask, document_ids, dropout_p)
         if self.num_local_heads:
             n, m = q.shape[2], k.shape[2]
             q_pos = torch.arange(m - n, m, device=q.device)[:, None]
@@ -756,16 +855,29 @@ class RoutingAttention(LongAttnAttention):
                 mask = mask & key_padding_mask[:, None, None, :]  # bool: checked by routing_attention_dense
             if document_ids is not None:
                 mask = mask & (document_ids[:, m - n :, None] == document_ids[:, None, :])[:, None]
-            local, local_weights = _masked_attention(q_l, k_l, v_l, mask, self.scale, dropout_p)
+            local, local_weights = _masked_attention(
+                q_l, k_l, v_l, mask, self.scale, dropout_p, relative_embedding=self.relative_weight
+            )
             out = torch.cat([out, local], dim=1)
             weights = torch.cat([weights, local_weights], dim=1)
         return out, weights
 
 
-def _masked_attention(q, k, v, mask, scale, dropout_p):
+def _dense_relative(q: Tensor, embedding: Tensor | None, scale: float, m: int) -> Tensor | float:
+    """The relative logits of queries q `[b, h, n, d]` (the last n of m positions) for every key: `[b, h, n, m]`,
+    or 0 without an embedding."""
+    if embedding is None:
+        return 0.0
+    b, h, n, _ = q.shape
+    bias_fn = relative_bias(q, embedding, scale=scale, kv_len=m)
+    return materialize_bias(bias_fn, batch=b, heads=h, q_len=n, kv_len=m, q_offset=m - n, device=q.device)
+
+
+def _masked_attention(q, k, v, mask, scale, dropout_p, relative_embedding=None):
     """Dense attention under a bool mask `[b|1, h|1, n, m]`, zeros for rows without a visible key."""
     dtype = compute_dtype(q.dtype)
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
+    scores = scores + _dense_relative(q, relative_embedding, scale, k.shape[2])
     scores = scores.masked_fill(~mask, -math.inf)
     sees = mask.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~sees, 0.0), dim=-1) * sees

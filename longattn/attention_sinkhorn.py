@@ -28,6 +28,10 @@ matrix S, a relaxed permutation of the blocks.
 Blocks start at each row's first real token (left padding is rotated to the end), so block boundaries, and thus
 the output of real tokens, do not depend on padding.
 
+Relative-position logits (`relative_position_logits`): the pair of query i and key j, own or sorted block, gains
+scale · q_i · r_{clip(j − i)} on the original positions, added to the logit as it is (not multiplied by S_ij*,
+which scales the sorted key vector). SortCut's keys are mixtures of blocks, with no position: it refuses them.
+
 Block pattern, 4 blocks, bidirectional (■ own block, ▣ sorted block; here S sorts 0→2, 1→0, 2→3, 3→1):
 
     ■ ⬚ ▣ ⬚
@@ -46,12 +50,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention_base import LongAttnAttention
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .executor_blocked import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
 from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
 from .patterns import document_layout
+from .relative_logits import block_bias, check_relative_embedding, relative_bias
 
 __all__ = [
     "SinkhornAttention",
@@ -223,6 +228,7 @@ def sinkhorn_attention(
     backend: str = "auto",
     return_weights: bool = False,
     document_ids: Tensor | None = None,
+    relative_embedding: Tensor | None = None,
     _block_documents: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
@@ -251,6 +257,9 @@ def sinkhorn_attention(
         document_ids: Integer `[b, n]`, the document of each token of packed rows. The documents are laid out so
             that each starts on a block boundary (`patterns.document_layout`) and a block sorts among its own
             document's blocks only, so every document gets the output it would get alone. SortCut cannot pack.
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits on the pairs each query block
+            computes (`longattn.relative_logits`); not with SortCut. With `document_ids` they are read on the
+            laid-out positions, where the distance within a document is unchanged.
         _block_documents: Internal: the document of each block of rows already laid out that way.
 
     Returns:
@@ -268,6 +277,12 @@ def sinkhorn_attention(
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     document_ids = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
+    relative_embedding = check_relative_embedding(relative_embedding, q)
+    if relative_embedding is not None and sortcut:
+        raise ValueError(
+            f"relative_embedding cannot be used with SortCut (sortcut={sortcut}): its keys are mixtures of blocks, "
+            "with no position to measure a distance to."
+        )
     if document_ids is not None:
         if sortcut:
             raise ValueError(
@@ -284,46 +299,28 @@ def sinkhorn_attention(
             dropout_p=dropout_p,
             backend=backend,
             return_weights=return_weights,
+            relative_embedding=relative_embedding,
         )
         return _per_document(q, k, v, sort_weight, document_ids, key_padding_mask, settings)
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
-        return _dense_attention(
-            q,
-            k,
-            v,
-            sort_weight,
-            key_padding_mask,
-            block_size,
-            iterations,
-            temperature,
-            causal,
-            sortcut,
-            scale,
-            noise,
-            dropout_p,
-            _block_documents,
-        )
-    if is_empty(q, k):
+        choice = "reference"
+    elif is_empty(q, k):
         return empty_attention(q, k, v)
-    # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
-    choice = (
-        "torch"
-        if backend == "auto"
-        else select_backend(
+    else:
+        # "auto" is the PyTorch executor (the xformers path is explicit until measured): no dispatch on the hot path.
+        choice = select_named_backend(
             backend,
-            AttentionRequest.for_inputs(
-                q,
-                k,
-                v,
-                pattern="sinkhorn",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=key_padding_mask is not None,
-            ),
+            q,
+            k,
+            v,
+            pattern="sinkhorn",
+            dropout_p=dropout_p,
+            causal=causal,
+            key_padding=key_padding_mask is not None,
+            relative_logits=relative_embedding is not None,
         )
-    )
     if choice == "reference":
-        return _dense_attention(
+        out, weights = _dense_attention(
             q,
             k,
             v,
@@ -337,12 +334,15 @@ def sinkhorn_attention(
             scale,
             noise,
             dropout_p,
+            relative_embedding,
             _block_documents,
-        )[0]
+        )
+        return (out, weights) if return_weights else out
     b, h, n, d = q.shape
     s = block_size
     scale = default_scale(d) if scale is None else scale
     padded = key_padding_mask is not None or n % s != 0
+    bias_fn = relative_bias(q, relative_embedding, scale=scale, kv_len=n)  # read on original positions
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(
@@ -377,6 +377,15 @@ def sinkhorn_attention(
         keys, values = k, v
     m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
     mask = None if visible is None else visible.expand(b, h, blocks, s, m)  # None: every key visible
+    bias = None
+    if bias_fn is not None:
+        # The original position of every layout slot (padding slots: any position, they are hidden).
+        position = torch.arange(n, device=q.device).expand(b, n) if rotation is None else rotation
+        position = F.pad(position, (0, blocks * s - n))  # [b, B·s]
+        kv_pos = position.gather(1, kv_index.flatten(1)).view(b, h, blocks, m)
+        bias = block_bias(
+            bias_fn, batch=b, heads=torch.arange(h, device=q.device), q_pos=position.view(b, blocks, s), kv_pos=kv_pos
+        )  # [b, h, B, s, 2s]
     out, _ = attend_blocks(
         q.view(b, h, blocks, s, d),
         keys,
@@ -386,6 +395,7 @@ def sinkhorn_attention(
         scale=scale,
         dropout_p=dropout_p,
         kv_weight=kv_weight,
+        bias=bias,
     )  # [b, h, B, s, d_v]
     return _restore(out.flatten(2, 3), n, rotation)
 
@@ -535,6 +545,7 @@ def _dense_attention(
     scale,
     noise,
     dropout_p,
+    relative_embedding=None,
     block_documents=None,
 ):
     """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
@@ -571,6 +582,19 @@ def _dense_attention(
     q_block = torch.div(q_layout, s, rounding_mode="floor")
     key_block = torch.arange(m_pad, device=q.device) // s  # [m_pad]
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k_l) * scale  # [b, h, n, m_pad]
+    bias = 0.0
+    if relative_embedding is not None:
+        # On original positions: query m - n + i, layout key slot p holds position rotation[p] (padding slots: 0,
+        # hidden).
+        bias_fn = relative_bias(q, relative_embedding, scale=scale, kv_len=m)
+        key_position = F.pad(rotation, (0, m_pad - m))[:, None, None, :]  # [b, 1, 1, m_pad]
+        query_position = (m - n + torch.arange(n, device=q.device)).view(1, 1, n, 1)
+        bias = bias_fn(
+            torch.arange(b, device=q.device).view(b, 1, 1, 1),
+            torch.arange(h, device=q.device).view(1, h, 1, 1),
+            query_position,
+            key_position,
+        ).to(dtype)  # [b, h, n, m_pad]
 
     if sortcut:
         kept = min(sortcut, blocks)
@@ -595,7 +619,11 @@ def _dense_attention(
         other = (key_block == q_source[..., None]) & valid_l[:, None, None, :] & q_has[..., None]  # [b, h, n, m_pad]
         # Sorted keys are scaled by S_ij*: score w·(q·k), value w·v; the same key may appear twice (own = sorted).
         both = torch.cat(
-            [scores.masked_fill(~own, -math.inf), (scores * q_weight[..., None]).masked_fill(~other, -math.inf)], dim=-1
+            [
+                (scores + bias).masked_fill(~own, -math.inf),
+                (scores * q_weight[..., None] + bias).masked_fill(~other, -math.inf),
+            ],
+            dim=-1,
         )
         probs = _softmax_or_zero(both)  # [b, h, n, 2·m_pad]
         weights_layout = probs[..., :m_pad] + probs[..., m_pad:] * q_weight[..., None]
@@ -676,6 +704,7 @@ class SinkhornAttention(LongAttnAttention):
             scale=self.scale,
             noise=self.training,
             dropout_p=self.dropout_p if self.training else 0.0,
+            relative_embedding=self.relative_weight,
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):

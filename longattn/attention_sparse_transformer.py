@@ -38,24 +38,18 @@ class StridedAttention(LongAttnAttention):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         self.stride = config.per_layer("strided_stride", layer_idx)
 
-    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
-        return strided_pattern(
+    def _pattern_arguments(self, key_padding_mask, document_ids=None) -> dict[str, Any]:
+        """The settings the pattern and its executor (`strided_attention`) share."""
+        return dict(
             stride=self.stride, causal=self.is_causal, key_padding_mask=key_padding_mask, document_ids=document_ids
         )
 
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
+        return strided_pattern(**self._pattern_arguments(key_padding_mask, document_ids))
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        return strided_attention(
-            q,
-            k,
-            v,
-            stride=self.stride,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            document_ids=document_ids,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
-        )
+        pattern = self._pattern_arguments(key_padding_mask, document_ids)
+        return strided_attention(q, k, v, **pattern, **self.op_arguments())
 
 
 class FixedAttention(LongAttnAttention):
@@ -76,8 +70,9 @@ class FixedAttention(LongAttnAttention):
         # The executor cuts the sequence into whole pattern blocks (a short last block is padded inside).
         return config.per_layer("fixed_block_size", layer_idx)
 
-    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
-        return fixed_pattern(
+    def _pattern_arguments(self, key_padding_mask, document_ids=None) -> dict[str, Any]:
+        """The settings the pattern and its executor (`fixed_attention`) share."""
+        return dict(
             block_size=self.block_size,
             num_summary=self.num_summary,
             summary_per_head=self.summary_per_head,
@@ -86,18 +81,9 @@ class FixedAttention(LongAttnAttention):
             document_ids=document_ids,
         )
 
+    def pattern(self, *, key_padding_mask, global_mask, document_ids=None):
+        return fixed_pattern(**self._pattern_arguments(key_padding_mask, document_ids))
+
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        return fixed_attention(
-            q,
-            k,
-            v,
-            block_size=self.block_size,
-            num_summary=self.num_summary,
-            summary_per_head=self.summary_per_head,
-            causal=self.is_causal,
-            key_padding_mask=key_padding_mask,
-            document_ids=document_ids,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
-        )
+        pattern = self._pattern_arguments(key_padding_mask, document_ids)
+        return fixed_attention(q, k, v, **pattern, **self.op_arguments())

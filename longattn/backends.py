@@ -13,6 +13,10 @@ A pattern (`longattn.patterns`) says which keys a query sees; a back end compute
   `pip install longattn[xformers]`. Sliding windows map to local-attention biases; dilated and strided patterns
   become local or block layouts after permuting the sequence into residue classes; global tokens and summary
   columns are separate parts merged by log-sum-exp.
+- `"triton"`: longattn's own Triton kernels for the sliding window (`executor_triton`): per-head dilation in one
+  launch, causal, padding, grouped-query heads read in place, global tokens merged by log-sum-exp; forward and
+  backward. CUDA, or CPU under Triton's interpreter (`TRITON_INTERPRET=1`, for tests); the optional extra
+  `pip install longattn[triton]`. Not measured on a GPU yet, so `"auto"` never picks it.
 
 Each back end declares what it supports and, for a given `AttentionRequest`, returns the reasons it cannot run
 (`reasons_not_supported`), in the manner of xformers' operator dispatch. `select_backend` raises `ValueError`
@@ -25,9 +29,11 @@ On CPU `"auto"` is always the PyTorch executor.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -51,6 +57,7 @@ __all__ = [
     "check_backend_name",
     "backend_reasons",
     "select_backend",
+    "select_named_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +93,7 @@ class AttentionRequest:
         global_tokens: A global-token mask is given.
         documents: Rows are packed documents (`document_ids` is given): no query sees another document's keys.
         dilation: Sliding-window dilation: an int, or a tuple with one per head.
+        relative_logits: Relative-position logits are added to the kept pairs' scores (`relative_logits`).
     """
 
     pattern: str
@@ -104,6 +112,7 @@ class AttentionRequest:
     global_tokens: bool = False
     documents: bool = False
     dilation: int | tuple[int, ...] = 1
+    relative_logits: bool = False
 
     @classmethod
     def for_inputs(
@@ -219,6 +228,13 @@ class XformersBackend(Backend):
 
     def reasons_not_supported(self, request):
         reasons = super().reasons_not_supported(request)
+        if request.relative_logits:
+            # Its kernels take a dense [b, h, n_q, n_k] bias only: that would be the n x n table the sparse
+            # layouts exist to avoid.
+            reasons.append(
+                "xformers takes relative-position logits only as a dense [b, h, n_q, n_k] bias (use 'torch', "
+                "'flex' or 'reference'; 'auto' picks one of them)"
+            )
         missing = xformers_unavailable_reasons()
         if missing:
             return reasons + missing
@@ -282,8 +298,53 @@ class XformersBackend(Backend):
         return []
 
 
+class TritonBackend(Backend):
+    name = "triton"
+    patterns = ("sliding",)
+    devices = ("cuda", "cpu")
+    summary = (
+        "Triton band kernels: per-head dilation by strided class addressing, grouped-query heads in place, global "
+        "tokens merged by log-sum-exp; CUDA, or CPU under TRITON_INTERPRET=1 (tests)"
+    )
+
+    def reasons_not_supported(self, request):
+        reasons = super().reasons_not_supported(request)
+        # A search, not an import: triton is imported only when its kernels run (`executor_triton`).
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed (pip install 'longattn[triton]')")
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if request.device == "cpu" and not interpreted:
+            reasons.append(
+                "on CPU Triton kernels run only under its interpreter (TRITON_INTERPRET=1 set before triton is "
+                "imported), a correctness check"
+            )
+        if request.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"the Triton kernels take float16, bfloat16 or float32, not {request.dtype}")
+        elif request.dtype == torch.bfloat16 and request.device == "cpu":
+            reasons.append("Triton's interpreter computes bfloat16 wrongly: use float16 or float32 on CPU")
+        if request.dropout:
+            reasons.append("the Triton kernels have no attention dropout (set the dropout probability to 0)")
+        if request.relative_logits:
+            reasons.append("the Triton kernels take no relative-position logits (use 'torch', 'flex' or 'reference')")
+        if request.documents:
+            reasons.append("the Triton kernels take no packed documents (use 'torch', 'flex' or 'reference')")
+        if request.q_len != request.kv_len:
+            reasons.append(
+                f"the Triton kernels need as many queries as keys (got {request.q_len} and {request.kv_len})"
+            )
+        if max(request.head_dim, request.value_head_dim) > 256:
+            reasons.append(
+                f"the Triton kernels take head dims up to 256 (got {request.head_dim} and {request.value_head_dim})"
+            )
+        return reasons
+
+    def auto_reasons(self, request):
+        return ["the Triton kernels have not been measured on a GPU yet: 'auto' does not pick them (ask for 'triton')"]
+
+
 BACKENDS: dict[str, Backend] = {
-    backend.name: backend for backend in (ReferenceBackend(), TorchBackend(), FlexBackend(), XformersBackend())
+    backend.name: backend
+    for backend in (ReferenceBackend(), TorchBackend(), FlexBackend(), XformersBackend(), TritonBackend())
 }
 
 
@@ -334,6 +395,19 @@ def select_backend(name: str, request: AttentionRequest) -> str:
             return candidate
         passed_over.append(f"{candidate}: " + "; ".join(reasons))
     raise AssertionError("the 'torch' back end serves every request")  # pragma: no cover
+
+
+def select_named_backend(name: str, q: Tensor, k: Tensor, v: Tensor, **request: Any) -> str:
+    """`select_backend` for kinds whose `"auto"` is the PyTorch executor until another back end is measured for them:
+    `"auto"` gives `"torch"` without building a request (nothing to dispatch on the hot path), and a named back end is
+    checked against `AttentionRequest.for_inputs(q, k, v, **request)`.
+
+    Raises:
+        ValueError: As `select_backend`.
+    """
+    if name == "auto":
+        return "torch"
+    return select_backend(name, AttentionRequest.for_inputs(q, k, v, **request))
 
 
 def _log_choice(name: str, request: AttentionRequest, passed_over: list[str]) -> None:

@@ -27,6 +27,7 @@ logger = logging.get_logger(__name__)
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned")
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+CLASSIFIER_POOLINGS = ("cls", "mean")  # ModernBERT's names
 
 # True while `from_dict` (hence `from_pretrained`, `AutoConfig`) builds a config from a saved file: a near-miss key
 # there is a warning (the file was written elsewhere, and configs accept unknown keys), in code it is an error.
@@ -68,6 +69,9 @@ class LongAttnConfig(PreTrainedConfig):
         num_decoder_layers: Decoder layers of an encoder-decoder model (defaults to `num_hidden_layers`).
         decoder_attention_type: Self-attention of the seq2seq decoder (causal), one name or one per decoder layer.
         classifier_dropout: Dropout before classification heads (defaults to `hidden_dropout_prob`).
+        classifier_pooling: What the sequence-classification head reads: `"cls"` (default), the first token's
+            state (a global token unless `global_attention_mask` says otherwise), or `"mean"`, the mean state of the
+            real tokens (`attention_mask`), as LRA's models and ModernBERT may.
         is_decoder: A causal decoder (set by `LongAttnForCausalLM`).
         attention_backend: Which kernels compute the attention of the kinds that dispatch (`"sliding"`, `"full"`,
             `"strided"`, `"fixed"`): `"auto"` (default; the fastest that can run: xformers, then FlexAttention on
@@ -75,10 +79,13 @@ class LongAttnConfig(PreTrainedConfig):
             `longattn.backends`). An explicit back end that cannot run a layer's call raises with the reasons.
             The other kinds run on `"auto"`, `"torch"` (their own executor) or `"reference"` (their dense form);
             naming `"flex"` or `"xformers"` for them is a `ValueError` here, not a silent fallback.
-        **kwargs: Attention-kind fields (see `attention_fields.KINDS`) and `PreTrainedConfig` fields. Unknown
-            keys are kept (as in every transformers config), except one within edit distance 2 of a longattn field:
-            a `ValueError` ("did you mean ...?"), a warning when the config is loaded from a file. `head_dim` is
-            accepted when it equals `hidden_size / num_attention_heads` (it is derived, not stored).
+        **kwargs: Attention-kind fields (see `attention_fields.KINDS`), the fields of every attention layer
+            (`attention_fields.LAYER_FIELDS`: `relative_position_logits`, one bool or one per layer, and
+            `relative_max_distance`, relative-position logits; see `longattn.relative_logits`) and
+            `PreTrainedConfig` fields. Unknown keys are kept (as in every transformers config), except one within
+            edit distance 2 of a longattn field: a `ValueError` ("did you mean ...?"), a warning when the config is
+            loaded from a file. `head_dim` is accepted when it equals `hidden_size / num_attention_heads` (it is
+            derived, not stored).
 
     Raises:
         ValueError: a field outside its allowed type or values (the message names the field, the value and what is
@@ -107,6 +114,7 @@ class LongAttnConfig(PreTrainedConfig):
         num_decoder_layers: int | None = None,
         decoder_attention_type: str | list[str] = "full",
         classifier_dropout: float | None = None,
+        classifier_pooling: str = "cls",
         is_decoder: bool = False,
         attention_backend: str = "auto",
         pad_token_id: int | None = 0,
@@ -139,6 +147,7 @@ class LongAttnConfig(PreTrainedConfig):
         self.num_decoder_layers = num_hidden_layers if num_decoder_layers is None else num_decoder_layers
         self.decoder_attention_type = decoder_attention_type
         self.classifier_dropout = classifier_dropout
+        self.classifier_pooling = classifier_pooling
         self.is_decoder = is_decoder
         self.attention_backend = attention_backend
         self.use_cache = use_cache
@@ -256,6 +265,11 @@ class LongAttnConfig(PreTrainedConfig):
         if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
             raise ValueError(
                 f"`problem_type`={self.problem_type!r} is unknown: expected None or one of {list(PROBLEM_TYPES)}."
+            )
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            raise ValueError(
+                f"`classifier_pooling`={self.classifier_pooling!r} is unknown: expected one of "
+                f"{list(CLASSIFIER_POOLINGS)}."
             )
         if self.hidden_act not in ACT2FN:
             raise ValueError(

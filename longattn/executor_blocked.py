@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .numerics import HIDDEN_LOGIT, compute_dtype, head_groups, merge_attention
 from .patterns import MaskFn, and_masks
+from .relative_logits import BiasFn, block_bias
 
 __all__ = [
     "attend_blocks",
@@ -45,6 +46,7 @@ __all__ = [
     "BandLayout",
     "band_layout",
     "banded_attention",
+    "band_block_attention",
     "global_token_index",
 ]
 
@@ -162,7 +164,7 @@ class _BlockAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed, kv_weight):
+    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed, kv_weight, bias):
         b, h, nb, c, _ = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
         dtype = compute_dtype(q_blocks.dtype)
@@ -182,6 +184,8 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
+            if bias is not None:
+                chunk.view6(probs).add_(_split_heads(bias[:, :, start:stop], h_kv))
             if chunk.hidden is not None:
                 chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
@@ -200,7 +204,7 @@ class _BlockAttention(torch.autograd.Function):
             else:
                 torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
-        ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key, kv_weight)
+        ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias)
         ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
         # An unused lse (the common case) then arrives as None in backward instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
@@ -208,7 +212,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q_blocks, k, v, kv_index, mask, has_key, kv_weight = ctx.saved_tensors
+        q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias = ctx.saved_tensors
         scale, dropout_p = ctx.scale, ctx.dropout_p
         b, h, nb, c, d = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
@@ -224,6 +228,7 @@ class _BlockAttention(torch.autograd.Function):
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
         grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
         grad_weight = None if kv_weight is None else torch.empty(kv_weight.shape, dtype=dtype, device=device)
+        grad_bias = torch.empty(bias.shape, dtype=dtype, device=device) if ctx.needs_input_grad[9] else None
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
 
@@ -231,6 +236,8 @@ class _BlockAttention(torch.autograd.Function):
             start, stop = chunk.start, chunk.stop
             probs = workspace.get("probs", chunk.scores_shape)
             torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
+            if bias is not None:
+                chunk.view6(probs).add_(_split_heads(bias[:, :, start:stop], h_kv))
             if chunk.hidden is not None:
                 chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
@@ -253,6 +260,8 @@ class _BlockAttention(torch.autograd.Function):
             torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, dtype, grad_input=grad_scores)
             if grad_lse is not None:
                 chunk.view6(grad_scores).addcmul_(chunk.view6(probs), grad_lse[:, :, :, start:stop])
+            if grad_bias is not None:  # the bias is added to the scores as they are: its gradient is dS
+                _split_heads(grad_bias, h_kv)[:, :, :, start:stop] = chunk.view6(grad_scores)
             if generator is not None:
                 probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
             grad_values = torch.bmm(
@@ -286,6 +295,7 @@ class _BlockAttention(torch.autograd.Function):
             None,
             None,
             None if grad_weight is None else grad_weight.to(kv_weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
         )
 
 
@@ -421,6 +431,7 @@ def attend_blocks(
     scale: float,
     dropout_p: float = 0.0,
     kv_weight: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each block of queries attends to its own set of keys; returns the output and the log-sum-exp.
 
@@ -443,6 +454,9 @@ def attend_blocks(
         kv_weight: Optional float `[b, h_kv, nb, m]` (needs `kv_index`): gathered key j of block i enters as
             `w · k` and `w · v` with w = `kv_weight[..., i, j]`, differentiably (Sinkhorn's sorted block, scaled by
             its sorting weight). None: weight 1 (no extra work).
+        bias: Optional float `[b, h, nb, c, m]` added to the scaled scores of the pairs the blocks compute,
+            differentiably (its gradient is the scores' gradient): relative-position logits
+            (`relative_logits.block_bias`). Saved for backward, O(n · m) floats like the mask. None: no bias.
 
     Returns:
         `(out, lse)`: out `[b, h, nb, c, d_v]` in the dtype of q, stored as `[b, nb, c, h, d_v]` so that merging
@@ -488,12 +502,22 @@ def attend_blocks(
         raise ValueError(f"mask must have shape [{b} or 1, {h} or 1, {nb}, {c}, {m}], got {tuple(mask.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if bias is not None and tuple(bias.shape) != (b, h, nb, c, m):
+        raise ValueError(f"bias must have shape [{b}, {h}, {nb}, {c}, {m}], got {tuple(bias.shape)}")
     if torch.compiler.is_compiling():
         return _attend_blocks_traceable(
-            q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p, kv_weight=kv_weight
+            q_blocks,
+            k,
+            v,
+            kv_index=kv_index,
+            mask=mask,
+            scale=scale,
+            dropout_p=dropout_p,
+            kv_weight=kv_weight,
+            bias=bias,
         )
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
-    return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed, kv_weight)
+    return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed, kv_weight, bias)
 
 
 def _attend_blocks_traceable(
@@ -506,6 +530,7 @@ def _attend_blocks_traceable(
     scale: float,
     dropout_p: float,
     kv_weight: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
 
@@ -535,6 +560,8 @@ def _attend_blocks_traceable(
     keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
     scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
     scores = scores.flatten(1, 2)  # [b, h, nb, c, m]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
     if mask is not None:
         scores = scores + (~mask).to(dtype) * HIDDEN_LOGIT
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
@@ -730,6 +757,7 @@ def banded_attention(
     scale: float,
     dropout_p: float = 0.0,
     block_size: int | None = None,
+    bias_fn: BiasFn | None = None,
 ) -> Tensor:
     """Attention whose pattern is a (dilated) band plus optional Longformer global tokens, in O(n · w).
 
@@ -757,6 +785,9 @@ def banded_attention(
             larger ones give larger matrix products and fewer steps. None: 128 for `attend_blocks` (fastest for
             w = 256 on a 2-core CPU, 16K tokens, forward + backward: 64 -> 0.59 s, 96 -> 0.63 s, 128 -> 0.50 s), and
             for the fused path `_fused_block_size`.
+        bias_fn: Optional logit bias of each kept pair (relative-position logits, `relative_logits`), evaluated on
+            the same positions as `mask_fn` and added to the scores (`attend_blocks`' `bias`; the fused path takes
+            none, so a bias runs `attend_blocks`).
 
     Returns:
         Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
@@ -788,7 +819,7 @@ def banded_attention(
             q_g, k_g, v_g = (t.index_select(1, heads_t) for t in (q, k, v))
         hg = len(heads)
         class_len = -(-n_k // d)
-        fused = _fused_band_applies(q_g, d, dropout_p)
+        fused = bias_fn is None and _fused_band_applies(q_g, d, dropout_p)
         c = block_size or (_fused_block_size(hg // k_g.shape[1]) if fused else 128)
         # Beyond the length of a residue class the band holds no key; clipping keeps "window >= length" cheap.
         layout = band_layout(
@@ -801,7 +832,6 @@ def banded_attention(
             q_offset=q_offset,
             device=device,
         )
-        nb, c = layout.q_pos.shape
         if fused:
             plan = _BandPlan(
                 layout=layout,
@@ -816,43 +846,21 @@ def banded_attention(
             group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
             group_heads.extend(heads)
             continue
-        if layout.slot_of_query is None:
-            q_blocks = q_g.reshape(b, hg, nb, c, q_g.shape[3])
-        else:
-            q_blocks = q_g.index_select(2, (layout.q_pos - q_offset).reshape(-1)).view(b, hg, nb, c, q_g.shape[3])
-        local_mask = evaluate_block_mask(
-            local_fn,
-            batch=b,
+        global_keys = None if global_index is None else (global_index, global_index, global_valid)
+        out_g = band_block_attention(
+            q_g,
+            k_g,
+            v_g,
+            layout=layout,
             heads=heads_t,
-            q_pos=layout.q_pos[None],
-            kv_pos=layout.kv_pos[None],
-            q_valid=layout.q_valid[None],
-            kv_valid=layout.kv_valid[None],
+            local_fn=local_fn,
+            mask_fn=mask_fn,
+            q_offset=q_offset,
+            global_keys=global_keys,
+            scale=scale,
+            dropout_p=dropout_p,
+            bias_fn=bias_fn,
         )
-        kv_index = layout.kv_pos  # [nb, m]
-        if global_index is not None:
-            # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
-            # second pass to merge. [b, nb, m + g]
-            g = global_index.shape[1]
-            kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
-            global_key_mask = evaluate_block_mask(
-                mask_fn,
-                batch=b,
-                heads=heads_t,
-                q_pos=layout.q_pos[None],
-                kv_pos=global_index[:, None, :],
-                q_valid=layout.q_valid[None],
-                kv_valid=global_valid[:, None, :],
-            )  # [b, 1|hg, nb, c, g]
-            heads_dim = max(local_mask.shape[1], global_key_mask.shape[1])
-            local_mask = torch.cat(
-                [local_mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
-            )  # [b, 1|hg, nb, c, m + g]
-        out_blocks, _ = attend_blocks(
-            q_blocks, k_g, v_g, kv_index=kv_index, mask=local_mask, scale=scale, dropout_p=dropout_p
-        )  # [b, hg, nb, c, d_v]
-        out_g = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
-        out_g = out_g[:, :, :n_q] if layout.slot_of_query is None else out_g.index_select(2, layout.slot_of_query)
         group_outputs.append(out_g)
         group_heads.extend(heads)
 
@@ -860,8 +868,95 @@ def banded_attention(
     if len(group_outputs) > 1:
         out = out.index_select(1, torch.tensor(group_heads, device=device).argsort())
     if global_index is not None:
-        out = _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p)
+        out = _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn)
     return out
+
+
+def band_block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: BandLayout,
+    heads: Tensor,
+    local_fn: MaskFn,
+    mask_fn: MaskFn,
+    q_offset: int,
+    global_keys: tuple[Tensor, Tensor, Tensor] | None = None,
+    position_offset: int = 0,
+    scale: float,
+    dropout_p: float = 0.0,
+    bias_fn: BiasFn | None = None,
+) -> Tensor:
+    """One head group of a banded attention through `attend_blocks`: every query block gathers its band keys and its
+    batch row's global keys, one softmax over both.
+
+    Positions in `layout` count from the first key of `k`; the predicates read them shifted by `position_offset`
+    (a context-parallel shard, whose keys start at that position of the whole sequence).
+
+    Args:
+        q: Queries `[b, hg, n_q, d]`, the layout's query positions `q_offset … q_offset + n_q − 1`.
+        k: Keys `[b, h_kv, n_k, d]` (h_kv dividing hg); v: values `[b, h_kv, n_k, d_v]`.
+        layout: The band's `band_layout` (with `q_offset`).
+        heads: Long `[hg]`, the original index of each head (the predicates may depend on it).
+        local_fn: The predicate of band keys (the band copies of global keys hidden).
+        mask_fn: The predicate of global keys.
+        q_offset: Index in `k` of the first query.
+        global_keys: `(index, position, valid)`, each `[b, g]`: where each global key of a row sits in k, its
+            position, and False for padding slots; None = no global token.
+        position_offset: Position of `k`'s first key in the sequence the predicates describe.
+        scale, dropout_p: As in `attend_blocks`.
+        bias_fn: Optional logit bias of each pair (relative-position logits), on the positions the predicates read.
+
+    Returns:
+        Output `[b, hg, n_q, d_v]`.
+    """
+    b, hg, n_q, d = q.shape
+    nb, c = layout.q_pos.shape
+    if layout.slot_of_query is None:
+        q_blocks = q.reshape(b, hg, nb, c, d)
+    else:
+        q_blocks = q.index_select(2, (layout.q_pos - q_offset).reshape(-1)).view(b, hg, nb, c, d)
+    q_pos = layout.q_pos[None] + position_offset  # [1, nb, c]
+    kv_pos = layout.kv_pos[None] + position_offset  # [1, nb, m]
+    mask = evaluate_block_mask(
+        local_fn,
+        batch=b,
+        heads=heads,
+        q_pos=q_pos,
+        kv_pos=kv_pos,
+        q_valid=layout.q_valid[None],
+        kv_valid=layout.kv_valid[None],
+    )
+    bias = None if bias_fn is None else block_bias(bias_fn, batch=b, heads=heads, q_pos=q_pos, kv_pos=kv_pos)
+    kv_index = layout.kv_pos  # [nb, m]
+    if global_keys is not None:
+        # Every block also gathers its row's g global keys: one softmax over [band keys, global keys], no
+        # second pass to merge. [b, nb, m + g]
+        global_index, global_pos, global_valid = global_keys
+        g = global_index.shape[1]
+        kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
+        global_key_mask = evaluate_block_mask(
+            mask_fn,
+            batch=b,
+            heads=heads,
+            q_pos=q_pos,
+            kv_pos=global_pos[:, None, :],
+            q_valid=layout.q_valid[None],
+            kv_valid=global_valid[:, None, :],
+        )  # [b, 1|hg, nb, c, g]
+        heads_dim = max(mask.shape[1], global_key_mask.shape[1])
+        mask = torch.cat(
+            [mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
+        )  # [b, 1|hg, nb, c, m + g]
+        if bias is not None:
+            global_bias = block_bias(bias_fn, batch=b, heads=heads, q_pos=q_pos, kv_pos=global_pos[:, None, :])
+            bias = torch.cat([bias, global_bias], dim=4)  # [b, hg, nb, c, m + g]
+    out_blocks, _ = attend_blocks(
+        q_blocks, k, v, kv_index=kv_index, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
+    )  # [b, hg, nb, c, d_v]
+    out = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
+    return out[:, :, :n_q] if layout.slot_of_query is None else out.index_select(2, layout.slot_of_query)
 
 
 def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:
@@ -881,7 +976,7 @@ def _fused_block_size(group: int) -> int:
     return max(64, min(128, 256 // group))
 
 
-def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p):
+def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn=None):
     """Global queries see every key: a dense row per global token (O(g · n)), written over the local result."""
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
@@ -904,7 +999,16 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
         kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
         q_valid=query_valid.view(b, nb, c),
     )
-    out_global, _ = attend_blocks(q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p)
+    bias = None
+    if bias_fn is not None:
+        bias = block_bias(
+            bias_fn,
+            batch=b,
+            heads=torch.arange(h, device=q.device),
+            q_pos=(query_row + q_offset).view(b, nb, c),
+            kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
+        )
+    out_global, _ = attend_blocks(q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias)
     # Padding slots write to an extra row that is cut off afterwards, so no index is ever written twice.
     target = torch.where(query_valid, query_row, torch.full_like(query_row, n_q))  # [b, g']
     padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n_q + 1, d_v]

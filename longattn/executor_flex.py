@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .patterns import MaskFn, mask_reach
+from .relative_logits import BiasFn
 
 __all__ = [
     "flex_pattern_attention",
@@ -225,18 +226,17 @@ def flex_pattern_attention(
     per_batch: bool = False,
     per_head: bool = False,
     cache_key: Hashable | None = None,
+    bias_fn: BiasFn | None = None,
 ) -> Tensor:
-    """Attention under a pattern predicate through FlexAttention.
+    """Attention under a pattern predicate through FlexAttention: what `executor_reference.reference_pattern_attention`
+    computes densely (no dropout), `[b, h, n_q, d_v]`.
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
-        mask_fn: The pattern predicate (the same one the dense reference materialises).
-        scale: Multiplier of q·k.
+        q, k, v, mask_fn, scale: As in `reference_pattern_attention` (q: the last n_q positions).
         per_batch: The predicate reads the batch index (padding or global-token masks).
         per_head: The predicate reads the head index (per-head dilation).
         cache_key: Names a predicate that reads no tensor, so its block mask is cached; None = build per call.
+        bias_fn: Optional logit bias of each pair (relative-position logits), FlexAttention's `score_mod`.
 
     Returns:
         Output `[b, h, n_q, d_v]`; a query that sees no key gets zeros.
@@ -252,12 +252,19 @@ def flex_pattern_attention(
         device=q.device,
         cache_key=cache_key,
     )
+    score_mod = None
+    if bias_fn is not None:
+        q_offset = n_k - n_q
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + bias_fn(b, h, q_idx + q_offset, kv_idx).to(score.dtype)
+
     if q.device.type == "cuda":
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)
     if not torch.is_grad_enabled():
         # FlexAttention refuses CPU inputs that require grad even when no graph is being recorded.
         q, k, v = q.detach(), k.detach(), v.detach()
     with warnings.catch_warnings():
         # Eager FlexAttention warns that it is not compiled; on CPU that is the documented mode of this executor.
         warnings.filterwarnings("ignore", message=".*flex_attention.*compil.*", category=UserWarning)
-        return _flex().flex_attention(q, k, v, block_mask=mask, scale=scale)
+        return _flex().flex_attention(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)

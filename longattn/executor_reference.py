@@ -17,6 +17,7 @@ from torch import Tensor
 from .numerics import compute_dtype, hidden_logit
 from .ops_checks import check_bool_mask, check_dropout, check_flag, check_qkv, check_scale
 from .patterns import MaskFn, materialize_mask
+from .relative_logits import BiasFn, materialize_bias
 
 __all__ = ["reference_attention", "reference_pattern_attention"]
 
@@ -30,6 +31,7 @@ def reference_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    bias: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Dense softmax attention under an explicit mask: the readable reference every executor is tested against.
 
@@ -45,14 +47,16 @@ def reference_attention(
         dropout_p: Dropout on the attention probabilities.
         return_weights: Also return the probabilities the output was computed from (after dropout, as
             transformers' eager attention returns them).
+        bias: Optional float broadcastable to `[b, h, n_q, n_k]`, added to the scaled scores (relative-position
+            logits, `relative_logits.materialize_bias`); None = no bias.
 
     Returns:
         Output `[b, h, n_q, d_v]`, or `(output, probs)` with probs `[b, h, n_q, n_k]` when `return_weights`.
 
     Raises:
         ValueError: If q, k, v are not floating-point tensors of matching shapes, dtype and device, `mask` is not a
-            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `scale` is not finite, or `dropout_p`
-            is outside [0, 1).
+            bool tensor broadcastable to `[b, h, n_q, n_k]` on their device, `bias` is not a float tensor
+            broadcastable to it, `scale` is not finite, or `dropout_p` is outside [0, 1).
     """
     b, h, n_q, n_k = check_qkv(q, k, v, queries_last=False)
     mask = check_bool_mask("mask", mask, device=q.device)
@@ -64,11 +68,23 @@ def reference_attention(
             raise ValueError(
                 f"mask must be broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {tuple(mask.shape)}"
             ) from None
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor)
+        or not bias.is_floating_point()
+        or bias.dim() > 4
+        or any(size not in (1, full) for size, full in zip(bias.shape[::-1], (n_k, n_q, h, b)))
+    ):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"bias must be a float tensor broadcastable to [b, h, n_q, n_k] = {[b, h, n_q, n_k]}, got {shape}"
+        )
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
     return_weights = check_flag("return_weights", return_weights)
     dtype = compute_dtype(q.dtype)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [b, h, n_q, n_k]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
     if mask is not None:
         # A finite fill (not -inf) keeps rows without visible keys finite; they are zeroed just below.
         scores = scores.masked_fill(~mask, hidden_logit(dtype))
@@ -81,7 +97,15 @@ def reference_attention(
 
 
 def reference_pattern_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_fn: MaskFn, scale: float, dropout_p: float, per_head: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask_fn: MaskFn,
+    scale: float,
+    dropout_p: float,
+    per_head: bool,
+    bias_fn: BiasFn | None = None,
 ) -> Tensor:
     """`reference_attention` under a pattern predicate materialised densely: the `"reference"` back end of the ops.
 
@@ -95,6 +119,7 @@ def reference_pattern_attention(
         dropout_p: Dropout on the attention probabilities.
         per_head: The predicate reads the head index (per-head dilation or summary cells): materialise one mask
             per head instead of one shared by all.
+        bias_fn: Optional logit bias of each pair (relative-position logits), materialised densely alike.
 
     Returns:
         Output `[b, h, n_q, d_v]`; a query that sees no key gets zeros.
@@ -110,4 +135,9 @@ def reference_pattern_attention(
         q_offset=max(n_k - n_q, 0),
         device=q.device,
     )  # [b, h or 1, n_q, n_k]
-    return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    bias = None
+    if bias_fn is not None:
+        bias = materialize_bias(
+            bias_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
+        )
+    return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p, bias=bias)

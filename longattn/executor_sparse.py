@@ -17,6 +17,9 @@ pattern restricted to its geometry (`|i - j| <= l`, or the same block) and the s
 complement, so every visible key lies in exactly one part. Visibility itself is always decided by the pattern's
 `MaskFn` evaluated on original positions (`evaluate_block_mask`): the geometry arguments only say where visible
 keys can be, so the dense reference (`patterns.materialize_mask`) and these executors share one definition.
+
+Both executors take queries q `[b, h, n_q, d]` (the last n_q positions when n_q < n_k), keys k `[b, h, n_k, d]` and
+values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for a query that sees no key.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import Tensor
 from .executor_blocked import attend_blocks, band_layout, evaluate_block_mask
 from .numerics import compute_dtype, merge_attention
 from .patterns import MaskFn, and_masks
+from .relative_logits import BiasFn, block_bias
 
 __all__ = ["strided_blocked_attention", "fixed_blocked_attention"]
 
@@ -76,7 +80,12 @@ def _gather_queries(q: Tensor, q_pos: Tensor, q_offset: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- strided
-def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, block_size):
+def _bias(bias_fn: BiasFn | None, *, batch: int, heads: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor | None:
+    """The logit bias of a call's pairs (`relative_logits.block_bias`), or None without a bias."""
+    return None if bias_fn is None else block_bias(bias_fn, batch=batch, heads=heads, q_pos=q_pos, kv_pos=kv_pos)
+
+
+def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, block_size, bias_fn):
     """A1: the pattern restricted to |i - j| <= l, on a band layout. Returns out `[b, h, n_q, d_v]`, lse `[b, h,
     n_q]`."""
     b, h, n_q, d = q.shape
@@ -106,12 +115,17 @@ def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, bl
         q_valid=layout.q_valid[None],
         kv_valid=layout.kv_valid[None],
     )  # [b|1, h|1, nb, rows, m]
-    out, lse = attend_blocks(q_blocks, k, v, kv_index=layout.kv_pos, mask=mask, scale=scale, dropout_p=dropout_p)
+    bias = _bias(
+        bias_fn, batch=b, heads=torch.arange(h, device=q.device), q_pos=layout.q_pos[None], kv_pos=layout.kv_pos[None]
+    )
+    out, lse = attend_blocks(
+        q_blocks, k, v, kv_index=layout.kv_pos, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
+    )
     # Dilation 1: slots are the queries in order, then padding slots at the end.
     return out.reshape(b, h, nb * rows, -1)[:, :, :n_q], lse.reshape(b, h, nb * rows)[:, :, :n_q]
 
 
-def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, class_block):
+def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, class_block, bias_fn):
     """A2 beyond the band: dense attention inside each residue class mod l. Returns out, lse in query order.
 
     Class r holds the positions r, r + l, r + 2l, ... (step t at position r + t·l). Its queries are cut into
@@ -159,7 +173,8 @@ def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, c
             kv_valid=kv_valid[None],
         )
         q_blocks = _gather_queries(q, q_pos_call, q_offset)
-        return attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=mask, scale=scale, dropout_p=dropout_p)
+        bias = _bias(bias_fn, batch=b, heads=heads, q_pos=q_pos_call[None], kv_pos=kv_pos[None])
+        return attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias)
 
     if causal:
         outs, lses = [], []
@@ -194,6 +209,7 @@ def strided_blocked_attention(
     dropout_p: float = 0.0,
     block_size: int = 64,
     class_block: int | None = None,
+    bias_fn: BiasFn | None = None,
 ) -> Tensor:
     """Attention whose visible keys lie in the strided geometry: |i − j| <= l, or (i − j) mod l = 0.
 
@@ -201,9 +217,7 @@ def strided_blocked_attention(
     residue class, merged by log-sum-exp. Cost O(n · (l + n / l)) time; no n x n tensor.
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions when `n_q < n_k`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        q, k, v: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.strided_pattern(...)`); it must not see keys outside the
             strided geometry.
         stride: The stride l (>= 1).
@@ -213,9 +227,11 @@ def strided_blocked_attention(
         block_size: Queries per band block (64 measured fastest on CPU against 32 and 128).
         class_block: Query steps per block inside a residue class; default 128 when causal (each block is its own
             call gathering only earlier keys), 256 otherwise (larger blocks measured faster on CPU).
+        bias_fn: Optional logit bias of each kept pair (relative-position logits), evaluated on the positions each
+            part computes and added to its scores.
 
     Returns:
-        Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
+        The output (module docstring).
     """
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
@@ -223,7 +239,7 @@ def strided_blocked_attention(
         return q.new_zeros(b, h, 0, v.shape[3])
     if class_block is None:
         class_block = 128 if causal else 256
-    kwargs = dict(stride=stride, causal=causal, scale=scale, dropout_p=dropout_p)
+    kwargs = dict(stride=stride, causal=causal, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
     partials = [_strided_band_part(q, k, v, mask_fn, block_size=block_size, **kwargs)]
     # A class key beyond the band is at least 2l away from its query: none exists in a sequence of <= 2l keys.
     if n_k - 1 >= 2 * stride:
@@ -270,6 +286,7 @@ def fixed_blocked_attention(
     dropout_p: float = 0.0,
     max_block_rows: int = 256,
     causal_groups: int = 8,
+    bias_fn: BiasFn | None = None,
 ) -> Tensor:
     """Attention whose visible keys lie in the fixed geometry: the query's own block, or a summary cell.
 
@@ -277,9 +294,7 @@ def fixed_blocked_attention(
     attention of each query block over the gathered summary keys, merged by log-sum-exp. Cost O(n · (l + c·n/l)).
 
     Args:
-        q: Queries `[b, h, n_q, d]`, the last n_q positions when `n_q < n_k`.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
+        q, k, v: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.fixed_pattern(...)`); it must not see keys outside the
             fixed geometry.
         block_size: Block length l (>= 1).
@@ -293,9 +308,11 @@ def fixed_blocked_attention(
         max_block_rows: Blocks longer than this are split into query sub-blocks of at most this many rows (each
             still gathering its whole block), which bounds the workspace.
         causal_groups: See `causal`.
+        bias_fn: Optional logit bias of each kept pair (relative-position logits), evaluated on the positions each
+            part computes and added to its scores.
 
     Returns:
-        Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
+        The output (module docstring).
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
@@ -336,7 +353,10 @@ def fixed_blocked_attention(
         q_valid=q_valid[None],
         kv_valid=kv_valid[None],
     )
-    block_part = attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=block_mask, scale=scale, dropout_p=dropout_p)
+    own_block_bias = _bias(bias_fn, batch=b, heads=heads, q_pos=q_pos[None], kv_pos=kv_pos[None])
+    block_part = attend_blocks(
+        q_blocks, k, v, kv_index=kv_pos, mask=block_mask, scale=scale, dropout_p=dropout_p, bias=own_block_bias
+    )
 
     # Summary part: per group of heads sharing summary cells, per group of query blocks sharing a key budget.
     other_block_fn = and_masks(mask_fn, _same_block(block_size, False))
@@ -379,6 +399,9 @@ def fixed_blocked_attention(
                     kv_pos=key_pos.view(1, 1, keys),
                     q_valid=q_valid[None, blocks],
                 )
+                bias = _bias(
+                    bias_fn, batch=b, heads=group_heads_t, q_pos=q_pos[None, blocks], kv_pos=key_pos.view(1, 1, keys)
+                )
                 out, lse = attend_blocks(
                     q_g[:, :, blocks],
                     k_summary,
@@ -387,6 +410,7 @@ def fixed_blocked_attention(
                     mask=mask,
                     scale=scale,
                     dropout_p=dropout_p,
+                    bias=bias,
                 )
             outs.append(out)
             lses.append(lse)

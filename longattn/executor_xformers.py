@@ -744,50 +744,32 @@ def _tables(q, k, v, parts):
 
 # ----------------------------------------------------------------------------------------------- executors
 def xformers_sliding_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    dilation: int | Sequence[int] = 1,
-    causal: bool = False,
-    global_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    scale: float,
-    dropout_p: float = 0.0,
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, dropout_p: float = 0.0, **pattern: Any
 ) -> Tensor:
-    """`ops.sliding_window_attention` on xformers kernels (arguments validated there): `[b, h, n_q, d_v]`."""
+    """`ops.sliding_window_attention` on xformers kernels (arguments validated there): `[b, h, n_q, d_v]`.
+
+    Args:
+        q, k, v: `[b, h, n_q, d]` (the last n_q positions), `[b, h, n_k, d]`, `[b, h, n_k, d_v]`.
+        scale: Multiplier of q·k.
+        dropout_p: Dropout on the attention probabilities.
+        **pattern: `sliding_window_layout`'s window, dilation, causal, key_padding_mask and global_mask.
+    """
     b, h, n_q, _ = q.shape
-    if _residue_views_apply(q, k, dilation, key_padding_mask, global_mask):
+    dilation, causal = pattern.get("dilation", 1), pattern.get("causal", False)
+    masked = pattern.get("key_padding_mask") is not None or pattern.get("global_mask") is not None
+    if not masked and _residue_views_apply(q, k, dilation):
         return _dilated_band_on_views(
-            q, k, v, window=window, dilation=dilation, causal=causal, scale=scale, dropout_p=dropout_p
+            q, k, v, window=pattern["window"], dilation=dilation, causal=causal, scale=scale, dropout_p=dropout_p
         )
-    layout = sliding_window_layout(
-        batch=b,
-        heads=h,
-        q_len=n_q,
-        kv_len=k.shape[2],
-        window=window,
-        dilation=dilation,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        global_mask=global_mask,
-        device=q.device,
-    )
+    layout = sliding_window_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], device=q.device, **pattern)
     return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
 
 
-def _residue_views_apply(q: Tensor, k: Tensor, dilation, key_padding_mask, global_mask) -> bool:
-    """Whether a dilated window can run on strided views of q, k, v instead of gathered copies."""
+def _residue_views_apply(q: Tensor, k: Tensor, dilation) -> bool:
+    """Whether a dilated window without padding or global tokens can run on strided views of q, k, v instead of
+    gathered copies."""
     n = k.shape[2]
-    return (
-        isinstance(dilation, int)
-        and dilation > 1
-        and n % dilation == 0
-        and q.shape[2] == n
-        and key_padding_mask is None
-        and global_mask is None
-    )
+    return isinstance(dilation, int) and dilation > 1 and n % dilation == 0 and q.shape[2] == n
 
 
 def residue_view(x: Tensor, modulus: int) -> Tensor:
@@ -815,78 +797,32 @@ def _dilated_band_on_views(q, k, v, *, window, dilation, causal, scale, dropout_
     return out.permute(0, 3, 2, 1, 4).reshape(b, h, n, v.shape[-1])
 
 
-def xformers_strided_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    stride: int,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    scale: float,
-) -> Tensor:
-    """Strided attention (see `strided_layout`) on xformers kernels; q, k, v `[b, h, n, d]`."""
+def xformers_strided_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **pattern: Any) -> Tensor:
+    """Strided attention on xformers kernels; q, k, v `[b, h, n, d]`, `pattern`: `strided_layout`'s stride, causal
+    and key_padding_mask."""
     b, h, n, _ = q.shape
-    layout = strided_layout(
-        batch=b, heads=h, length=n, stride=stride, causal=causal, key_padding_mask=key_padding_mask, device=q.device
-    )
-    return run_layout(q, k, v, layout, scale=scale)
+    return run_layout(q, k, v, strided_layout(batch=b, heads=h, length=n, device=q.device, **pattern), scale=scale)
 
 
-def xformers_fixed_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    block_size: int,
-    num_summary: int,
-    summary_per_head: bool = False,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    scale: float,
-) -> Tensor:
-    """Fixed attention (see `fixed_layout`) on xformers kernels; q, k, v `[b, h, n, d]`.
+def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **pattern: Any) -> Tensor:
+    """Fixed attention on xformers kernels; q, k, v `[b, h, n, d]`, `pattern`: `fixed_layout`'s block_size,
+    num_summary, summary_per_head, causal and key_padding_mask.
 
     Blocks count from position 0 in every row, padded or not. The pattern of `patterns.fixed_pattern` counts them
     from each row's first real token; `ops.fixed_attention` rolls left-padded rows before calling this, so call it
     directly only on rows whose padding is at the end.
     """
     b, h, n, _ = q.shape
-    layout = fixed_layout(
-        batch=b,
-        heads=h,
-        length=n,
-        block_size=block_size,
-        num_summary=num_summary,
-        summary_per_head=summary_per_head,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        device=q.device,
-    )
-    return run_layout(q, k, v, layout, scale=scale)
+    return run_layout(q, k, v, fixed_layout(batch=b, heads=h, length=n, device=q.device, **pattern), scale=scale)
 
 
 def xformers_full_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float,
-    dropout_p: float = 0.0,
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, dropout_p: float = 0.0, **pattern: Any
 ) -> Tensor:
-    """Dense attention on xformers kernels; q `[b, h, n_q, d]` are the last n_q positions."""
+    """Dense attention on xformers kernels; q `[b, h, n_q, d]` are the last n_q positions, `pattern`:
+    `full_layout`'s causal and key_padding_mask."""
     b, h, n_q, _ = q.shape
-    layout = full_layout(
-        batch=b,
-        heads=h,
-        q_len=n_q,
-        kv_len=k.shape[2],
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        device=q.device,
-    )
+    layout = full_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], device=q.device, **pattern)
     return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
 
 

@@ -701,8 +701,13 @@ class LongAttnModel(LongAttnPreTrainedModel):
         output_hidden_states=None,
         output_attentions=None,
         return_dict=None,
+        past_key_values: Cache | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """The encoder alone (bidirectional, no cache): `last_hidden_state` `[b, n, D]`."""
+        """The encoder stack alone: `last_hidden_state` `[b, n, D]`. Bidirectional without a cache, except in a
+        causal decoder-only model, whose stack this is (`past_key_values`: its KV cache). `cu_seq_lens_q` /
+        `cu_seq_lens_k`: flash attention's varlen keywords of packed rows (`longattn.packing`)."""
         outputs = _run_backbone(
             self.embeddings,
             self.rotary,
@@ -713,9 +718,11 @@ class LongAttnModel(LongAttnPreTrainedModel):
             attention_mask=attention_mask,
             global_attention_mask=global_attention_mask,
             position_ids=position_ids,
-            past_key_values=None,
+            past_key_values=past_key_values,
             output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
             output_attentions=_flag(self.config, "output_attentions", output_attentions),
+            cu_seq_lens_q=cu_seq_lens_q,
+            cu_seq_lens_k=cu_seq_lens_k,
         )
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
@@ -740,74 +747,21 @@ class LongAttnModel(LongAttnPreTrainedModel):
     ) -> BaseModelOutputWithPastAndCrossAttentions | Seq2SeqModelOutput | tuple:
         past_key_values = _cache_argument(cache, past_key_values)
         varlen = _varlen_kwargs(kwargs)
-        if self.decoder is not None:
-            if _is_packed(position_ids, varlen):
-                raise ValueError(
-                    "packed documents (`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not "
-                    "supported by the encoder-decoder model: its cross-attention would read every document of a row. "
-                    "Pad each example to its own row."
-                )
-            return self._seq2seq_forward(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                global_attention_mask=global_attention_mask,
-                inputs_embeds=inputs_embeds,
-                position_ids=position_ids,
-                decoder_input_ids=decoder_input_ids,
-                decoder_attention_mask=decoder_attention_mask,
-                decoder_inputs_embeds=decoder_inputs_embeds,
-                encoder_outputs=encoder_outputs,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                output_hidden_states=output_hidden_states,
-                output_attentions=output_attentions,
-                return_dict=return_dict,
+        seq2seq = self.decoder is not None
+        if seq2seq and _is_packed(position_ids, varlen):
+            raise ValueError(
+                "packed documents (`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not "
+                "supported by the encoder-decoder model: its cross-attention would read every document of a row. "
+                "Pad each example to its own row."
             )
-        use_cache = self.is_causal and (use_cache if use_cache is not None else self.config.use_cache)
+        # The cache is the decoder's: the seq2seq decoder, or the stack itself in a causal decoder-only model.
+        use_cache = (seq2seq or self.is_causal) and (use_cache if use_cache is not None else self.config.use_cache)
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()  # no config: see `_supports_default_dynamic_cache`
+            # No config: see `_supports_default_dynamic_cache`.
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache()) if seq2seq else DynamicCache()
         if not use_cache:
             past_key_values = None
-        outputs = _run_backbone(
-            self.embeddings,
-            self.rotary,
-            self.encoder,
-            self.config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
-            output_attentions=_flag(self.config, "output_attentions", output_attentions),
-            cu_seq_lens_q=varlen.get("cu_seq_lens_q"),
-            cu_seq_lens_k=varlen.get("cu_seq_lens_k"),
-        )
-        return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
-
-    def _seq2seq_forward(
-        self,
-        *,
-        input_ids,
-        attention_mask,
-        global_attention_mask,
-        inputs_embeds,
-        position_ids,
-        decoder_input_ids,
-        decoder_attention_mask,
-        decoder_inputs_embeds,
-        encoder_outputs,
-        past_key_values,
-        use_cache,
-        output_hidden_states,
-        output_attentions,
-        return_dict,
-    ) -> Seq2SeqModelOutput | tuple:
-        """Encode (unless `encoder_outputs` is given), then decode with cross-attention to the encoder states."""
-        output_hidden_states = _flag(self.config, "output_hidden_states", output_hidden_states)
-        output_attentions = _flag(self.config, "output_attentions", output_attentions)
-        if encoder_outputs is None:
+        if not seq2seq or encoder_outputs is None:
             encoder_outputs = self.encode(
                 input_ids,
                 attention_mask=attention_mask,
@@ -816,15 +770,41 @@ class LongAttnModel(LongAttnPreTrainedModel):
                 position_ids=position_ids,
                 output_hidden_states=output_hidden_states,
                 output_attentions=output_attentions,
-                return_dict=True,
+                return_dict=True if seq2seq else return_dict,
+                past_key_values=None if seq2seq else past_key_values,
+                cu_seq_lens_q=varlen.get("cu_seq_lens_q"),
+                cu_seq_lens_k=varlen.get("cu_seq_lens_k"),
             )
+            if not seq2seq:
+                return encoder_outputs
         elif not isinstance(encoder_outputs, ModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        if not use_cache:
-            past_key_values = None
+        return self._decode(
+            encoder_outputs,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=return_dict,
+        )
+
+    def _decode(
+        self,
+        encoder_outputs: ModelOutput,
+        *,
+        attention_mask,
+        decoder_input_ids,
+        decoder_attention_mask,
+        decoder_inputs_embeds,
+        past_key_values,
+        output_hidden_states,
+        output_attentions,
+        return_dict,
+    ) -> Seq2SeqModelOutput | tuple:
+        """The seq2seq decoder with cross-attention to `encoder_outputs`' states (`attention_mask`: the encoder's)."""
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids,
             inputs_embeds=decoder_inputs_embeds,
@@ -832,8 +812,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
             past_key_values=past_key_values,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
+            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
+            output_attentions=_flag(self.config, "output_attentions", output_attentions),
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -921,22 +901,25 @@ class LongAttnLMHead(nn.Module):
         return self.decoder(self.layer_norm(self.act(self.dense(hidden_states))))
 
 
-class LongAttnForMaskedLM(LongAttnPreTrainedModel):
-    """Masked-LM head on the bidirectional encoder; `labels` `[b, n]` with -100 on unmasked positions."""
+class _LongAttnEncoderHead(LongAttnPreTrainedModel):
+    """A task head on the bidirectional encoder (`longattn`) trained on `labels`: the forward pass they share.
 
-    _tied_weights_keys = {"lm_head.decoder.weight": "longattn.embeddings.word_embeddings.weight"}
+    A head builds its layers after `super().__init__` and states what differs: `_head` (logits and loss from the
+    encoder's states) and, optionally, `_global_attention_mask` (its default global tokens).
+
+    Forward args:
+        input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids, output_hidden_states,
+            output_attentions: As in `LongAttnModel`.
+        labels: The head's targets (see each head), -100 = ignored.
+        return_dict: An `output_class` (default: the config's `return_dict`) or a tuple.
+        num_items_in_batch: transformers' Trainer: the labelled items of the whole optimizer step.
+    """
+
+    output_class: type[ModelOutput]
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.longattn = LongAttnModel(config, add_decoder=False)
-        self.lm_head = LongAttnLMHead(config)
-        self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head.decoder = value
 
     def forward(
         self,
@@ -951,7 +934,11 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
         return_dict=None,
         num_items_in_batch=None,
         **kwargs,
-    ) -> MaskedLMOutput | tuple:
+    ) -> ModelOutput | tuple:
+        varlen = _varlen_kwargs(kwargs)
+        global_attention_mask = self._global_attention_mask(
+            global_attention_mask, input_ids, inputs_embeds, position_ids=position_ids, varlen=varlen
+        )
         outputs = _backbone_outputs(
             self,
             input_ids,
@@ -961,12 +948,53 @@ class LongAttnForMaskedLM(LongAttnPreTrainedModel):
             position_ids,
             output_hidden_states,
             output_attentions,
-            **_varlen_kwargs(kwargs),
+            **varlen,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # [b, n, V]
-        loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+        logits, loss = self._head(outputs.last_hidden_state, labels, num_items_in_batch, attention_mask=attention_mask)
         loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(self, MaskedLMOutput, outputs, return_dict, loss=loss, logits=logits)
+        return _head_output(self, self.output_class, outputs, return_dict, loss=loss, logits=logits)
+
+    def _global_attention_mask(
+        self,
+        global_attention_mask: torch.Tensor | None,
+        input_ids: torch.Tensor | None,
+        inputs_embeds,
+        *,
+        position_ids: torch.Tensor | None,
+        varlen: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """The global tokens the encoder runs with: the caller's (none by default). `position_ids` and `varlen` (the
+        varlen keywords) let a head that cannot take packed rows refuse them first."""
+        return global_attention_mask
+
+    def _head(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch, attention_mask=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encoder states `[b, n, D]` -> (logits, the task loss against `labels` or None without them);
+        `attention_mask` `[b, n]` (1 = token) for heads that pool over the real tokens."""
+        raise NotImplementedError
+
+
+class LongAttnForMaskedLM(_LongAttnEncoderHead):
+    """Masked-LM head on the bidirectional encoder; `labels` `[b, n]` with -100 on unmasked positions."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "longattn.embeddings.word_embeddings.weight"}
+    output_class = MaskedLMOutput
+
+    def __init__(self, config: LongAttnConfig):
+        super().__init__(config)
+        self.lm_head = LongAttnLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
+        logits = self.lm_head(hidden_states)  # [b, n, V]
+        return logits, _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
 
 def _flag(config: LongAttnConfig, name: str, value: bool | None) -> bool:
@@ -1032,33 +1060,22 @@ def _classifier_dropout(config: LongAttnConfig) -> float:
     return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
 
 
-class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
-    """Classification from the first token's state. The first token is global unless `global_attention_mask` is given
+class LongAttnForSequenceClassification(_LongAttnEncoderHead):
+    """Classification from the first token's state, or the mean state of the real tokens with
+    `config.classifier_pooling="mean"`. The first token is global unless `global_attention_mask` is given
     (Longformer's recipe: the classification token then sees the whole document)."""
+
+    output_class = SequenceClassifierOutput
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.longattn = LongAttnModel(config, add_decoder=False)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        global_attention_mask=None,
-        inputs_embeds=None,
-        position_ids=None,
-        labels=None,
-        output_hidden_states=None,
-        output_attentions=None,
-        return_dict=None,
-        num_items_in_batch=None,
-        **kwargs,
-    ) -> SequenceClassifierOutput | tuple:
+    def _global_attention_mask(self, global_attention_mask, input_ids, inputs_embeds, *, position_ids, varlen):
         # Shapes only: the backbone checks the ids' values (one host sync per forward, not two).
         batch, length = _check_token_inputs(
             self.config, self.longattn.embeddings, input_ids, inputs_embeds, check_values=False
@@ -1068,7 +1085,7 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
                 "`input_ids` has length 0: sequence classification reads the first token's state, so "
                 "pass at least one token."
             )
-        if _is_packed(position_ids, _varlen_kwargs(kwargs), batch=batch, length=length):
+        if _is_packed(position_ids, varlen, batch=batch, length=length):
             raise ValueError(
                 "sequence classification reads one label per row from the row's first token: packed documents "
                 "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not supported; pad each "
@@ -1078,21 +1095,24 @@ class LongAttnForSequenceClassification(LongAttnPreTrainedModel):
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
-        outputs = _backbone_outputs(
-            self,
-            input_ids,
-            attention_mask,
-            global_attention_mask,
-            inputs_embeds,
-            position_ids,
-            output_hidden_states,
-            output_attentions,
-        )
-        pooled = outputs.last_hidden_state[:, 0]  # [b, D]
+        return global_attention_mask
+
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
+        if self.config.classifier_pooling == "mean":
+            pooled = _mean_over_tokens(hidden_states, attention_mask)  # [b, D]
+        else:
+            pooled = hidden_states[:, 0]  # [b, D]
         logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
-        loss = _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
-        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(self, SequenceClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
+        return logits, _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
+
+
+def _mean_over_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`[b, n, D]` -> `[b, D]`: the mean over the real tokens (`attention_mask` `[b, n]`, 1 = token), so that padding
+    does not change a sequence's pooled state."""
+    if attention_mask is None:
+        return hidden_states.mean(dim=1)
+    weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)  # [b, n, 1]
+    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
 
 
 def _classification_loss(
@@ -1135,51 +1155,27 @@ def _classification_loss(
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-class LongAttnForTokenClassification(LongAttnPreTrainedModel):
+class LongAttnForTokenClassification(_LongAttnEncoderHead):
     """Per-token classification; `labels` `[b, n]` with -100 on ignored positions."""
+
+    output_class = TokenClassifierOutput
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.longattn = LongAttnModel(config, add_decoder=False)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        global_attention_mask=None,
-        inputs_embeds=None,
-        position_ids=None,
-        labels=None,
-        output_hidden_states=None,
-        output_attentions=None,
-        return_dict=None,
-        num_items_in_batch=None,
-        **kwargs,
-    ) -> TokenClassifierOutput | tuple:
-        outputs = _backbone_outputs(
-            self,
-            input_ids,
-            attention_mask,
-            global_attention_mask,
-            inputs_embeds,
-            position_ids,
-            output_hidden_states,
-            output_attentions,
-            **_varlen_kwargs(kwargs),
-        )
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))  # [b, n, num_labels]
+    def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
+        logits = self.classifier(self.dropout(hidden_states))  # [b, n, num_labels]
         _check_labels("labels", labels, [logits.shape[:2]])
         loss = None
         if labels is not None:
             loss = fixed_cross_entropy(
                 logits.view(-1, self.num_labels).float(), labels.reshape(-1).to(logits.device), num_items_in_batch
             )
-        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(self, TokenClassifierOutput, outputs, return_dict, loss=loss, logits=logits)
+        return logits, loss
 
 
 class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
@@ -1458,17 +1454,10 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
         # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
         loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
-        output = Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+        # Every field of the base model's output but its last hidden state (the cache, the decoder's and encoder's
+        # states and attentions) has the same name in the LM output.
+        states = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+        output = Seq2SeqLMOutput(loss=loss, logits=logits, **states)
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
     def auxiliary_loss(self) -> torch.Tensor | None:

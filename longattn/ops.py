@@ -22,7 +22,11 @@ Arguments every pattern function takes, besides its pattern's own:
 - `scale`: multiplier of q·k; default 1/sqrt(d).
 - `dropout_p`: dropout on the attention probabilities.
 - `backend`: `"auto"` (default: xformers, then FlexAttention on CUDA, else the PyTorch executor), `"torch"` (the
-  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"` or `"reference"`; see `longattn.backends`.
+  blocked executor; SDPA for dense attention), `"flex"`, `"xformers"`, `"reference"`, or `"triton"` (sliding
+  windows only; never chosen by `"auto"`); see `longattn.backends`.
+- `relative_embedding`: optional r `[2M + 1, d]`, relative-position logits (Shaw et al. 2018): the logit of query i
+  for key j gains scale · q_i · r[clip(j − i, −M, M) + M], on the pairs the pattern keeps only (see
+  `longattn.relative_logits`). Every back end but xformers (which takes only a dense bias) computes it.
 
 Each returns the output `[b, h, n_q, d_v]` and raises `ValueError` for q, k, v that are not floating-point tensors
 of matching shapes, dtype and device, a mask that is not bool `[b, n_k]`, a non-finite `scale`, `dropout_p` outside
@@ -79,6 +83,7 @@ from .patterns import (
     sliding_window_pattern,
     strided_pattern,
 )
+from .relative_logits import BiasFn, check_relative_embedding, materialize_bias, relative_bias
 
 __all__ = [
     "reference_attention",
@@ -100,6 +105,7 @@ class _Checked(NamedTuple):
     scale: float
     dropout_p: float
     backend: str
+    bias_fn: BiasFn | None = None  # relative-position logits of the kept pairs
 
 
 def _check_shared(
@@ -112,8 +118,10 @@ def _check_shared(
     scale: float | None,
     dropout_p: float,
     backend: str,
+    relative_embedding: Tensor | None = None,
 ) -> _Checked:
-    """Validate the masks, documents, scale, dropout and back-end name of a call on q `[b, h, n_q, d]`,
+    """Validate the masks, documents, scale, dropout, back-end name and relative embedding of a call on q
+    `[b, h, n_q, d]`,
     k `[b, h_kv, n_k, d]`."""
     b, n_k = q.shape[0], k.shape[2]
     padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
@@ -121,7 +129,10 @@ def _check_shared(
     documents = check_document_ids(document_ids, b, n_k, device=q.device)
     dropout_p = check_dropout(dropout_p)
     scale = check_scale(scale, q.shape[-1])
-    return _Checked(padding, global_tokens, documents, scale, dropout_p, check_backend_name(backend))
+    backend = check_backend_name(backend)
+    embedding = check_relative_embedding(relative_embedding, q)
+    bias_fn = relative_bias(q, embedding, scale=scale, kv_len=n_k)  # the O(n · M) table, read per kept pair
+    return _Checked(padding, global_tokens, documents, scale, dropout_p, backend, bias_fn)
 
 
 def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
@@ -138,6 +149,7 @@ def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, ca
             key_padding=call.padding is not None,
             global_tokens=call.global_tokens is not None,
             documents=call.documents is not None,
+            relative_logits=call.bias_fn is not None,
             **fields,
         ),
     )
@@ -149,7 +161,14 @@ def _run_pattern(
     """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
     if backend == "reference":
         return reference_pattern_attention(
-            q, k, v, mask_fn=mask_fn, scale=call.scale, dropout_p=call.dropout_p, per_head=per_head
+            q,
+            k,
+            v,
+            mask_fn=mask_fn,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            per_head=per_head,
+            bias_fn=call.bias_fn,
         )
     # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
     per_batch = call.padding is not None or call.global_tokens is not None or call.documents is not None
@@ -162,6 +181,7 @@ def _run_pattern(
         per_batch=per_batch,
         per_head=per_head,
         cache_key=None if per_batch else mask_fn.__name__,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -177,6 +197,7 @@ def full_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Dense attention over every (visible) key through torch's `scaled_dot_product_attention`: the baseline.
 
@@ -186,8 +207,9 @@ def full_attention(
         causal: A query sees only keys at or before its position (bottom-right aligned when n_q < n_k).
         global_mask: Bool `[b, n_k]`; accepted so every attention kind takes the same arguments, but every token
             already sees every key, so it changes nothing (its shape is still checked).
-        k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
-            docstring); `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
+        k, v, key_padding_mask, document_ids, scale, dropout_p, backend, relative_embedding: As in every pattern
+            function (module docstring); the relative logits enter SDPA as a dense additive mask (every pair is
+            computed anyway); `"auto"` picks SDPA unless padding makes FlexAttention or xformers worth it on CUDA.
             With `document_ids`, the queries are the last n_q of the n_k positions.
 
     Raises:
@@ -206,6 +228,7 @@ def full_attention(
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
+        relative_embedding=relative_embedding,
     )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -218,7 +241,13 @@ def full_attention(
         return xformers_full_attention(
             q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p
         )
-    if choice == "torch" and call.padding is None and call.documents is None and (not causal or n_q == n_k):
+    if (
+        choice == "torch"
+        and call.padding is None
+        and call.documents is None
+        and call.bias_fn is None
+        and (not causal or n_q == n_k)
+    ):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, is_causal=causal, scale=call.scale)
     parts = [causal_mask()] if causal else []
     if call.padding is not None:
@@ -232,9 +261,14 @@ def full_attention(
     )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
     # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
     sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask | ~sees_a_key, dropout_p=call.dropout_p, scale=call.scale
-    )
+    attn_mask = mask | ~sees_a_key
+    if call.bias_fn is not None:
+        # Dense attention computes every pair anyway: the relative logits enter as SDPA's additive float mask.
+        bias = materialize_bias(
+            call.bias_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
+        )  # [b, h, n_q, n_k]
+        attn_mask = bias.to(q.dtype).masked_fill(~attn_mask, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale)
     return out.masked_fill(~sees_a_key, 0.0)
 
 
@@ -252,6 +286,7 @@ def sliding_window_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Longformer attention: (dilated) sliding window plus symmetric global tokens, in O(n · window).
 
@@ -262,14 +297,16 @@ def sliding_window_attention(
     Args:
         q: Queries `[b, h, n_q, d]`.
         k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h: grouped-query attention, each key/value head read by its
-            group of h / h_kv query heads (the blocked executor reads it in place; other back ends repeat it).
+            group of h / h_kv query heads (the blocked executor and the Triton kernels read it in place; other back
+            ends repeat it).
         v: Values `[b, h_kv, n_k, d_v]`.
         window: Keys on each side of a query (>= 1); a causal query sees `window` earlier keys and itself.
         dilation: Gap between attended keys (>= 1), or one per head (a sequence of length h).
         causal: Restrict every query, global ones included, to keys at or before its position.
         global_mask: Bool `[b, n_k]`, True = global token: it sees every key and every query sees it (of its own
             document, in packed rows).
-        key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module docstring).
+        key_padding_mask, document_ids, scale, dropout_p, backend, relative_embedding: As in every pattern function
+            (module docstring).
 
     Raises:
         ValueError: For a window or dilation below 1, a per-head dilation whose length is not h, a non-bool
@@ -290,6 +327,7 @@ def sliding_window_attention(
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
+        relative_embedding=relative_embedding,
     )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -302,8 +340,22 @@ def sliding_window_attention(
         document_ids=call.documents,
     )
     choice = _select(q, k, v, call, pattern="sliding", causal=causal, dilation=dilation)
+    if choice == "triton":
+        from .executor_triton import triton_sliding_window_attention  # noqa: PLC0415  (triton is optional)
+
+        return triton_sliding_window_attention(
+            q,
+            k,
+            v,
+            window=window,
+            dilation=dilation,
+            causal=causal,
+            global_mask=call.global_tokens,
+            key_padding_mask=call.padding,
+            scale=call.scale,
+        )
     if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
-        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # only the blocked executor reads groups
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # the blocked executor reads groups
     if choice == "xformers" and call.documents is not None:
         return xformers_document_attention(
             q,
@@ -343,6 +395,7 @@ def sliding_window_attention(
             scale=call.scale,
             dropout_p=call.dropout_p,
             backend="torch",
+            relative_embedding=relative_embedding,
         )
     return banded_attention(
         q,
@@ -355,6 +408,7 @@ def sliding_window_attention(
         global_mask=call.global_tokens,
         scale=call.scale,
         dropout_p=call.dropout_p,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -370,6 +424,7 @@ def strided_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Sparse Transformer strided attention (Child et al. 2019): the previous l keys and every l-th key.
 
@@ -382,8 +437,9 @@ def strided_attention(
     Args:
         stride: The stride l (>= 1).
         causal: Restrict every query to keys at or before its position (the paper's decoder form).
-        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
-            docstring). The sets depend on i − j only, so packed documents need only the same-document test.
+        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend, relative_embedding: As in every pattern
+            function (module docstring). The sets depend on i − j only, so packed documents need only the
+            same-document test.
 
     Raises:
         ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
@@ -400,6 +456,7 @@ def strided_attention(
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
+        relative_embedding=relative_embedding,
     )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -413,7 +470,15 @@ def strided_attention(
     if choice != "torch":
         return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=False)
     return strided_blocked_attention(
-        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, scale=call.scale, dropout_p=call.dropout_p
+        q,
+        k,
+        v,
+        mask_fn=mask_fn,
+        stride=stride,
+        causal=causal,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+        bias_fn=call.bias_fn,
     )
 
 
@@ -431,6 +496,7 @@ def fixed_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Sparse Transformer fixed attention (Child et al. 2019): the query's own block and every block's summary cells.
 
@@ -447,8 +513,8 @@ def fixed_attention(
         causal: Restrict every query to keys at or before its position.
         summary_per_head: Distinct summary sub-blocks per head (head h: sub-block h mod floor(l / c) from the
             block end); False: every head uses the last c cells.
-        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend: As in every pattern function (module
-            docstring). In packed rows blocks are counted from each document's start.
+        q, k, v, key_padding_mask, document_ids, scale, dropout_p, backend, relative_embedding: As in every pattern
+            function (module docstring). In packed rows blocks are counted from each document's start.
 
     Raises:
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
@@ -466,6 +532,7 @@ def fixed_attention(
         scale=scale,
         dropout_p=dropout_p,
         backend=backend,
+        relative_embedding=relative_embedding,
     )
     if is_empty(q, k):
         return empty_attention(q, k, v)
@@ -485,6 +552,9 @@ def fixed_attention(
         # The executor's blocks start at multiples of l; each document's blocks start at its first token. Lay the
         # documents out so that each begins at a multiple of l, run the same predicate there, and gather back.
         def execute_laid_out(q: Tensor, k: Tensor, v: Tensor, position: Tensor, real: Tensor) -> Tensor:
+            bias_fn = call.bias_fn
+            if bias_fn is not None:  # the same relative logits, read at the original positions of the slots
+                bias_fn = _on_slot_positions(bias_fn, position)
             return fixed_blocked_attention(
                 q,
                 k,
@@ -496,6 +566,7 @@ def fixed_attention(
                 causal=causal,
                 scale=call.scale,
                 dropout_p=call.dropout_p,
+                bias_fn=bias_fn,
             )
 
         return _run_documents_aligned(execute_laid_out, q, k, v, call.documents, block_size)
@@ -519,8 +590,11 @@ def fixed_attention(
     else:
 
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
-            # In rolled rows, the SAME predicate evaluated on the original positions of the slots.
+            # In rolled rows, the SAME predicate (and bias) evaluated on the original positions of the slots.
             rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
+            bias_fn = call.bias_fn
+            if bias_fn is not None and rolled_index is not None:
+                bias_fn = _on_rolled_positions(bias_fn, first, n_k)
             return fixed_blocked_attention(
                 q,
                 k,
@@ -532,6 +606,7 @@ def fixed_attention(
                 causal=causal,
                 scale=call.scale,
                 dropout_p=call.dropout_p,
+                bias_fn=bias_fn,
             )
 
     # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
@@ -584,12 +659,14 @@ def _run_rolled(execute, q: Tensor, k: Tensor, v: Tensor, first: Tensor) -> Tens
     return out[:, :, n_k - n_q :]
 
 
-def _on_slot_positions(mask_fn: MaskFn, position: Tensor, real: Tensor) -> MaskFn:
-    """`mask_fn` for rows laid out in slots: slot s of row b holds original position `position[b, s]`, and only the
-    slots where `real[b, s]` hold a token (the others are gaps that no query sees)."""
+def _on_slot_positions(mask_fn, position: Tensor, real: Tensor | None = None):
+    """`mask_fn` (a predicate, or a `BiasFn`) for rows laid out in slots: slot s of row b holds original position
+    `position[b, s]`, and only the slots where `real[b, s]` hold a token (the others are gaps that no query sees;
+    a predicate is given `real`, a bias is not: the predicate already drops the gaps)."""
 
     def slot_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return real[bi, kv_idx] & mask_fn(bi, hi, position[bi, q_idx], position[bi, kv_idx])
+        at_positions = mask_fn(bi, hi, position[bi, q_idx], position[bi, kv_idx])
+        return at_positions if real is None else real[bi, kv_idx] & at_positions
 
     return slot_mask_fn
 

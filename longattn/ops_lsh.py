@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ from torch import Tensor
 
 from .backends import AttentionRequest, select_backend
 from .fused_kernel import current_kernel
-from .numerics import HALF_HIDDEN_PENALTY, compute_dtype
+from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, default_scale
 from .ops_checks import (
     check_backend_support,
     check_document_ids,
@@ -80,8 +81,10 @@ from .ops_checks import (
     is_empty,
 )
 from .patterns import document_index
+from .relative_logits import check_relative_embedding, materialize_bias, relative_bias, relative_logit_table
 
 __all__ = [
+    "RelativeColumns",
     "SELF_SCORE",
     "attend_windows",
     "attend_windows_on_kernel",
@@ -480,8 +483,9 @@ def attend_windows(
         k: `[N, d]` key rows, N >= (B - 1)·stride + w.
         v: `[N, d_v]`.
         mask: Bool `[B, c or 1, w]`, True = visible; or a float bias of that shape, 0 = visible and -inf = masked
-            (cheaper to build directly for large masks). w is the window length (a multiple of `stride` when
-            larger than it).
+            (cheaper to build directly for large masks), or any finite logit bias where visible (relative-position
+            logits; a bias that requires grad gets its gradient through autograd's path). w is the window length (a
+            multiple of `stride` when larger than it).
         stride: Rows between the starts of consecutive windows.
         scale: Multiplier of q·k.
         dropout_p: Dropout on the probabilities (this path keeps autograd's own backward).
@@ -501,12 +505,13 @@ def attend_windows(
         )  # added to the scores
     else:
         bias, mask = mask, ~torch.isneginf(mask)
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 and not bias.requires_grad:
         return _WindowAttention.apply(q, k, v, bias, float(scale), stride, self_column, keep_probs)
     dtype = compute_dtype(q.dtype)
     keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
     values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
-    scores = torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)).masked_fill(~mask, -math.inf)
+    # masked_fill after the bias: a row with no visible key then sends no NaN gradient back (logsumexp of -inf).
+    scores = (torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)) + bias.to(dtype)).masked_fill(~mask, -math.inf)
     if self_column is not None:
         own = torch.zeros_like(scores, dtype=torch.bool)
         _self_diagonal(own, self_column).fill_(True)
@@ -559,21 +564,25 @@ class _GatheredWindows(torch.autograd.Function):
         stride,
         self_column,
         key_norm_eps,
+        relative_table,
+        query_position,
+        key_position,
     ):
         dtype = compute_dtype(q_rows.dtype)
         c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
+        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
         key_factor = None
         if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
             key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
         slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
         slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
-        rows = _GroupRows(
-            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-        )
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index)
         hidden = None if mask is None else ~mask
         for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = rows.group(start, stop)
+            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
+            if relative is not None:
+                scores.add_(relative.bias(start, stop))
             _hide(scores, start, stop, hidden, first, last, self_column)
             row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
             # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
@@ -586,20 +595,7 @@ class _GatheredWindows(torch.autograd.Function):
         slot_lse = slot_lse.view(-1)
         out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
         ctx.save_for_backward(
-            q_rows,
-            k_rows,
-            v_rows,
-            key_factor,
-            query_index,
-            key_index,
-            value_index,
-            out_index,
-            mask,
-            first,
-            last,
-            slot_lse,
-            out,
-            lse,
+            *rows, out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position
         )
         ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
         ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
@@ -607,22 +603,12 @@ class _GatheredWindows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (
-            q_rows,
-            k_rows,
-            v_rows,
-            key_factor,
-            query_index,
-            key_index,
-            value_index,
-            out_index,
-            mask,
-            first,
-            last,
-            slot_lse,
-            out,
-            lse,
-        ) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        rows = _GroupRows(*saved[: len(_GroupRows._fields)])
+        out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position = saved[
+            len(_GroupRows._fields) :
+        ]
+        q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index = rows
         n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
@@ -641,14 +627,17 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
-        rows = _GroupRows(
-            q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-        )
         hidden = None if mask is None else ~mask
+        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
+        grad_table = None
+        if relative is not None and ctx.needs_input_grad[17]:
+            grad_table = torch.zeros(relative_table.shape, dtype=dtype, device=out.device)
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
-            queries, keys, values = rows.group(start, stop)
+            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
+            if relative is not None:
+                probs.add_(relative.bias(start, stop))
             _hide(probs, start, stop, hidden, first, last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
             # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
@@ -656,6 +645,8 @@ class _GatheredWindows(torch.autograd.Function):
             grad_scores = torch.bmm(grad_slot, values.transpose(1, 2)).sub_(slot_delta[start:stop]).mul_(probs)
             if self_column is not None:
                 _self_diagonal(grad_scores, self_column).zero_()  # the self score is a constant
+            if grad_table is not None:
+                relative.add_grad(grad_table, grad_scores, start, stop)
             window_rows = (
                 torch.arange(start, stop, device=out.device)[:, None] * stride + torch.arange(w, device=out.device)
             ).view(-1)  # [g·w]
@@ -674,7 +665,44 @@ class _GatheredWindows(torch.autograd.Function):
             grad_k = None
         else:
             grad_k = grad_k.to(k_rows.dtype)
-        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14)
+        grad_table = None if grad_table is None else grad_table.to(relative_table.dtype)
+        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14, grad_table, None, None)
+
+
+class RelativeColumns:
+    """Relative-position logits of gathered windows (`longattn.relative_logits`): slot s of window u reads row
+    `out_index[s]` of the table `[n_out, 2M + 1]` (the query's own row), at the column of the clipped distance
+    `key_position[window row] − query_position[s]`. Index tensors only; the bias of a group is gathered when needed
+    (forward, and again in backward), so nothing of size U·c·w is kept."""
+
+    def __init__(self, table, query_position, key_position, out_index, c, stride, w):
+        self.table, self.c, self.stride, self.w = table, c, stride, w
+        self.reach = (table.shape[1] - 1) // 2
+        self.row = out_index.clamp(min=0)  # unanswered slots read row 0: their scores count nowhere
+        self.query_position, self.key_position = query_position, key_position
+
+    @classmethod
+    def of(cls, table, query_position, key_position, out_index, c, stride, w) -> RelativeColumns | None:
+        return None if table is None else cls(table, query_position, key_position, out_index, c, stride, w)
+
+    def _index(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        c, stride, w = self.c, self.stride, self.w
+        rows = self.row[start * c : stop * c].view(-1, c, 1)  # [g, c, 1]
+        window_rows = torch.arange(start, stop, device=rows.device)[:, None] * stride + torch.arange(
+            w, device=rows.device
+        )  # [g, w]
+        distance = self.key_position[window_rows][:, None, :] - self.query_position[start * c : stop * c].view(-1, c, 1)
+        return rows, distance.clamp_(-self.reach, self.reach).add_(self.reach)  # [g, c, 1], [g, c, w]
+
+    def bias(self, start: int, stop: int) -> Tensor:
+        """`[g, c, w]` logits of windows start..stop."""
+        rows, column = self._index(start, stop)
+        return self.table[rows, column]
+
+    def add_grad(self, grad_table: Tensor, grad_scores: Tensor, start: int, stop: int) -> None:
+        """Adds the scores' gradient `[g, c, w]` onto the table entries they read."""
+        rows, column = self._index(start, stop)
+        grad_table.index_put_((rows.expand_as(column), column), grad_scores.to(grad_table.dtype), accumulate=True)
 
 
 def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: torch.device):
@@ -687,30 +715,34 @@ def _window_groups(n_windows: int, c: int, w: int, dtype: torch.dtype, device: t
         yield start, stop, buffer[: stop - start]
 
 
-class _GroupRows:
-    """The rows of each group of windows, gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value
-    windows `[g, w, d]` (keys times `key_factor [Nk, 1]` when given). A -1 index reads row 0: such a key is hidden
-    by the mask and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+class _GroupRows(NamedTuple):
+    """The rows and indices `_GatheredWindows` reads (saved for backward as they are), and their gather per group of
+    windows."""
 
-    def __init__(
-        self, q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index, c, stride, w, dtype, scale
-    ):
-        self.q_rows, self.k_rows, self.v_rows, self.key_factor = q_rows, k_rows, v_rows, key_factor
-        self.query_index, self.key_index = query_index.clamp(min=0), key_index.clamp(min=0)
-        self.value_index = value_index.clamp(min=0)
-        self.c, self.stride, self.w, self.dtype, self.scale = c, stride, w, dtype, scale
+    q_rows: Tensor  # [Nq, d]
+    k_rows: Tensor  # [Nk, d]
+    v_rows: Tensor  # [Nv, d_v]
+    key_factor: Tensor | None  # [Nk, 1]
+    query_index: Tensor  # [U·c]
+    key_index: Tensor  # [R]
+    value_index: Tensor  # [R]
 
-    def group(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
-        c, stride, w, dtype = self.c, self.stride, self.w, self.dtype
-        queries = self.q_rows.index_select(0, self.query_index[start * c : stop * c]).to(dtype)
-        queries = queries.view(stop - start, c, -1)
-        if self.scale != 1.0:
-            queries.mul_(self.scale)
+    def group(
+        self, start: int, stop: int, c: int, stride: int, w: int, dtype: torch.dtype, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Windows start..stop gathered in `dtype`: queries `[g, c, d]` (times `scale`) and key / value windows
+        `[g, w, d]` (keys times `key_factor` when given). A -1 index reads row 0: such a key is hidden by the mask
+        and such a slot answers nothing, so its value never counts (and its gradient goes nowhere)."""
+        query_index = self.query_index[start * c : stop * c].clamp(min=0)
+        queries = self.q_rows.index_select(0, query_index).to(dtype).view(stop - start, c, -1)
+        if scale != 1.0:
+            queries.mul_(scale)
         span = slice(start * stride, (stop - 1) * stride + w)  # the key rows the group's windows cover
-        keys = self.k_rows.index_select(0, self.key_index[span]).to(dtype)
+        key_index, value_index = self.key_index[span].clamp(min=0), self.value_index[span].clamp(min=0)
+        keys = self.k_rows.index_select(0, key_index).to(dtype)
         if self.key_factor is not None:
-            keys.mul_(self.key_factor.index_select(0, self.key_index[span]))
-        values = self.v_rows.index_select(0, self.value_index[span]).to(dtype)
+            keys.mul_(self.key_factor.index_select(0, key_index))
+        values = self.v_rows.index_select(0, value_index).to(dtype)
         return queries, _windows(keys, 0, stop - start, stride, w), _windows(values, 0, stop - start, stride, w)
 
 
@@ -771,6 +803,9 @@ def attend_gathered_windows(
     last: Tensor | None = None,
     self_column: int | None = None,
     key_norm_eps: float | None = None,
+    relative_table: Tensor | None = None,
+    query_position: Tensor | None = None,
+    key_position: Tensor | None = None,
 ) -> Tensor:
     """`attend_windows` over rows gathered by index, its slots merged into output rows: memory O(n·d) + indices.
 
@@ -804,6 +839,11 @@ def attend_gathered_windows(
         key_norm_eps: Keys are the rows of k_rows normalised as `normalize_keys(k_rows, key_norm_eps)` (Reformer's
             shared-QK keys), row by row as they are gathered, so no normalised copy is kept; None: as they are.
             Pass the same tensor as q_rows and k_rows for shared queries and keys.
+        relative_table: Optional relative-position logits `[n_out, 2M + 1]` (`relative_logits.relative_logit_table`
+            of output row p, already scaled), added to the scores differentiably: slot s reads row `out_index[s]`
+            at the clipped distance `key_position − query_position`.
+        query_position: Long `[U·c]`, the sequence position of every slot (with `relative_table`).
+        key_position: Long `[R]`, the sequence position of every window row (any value where there is no key).
 
     Returns:
         `[n_out, d_v]` in q_rows' dtype; zeros for a row no slot answers or whose slots see no key.
@@ -812,6 +852,8 @@ def attend_gathered_windows(
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={width}, stride={stride}.")
     if (first is None) != (last is None):
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
+    if relative_table is not None and (query_position is None or key_position is None):
+        raise ValueError("`relative_table` needs `query_position` and `key_position` (where each pair lies).")
     n_windows = query_index.shape[0] // chunk
     return _GatheredWindows.apply(
         q_rows,
@@ -831,6 +873,9 @@ def attend_gathered_windows(
         stride,
         self_column,
         key_norm_eps,
+        relative_table,
+        query_position,
+        key_position,
     )
 
 
@@ -972,6 +1017,7 @@ def lsh_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     document_ids: Tensor | None = None,
+    relative_embedding: Tensor | None = None,
 ) -> Tensor:
     """Reformer LSH attention with shared queries and keys, in O(n·log n + n·r·c·w) time.
 
@@ -1001,6 +1047,8 @@ def lsh_attention(
             a GPU), or `"reference"`: `lsh_attention_dense` at the same rotations, O(r · n²) memory, for tests (it
             equals the kernel on real tokens; padded queries and the dropout draws may differ). `"flex"` cannot
             run LSH attention.
+        relative_embedding: Optional r `[2M + 1, d]`: relative-position logits (`longattn.relative_logits`), scale
+            1/sqrt(d) · q·r of the clipped distance between the original positions of each pair a chunk computes.
 
     Returns:
         Output `[b, h, n, d_v]`.
@@ -1032,6 +1080,7 @@ def lsh_attention(
     else:
         _check_rotations(rotations, heads=h, head_dim=d, num_buckets=num_buckets)
     check_backend_support(backend, attention="LSH", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS)
+    relative_embedding = check_relative_embedding(relative_embedding, qk)
     if is_empty(qk, qk):
         return empty_attention(qk, qk, v)
     d_v = v.shape[-1]
@@ -1054,6 +1103,7 @@ def lsh_attention(
                 dropout_p=dropout_p,
                 causal=causal,
                 key_padding=key_padding_mask is not None,
+                relative_logits=relative_embedding is not None,
             ),
         )  # raises with the reasons when the kernel cannot run here
         windows = attend_windows_on_kernel
@@ -1072,6 +1122,7 @@ def lsh_attention(
             key_padding_mask=key_padding_mask,
             dropout_p=dropout_p,
             document_ids=document_ids,
+            relative_embedding=relative_embedding,
         )
         return out
     r = rotations.shape[2]
@@ -1126,12 +1177,21 @@ def lsh_attention(
             key_document = _windows(row_document[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
             query_document = row_document[before * c : before * c + n_queries * c].view(n_queries, c, 1)
             mask = mask & (key_document == query_document)  # [U, c, w]
+        out_index = _scatter_index(n_queries * c, buffer_row[..., :n], (bi * h + hi) * n + real)
+    relative = {}
+    if relative_embedding is not None:
+        # The O(n · M) table of every (batch, head, position), read per pair at the original positions; the
+        # table's rows are the output rows `(b · h + head) · n + position`, which `out_index` names.
+        with torch.no_grad():
+            query_position = _scatter_index(n_queries * c, buffer_row[..., :n], real)
+            key_position = torch.cat([lead, query_position, tail])
+        table = relative_logit_table(qk, relative_embedding, default_scale(d)).reshape(b * h * n, -1)
+        relative = dict(relative_table=table, query_position=query_position, key_position=key_position)
 
     if windows is attend_windows and dropout_p == 0.0:
         # Neither the sorted copies nor the probabilities are kept: the kernel gathers the rows of each group of
         # chunks in forward and again in backward, and merges the rounds of every position by log-sum-exp.
         with torch.no_grad():
-            out_index = _scatter_index(n_queries * c, buffer_row[..., :n], (bi * h + hi) * n + real)
             first = last = None
             if causal:
                 # The visible keys of a causal query are the last (at most before·c) entries of its bucket before
@@ -1161,6 +1221,7 @@ def lsh_attention(
             first=first,
             last=last,
             self_column=before * c,
+            **relative,
         )
         return out.view(b, h, n, d_v)
 
@@ -1188,6 +1249,11 @@ def lsh_attention(
     q_sorted = qk_sorted[before * c : before * c + n_queries * c].view(n_queries, c, d)
     k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero
     v_sorted = gather_rows(v_rows, value_index, value_inverse)  # [rows, d_v]
+    if relative:
+        columns = RelativeColumns(
+            relative["relative_table"], relative["query_position"], relative["key_position"], out_index, c, c, w
+        )
+        mask = columns.bias(0, n_queries).masked_fill(~mask, -math.inf)  # [U, c, w], differentiable
     out, lse = windows(
         q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p, self_column=before * c
     )  # [U, c, d_v], [U, c]
@@ -1252,6 +1318,7 @@ def lsh_attention_dense(
     key_padding_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     document_ids: Tensor | None = None,
+    relative_embedding: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The same attention as `lsh_attention`, written as dense masked attention in O(r·n·m) (with its weights).
 
@@ -1266,7 +1333,7 @@ def lsh_attention_dense(
         v: Values `[b, h, m, d_v]`.
         rotations: `[h or 1, d, r, Σ factors/2]`, the rotations the fast path used.
         bucket_size, num_buckets, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p,
-            document_ids: As in `lsh_attention` (`document_ids` `[b, m]`).
+            document_ids, relative_embedding: As in `lsh_attention` (`document_ids` `[b, m]`).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`, weights summed over the rounds.
@@ -1305,7 +1372,15 @@ def lsh_attention_dense(
         visible &= ~same_position
         if document_ids is not None:  # chunk neighbours may hold another document
             visible &= (document_ids[:, :, None] == document_ids[:, None, :])[:, None, None]
-    scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), normalize_keys(k.to(dtype)))[:, :, None]  # [b, h, 1, n, m]
+    scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), normalize_keys(k.to(dtype)))  # [b, h, n, m]
+    bias_fn = relative_bias(
+        q, check_relative_embedding(relative_embedding, q), scale=default_scale(q.shape[-1]), kv_len=m
+    )
+    if bias_fn is not None:
+        scores = scores + materialize_bias(
+            bias_fn, batch=b, heads=h, q_len=n, kv_len=m, q_offset=m - n, device=q.device
+        )
+    scores = scores[:, :, None]  # [b, h, 1, n, m]
     scores = scores.masked_fill(~visible, -math.inf)
     lonely = ~visible.any(dim=-1, keepdim=True)  # [b, h, r, n, 1]: only the query's own key is left
     scores = torch.where(lonely & same_position, torch.full_like(scores, SELF_SCORE), scores)

@@ -196,6 +196,13 @@ def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskF
     )
 
 
+def _token_flags(name: str, mask: Tensor) -> Tensor:
+    """A `[b, n]` per-token mask as bool; `ValueError` naming `name` for another rank."""
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must have shape [batch, length], got {tuple(mask.shape)}")
+    return mask.bool()
+
+
 def key_padding_predicate(key_padding_mask: Tensor) -> MaskFn:
     """Keys that are real tokens (not padding) are visible.
 
@@ -208,9 +215,7 @@ def key_padding_predicate(key_padding_mask: Tensor) -> MaskFn:
     Raises:
         ValueError: If `key_padding_mask` is not 2-D.
     """
-    if key_padding_mask.dim() != 2:
-        raise ValueError(f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}")
-    padding = key_padding_mask.bool()
+    padding = _token_flags("key_padding_mask", key_padding_mask)
 
     def key_padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return padding[b, kv_idx]
@@ -230,9 +235,7 @@ def global_token_mask(global_mask: Tensor) -> MaskFn:
     Raises:
         ValueError: If `global_mask` is not 2-D.
     """
-    if global_mask.dim() != 2:
-        raise ValueError(f"global_mask must have shape [batch, length], got {tuple(global_mask.shape)}")
-    is_global = global_mask.bool()
+    is_global = _token_flags("global_mask", global_mask)
 
     def global_tokens(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return is_global[b, q_idx] | is_global[b, kv_idx]
@@ -304,7 +307,15 @@ def sliding_window_pattern(
     local = sliding_window_mask(window, dilation)
     if global_mask is not None:
         local = or_masks(local, global_token_mask(global_mask))
-    parts = [local]
+    return _restricted(local, causal=causal, key_padding_mask=key_padding_mask, document_ids=document_ids)
+
+
+def _restricted(
+    mask_fn: MaskFn, *, causal: bool, key_padding_mask: Tensor | None, document_ids: Tensor | None = None
+) -> MaskFn:
+    """`mask_fn AND causal? AND real key? AND same document?`: a pattern function's last step (`mask_fn` itself when
+    none applies)."""
+    parts = [mask_fn]
     if causal:
         parts.append(causal_mask())
     if key_padding_mask is not None:
@@ -528,8 +539,7 @@ def from_first_real_token(mask_fn: MaskFn, key_padding_mask: Tensor) -> MaskFn:
     Raises:
         ValueError: If `key_padding_mask` is not 2-D.
     """
-    if key_padding_mask.dim() != 2:
-        raise ValueError(f"key_padding_mask must have shape [batch, length], got {tuple(key_padding_mask.shape)}")
+    _token_flags("key_padding_mask", key_padding_mask)
     first = first_real_token(key_padding_mask)
     length = key_padding_mask.shape[1]
 
@@ -738,12 +748,10 @@ def strided_pattern(
     Raises:
         ValueError: For an invalid stride or mask rank.
     """
-    parts = [strided_mask(stride, causal)]
-    if key_padding_mask is not None:
-        parts.append(key_padding_predicate(key_padding_mask))
-    if document_ids is not None:
-        parts.append(same_document_mask(document_ids))
-    return parts[0] if len(parts) == 1 else and_masks(*parts)
+    # causal inside the strided predicate
+    return _restricted(
+        strided_mask(stride, causal), causal=False, key_padding_mask=key_padding_mask, document_ids=document_ids
+    )
 
 
 def fixed_pattern(
@@ -776,13 +784,9 @@ def fixed_pattern(
     Raises:
         ValueError: For invalid sizes or mask rank.
     """
-    parts = [fixed_mask(block_size, num_summary, summary_per_head)]
+    blocks = fixed_mask(block_size, num_summary, summary_per_head)
     if document_ids is not None:
-        parts[0] = from_document_start(parts[0], document_ids)
+        blocks = from_document_start(blocks, document_ids)
     elif key_padding_mask is not None:
-        parts[0] = from_first_real_token(parts[0], key_padding_mask)
-    if causal:
-        parts.append(causal_mask())
-    if key_padding_mask is not None:
-        parts.append(key_padding_predicate(key_padding_mask))
-    return parts[0] if len(parts) == 1 else and_masks(*parts)
+        blocks = from_first_real_token(blocks, key_padding_mask)
+    return _restricted(blocks, causal=causal, key_padding_mask=key_padding_mask)

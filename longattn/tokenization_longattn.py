@@ -17,6 +17,8 @@ causal-LM recipe appends `</s>` to its training texts itself, so the model still
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -75,4 +77,68 @@ def byte_tokenizer(
     )
 
 
-__all__ = ["byte_tokenizer", "byte_tokenizer_object", "BYTE_OFFSET", "VOCAB_SIZE", "SPECIAL_TOKENS"]
+UNK_TOKEN = "<unk>"
+WORD_SPECIAL_TOKENS = (*SPECIAL_TOKENS, UNK_TOKEN)  # ids 0-4 of a word-level tokenizer
+
+
+def word_level_tokenizer(
+    words: Sequence[str], model_max_length: int = 4096, padding_side: str = "right"
+) -> PreTrainedTokenizerFast:
+    """A tokenizer for texts of whitespace-separated words from a closed vocabulary (ListOps: the digits, the
+    operators and `]`), one token per word, built offline.
+
+    Ids: `<pad>` 0, `<s>` 1, `</s>` 2, `<mask>` 3 (as the byte tokenizer, hence `LongAttnConfig`'s defaults),
+    `<unk>` 4, then `words` in order. Encoding frames a text as `<s> ... </s>` (`<s>` is the classification token,
+    `cls_token`; `</s>` the `sep_token`); decoding joins the words with single spaces.
+
+    Args:
+        words: The vocabulary, distinct, none containing whitespace or equal to a special token.
+        model_max_length / padding_side: As in `byte_tokenizer`.
+
+    Returns:
+        A fast tokenizer (a `tokenizers` WordLevel model after a whitespace split) whose `save_pretrained` folder
+        loads with `AutoTokenizer.from_pretrained` and no custom code.
+
+    Raises:
+        ValueError: a repeated word, a word with whitespace, an empty word or a special token among `words`.
+    """
+    words = list(words)
+    bad = [word for word in words if not word or word.split() != [word] or word in WORD_SPECIAL_TOKENS]
+    if bad or len(set(words)) != len(words):
+        raise ValueError(
+            f"words={bad or words!r} is invalid: expected distinct, non-empty words without whitespace, none of "
+            f"{list(WORD_SPECIAL_TOKENS)}."
+        )
+    vocab = {token: index for index, token in enumerate((*WORD_SPECIAL_TOKENS, *words))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Split on whitespace only: `Whitespace` would also cut "[MAX" into "[" and "MAX".
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in WORD_SPECIAL_TOKENS])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A {EOS_TOKEN}",
+        pair=f"{BOS_TOKEN} $A {EOS_TOKEN} $B:1 {EOS_TOKEN}:1",
+        special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN]), (EOS_TOKEN, vocab[EOS_TOKEN])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        cls_token=BOS_TOKEN,
+        sep_token=EOS_TOKEN,
+        mask_token=MASK_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=model_max_length,
+        padding_side=padding_side,
+    )
+
+
+__all__ = [
+    "byte_tokenizer",
+    "byte_tokenizer_object",
+    "word_level_tokenizer",
+    "BYTE_OFFSET",
+    "VOCAB_SIZE",
+    "SPECIAL_TOKENS",
+    "WORD_SPECIAL_TOKENS",
+]

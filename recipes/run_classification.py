@@ -7,6 +7,8 @@ that off); a lengthened stock checkpoint (`longattn-lengthen`, e.g. RoBERTa) get
 its `global_attention_mask`. Data: `text` and `label` columns (`--text_column`, `--label_column`); integer or string
 labels are classes;
 numbers such as 1.5 are a regression, with `--problem_type regression` (without it they stop the run with an error).
+The classes are those of the training data, sorted, or the list `--label_names` gives (required with `--streaming`,
+which cannot read the whole training data first).
 
     longattn-data needle --output_dir data/generated/needle
     accelerate launch --config_file recipes/configs/cpu_2proc.yaml recipes/run_classification.py \\
@@ -42,6 +44,12 @@ def main(argv: list[str] | None = None) -> dict:
         default="single_label_classification",
         help="regression: one output trained with MSE on numeric labels (a label such as 1.5 is refused without it)",
     )
+    parser.add_argument(
+        "--label_names",
+        type=lambda text: [name.strip() for name in text.split(",")],
+        help="the classes, comma-separated, in the order of the model's outputs (e.g. 'negative,positive' or "
+        "'0,1,2'); default: the labels of the training data, sorted; required with --streaming",
+    )
     parser.add_argument("--packing", action="store_true", help="not supported here: one label per row (see the error)")
     args = training.parse_args(parser, argv)
     if args.packing:
@@ -49,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--packing is not supported for classification: the model pools one label per row from its first "
             "token, so packed texts would share a label; texts are padded per batch instead (one text per row)."
         )
+    check_label_names(args)
     config = training.load_config(args, task="classification")
     tokenizer = training.load_tokenizer(args, config)
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
@@ -59,20 +68,30 @@ def main(argv: list[str] | None = None) -> dict:
         columns["text_pair_column"] = args.text_pair_column
     raw = training.load_raw_datasets(args, columns)  # labels checked: one kind, numbers only for a regression
 
-    train_labels = raw["train"].unique(args.label_column)
     is_regression = args.problem_type == "regression"
     config.problem_type = "regression" if is_regression else None  # None: the head infers it from the labels
     if is_regression:
         config.num_labels, label_to_id = 1, None
     else:
-        label_list = sorted(train_labels)
-        unseen = sorted(set(raw["validation"].unique(args.label_column)) - set(label_list))
-        if unseen:
-            raise training.RecipeError(f"validation labels {unseen[:5]} never occur in the training data.")
+        # Labels are looked up by their text, so that `--label_names 0,1` names the integer labels 0 and 1.
+        label_list = args.label_names or [str(label) for label in sorted(raw["train"].unique(args.label_column))]
+        splits = ("validation",) if args.streaming or not args.label_names else ("train", "validation")
+        for split in splits:  # a stream's labels are checked as they are read (`label_id`)
+            unseen = sorted({str(label) for label in raw[split].unique(args.label_column)} - set(label_list))
+            if unseen:
+                where = "in --label_names" if args.label_names else "in the training data"
+                raise training.RecipeError(f"{split} labels {unseen[:5]} are not {where} {label_list[:10]}.")
         label_to_id = {label: i for i, label in enumerate(label_list)}
         config.num_labels = len(label_list)
-        config.label2id = {str(label): i for label, i in label_to_id.items()}
-        config.id2label = {i: str(label) for label, i in label_to_id.items()}
+        config.label2id = dict(label_to_id)
+        config.id2label = {i: label for label, i in label_to_id.items()}
+
+    def label_id(label) -> int:
+        if str(label) not in label_to_id:  # a label of a streamed training set, met while training
+            raise training.RecipeError(
+                f"label {label!r} of column {args.label_column!r} is not in --label_names {label_list[:10]}."
+            )
+        return label_to_id[str(label)]
 
     stock = not training.is_longattn(config)  # a lengthened BERT / RoBERTa / ... (--model_name_or_path)
 
@@ -82,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             texts += (examples[args.text_pair_column],)
         encoded = tokenizer(*texts, truncation=True, max_length=max_length)
         labels = examples[args.label_column]
-        encoded["labels"] = [float(x) for x in labels] if is_regression else [label_to_id[x] for x in labels]
+        encoded["labels"] = [float(x) for x in labels] if is_regression else [label_id(x) for x in labels]
         if args.global_attention == "none":
             encoded["global_attention_mask"] = [[0] * len(ids) for ids in encoded["input_ids"]]
         elif stock:  # a stock model's forward has no global default: the mask names the first token
@@ -129,6 +148,24 @@ def main(argv: list[str] | None = None) -> dict:
     )
     training.finish(args, accelerator, model, tokenizer, results, task="classification")
     return results
+
+
+def check_label_names(args) -> None:
+    """--label_names: distinct, non-empty names, for classes only; required with --streaming (a stream cannot be
+    scanned for its labels before training)."""
+    if args.label_names is None:
+        if args.streaming and args.problem_type != "regression":
+            raise training.RecipeError(
+                "--streaming needs --label_names (e.g. --label_names negative,positive): the classes cannot be "
+                "read from a stream before training."
+            )
+        return
+    if args.problem_type == "regression":
+        raise training.RecipeError("--label_names names classes; a regression (--problem_type regression) has none.")
+    if "" in args.label_names or len(set(args.label_names)) != len(args.label_names):
+        raise training.RecipeError(
+            f"--label_names {','.join(args.label_names)!r}: expected distinct, non-empty names separated by commas."
+        )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
         "(position_ids restart per text): no padding, and no attention across texts",
     )
     args = training.parse_args(parser, argv)
-    if args.packing and args.line_by_line:
-        raise training.RecipeError("--packing and --line_by_line are exclusive: pick one way to lay texts out.")
+    training.check_packing(args)
     if not 0 < args.mlm_probability < 1:
         raise training.RecipeError(f"--mlm_probability {args.mlm_probability} must be in (0, 1).")
     config = training.load_config(args, task="mlm")
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
                 desc=f"blocks of {max_length}",
             )
     for split in ("train", "validation"):
-        if len(processed[split]) == 0:
+        if training.is_empty(processed[split]):  # a stream is peeked
             raise training.RecipeError(
                 f"the {split} texts make no block of {max_length} tokens: lower "
                 f"--max_seq_length or pass --line_by_line."

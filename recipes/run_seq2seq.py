@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
                 do_sample=False,
                 decoder_start_token_id=start_id,
                 pad_token_id=pad_id,
+                synced_gpus=training.shards_parameters(accelerator),  # sharded weights: every forward is collective
             )
             generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad_id)
             labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)

@@ -17,7 +17,8 @@ extra, torch pinned first so that pip keeps the CPU build:
     pip install torch==2.13.0 && pip install -e ".[bench]"
 
 Method (also written into the report):
-- time: best of `--repeats` runs after one warm-up run, wall clock (`time.perf_counter`), torch's default threads.
+- time: best of `--repeats` runs after one warm-up run, wall clock (`time.perf_counter`), torch's default threads;
+  `--clock cpu --threads 1`: the worker's own CPU time on one thread, which other processes' load hardly moves.
 - peak MB (RSS): high-water resident memory of the worker (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus its
   resident memory just before the first run, when libraries, weights and inputs are already loaded. It counts every
   allocation of the step (tensors, allocator slack, library buffers), not only torch tensors.
@@ -522,6 +523,8 @@ def _tensor_peak_mb(step) -> float | None:
 def worker(args: argparse.Namespace) -> dict:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sys.path.insert(0, str(PACKAGE_ROOT))
     torch.manual_seed(0)
     layer = IMPLS[args.impl].build(args)
@@ -557,7 +560,7 @@ def worker(args: argparse.Namespace) -> dict:
         }
     # On a shared machine, keep measuring until `repeats` runs had the CPUs to themselves (or patience runs out).
     deadline = time.monotonic() + args.wait_idle
-    times, others = [], []
+    times, cpu_times, others = [], [], []
     while sum(other <= NOISY for other in others) < args.repeats:
         if len(times) >= args.repeats and time.monotonic() > deadline:
             break
@@ -568,10 +571,13 @@ def worker(args: argparse.Namespace) -> dict:
         step()
         times.append(time.perf_counter() - start)
         busy_end, total_end, own_end = *_cpu_jiffies(), _own_cpu_seconds()
+        cpu_times.append(own_end - own_start)
         # CPU share used by OTHER processes during this run: all busy time minus this process's own.
         tick = os.sysconf("SC_CLK_TCK")
         other = (busy_end - busy_start) / tick - (own_end - own_start)
         others.append(max(0.0, other) / max(1e-9, (total_end - total_start) / tick))
+    if args.clock == "cpu":  # other processes' load hardly moves the process's own CPU time: every run counts
+        times, wall_times = cpu_times, times
     clean = [t for t, other in zip(times, others, strict=True) if other <= NOISY]
     best = min(clean) if clean else min(times)
     peak_rss = _max_rss_mb() - rss_before
@@ -587,6 +593,8 @@ def worker(args: argparse.Namespace) -> dict:
         "peak_rss_mb": peak_rss,
         "tensor_peak_mb": tensor_peak,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        **({"wall_s": wall_times} if args.clock == "cpu" else {}),
         "longattn_file": getattr(longattn, "__file__", None),
     }
 
@@ -680,6 +688,10 @@ def worker_launch(
             str(args.wait_idle),
             "--timeout",
             str(args.timeout),
+            "--clock",
+            getattr(args, "clock", "wall"),
+            "--threads",
+            str(getattr(args, "threads", 0)),
         ]
         + (["--no-tensor-memory"] if not args.tensor_memory else [])
         + [f"--set={item}" for item in args.set]
@@ -687,6 +699,8 @@ def worker_launch(
     command += ["--compiled"] if compiled else []
     env = {**os.environ, **ALLOCATORS[args.allocator]}
     env[PACKAGE_ROOT_VARIABLE] = str(args.against_tree if revision else REPO)
+    if getattr(args, "threads", 0):
+        env["OMP_NUM_THREADS"] = str(args.threads)
     return command, env
 
 
@@ -833,6 +847,8 @@ def model_worker(args: argparse.Namespace) -> dict:
     """One row of a model set: time and peak memory of forward + backward, or of greedy generation."""
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_set = MODEL_SETS[args.models]
     model = _stock_model(model_set, args.impl, args.length)
@@ -855,12 +871,22 @@ def model_worker(args: argparse.Namespace) -> dict:
         model(input_ids, **kwargs).last_hidden_state.backward(grad)
         model.zero_grad(set_to_none=True)
 
-    times = []
+    wall, cpu = [], []
     for _ in range(args.repeats + 1):  # the first run is the warm-up
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), _own_cpu_seconds()
         step()
-        times.append(time.perf_counter() - start)
-    return {**result, "time_s": min(times[1:]), "times_s": times, "peak_rss_mb": _max_rss_mb() - rss_before}
+        wall.append(time.perf_counter() - start)
+        cpu.append(_own_cpu_seconds() - start_cpu)
+    times = cpu if args.clock == "cpu" else wall
+    return {
+        **result,
+        "clock": args.clock,
+        "time_s": min(times[1:]),
+        "times_s": times,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_rss_mb": _max_rss_mb() - rss_before,
+    }
 
 
 def _measure_generation(model, input_ids, new_tokens: int) -> dict:
@@ -916,14 +942,48 @@ def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
         str(args.repeats),
         "--new-tokens",
         str(args.new_tokens),
+        "--clock",
+        args.clock,
+        "--threads",
+        str(args.threads),
     ]
     env = {**os.environ, **ALLOCATORS[args.allocator]}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     if completed.returncode != 0:
         lines = completed.stderr.strip().splitlines()
         reason = "killed (out of memory?)" if completed.returncode in (-9, 137) else (lines[-1] if lines else "failed")
         return {"impl": row, "length": length, "error": reason[:200]}
     return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _clock_name(args: argparse.Namespace) -> str:
+    if getattr(args, "clock", "wall") == "cpu":
+        return f"the worker's CPU time, user + system, {getattr(args, 'threads', 0) or 'default'} torch thread(s)"
+    return "wall clock"
+
+
+def _clock_words(args: argparse.Namespace) -> str:
+    words = f"{_clock_name(args)}, best of {args.repeats} runs after a warm-up run"
+    rounds = getattr(args, "rounds", 1)
+    if rounds > 1:
+        words += f", median over {rounds} rounds (rows alternated, each run a fresh process)"
+    return words
+
+
+def _median_of_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per row: the round whose time is the median of that row's rounds (a row failing in any round keeps
+    its error), with every round's time under `round_times_s`."""
+    merged = []
+    for per_row in zip(*rounds):
+        failed = next((r for r in per_row if "error" in r), None)
+        if failed is not None:
+            merged.append(failed)
+            continue
+        ordered = sorted(per_row, key=lambda r: r["time_s"])
+        merged.append({**ordered[(len(ordered) - 1) // 2], "round_times_s": [r["time_s"] for r in per_row]})
+    return merged
 
 
 def ideal_fraction(model_set: ModelSet, length: int) -> float:
@@ -949,7 +1009,7 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
         "",
         f"- command: `{command}`",
         f"- machine: {_cpu_name()}, {os.cpu_count()} CPU cores, torch threads {results[0].get('threads', '?')}",
-        f"- time: best of {args.repeats} runs after a warm-up run; peak MB: resident-set high-water mark minus the "
+        f"- time: {_clock_words(args)}; peak MB: resident-set high-water mark minus the "
         "resident set before the first run. Attention cost = time - floor's time; its ideal = (sdpa - floor) x "
         f"{fraction:.4g} (the window's keys per query over dense attention's"
         + (", causal average n/2)." if model_set.family == "llama" else ")."),
@@ -1033,12 +1093,12 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         + (" (glibc defaults)" if args.allocator == "glibc" else " (freed memory kept for reuse, see `ALLOCATORS`)"),
         "",
         "Method: each (implementation, length, mode) runs in a fresh subprocess. **time** is the best of "
-        f"{args.repeats} runs after a warm-up run (wall clock); `fwdbwd` is forward plus backward of a random output "
-        "gradient into the input and every weight. **peak MB** is the worker's resident-set high-water mark "
-        "(`getrusage(RUSAGE_SELF).ru_maxrss`) minus its resident set just before the first run (libraries, weights "
-        "and inputs loaded): every allocation the step makes, allocator slack included. **tensor MB** is the peak "
-        "of allocated-minus-freed torch tensor bytes during one extra untimed run, from the allocation events of "
-        "`torch.profiler(profile_memory=True)`. Ratios are against "
+        f"{args.repeats} runs after a warm-up run ({_clock_name(args)}); `fwdbwd` is forward plus backward of a "
+        "random output gradient into the input and every weight. **peak MB** is the worker's resident-set "
+        "high-water mark (`getrusage(RUSAGE_SELF).ru_maxrss`) minus its resident set just before the first run "
+        "(libraries, weights and inputs loaded): every allocation the step makes, allocator slack included. "
+        "**tensor MB** is the peak of allocated-minus-freed torch tensor bytes during one extra untimed run, from "
+        "the allocation events of `torch.profiler(profile_memory=True)`. Ratios are against "
         f"`{args.baseline}` at the same length and mode (time: how many times faster; memory: fraction of its peak).",
         "",
         "Implementations:",
@@ -1193,11 +1253,15 @@ def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
     length = args.model_length or model_set.length
     rows = args.rows or model_set.rows
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = []
-    for row in rows:
-        result = run_model_row(args, row, length)
-        results.append(result)
-        print(f"{row:>18} {length:>6}: {json.dumps(result)}", flush=True)
+    rounds = []
+    for round_index in range(args.rounds):  # rows alternated round by round: slow spells of a shared machine hit all
+        results = []
+        for row in rows:
+            result = run_model_row(args, row, length)
+            results.append(result)
+            print(f"round {round_index + 1} {row:>18} {length:>6}: {json.dumps(result)}", flush=True)
+        rounds.append(results)
+    results = _median_of_rounds(rounds)
     text = model_report(args, results, command)
     write_outputs(args, results, text)
 
@@ -1315,6 +1379,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--rows", nargs="+", metavar="ROW", help=f"only these rows of --models, of: {', '.join(MODEL_ROWS)}"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time by wall clock or by the worker process's CPU time (user + system, all threads); with --threads 1 "
+        "CPU time hardly moves with other processes' load, which wall clock does several-fold",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--models: measure every row this many times, rows alternated; the median counts",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)

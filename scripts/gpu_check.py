@@ -50,7 +50,7 @@ from longattn import backends, executor_flex, executor_xformers, ops, patterns  
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (rtol, atol) of outputs and gradients against the float32 reference on the same inputs.
 TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
-BACKENDS = ("torch", "flex", "xformers")
+BACKENDS = ("torch", "flex", "xformers", "triton")  # triton: run with TRITON_INTERPRET unset (compiled kernels)
 DEVICE = "cuda"  # `--device cpu` dry-runs the script's own logic on tiny sizes (FlexAttention then declines grads)
 
 
@@ -208,6 +208,11 @@ BENCH_CASES = [
     _sliding_case("sliding w256", window=256),
     _sliding_case("sliding w256 causal", window=256, causal=True),
     _sliding_case("dilated w256 d4", window=256, dilation=4),
+    # The Triton back end's targets (issue table): a wider window, a dilation mix across the 16 heads in one call,
+    # and one global token with padding (the cost of the global pass against the plain window).
+    _sliding_case("sliding w512", window=512),
+    _sliding_case("dilation mix 1,2,4,8 w256", window=256, dilation=(1, 2, 4, 8) * 4),
+    _sliding_case("sliding w256 + global + padding", window=256, padding=True, global_tokens=True),
     _strided_case("strided 256", stride=256, causal=False),
     _strided_case("strided 256 causal", stride=256, causal=True),
     _fixed_case("fixed 256/16", block_size=256, num_summary=16, causal=False),
@@ -339,8 +344,8 @@ def run_benchmarks(args) -> list[str]:
     lines = [
         "| pattern | n | mode | dense flash ms | ideal ms | "
         + " | ".join(f"{b} ms (MB)" for b in BACKENDS)
-        + " | best / ideal | flex / xformers |",
-        "|---|---|---|---|---|" + "---|" * len(BACKENDS) + "---|---|",
+        + " | best / ideal | flex / xformers | flex / triton |",
+        "|---|---|---|---|---|" + "---|" * len(BACKENDS) + "---|---|---|",
     ]
     for n in args.lengths:
         # Compile FlexAttention afresh for each length: otherwise the second length onwards runs a kernel compiled
@@ -389,10 +394,11 @@ def run_benchmarks(args) -> list[str]:
                     q.grad = k.grad = v.grad = None
                 best = min(times.values()) if times else math.nan
                 flex_vs_xformers = times.get("flex", math.nan) / times.get("xformers", math.nan)
+                flex_vs_triton = times.get("flex", math.nan) / times.get("triton", math.nan)
                 line = (
                     f"| {case.name} | {n} | {mode} | {dense[mode]:.2f} | {ideal:.3f} | "
                     + " | ".join(cells)
-                    + f" | {best / ideal:.2f} | {flex_vs_xformers:.2f} |"
+                    + f" | {best / ideal:.2f} | {flex_vs_xformers:.2f} | {flex_vs_triton:.2f} |"
                 )
                 print(line, flush=True)
                 lines.append(line)
@@ -532,6 +538,12 @@ def environment() -> list[str]:
         xformers_version = xformers.__version__
     except Exception as error:  # noqa: BLE001
         xformers_version = f"import failed ({type(error).__name__})"
+    try:
+        import triton  # noqa: PLC0415
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
     request = backends.AttentionRequest(
         pattern="sliding",
         device="cuda",
@@ -547,6 +559,7 @@ def environment() -> list[str]:
         f"- date: {datetime.date.today().isoformat()}",
         f"- GPU: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)",
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), xformers {xformers_version}, "
+        f"triton {triton_version}, "
         f"Python {platform.python_version()}",
         f"- `auto` for bf16 sliding attention with gradients: `{backends.select_backend('auto', request)}`",
     ]

@@ -14,3 +14,6 @@ python -m pip install --quiet -e ".[test,plot]"
 # xformers (the optional GPU back end) without its dependencies: its wheel pins another torch build. On CPU its
 # package still imports and its attention-bias objects work, so the tests of the xformers mapping run in CI.
 python -m pip install --quiet --no-deps "xformers==0.0.35"
+# triton (the optional "triton" back end), pinned: the suite runs its kernels on CPU through Triton's interpreter
+# (tests/test_triton_band.py); a GPU brings its own triton with its torch build.
+python -m pip install --quiet "triton==3.9.0"

@@ -3,7 +3,14 @@ and script_loading.py, which the test files import)."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# Triton reads this when its kernels are defined (on import of `longattn.executor_triton`): set before any import
+# of triton, its kernels run on CPU through its interpreter (tests/test_triton_band.py). Nothing else in the suite
+# uses Triton: torch's CPU compiler generates C++, and the xformers tests use its bias objects only.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture

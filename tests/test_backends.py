@@ -53,11 +53,15 @@ def _reference_fn(mask_fn, n_q=N, n_k=N, heads=H):
 
 # ---------------------------------------------------------------------------------------------- the dispatcher
 def test_unknown_backend_name_lists_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"'cuda'.*'auto', 'reference', 'torch', 'flex', 'xformers'"):
+    with pytest.raises(ValueError, match=r"'cuda'.*'auto', 'reference', 'torch', 'flex', 'xformers', 'triton'"):
         select_backend("cuda", _request())
     with pytest.raises(ValueError, match="attention_backend"):
-        LongAttnConfig(attention_type="sliding", attention_backend="triton")
+        LongAttnConfig(attention_type="sliding", attention_backend="cuda")
     assert LongAttnConfig(attention_type="sliding").attention_backend == "auto"
+    # The Triton kernels compute the sliding window only: other kinds refuse them at config time.
+    assert LongAttnConfig(attention_type="sliding", attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(ValueError, match=r"`attention_backend`='triton' cannot run `attention_type`='strided'"):
+        LongAttnConfig(attention_type="strided", attention_backend="triton")
 
 
 @pytest.mark.parametrize("pattern", ["full", "sliding", "strided", "fixed"])
@@ -80,6 +84,18 @@ def test_explicit_backend_that_cannot_run_raises_with_its_reasons(monkeypatch):
     assert select_backend("reference", _request(requires_grad=True)) == "reference"
     assert select_backend("flex", _request()) == "flex"
     assert select_backend("torch", _request(dropout=True)) == "torch"
+
+
+def test_select_named_backend_keeps_auto_on_torch_and_checks_a_named_one(monkeypatch):
+    """The kinds not yet measured on another back end (routing, Sinkhorn): "auto" is the PyTorch executor without a
+    request being built; a named back end is checked against the call's request, with its reasons."""
+    q, k, v = random_qkv(1, 2, 8, 4, seed=0)
+    monkeypatch.setattr(AttentionRequest, "for_inputs", None)  # "auto" must not build a request
+    assert backends.select_named_backend("auto", q, k, v, pattern="windows", causal=False) == "torch"
+    monkeypatch.undo()
+    assert backends.select_named_backend("reference", q, k, v, pattern="sinkhorn", causal=True) == "reference"
+    with pytest.raises(ValueError, match=r"'xformers' cannot run this 'windows' attention on cpu"):
+        backends.select_named_backend("xformers", q, k, v, pattern="windows", dropout_p=0.1, key_padding=True)
 
 
 def test_xformers_declares_what_its_layouts_cannot_serve():
@@ -192,7 +208,7 @@ def test_config_backend_reaches_the_kinds(kind):
 def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     gpu_paths = {
         "full": {"flex", "xformers"},
-        "sliding": {"flex", "xformers"},
+        "sliding": {"flex", "xformers", "triton"},
         "strided": {"flex", "xformers"},
         "fixed": {"flex", "xformers"},
         "sinkhorn": {"xformers"},
@@ -202,7 +218,7 @@ def test_a_kind_refuses_a_backend_it_cannot_run_at_config_time(kind):
     assert set(ATTENTION_CLASSES[kind].backends) == {"auto", "torch", "reference"} | gpu_paths
     for backend in ("auto", "torch", "reference"):
         LongAttnConfig(attention_type=kind, attention_backend=backend)
-    for backend in ("flex", "xformers"):
+    for backend in ("flex", "xformers", "triton"):
         if backend in gpu_paths:
             LongAttnConfig(attention_type=kind, attention_backend=backend)
         else:

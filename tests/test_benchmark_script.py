@@ -132,6 +132,26 @@ def test_model_report_compares_attention_cost_with_its_ideal(benchmark):
     assert "Ideal attention cost: 2.00 s." in text
 
 
+def test_model_rounds_alternate_rows_and_report_the_median(benchmark, monkeypatch, tmp_path):
+    """`--rounds 3`: rows measured round by round (sdpa, floor, sdpa, floor, ...), each row's median round counts."""
+    launched, times = [], {"sdpa": iter([30.0, 10.0, 20.0]), "floor": iter([5.0, 7.0, 6.0])}
+
+    def run_model_row(args, row, length):
+        launched.append((row, args.clock, args.threads))
+        return {"impl": row, "length": length, "time_s": next(times[row]), "peak_rss_mb": 100.0, "threads": 1}
+
+    monkeypatch.setattr(benchmark, "run_model_row", run_model_row)
+    out = tmp_path / "report.json"
+    benchmark.main(
+        ["--models", "roberta-4k", "--rows", "sdpa", "floor", "--rounds", "3", "--clock", "cpu", "--threads", "1"]
+        + ["--json", str(out)]
+    )
+    assert launched == [("sdpa", "cpu", 1), ("floor", "cpu", 1)] * 3
+    results = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert results["sdpa"]["time_s"] == 20.0 and results["sdpa"]["round_times_s"] == [30.0, 10.0, 20.0]
+    assert results["floor"]["time_s"] == 6.0
+
+
 def test_longattn_rows_are_the_longattn_kinds(benchmark):
     """`--against` duplicates exactly the longattn kinds (peers and transformers' layers are measured once)."""
     assert benchmark.LONGATTN_IMPLS == {

@@ -113,6 +113,7 @@ def test_code_closure_holds_every_registered_kind():
         "executor_sparse.py",
         "executor_flex.py",
         "executor_xformers.py",
+        "executor_triton.py",
         "patterns.py",
         "numerics.py",
     } <= set(closure)

@@ -129,6 +129,18 @@ def test_packed_causal_routing_equals_documents_alone(backend):
     assert_packed_equals_alone(_model("routing", causal=True, backend=backend))
 
 
+@pytest.mark.parametrize(
+    ("kind", "causal"),
+    [("sliding", False), ("sliding", True), ("fixed", False), ("sinkhorn", False), ("sinkhorn", True)],
+)
+def test_packed_relative_logits_equal_documents_alone(kind, causal):
+    """Documents are contiguous, so j - i of a kept (same-document) pair is its distance within the document:
+    relative-position logits give a packed row each document's output of the document alone (fixed: on the laid-out
+    rows, read at the original positions; Sinkhorn: blocks sorted within their document)."""
+    model = _model(kind, causal=causal, relative_position_logits=True, relative_max_distance=3)
+    assert_packed_equals_alone(model)
+
+
 # ---------------------------------------------------------------------------------------------- content kinds
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
 @pytest.mark.parametrize("kind", CONTENT_KINDS)

@@ -333,6 +333,7 @@ def _load_recipe(recipe: str):
         ("mlm", {"--lr_scheduler_type": "sawtooth"}, "invalid choice: 'sawtooth'"),
         ("classification", {"--packing": None}, "--packing is not supported for classification"),
         ("clm", {"--packing": None, "--line_by_line": None}, "--packing and --line_by_line are exclusive"),
+        ("mlm", {"--packing": None, "--context_parallel": "2"}, "--packing with --context_parallel 2"),
     ],
 )
 def test_bad_arguments_stop_with_one_line_before_training(recipe, change, message, datasets_dir, tmp_path, capsys):

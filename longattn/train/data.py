@@ -9,6 +9,9 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
   (else a digit; always a digit at `max_depth`), an operator takes 2..`max_args` arguments, the length counts one
   token per operator, digit and closing bracket, and trees are drawn until `min_length < length < max_length`
   (LRA: depth 10, 10 arguments, lengths 500-2000, duplicates dropped). Splits never share an expression.
+  `--lra` gives LRA's split sizes (96,000 / 2,000 / 2,000; about 25 s of CPU: the trees are drawn thousands at a
+  time with numpy) and `--tokenizer_dir` saves `listops_tokenizer`, the word-level tokenizer that reads an
+  expression at its LRA length (one id per token, plus `<s>` and `</s>`).
 - `needle` (classification): `{"text": "qz ujvb...7...kd", "label": 7}`: one digit hidden at a uniformly random
   position of a random lowercase haystack; the label is the digit. Half of the needles lie farther from the first
   token than any local window reaches, so a model must move information across the whole sequence (global tokens,
@@ -17,12 +20,17 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
   hidden in a haystack; the target lists them in increasing order (order-free, so the decoder's cross-attention
   needs no absolute positions). A long-document "summarisation" in miniature, evaluated by generation.
 
-CLI: `longattn-data needle --output_dir data/generated/needle --num_train 4000` (see `--help`).
+CLI (see `--help`):
+
+    longattn-data needle --output_dir data/generated/needle --num_train 4000
+    longattn-data listops --lra --output_dir data/generated/listops-lra \\
+        --tokenizer_dir data/generated/listops-lra-tokenizer
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -31,26 +39,120 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Union
 
+import numpy as np
+
 # ---------------------------------------------------------------------------------------------- ListOps
 LISTOPS_OPERATORS = ("MAX", "MIN", "MED", "SM")
 LISTOPS_OPERATOR_PROBABILITY = 0.25  # LRA: a node below the depth limit is an operator with this probability
 LISTOPS_LRA_DEFAULTS = {"max_depth": 10, "max_args": 10, "min_length": 500, "max_length": 2000}
+# LRA's split sizes (the flags num_train_samples / num_valid_samples / num_test_samples of its generator).
+LISTOPS_LRA_SIZES = {"num_train": 96_000, "num_validation": 2_000, "num_test": 2_000}
+# Every token of an expression (the words of `listops_tokenizer`): digit d has code d, operator i code 10 + i.
+LISTOPS_WORDS = (*map(str, range(10)), *(f"[{operator}" for operator in LISTOPS_OPERATORS), "]")
+_CLOSE = len(LISTOPS_WORDS) - 1  # the code of "]"
+_TREES_PER_DRAW = 4096  # a fixed number, so that the first n examples of a seed do not depend on how many are asked
 
 # A tree is a digit or (operator, [children]).
 Tree = Union[int, tuple[str, list["Tree"]]]
 
 
-def _listops_tree(rng: random.Random, depth: int, max_depth: int, max_args: int) -> tuple[Tree, int]:
-    """A random tree and its length in tokens (operator + arguments + closing bracket)."""
-    if depth >= max_depth or rng.random() >= LISTOPS_OPERATOR_PROBABILITY:
-        return rng.randrange(10), 1
-    operator = rng.choice(LISTOPS_OPERATORS)
-    children, length = [], 2
-    for _ in range(rng.randint(2, max_args)):
-        child, child_length = _listops_tree(rng, depth + 1, max_depth, max_args)
-        children.append(child)
-        length += child_length
-    return (operator, children), length
+@dataclasses.dataclass
+class _Level:
+    """The nodes of many trees at one depth, each `[nodes]`: ordered by parent, a node's arguments contiguous and in
+    order (`np.repeat` of the level above)."""
+
+    tree: np.ndarray  # which tree
+    parent: np.ndarray  # index of the parent in the level above (-1 for the roots)
+    is_operator: np.ndarray  # bool
+    symbol: np.ndarray  # the operator's index in LISTOPS_OPERATORS, or the digit
+    num_args: np.ndarray  # arguments of an operator, 0 for a digit
+
+
+def _draw_listops_levels(
+    rng: np.random.Generator, num_trees: int, *, max_depth: int, max_args: int, max_length: int
+) -> tuple[list[_Level], np.ndarray, np.ndarray]:
+    """`num_trees` trees drawn with LRA's rules (see the module docstring), all at once, one depth at a time.
+
+    A tree stops growing once it holds `max_length` tokens (counting one per argument still to draw): LRA would
+    reject it, so the rest of it is not drawn, which leaves the distribution of the kept trees unchanged.
+
+    Returns:
+        (levels, length `[num_trees]` tokens, complete `[num_trees]` bool: drawn to the end, its length exact).
+    """
+    levels = []
+    tree, parent = np.arange(num_trees), np.full(num_trees, -1)
+    length = np.ones(num_trees, dtype=np.int64)  # a node counts 1 when its parent draws it
+    complete = np.ones(num_trees, dtype=bool)
+    for depth in range(1, max_depth + 1):
+        n = len(tree)
+        is_operator = rng.random(n) < LISTOPS_OPERATOR_PROBABILITY if depth < max_depth else np.zeros(n, bool)
+        num_args = np.where(is_operator, rng.integers(2, max_args + 1, n), 0)
+        symbol = np.where(is_operator, rng.integers(0, len(LISTOPS_OPERATORS), n), rng.integers(0, 10, n))
+        # An operator adds its closing bracket and one token per argument (an argument's own bracket comes later).
+        length += np.bincount(tree, weights=(1 + num_args) * is_operator, minlength=num_trees).astype(np.int64)
+        complete &= length < max_length
+        stopped = ~complete[tree]
+        is_operator[stopped], num_args[stopped] = False, 0
+        levels.append(_Level(tree, parent, is_operator, symbol, num_args))
+        parent = np.repeat(np.arange(n), num_args)
+        tree = tree[parent]
+        if len(tree) == 0:
+            break
+    return levels, length, complete
+
+
+def _operator_values(
+    operators: np.ndarray, counts: np.ndarray, child_values: np.ndarray, child_parent: np.ndarray
+) -> np.ndarray:
+    """The values of operator nodes `[m]` from their arguments' values, contiguous groups of `counts` `[m]`."""
+    starts = np.cumsum(counts) - counts
+    ordered = child_values[np.lexsort((child_values, child_parent))]  # each group sorted, for the median
+    median = (ordered[starts + (counts - 1) // 2] + ordered[starts + counts // 2]) // 2  # even: rounded down
+    by_operator = {
+        "MAX": np.maximum.reduceat(child_values, starts),
+        "MIN": np.minimum.reduceat(child_values, starts),
+        "MED": median,
+        "SM": np.add.reduceat(child_values, starts) % 10,
+    }
+    table = np.stack([by_operator[operator] for operator in LISTOPS_OPERATORS])  # [4, m]
+    return table[operators, np.arange(len(operators))]
+
+
+def _listops_batch(levels: list[_Level], selected: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The text and value of the `selected` trees (`[num_trees]` bool, complete trees only), in tree order.
+
+    Bottom-up: the tokens of every subtree (`size`) and the value of every node; top-down: where each node's first
+    token lies in its tree (`start`): an argument starts after its operator's token and the arguments before it.
+    """
+    sizes, values = [None] * len(levels), [None] * len(levels)
+    for d in reversed(range(len(levels))):
+        level = levels[d]
+        sizes[d] = np.ones(len(level.tree), dtype=np.int64)
+        values[d] = level.symbol.copy()
+        ops = np.flatnonzero(level.is_operator)
+        if len(ops):
+            child = levels[d + 1]
+            sizes[d][ops] = 2 + np.bincount(child.parent, weights=sizes[d + 1], minlength=len(level.tree))[ops]
+            values[d][ops] = _operator_values(level.symbol[ops], level.num_args[ops], values[d + 1], child.parent)
+    starts = [np.zeros(len(levels[0].tree), dtype=np.int64)]
+    for d in range(1, len(levels)):
+        child, above = levels[d], levels[d - 1]
+        before = np.cumsum(sizes[d]) - sizes[d]  # tokens of the level before each node
+        first = (np.cumsum(above.num_args) - above.num_args)[child.parent]  # the first argument of the same operator
+        starts.append(starts[d - 1][child.parent] + 1 + before - before[first])
+    lengths = sizes[0][selected]
+    base = np.full(len(selected), -1)
+    base[selected] = np.cumsum(lengths) - lengths
+    codes = np.empty(int(lengths.sum()), dtype=np.int64)
+    for level, size, start in zip(levels, sizes, starts):
+        keep = selected[level.tree]
+        position = base[level.tree[keep]] + start[keep]
+        operator = level.is_operator[keep]
+        codes[position] = np.where(operator, 10 + level.symbol[keep], level.symbol[keep])
+        codes[position[operator] + size[keep][operator] - 1] = _CLOSE
+    words = np.array(LISTOPS_WORDS, dtype=object)
+    texts = [" ".join(words[piece].tolist()) for piece in np.split(codes, np.cumsum(lengths)[:-1])]
+    return texts, values[0][selected]
 
 
 def listops_value(tree: Tree) -> int:
@@ -120,12 +222,15 @@ def listops_examples(
 ) -> list[dict[str, Any]]:
     """`num_examples` distinct ListOps examples `{"text", "label"}` with `min_length < tokens < max_length`.
 
+    Trees are drawn `_TREES_PER_DRAW` at a time with numpy (LRA's 100,000 expressions take seconds, not minutes), so
+    the examples of a seed are a function of the seed alone: asking for fewer gives a prefix of the same list.
+
     Args:
         num_examples: How many examples.
-        seed: Seed of the generator's own `random.Random`.
+        seed: Seed of the generator's own `numpy.random.Generator`.
         max_depth / max_args / min_length / max_length: LRA's knobs (its values are the defaults).
         exclude: Expressions to skip (another split's), updated with the new ones.
-        max_tries: Give up after this many trees (default 2000 per example).
+        max_tries: Give up once this many trees were drawn (default 2000 per example).
 
     Raises:
         ValueError: invalid knobs, or the length window is too rare for these depth/argument limits.
@@ -136,27 +241,39 @@ def listops_examples(
         raise ValueError(
             f"need 0 <= min_length < max_length - 1, got min_length={min_length}, max_length={max_length}."
         )
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     seen = exclude if exclude is not None else set()
     examples: list[dict[str, Any]] = []
     max_tries = max_tries if max_tries is not None else 2000 * max(num_examples, 1)
     tries = 0
     while len(examples) < num_examples:
-        tries += 1
-        if tries > max_tries:
+        if tries >= max_tries:
             raise ValueError(
                 f"only {len(examples)} of {num_examples} ListOps trees fell in {min_length} < length < {max_length} "
-                f"after {max_tries} tries: raise max_depth ({max_depth}) / max_args ({max_args}) or widen the window."
+                f"after {tries} tries: raise max_depth ({max_depth}) / max_args ({max_args}) or widen the window."
             )
-        tree, length = _listops_tree(rng, 1, max_depth, max_args)
-        if not min_length < length < max_length:
-            continue
-        text = listops_string(tree)
-        if text in seen:
-            continue
-        seen.add(text)
-        examples.append({"text": text, "label": listops_value(tree)})
+        tries += _TREES_PER_DRAW
+        levels, length, complete = _draw_listops_levels(
+            rng, _TREES_PER_DRAW, max_depth=max_depth, max_args=max_args, max_length=max_length
+        )
+        texts, labels = _listops_batch(levels, complete & (length > min_length))
+        for text, label in zip(texts, labels.tolist()):
+            if len(examples) == num_examples:
+                break
+            if text not in seen:
+                seen.add(text)
+                examples.append({"text": text, "label": label})
     return examples
+
+
+def listops_tokenizer(model_max_length: int = LISTOPS_LRA_DEFAULTS["max_length"] + 1):
+    """The word-level tokenizer of ListOps (`tokenization_longattn.word_level_tokenizer` over `LISTOPS_WORDS`):
+    20 ids, one per digit, operator and `]` plus `<pad> <s> </s> <mask> <unk>`, so an expression of n tokens
+    is read as n + 2 ids (at most 2,001 with LRA's lengths, the default `model_max_length`) where the byte tokenizer
+    needs 2-3 ids per token."""
+    from ..tokenization_longattn import word_level_tokenizer  # transformers is loaded only when a tokenizer is asked
+
+    return word_level_tokenizer(LISTOPS_WORDS, model_max_length=model_max_length)
 
 
 # ---------------------------------------------------------------------------------------------- needles
@@ -265,6 +382,7 @@ TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "needle": needle_examples,
     "needles": needles_examples,
 }
+DEFAULT_SIZES = {"num_train": 4000, "num_validation": 500, "num_test": 500}
 COLUMNS = {"listops": ["text", "label"], "needle": ["text", "label"], "needles": ["source", "target"]}
 
 
@@ -283,15 +401,22 @@ def build_parser() -> argparse.ArgumentParser:
     for task in TASKS:
         p = sub.add_parser(task, help=helps[task], description=helps[task])
         p.add_argument("--output_dir", default=f"data/generated/{task}", help="where the jsonl files go")
-        p.add_argument("--num_train", type=int, default=4000)
-        p.add_argument("--num_validation", type=int, default=500)
-        p.add_argument("--num_test", type=int, default=500)
+        for split, size in DEFAULT_SIZES.items():
+            p.add_argument(
+                f"--{split}", type=int, help=f"default {size}" + (", LRA's with --lra" * (task == "listops"))
+            )
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--min_length", type=int, default=defaults[task][0])
         p.add_argument("--max_length", type=int, default=defaults[task][1])
         if task == "listops":
             p.add_argument("--max_depth", type=int, default=LISTOPS_LRA_DEFAULTS["max_depth"])
             p.add_argument("--max_args", type=int, default=LISTOPS_LRA_DEFAULTS["max_args"])
+            p.add_argument(
+                "--lra",
+                action="store_true",
+                help="LRA's split sizes: 96,000 / 2,000 / 2,000 (the other defaults are LRA's already)",
+            )
+            p.add_argument("--tokenizer_dir", help="also save the word-level ListOps tokenizer (AutoTokenizer) here")
         if task == "needles":
             p.add_argument("--max_needles", type=int, default=3)
     return parser
@@ -300,14 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    sizes = LISTOPS_LRA_SIZES if getattr(args, "lra", False) else DEFAULT_SIZES
+    for name, default in sizes.items():  # an explicit size wins over --lra's
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be >= 0")
+    tokenizer_dir = getattr(args, "tokenizer_dir", None)
     knobs = {
         k: v
         for k, v in vars(args).items()
-        if k not in {"task", "output_dir", "num_train", "num_validation", "num_test", "seed"}
+        if k not in {"task", "output_dir", "num_train", "num_validation", "num_test", "seed", "lra", "tokenizer_dir"}
     }
-    for name in ("num_train", "num_validation", "num_test"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name} must be >= 0")
     try:
         paths = generate_task(
             args.task,
@@ -323,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for split, path in paths.items():
         print(f"{split}: {path}")
+    if tokenizer_dir:
+        # The longest expression (max_length - 1 tokens) with <s> and </s>.
+        listops_tokenizer(model_max_length=args.max_length + 1).save_pretrained(tokenizer_dir)
+        print(f"tokenizer: {tokenizer_dir}")
     return 0
 
 

@@ -25,7 +25,8 @@ folder is renamed to `step_N` (an atomic rename): a kill during a save leaves a 
 and removes. `--resume_from_checkpoint latest` loads the newest complete checkpoint and skips exactly the batches of
 the current epoch that were already consumed (`accelerator.skip_first_batches`). Randomness inside a step (dropout,
 MLM masking) is seeded from (seed, epoch, batch, process), and the shuffling from (seed, epoch), so a resumed run
-repeats the uninterrupted one bit for bit on CPU.
+repeats the uninterrupted one bit for bit on CPU. A streamed training set (--streaming) resumes the same way, by
+replaying each process's stream and skipping the examples it consumed (`longattn.train.streaming`).
 
 Two environment variables exist for the tests of that promise: `LONGATTN_RECIPE_SIGKILL_AT_STEP=N` makes the process
 SIGKILL itself right after optimizer step N (and its checkpoint, if one is due), `LONGATTN_RECIPE_SIGKILL_IN_SAVE=N`
@@ -48,6 +49,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import itertools
 import json
@@ -67,11 +69,14 @@ from typing import Any
 import torch
 
 from .. import config_overrides
+from .. import context_parallel as cp_lib
 from ..attention_registry import attention_class
 from ..configuration_longattn import LongAttnConfig, check_override_fields
 from ..tokenization_longattn import byte_tokenizer
 from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from . import streaming
 from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
+from .streaming import is_empty
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +177,18 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
         "attention's block multiple)",
     )
     data.add_argument("--preprocessing_num_workers", type=int, help="processes for datasets.map")
+    data.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the training data as a stream (datasets' IterableDataset), each process its own shard; "
+        "needs --max_train_steps",
+    )
+    data.add_argument(
+        "--shuffle_buffer_size",
+        type=int,
+        default=1000,
+        help="with --streaming: examples in the shuffle buffer (0: no shuffling)",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", help="a pretrained model (Hub id or folder) to fine-tune")
@@ -222,6 +239,13 @@ def recipe_parser(description: str | None, *, task: str) -> argparse.ArgumentPar
     train.add_argument("--logging_steps", type=int, default=10)
     train.add_argument("--with_tracking", action="store_true", help="log to the trackers of --report_to")
     train.add_argument("--report_to", default="all", help="tensorboard, wandb, trackio, ... or all")
+    train.add_argument(
+        "--context_parallel",
+        type=int,
+        default=1,
+        help="split each sequence across N processes (sliding kinds; MLM and CLM): N divides the processes, the "
+        "ranks of each group of N share a batch",
+    )
     train.add_argument(
         "--ddp_find_unused_parameters",
         action="store_true",
@@ -284,10 +308,26 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             raise RecipeError(f"--{flag} {value} must be >= 1.")
     if args.learning_rate <= 0:
         raise RecipeError(f"--learning_rate {args.learning_rate} must be > 0.")
+    if args.context_parallel < 1:
+        raise RecipeError(f"--context_parallel {args.context_parallel} must be >= 1.")
+    if args.context_parallel > 1 and args.task not in ("mlm", "clm"):
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel}: only run_mlm.py and run_clm.py split sequences across "
+            "processes (a per-sequence label or a decoder needs the whole sequence)."
+        )
+    if args.context_parallel > 1 and args.streaming:
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} with --streaming: a stream is read in a share per process, "
+            "and the ranks of a context-parallel group need the same batches; use a local data set."
+        )
     if not 0 < args.validation_split_percentage < 100:
         raise RecipeError(f"--validation_split_percentage {args.validation_split_percentage} must be in 1..99.")
     if args.num_warmup_steps < 0:
         raise RecipeError(f"--num_warmup_steps {args.num_warmup_steps} must be >= 0.")
+    if args.streaming and args.max_train_steps is None:
+        raise RecipeError("--streaming needs --max_train_steps: the length of a stream is unknown until it is read.")
+    if args.shuffle_buffer_size < 0:
+        raise RecipeError(f"--shuffle_buffer_size {args.shuffle_buffer_size} must be >= 0.")
     if args.checkpointing_steps is not None and args.checkpointing_steps != "epoch":
         if not args.checkpointing_steps.isdigit() or int(args.checkpointing_steps) < 1:
             raise RecipeError(
@@ -538,12 +578,25 @@ class TqdmLoggingHandler(logging.StreamHandler):
 
 def make_accelerator(args: argparse.Namespace):
     """The Accelerator, with the seedable sampler (shuffling is a function of seed and epoch, so a resumed run sees
-    the same order), logging set up for the main process only, and `set_seed(args.seed)`."""
+    the same order), logging set up for the main process only, and `set_seed(args.seed)`. A launch whose config asks
+    for FSDP or DeepSpeed where accelerate would run something else (DDP on CPU) stops first (`check_engine`), and
+    DeepSpeed gets the recipe's clipping (`configure_deepspeed`)."""
     import datasets
     import transformers
-    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import set_seed
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
+    from accelerate.utils import parse_flag_from_env, set_seed
 
+    engine = requested_engine()
+    if engine == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        raise RecipeError(
+            "this run was launched with a DeepSpeed config, but DeepSpeed is not installed (pip install deepspeed; "
+            "it needs CUDA GPUs and a compiler). Without it, use recipes/configs/fsdp.yaml on GPUs, or "
+            "recipes/configs/cpu_2proc.yaml (DDP) on CPU."
+        )
+    if engine is not None:
+        # Asked of the process state, before the Accelerator: on CPU a hybrid-sharding config does not even build one
+        # (accelerate's ParallelismConfig refuses MULTI_CPU with a ValueError that does not say why).
+        check_engine(PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")), engine)
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if args.ddp_find_unused_parameters else []
     accelerator = Accelerator(
         # `train` accumulates itself (as transformers' Trainer does): the loss of an optimizer step is normalised by
@@ -555,6 +608,7 @@ def make_accelerator(args: argparse.Namespace):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         kwargs_handlers=handlers,
     )
+    configure_deepspeed(args, accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
         raise RecipeError(
@@ -593,6 +647,79 @@ def make_accelerator(args: argparse.Namespace):
     return accelerator
 
 
+def requested_engine() -> str | None:
+    """The sharding engine the launch asked for, "FSDP" or "DEEPSPEED" (`accelerate launch` with such a config sets
+    `ACCELERATE_USE_FSDP` / `ACCELERATE_USE_DEEPSPEED`), else None."""
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+            return engine
+    return None
+
+
+def check_engine(state, engine: str | None) -> None:
+    """Refuse to run with another engine than the one asked for.
+
+    accelerate sets up FSDP and DeepSpeed on accelerators only: on CPU (`ACCELERATE_USE_CPU=1`, or a machine without
+    CUDA) it keeps an FSDP or DeepSpeed config's processes but runs them as plain DDP (`MULTI_CPU`), or as one
+    unsharded process (`NO`), without a word. A run that shards nothing while its config says it does misleads more
+    than it helps (memory, checkpoint layout), so it stops here.
+
+    Args:
+        state: accelerate's `PartialState` (or the Accelerator): its `distributed_type` and `num_processes`.
+        engine: "FSDP", "DEEPSPEED" or None (`requested_engine`).
+
+    Raises:
+        RecipeError: `engine` was asked for and the processes run on CPU or unlaunched, where accelerate does not
+            set it up.
+    """
+    running = str(state.distributed_type).split(".")[-1]
+    if engine is None or running not in ("MULTI_CPU", "NO"):
+        return
+    name = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}[engine]
+    instead = "DDP" if state.num_processes > 1 else "one unsharded process"
+    raise RecipeError(
+        f"this run was launched with an {name} config, but {name} needs CUDA; on CPU accelerate would run {instead} "
+        f"(distributed type {running}) instead. On CPU, launch DDP with recipes/configs/cpu_2proc.yaml "
+        f"(ACCELERATE_USE_CPU=1); run the {name} configs on GPUs."
+    )
+
+
+def configure_deepspeed(args: argparse.Namespace, accelerator) -> None:
+    """Hand the recipe's settings to DeepSpeed, whose engine clips and steps inside `accelerator.backward`.
+
+    The engine clips at its config's `gradient_clipping`: the recipes' configs leave it out ("auto"), and it is set to
+    `--max_grad_norm` here. The recipe accumulates micro-batches itself (`accumulation_step`), so the DeepSpeed config
+    must not accumulate as well: its `gradient_accumulation_steps` must be 1 or "auto".
+
+    Raises:
+        RecipeError: The DeepSpeed config sets another clipping than `--max_grad_norm`, or accumulates.
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    mismatches: list[str] = []
+    plugin.fill_match("gradient_clipping", mismatches, gradient_clipping=args.max_grad_norm)
+    plugin.fill_match("gradient_accumulation_steps", mismatches, gradient_accumulation_steps=1)
+    if mismatches:
+        raise RecipeError(
+            "the DeepSpeed config disagrees with the recipe: "
+            + "; ".join(m.lstrip("- ") for m in mismatches)
+            + " (leave gradient_clipping out of the config and set --max_grad_norm; set gradient_accumulation_steps: "
+            "1 in the config and --gradient_accumulation_steps on the recipe)"
+        )
+
+
+def shards_parameters(accelerator) -> bool:
+    """Whether each process holds only a shard of the weights (FSDP, DeepSpeed ZeRO-3) among several processes: then
+    every forward is a collective, and `generate()` needs `synced_gpus=True` so that a process that finished its
+    sequences early keeps taking part until all have."""
+    if accelerator.num_processes < 2:
+        return False
+    running = str(accelerator.distributed_type).split(".")[-1]
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return running == "FSDP" or (running == "DEEPSPEED" and plugin is not None and plugin.zero_stage == 3)
+
+
 def requested_num_processes() -> int:
     """How many processes the launch asked for, where this process can tell: `ACCELERATE_NUM_PROCESSES`, else
     `--num_processes N` on the command line of the `accelerate launch` that started it (Linux `/proc`); else 1."""
@@ -617,7 +744,8 @@ def requested_num_processes() -> int:
 
 def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None = None):
     """A `DatasetDict` with "train" and "validation" from --dataset_name or the data files (a validation split is
-    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples.
+    carved from train when none is given), truncated by --max_train_samples / --max_eval_samples; with --streaming,
+    the `streaming.StreamingSplits` of `_streamed_splits`.
 
     Args:
         columns: `{flag: column}` the recipe reads (`{"text_column": "text"}`), checked before any split so that an
@@ -626,9 +754,10 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
     import datasets
     from datasets import DatasetDict, load_dataset
 
+    stream = getattr(args, "streaming", False)
     try:
         if args.dataset_name is not None:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name)
+            raw = load_dataset(args.dataset_name, args.dataset_config_name, streaming=stream)
         else:
             data_files = {"train": args.train_file}
             if args.validation_file:
@@ -639,7 +768,9 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
             if quiet:
                 datasets.utils.disable_progress_bars()
             try:
-                raw = load_dataset(DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files)
+                raw = load_dataset(
+                    DATA_EXTENSIONS[Path(args.train_file).suffix.lower()], data_files=data_files, streaming=stream
+                )
             finally:
                 if quiet:
                     datasets.utils.enable_progress_bars()
@@ -647,6 +778,8 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
     if "train" not in raw:
         raise RecipeError(f"the dataset has no 'train' split (splits: {sorted(raw)}).")
+    if stream:
+        return _streamed_splits(args, raw, columns)
     if columns:  # the splits the recipe reads: test stands in for a missing validation split
         used = [split for split in ("train", "validation") if split in raw]
         used += ["test"] if "validation" not in raw and "test" in raw else []
@@ -670,6 +803,54 @@ def load_raw_datasets(args: argparse.Namespace, columns: dict[str, str] | None =
         if len(raw[split]) == 0:
             raise RecipeError(f"the {split} split is empty.")
     return DatasetDict(train=raw["train"], validation=raw["validation"])  # other splits are not tokenized
+
+
+# With --streaming, the first rows of the training stream are checked before training (the rest as they are read).
+_STREAM_CHECKED_ROWS = 100
+
+
+def _streamed_splits(args: argparse.Namespace, raw, columns: dict[str, str] | None) -> streaming.StreamingSplits:
+    """The splits of a streamed run: the training stream (its first --max_train_samples examples), and the evaluation
+    split read into memory (at most --max_eval_samples examples) from the validation (or test) split, or else held
+    out from the start of the training stream, which then begins after them. The columns are checked on the
+    evaluation rows and on the first training rows (`require_columns`).
+
+    Raises:
+        RecipeError: no validation split and no --max_eval_samples, an empty split, a bad column or row.
+    """
+    from datasets import Dataset, DatasetDict
+
+    train = raw["train"]
+    held_out = next((raw[split] for split in ("validation", "test") if split in raw), None)
+    if held_out is None:
+        if args.max_eval_samples is None:
+            raise RecipeError(
+                "--streaming without a validation split needs --max_eval_samples N: the first N training examples "
+                "are held out for evaluation (or give --validation_file)."
+            )
+        held_out, train = train.take(args.max_eval_samples), train.skip(args.max_eval_samples)
+    elif args.max_eval_samples is not None:
+        held_out = held_out.take(args.max_eval_samples)
+    if args.max_train_samples is not None:
+        train = train.take(args.max_train_samples)
+    try:
+        validation = Dataset.from_list(list(held_out), features=held_out.features)
+        head = Dataset.from_list(list(train.take(_STREAM_CHECKED_ROWS)), features=train.features)
+        if train.column_names is None:  # a loader that does not declare its features: infer them from the rows
+            train = train._resolve_features()
+    except Exception as error:  # as in load_raw_datasets: unreadable data is the user's to fix
+        raise RecipeError(f"cannot load the data: {_one_line(error)}") from None
+    for split, rows in (("train", head), ("validation", validation)):
+        if len(rows) == 0:
+            raise RecipeError(f"the {split} split is empty.")
+    if columns:
+        require_columns(
+            DatasetDict(train=head, validation=validation),
+            columns,
+            sources=_data_sources(args, {"train": None, "validation": None}),
+            problem_type=getattr(args, "problem_type", None),
+        )
+    return streaming.StreamingSplits(train=train, validation=validation)
 
 
 def require_columns(
@@ -763,6 +944,24 @@ def group_texts(examples: dict[str, list], block_size: int) -> dict[str, list]:
     }
 
 
+def check_packing(args: argparse.Namespace) -> None:
+    """Refuse `--packing` with the flags it cannot go with (MLM and CLM recipes).
+
+    Raises:
+        RecipeError: `--packing` with `--line_by_line`, or with `--context_parallel` N > 1 (a rank's chunk would cut
+            documents and its halo would read another document's keys).
+    """
+    if not args.packing:
+        return
+    if args.line_by_line:
+        raise RecipeError("--packing and --line_by_line are exclusive: pick one way to lay texts out.")
+    if args.context_parallel > 1:
+        raise RecipeError(
+            f"--packing with --context_parallel {args.context_parallel}: packed rows cannot be split across "
+            "processes (documents would be cut and attend across the cut); use one of them."
+        )
+
+
 def pack_documents(examples: dict[str, list], block_size: int) -> dict[str, list]:
     """Join whole tokenized documents into rows of at most `block_size` tokens, with `position_ids` that restart at 0
     for each document (how longattn's models, like transformers' `DataCollatorWithFlattening`, tell packed
@@ -845,6 +1044,11 @@ def load_model(args: argparse.Namespace, config, tokenizer, auto_class):
     if args.gradient_checkpointing:
         # transformers 5 renamed it; the old name warns that it goes away in v6
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    if args.context_parallel > 1:
+        try:
+            cp_lib.check_context_parallel(model)
+        except ValueError as error:
+            raise RecipeError(f"--context_parallel {args.context_parallel}: {_one_line(error)}") from None
     return model
 
 
@@ -877,6 +1081,10 @@ class TrainState:
     generators of every process; `trainer_state.json` holds the position (`position()`). Randomness inside a step is
     derived from (`seed`, epoch, batch, `process_index`) (`step_seeds`, `batch_generator`), so the position alone
     fixes every draw a resumed step makes.
+
+    A streamed training set (`streaming`) has no length: a pass (`epoch`) ends when a process's share runs out, and
+    the position adds the examples each process consumed in the pass (`stream_examples`, one per process), which a
+    resumed process reads again and discards (see `longattn.train.streaming`).
     """
 
     model: Any
@@ -891,6 +1099,7 @@ class TrainState:
     seed: int
     process_index: int
     loss_takes_num_items: bool  # the model normalises its loss by `num_items_in_batch` (`accumulation_step`)
+    context_parallel: cp_lib.ContextParallel | None = None  # --context_parallel: this process's group
     completed_steps: int = 0  # optimizer steps
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (skipped on resumption)
@@ -898,6 +1107,9 @@ class TrainState:
     loss_count: int = 0
     last_loss: float | None = None
     run_settings: dict[str, Any] | None = None  # `run_settings`, compared on resumption
+    streaming: bool = False  # the training data is a stream
+    examples_in_epoch: int = 0  # with `streaming`: examples of `epoch` this process consumed
+    stream_examples: list[int] | None = None  # with `streaming`, in a checkpoint: `examples_in_epoch` per process
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # of the last evaluation (`eval_*`)
     last_eval_step: int | None = None
 
@@ -906,6 +1118,8 @@ class TrainState:
         record = {key: getattr(self, key) for key in _POSITION_FIELDS}
         if self.run_settings is not None:
             record["run_settings"] = self.run_settings
+        if self.stream_examples is not None:
+            record["stream_examples"] = self.stream_examples
         return record
 
     def restore_position(self, saved: dict[str, Any]) -> None:
@@ -913,6 +1127,9 @@ class TrainState:
         for key in _POSITION_FIELDS:
             if key in saved:
                 setattr(self, key, saved[key])
+        if saved.get("stream_examples") is not None:
+            self.stream_examples = saved["stream_examples"]
+            self.examples_in_epoch = self.stream_examples[self.process_index]
 
     def step_seeds(self, epoch: int, first_batch: int, count: int) -> list[int]:
         """The dropout seeds of `count` micro-batches from batch `first_batch` of `epoch`, in this process."""
@@ -939,6 +1156,9 @@ def save_checkpoint(accelerator, args: argparse.Namespace, state: TrainState) ->
     --checkpoints_total_limit are removed afterwards."""
     directory = Path(args.output_dir) / CHECKPOINTS_DIR
     final = directory / f"step_{state.completed_steps}"
+    if state.streaming:  # each process's position in its own share of the stream
+        position = torch.tensor([state.examples_in_epoch], device=accelerator.device)
+        state.stream_examples = accelerator.gather(position).tolist()
     partial = directory / f".{final.name}{_PARTIAL_SUFFIX}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -1111,9 +1331,12 @@ def count_loss_items(batches: list[dict[str, torch.Tensor]], *, shifted_labels: 
     """The labelled items (label != -100) of the micro-batches of one optimizer step, in this process: `shift_labels`
     where a batch has them, else `labels[..., 1:]` when the model shifts its labels (a causal LM: the first label is
     never a target), else every label (one per example for classification)."""
-    total = torch.zeros((), dtype=torch.long, device=batches[0]["labels"].device)
+    total = torch.zeros((), dtype=torch.long, device=batches[0]["input_ids"].device)
     for batch in batches:
-        labels = batch.get("shift_labels", batch["labels"][..., 1:] if shifted_labels else batch["labels"])
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        else:
+            labels = batch["labels"][..., 1:] if shifted_labels else batch["labels"]
         total += labels.ne(-100).sum()
     return total
 
@@ -1126,6 +1349,7 @@ def accumulation_step(
     use_num_items: bool,
     shifted_labels: bool,
     seeds: list[int],
+    context_parallel: cp_lib.ContextParallel | None = None,
 ) -> float:
     """Forward and backward over the micro-batches of one optimizer step; return the step's loss (all processes).
 
@@ -1139,24 +1363,37 @@ def accumulation_step(
         group: The micro-batches, already prepared (MLM masking).
         shifted_labels: The model shifts `labels` itself (causal LM), see `count_loss_items`.
         seeds: One seed per micro-batch for dropout, so that a resumed run repeats the interrupted one.
+        context_parallel: Split each micro-batch's sequences across this group (`--context_parallel`): every rank
+            takes its chunk (`shift_labels` made before the split), the loss is normalised by the labelled tokens of
+            every chunk and batch, and the model, which no DDP wraps, gets its gradients summed over every process
+            (`context_parallel.reduce_gradients`).
     """
+    if context_parallel is not None:
+        group = [cp_lib.shard_batch(batch, context_parallel, causal=shifted_labels) for batch in group]
     num_items = None
-    if use_num_items and "labels" in group[0]:
+    if use_num_items and ("labels" in group[0] or "shift_labels" in group[0]):
         num_items = accelerator.reduce(count_loss_items(group, shifted_labels=shifted_labels), reduction="sum").clamp(
             min=1
         )
     step_loss = torch.zeros((), device=accelerator.device)
     for i, (batch, seed) in enumerate(zip(group, seeds)):
         torch.manual_seed(seed)
-        # Gradients are synchronised across processes on the last micro-batch only.
-        with accelerator.no_sync(model) if i < len(group) - 1 else contextlib.nullcontext():
+        last = i == len(group) - 1
+        # Gradients are synchronised across processes on the last micro-batch only: DDP and FSDP skip the others'
+        # all-reduce through `no_sync`; DeepSpeed, which steps its engine inside `backward` at a synchronisation
+        # boundary, is told which micro-batch is one (as transformers' Trainer does).
+        accelerator.gradient_state._set_sync_gradients(last)
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
             if num_items is not None:
                 loss = model(**batch, num_items_in_batch=num_items).loss
-                accelerator.backward(loss * accelerator.num_processes)
+                # DDP averages over the processes; without DDP (context parallelism) the gradients are summed.
+                accelerator.backward(loss * (1 if context_parallel is not None else accelerator.num_processes))
             else:
                 loss = model(**batch).loss
                 accelerator.backward(loss / len(group))
         step_loss += loss.detach().float()
+    if context_parallel is not None:
+        cp_lib.reduce_gradients(model)
     if num_items is not None:  # each process holds its share of the step's token mean
         return accelerator.reduce(step_loss, reduction="sum").item()
     return accelerator.reduce(step_loss / len(group), reduction="mean").item()
@@ -1188,9 +1425,8 @@ def prepare_training(
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
-    train_dataloader = DataLoader(
-        train_dataset, shuffle=True, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size
-    )
+    stream = streaming.is_stream(train_dataset)
+    train_dataloader = _train_dataloader(args, accelerator, train_dataset, collate_fn)
     eval_dataloader = DataLoader(
         eval_dataset,
         shuffle=False,
@@ -1198,20 +1434,22 @@ def prepare_training(
         batch_size=args.per_device_eval_batch_size,
     )
     optimizer = build_optimizer(args, model)
+    context_parallel = _context_parallel_group(args, accelerator)
+    data_parallel = accelerator.num_processes // args.context_parallel  # processes that read different batches
     # Steps are counted in optimizer updates; accelerate's prepared scheduler advances num_processes times per update.
-    updates_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * updates_per_epoch
+    max_train_steps = args.max_train_steps or args.num_train_epochs * math.ceil(
+        len(train_dataloader) / data_parallel / args.gradient_accumulation_steps
+    )
     lr_scheduler = get_scheduler(
         args.lr_scheduler_type,
         optimizer=optimizer,
         num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes,
     )
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = _prepare(
+        accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, context_parallel
     )
-    updates_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    global_batch_size = args.per_device_train_batch_size * data_parallel * args.gradient_accumulation_steps
     return TrainState(
         model=model,
         optimizer=optimizer,
@@ -1219,13 +1457,95 @@ def prepare_training(
         train_dataloader=train_dataloader,
         eval_dataloader=eval_dataloader,
         max_train_steps=max_train_steps,
-        num_epochs=math.ceil(max_train_steps / updates_per_epoch),
+        # A pass over a stream makes at least one step (`train_epoch` stops the run otherwise).
+        num_epochs=max_train_steps
+        if stream
+        else math.ceil(max_train_steps / math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)),
         global_batch_size=global_batch_size,
         num_processes=accelerator.num_processes,
         seed=args.seed,
         process_index=accelerator.process_index,
         loss_takes_num_items=_accepts_loss_kwargs(accelerator.unwrap_model(model)),
+        streaming=stream,
+        context_parallel=context_parallel,
     )
+
+
+def _train_dataloader(args: argparse.Namespace, accelerator, train_dataset, collate_fn: Callable):
+    """The training DataLoader: over a `Dataset`, shuffled (by accelerate's seedable sampler once prepared); over a
+    stream, this process's shuffled share of it (`streaming.stream_for_process`), in a loader already prepared."""
+    from torch.utils.data import DataLoader
+
+    if not streaming.is_stream(train_dataset):
+        return DataLoader(
+            train_dataset, shuffle=True, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size
+        )
+    if args.max_train_steps is None:
+        raise RecipeError("a streamed training set needs --max_train_steps: its length is unknown until it is read.")
+    share = streaming.stream_for_process(
+        train_dataset,
+        seed=args.seed,
+        buffer_size=args.shuffle_buffer_size,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+    )
+    loader = DataLoader(share, collate_fn=collate_fn, batch_size=args.per_device_train_batch_size)
+    return streaming.stream_loader(loader, device=accelerator.device)
+
+
+def _context_parallel_group(args: argparse.Namespace, accelerator) -> cp_lib.ContextParallel | None:
+    """This process's context-parallel group on a (dp, cp) device mesh for --context_parallel N > 1, else None."""
+    if args.context_parallel == 1:
+        return None
+    running = str(accelerator.distributed_type).split(".")[-1]
+    if running in ("FSDP", "DEEPSPEED"):
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} runs its own gradient reduction, not under {running}: "
+            "launch it with a DDP config (recipes/configs/cpu_2proc.yaml, multi_gpu_bf16.yaml)."
+        )
+    if accelerator.num_processes % args.context_parallel:
+        raise RecipeError(
+            f"--context_parallel {args.context_parallel} must divide the number of processes "
+            f"({accelerator.num_processes}): launch with accelerate launch --num_processes N."
+        )
+    return cp_lib.init_context_parallel(args.context_parallel, device_type=accelerator.device.type)
+
+
+def _prepare(accelerator, model, optimizer, train_dataloader, eval_dataloader, lr_scheduler, stream, cp):
+    """`accelerator.prepare` of the model, optimizer, data loaders and schedule (`prepare_training`), but for
+
+    - a streamed training set (`stream`): its loader is this process's alone, and must not be prepared again
+      (`streaming.stream_loader`);
+    - context parallelism (`cp`), which `accelerator.prepare` cannot give: its DDP averages gradients over every
+      process (a context-parallel group's shares must be summed: `accumulation_step` reduces them itself), and its
+      data loader gives every process a different batch (the ranks of a group must share one). So the model is only
+      placed and registered for checkpoints (no DDP), and the data is sharded over the data-parallel group alone
+      with accelerate's own `prepare_data_loader`.
+    """
+    from accelerate.data_loader import prepare_data_loader
+
+    if stream:
+        model, optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, eval_dataloader, lr_scheduler
+        )
+        return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    if cp is None:
+        return accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    cp_lib.enable_context_parallel(model, cp)
+    train_dataloader = prepare_data_loader(
+        train_dataloader,
+        accelerator.device,
+        num_processes=cp.dp_size,
+        process_index=cp.dp_rank,
+        put_on_device=True,
+        rng_types=accelerator.rng_types.copy(),
+        use_seedable_sampler=True,
+        data_seed=accelerator.dataloader_config.data_seed,
+    )
+    accelerator._dataloaders.append(train_dataloader)  # saved and restored with the checkpoints, as a prepared one
+    optimizer, eval_dataloader, lr_scheduler = accelerator.prepare(optimizer, eval_dataloader, lr_scheduler)
+    return model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
 
 
 def begin_run(args: argparse.Namespace, accelerator, state: TrainState) -> Path | None:
@@ -1274,8 +1594,10 @@ def train_step(
         The step's loss (all processes).
     """
     if prepare_batch is not None:
+        # The ranks of a context-parallel group prepare their shared batch alike (the same MLM masking).
+        reader = accelerator.process_index if state.context_parallel is None else state.context_parallel.dp_rank
         group = [
-            prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i, accelerator.process_index))
+            prepare_batch(batch, batch_generator(args.seed, "batch", epoch, first_batch + i, reader))
             for i, batch in enumerate(group)
         ]
     step_loss = accumulation_step(
@@ -1285,6 +1607,7 @@ def train_step(
         use_num_items=state.loss_takes_num_items,
         shifted_labels=args.task == "clm",
         seeds=state.step_seeds(epoch, first_batch, len(group)),
+        context_parallel=state.context_parallel,
     )
     if args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(state.model.parameters(), args.max_grad_norm)
@@ -1296,7 +1619,11 @@ def train_step(
     state.loss_sum += step_loss
     state.loss_count += 1
     state.last_loss = step_loss
-    end_of_epoch = batch_index >= len(state.train_dataloader)
+    if state.streaming:  # a short group: a process's share of the stream ran out (`streaming.common_group`)
+        end_of_epoch = len(group) < args.gradient_accumulation_steps
+        state.examples_in_epoch = 0 if end_of_epoch else state.examples_in_epoch + sum(map(streaming.batch_rows, group))
+    else:
+        end_of_epoch = batch_index >= len(state.train_dataloader)
     state.epoch, state.batch_in_epoch = (epoch + 1, 0) if end_of_epoch else (epoch, batch_index)
     return step_loss
 
@@ -1307,7 +1634,8 @@ def run_evaluation(
     """The recipe's `evaluate(model, eval_dataloader)` without gradients, its metrics prefixed `eval_`, logged and
     kept in `state.metrics`."""
     state.model.eval()
-    with torch.no_grad():
+    # With --context_parallel, every process evaluates whole sequences of its own batches (no gradients to keep).
+    with torch.no_grad(), cp_lib.context_parallel_paused(state.model):
         result = {f"eval_{k}": v for k, v in evaluate(state.model, state.eval_dataloader).items()}
     state.model.train()
     _log(accelerator, Path(args.output_dir) / LOG_FILE, {"step": state.completed_steps, **result}, args)
@@ -1331,11 +1659,14 @@ def train_epoch(
     state.model.train()
     state.train_dataloader.set_epoch(epoch)
     skip = state.batch_in_epoch if epoch == state.epoch else 0
-    loader = iter(accelerator.skip_first_batches(state.train_dataloader, skip) if skip else state.train_dataloader)
+    if state.streaming:
+        loader = _replayed_stream(state, skip)
+    else:
+        loader = iter(accelerator.skip_first_batches(state.train_dataloader, skip) if skip else state.train_dataloader)
     batch_index = skip
     # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
     # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
-    while group := list(itertools.islice(loader, args.gradient_accumulation_steps)):
+    while group := _next_group(args, accelerator, state, loader):
         step_loss = train_step(
             args, accelerator, state, group, epoch=epoch, first_batch=batch_index, prepare_batch=prepare_batch
         )
@@ -1357,6 +1688,49 @@ def train_epoch(
             run_evaluation(args, accelerator, state, evaluate)
         if step >= state.max_train_steps:
             break
+    else:  # the data ran out before max_train_steps
+        if state.streaming:
+            _end_stream_pass(state, epoch, batch_index)
+
+
+def _next_group(args: argparse.Namespace, accelerator, state: TrainState, loader) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of the next optimizer step (fewer at the end of an epoch, none after it); of a stream, as
+    many as every process has (`streaming.common_group`)."""
+    group = list(itertools.islice(loader, args.gradient_accumulation_steps))
+    return streaming.common_group(group, accelerator) if state.streaming else group
+
+
+def _replayed_stream(state: TrainState, skip: int):
+    """The batches of this process's stream for the current pass, after the `skip` batches (`examples_in_epoch`
+    examples) a resumed run already trained on: read again and discarded (see `longattn.train.streaming`)."""
+    loader = iter(state.train_dataloader)
+    if skip:
+        replayed = streaming.skip_examples(loader, state.examples_in_epoch)
+        if replayed != (skip, state.examples_in_epoch):
+            logger.warning(
+                "the stream replayed to the checkpoint's position gave %d batches of %d examples where the run had "
+                "consumed %d of %d: the data is not what the checkpoint was written with; the resumed run will not "
+                "repeat the interrupted one.",
+                *replayed,
+                skip,
+                state.examples_in_epoch,
+            )
+    return loader
+
+
+def _end_stream_pass(state: TrainState, epoch: int, batch_index: int) -> None:
+    """A pass over the stream ended after `batch_index` batches: the next one starts (reshuffled) at its beginning.
+
+    Raises:
+        RecipeError: the pass gave no batch at all (the run would never make a step).
+    """
+    if batch_index == 0:
+        raise RecipeError(
+            "the training stream gives no batch (in at least one process's share): it is empty, or (MLM / CLM) "
+            "its texts make no block of --max_seq_length tokens."
+        )
+    if state.epoch == epoch:  # the last step's group was full: `train_step` did not see the end
+        state.epoch, state.batch_in_epoch, state.examples_in_epoch = epoch + 1, 0, 0
 
 
 def summarize(
@@ -1367,7 +1741,7 @@ def summarize(
     runtime: float,
     ranks_seen: list[int],
     resumed_from: Path | None,
-    train_samples: int,
+    train_samples: int | None,
     validation_samples: int,
 ) -> dict[str, Any]:
     """The results of a run (see `train`)."""
@@ -1377,7 +1751,8 @@ def summarize(
         "train_last_loss": state.last_loss,
         "train_runtime": round(runtime, 2),
         "train_steps": state.completed_steps,
-        "epochs": state.num_epochs,
+        # a stream's passes: those finished, and the current one if started
+        "epochs": state.epoch + (state.batch_in_epoch > 0) if state.streaming else state.num_epochs,
         "train_samples": train_samples,
         "validation_samples": validation_samples,
         "num_processes": accelerator.num_processes,
@@ -1412,7 +1787,8 @@ def train(
         args: The parsed recipe flags.
         accelerator: From `make_accelerator`.
         model: The model to train (not yet prepared).
-        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s.
+        train_dataset / eval_dataset: Tokenized `datasets.Dataset`s; the training set may be a stream (a
+            `datasets.IterableDataset`, --streaming), which needs --max_train_steps (see `longattn.train.streaming`).
         collate_fn: Batches features (`PadCollator` or a task's own).
         evaluate: `(model, eval_dataloader) -> metrics` (keys without the `eval_` prefix); runs on every process.
         prepare_batch: `(batch, generator) -> batch` applied to each training batch before the forward pass, with a
@@ -1431,13 +1807,13 @@ def train(
     resumed_from = begin_run(args, accelerator, state)
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
     logger.info(
-        "training: %d examples, %d processes %s, global batch %d, %d optimizer steps (%d epochs)",
-        len(train_dataset),
+        "training: %s, %d processes %s, global batch %d, %d optimizer steps (%s)",
+        "a stream" if state.streaming else f"{len(train_dataset)} examples",
         accelerator.num_processes,
         ranks_seen,
         state.global_batch_size,
         state.max_train_steps,
-        state.num_epochs,
+        "as many passes as they need" if state.streaming else f"{state.num_epochs} epochs",
     )
     progress = tqdm(
         total=state.max_train_steps,
@@ -1468,7 +1844,7 @@ def train(
         runtime=runtime,
         ranks_seen=ranks_seen,
         resumed_from=resumed_from,
-        train_samples=len(train_dataset),
+        train_samples=streaming.num_examples(train_dataset),
         validation_samples=len(eval_dataset),
     )
 
@@ -1606,9 +1982,14 @@ __all__ = [
     "resolve_max_seq_length",
     "length_multiple",
     "make_accelerator",
+    "requested_engine",
+    "check_engine",
+    "configure_deepspeed",
+    "shards_parameters",
     "load_raw_datasets",
     "require_columns",
     "group_texts",
+    "is_empty",
     "PadCollator",
     "DataCollatorWithGlobalAttention",
     "attention_types",

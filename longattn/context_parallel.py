@@ -1,0 +1,544 @@
+"""Context parallelism for the sliding family (sliding, dilated and global tokens): one sequence, split into
+contiguous chunks across the processes of a context-parallel group.
+
+Shape legend: b batch, h heads, h_kv key/value heads, n this rank's tokens, N the whole sequence, m keys of the
+shard with its halo, g global tokens (the most any batch row has), d head dim (d_v for values), P ranks in the group.
+
+Rank r of P holds tokens `bounds[r] … bounds[r + 1] − 1` (`chunk_bounds`: torch.tensor_split's sizes) and computes
+everything but attention on them alone. A query sees keys at most `window · dilation` away (`reach`), plus the global
+tokens, so attention needs, besides the rank's own keys and values:
+
+- the halo: the `reach` keys and values before the chunk (and after it, unless causal). They come from whichever
+  ranks hold them, in one autograd-aware all-to-all (`_exchange_halo`): only the halo travels, from the neighbours
+  when the halo is shorter than a chunk, from further ranks when it is longer (direct, not hop by hop);
+- the global tokens' keys and values, from every rank (an autograd-aware all-reduce of the rows each owns);
+- for the global queries, which see the whole sequence: every rank attends them to its own keys, and the partial
+  results are combined by their log-sum-exp (`numerics.merge_attention`) after an autograd-aware all-gather.
+
+The pattern predicate (`patterns.sliding_window_pattern`) is evaluated on global positions: the padding and global
+masks are gathered whole (`[b, N]` bools, the only O(N) state a rank keeps). Gradients flow back through every
+collective, so the backward of each rank's share of the loss leaves on each rank its share of every parameter's
+gradient: summed over the group (`reduce_gradients`) they are the single-process gradient.
+
+A training step with context parallelism:
+
+    cp = init_context_parallel(2)                           # a (dp, cp) device mesh over the launched processes
+    enable_context_parallel(model, cp)                      # the sliding layers attend across the cp group
+    batch = shard_batch(batch, cp, causal=True)             # every rank of a cp group starts from the same batch
+    loss = model(**batch, num_items_in_batch=global_count).loss   # normalised by the labelled tokens of all shards
+    loss.backward()
+    reduce_gradients(model)                                 # summed over every process (see its docstring)
+
+Positions: `enable_context_parallel` makes the base model fill in global `position_ids` (absolute and rotary alike)
+when none are passed. Causal LM labels are shifted before the split (`shard_batch`), since the target of a chunk's
+last token is the next chunk's first.
+
+Full attention has no halo: each rank would need every key (ring attention). torch's
+`torch.distributed.tensor.experimental.context_parallel` does that for the CUDA SDPA kernels and FlexAttention, not on
+CPU, and accelerate's context parallelism builds on it and needs FSDP2; other kinds refuse context parallelism here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Collectives that carry gradients back, on gloo as on NCCL (torch.distributed.nn.functional's are deprecated in
+# their favour in torch 2.13).
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from .executor_blocked import (
+    _not_global_key,
+    attend_blocks,
+    band_block_attention,
+    band_layout,
+    evaluate_block_mask,
+    global_token_index,
+)
+from .numerics import head_groups, merge_attention
+from .patterns import MaskFn, and_masks, check_dilation, check_window, sliding_window_pattern
+
+__all__ = [
+    "CONTEXT_PARALLEL_KINDS",
+    "ContextParallel",
+    "check_context_parallel",
+    "chunk_bounds",
+    "context_parallel_paused",
+    "context_parallel_sliding_attention",
+    "enable_context_parallel",
+    "init_context_parallel",
+    "reduce_gradients",
+    "shard_batch",
+]
+
+CONTEXT_PARALLEL_KINDS = ("sliding",)
+"""Attention kinds that run context-parallel: those whose queries see a bounded band plus global tokens."""
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The processes that share one batch, each holding a contiguous chunk of its sequences.
+
+    Attributes:
+        group: The context-parallel process group (ranks in the order of their chunks).
+        dp_group: The data-parallel group of this rank (the ranks holding the same chunk of other batches), or None
+            when every process is in one context-parallel group.
+    """
+
+    group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.dp_group is None else dist.get_rank(self.dp_group)
+
+
+def init_context_parallel(size: int, *, device_type: str = "cpu") -> ContextParallel:
+    """A `(dp, cp)` device mesh over every launched process, `cp` = `size`: the ranks `i·size … i·size + size − 1`
+    share a batch (context parallel), the ranks with the same index in their group share nothing but gradients (data
+    parallel). Needs `torch.distributed` initialised (gloo on CPU, NCCL on GPU).
+
+    Raises:
+        ValueError: `size` not an int >= 1 or not dividing the number of processes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(f"context_parallel={size!r}: expected an int >= 1 dividing the number of processes ({world}).")
+    mesh = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("dp", "cp"))
+    return ContextParallel(group=mesh.get_group("cp"), dp_group=mesh.get_group("dp"))
+
+
+def chunk_bounds(length: int, size: int) -> list[int]:
+    """Where each of `size` contiguous chunks of `length` tokens starts, and `length` last (`size + 1` numbers):
+    the chunks of `torch.tensor_split`, the first `length % size` one token longer."""
+    step, extra = divmod(length, size)
+    return [r * step + min(r, extra) for r in range(size + 1)]
+
+
+# ------------------------------------------------------------------------------------------------ sharding a batch
+def shard_batch(batch: Mapping[str, Tensor], cp: ContextParallel, *, causal: bool) -> dict[str, Tensor]:
+    """This rank's chunk of every per-token tensor of `batch` (`[b, N, ...]`: ids, masks, labels, positions);
+    other entries (a classification label, `num_items_in_batch`) stay as they are.
+
+    With `causal`, `labels` become `shift_labels` before the split (the target of position i is token i + 1, which
+    may sit on the next rank), as transformers' padding-free collators pass them.
+
+    Raises:
+        ValueError: no `input_ids` / `inputs_embeds`, or fewer tokens than ranks.
+    """
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    if ids is None:
+        raise ValueError(f"shard_batch: the batch has no `input_ids` or `inputs_embeds` (keys: {sorted(batch)}).")
+    length = ids.shape[1]
+    if length < cp.size:
+        raise ValueError(f"shard_batch: a sequence of {length} tokens cannot be split across {cp.size} ranks.")
+    batch = dict(batch)
+    if causal and "labels" in batch:
+        labels = batch.pop("labels")
+        batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    start, stop = chunk_bounds(length, cp.size)[cp.rank : cp.rank + 2]
+    return {
+        key: value[:, start:stop]
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length
+        else value
+        for key, value in batch.items()
+    }
+
+
+def reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Sum every parameter's gradient over `group` (default: every process).
+
+    Each rank's backward leaves its share of the gradient of the *sum* of the ranks' losses: within a
+    context-parallel group the shares add up to the single-process gradient. Across data-parallel ranks, a loss
+    normalised by the labelled tokens of every rank's batch (`num_items_in_batch` counted over all processes) makes
+    the sum the gradient of the mean over the global batch, as DDP's average of losses scaled by the number of
+    processes does. accelerate's prepared model cannot do this: its DDP averages over every process, dividing the
+    context-parallel sum by the group size.
+    """
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+# ------------------------------------------------------------------------------------------------ the model hooks
+def check_context_parallel(model: nn.Module) -> None:
+    """Raise `ValueError` unless every attention layer of `model` can run context-parallel.
+
+    Raises:
+        ValueError: a layer whose kind is not in `CONTEXT_PARALLEL_KINDS` (naming it), an `attention_backend` other
+            than "auto" or "torch" (context parallelism has its own executor), or an encoder-decoder model.
+    """
+    from .attention_base import LongAttnAttention
+    from .modeling_longattn import LongAttnModel
+
+    if not any(isinstance(module, LongAttnModel) for module in model.modules()):
+        raise ValueError(
+            f"context parallelism: {type(model).__name__} is not a longattn model (LongAttnModel or a LongAttnFor* "
+            "head); stock transformers models running longattn's kinds are not supported."
+        )
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            "context parallelism: encoder-decoder models are not supported (the decoder's cross-attention sees the "
+            "whole encoder output)."
+        )
+    backend = getattr(config, "attention_backend", "auto")
+    if backend not in ("auto", "torch"):
+        raise ValueError(
+            f"context parallelism: `attention_backend`={backend!r} cannot run it; use 'auto' or 'torch' (the blocked "
+            "executor runs each shard)."
+        )
+    for name, module in model.named_modules():
+        if not isinstance(module, LongAttnAttention):
+            continue
+        if module.attention_type not in CONTEXT_PARALLEL_KINDS:
+            raise ValueError(
+                f"context parallelism: layer {name} has `attention_type`={module.attention_type!r}; only "
+                f"{list(CONTEXT_PARALLEL_KINDS)} can split a sequence across processes (a bounded window exchanges a "
+                "halo; full attention would need ring attention, see the `longattn.context_parallel` docstring)."
+            )
+        if getattr(module, "relative_embedding", None) is not None:
+            raise ValueError(
+                f"context parallelism: layer {name} has `relative_position_logits`, which the context-parallel "
+                "executor does not add; train it on one process per sequence."
+            )
+
+
+def enable_context_parallel(model: nn.Module, cp: ContextParallel | None) -> None:
+    """Make `model` (a longattn model) attend across `cp`: each sliding layer gets the group, and the base model
+    fills in global `position_ids` when none are given. `cp=None` turns it off again.
+
+    Raises:
+        ValueError: as `check_context_parallel`.
+    """
+    from .attention_base import LongAttnAttention
+    from .modeling_longattn import LongAttnModel
+
+    if cp is not None:
+        check_context_parallel(model)
+    for module in model.modules():
+        if isinstance(module, LongAttnAttention):
+            module.context_parallel = cp
+        if isinstance(module, LongAttnModel):
+            module.context_parallel = cp
+            if cp is not None and not hasattr(module, "_context_parallel_hook"):
+                module._context_parallel_hook = module.register_forward_pre_hook(_global_positions, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def context_parallel_paused(model: nn.Module) -> Iterator[None]:
+    """Run `model` on whole sequences inside the block (evaluation, where every process takes its own batch), with
+    context parallelism as it was afterwards."""
+    from .modeling_longattn import LongAttnModel
+
+    cp = next((getattr(m, "context_parallel", None) for m in model.modules() if isinstance(m, LongAttnModel)), None)
+    if cp is None:
+        yield
+        return
+    enable_context_parallel(model, None)
+    try:
+        yield
+    finally:
+        enable_context_parallel(model, cp)
+
+
+def _global_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook of `LongAttnModel` giving it the global `position_ids` of this rank's chunk: those of the
+    single-process model (counted over real tokens, as `modeling_longattn._position_ids`)."""
+    cp = getattr(module, "context_parallel", None)
+    if cp is None or kwargs.get("position_ids") is not None or len(args) > 1:
+        return args, kwargs
+    ids = args[0] if args else kwargs.get("input_ids")
+    ids = ids if ids is not None else kwargs["inputs_embeds"]
+    batch, length = ids.shape[:2]
+    mask = kwargs.get("attention_mask")
+    counts = torch.full((batch,), length, device=ids.device) if mask is None else mask.bool().sum(dim=1)
+    before = _gather_rows(counts[:, None].long(), cp)[:, : cp.rank].sum(dim=1, keepdim=True)  # [b, 1]
+    if mask is None:
+        positions = before + torch.arange(length, device=ids.device)
+    else:
+        positions = (before + mask.long().cumsum(-1) - 1).clamp(min=0)
+    return args, {**kwargs, "position_ids": positions}
+
+
+def _gather_rows(x: Tensor, cp: ContextParallel) -> Tensor:
+    """`[b, k]` from every rank of the group, side by side in rank order: `[b, P·k]` (no gradient)."""
+    parts = [torch.empty_like(x) for _ in range(cp.size)]
+    dist.all_gather(parts, x.contiguous(), group=cp.group)
+    return torch.cat(parts, dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ the attention
+@dataclass(frozen=True)
+class _Shard:
+    """Where this rank's chunk and its halo sit: `bounds` as `chunk_bounds`, the halo of every rank."""
+
+    bounds: list[int]
+    left: list[int]  # halo keys before each rank's chunk
+    right: list[int]  # halo keys after it
+    rank: int
+
+    @property
+    def start(self) -> int:
+        return self.bounds[self.rank]
+
+    @property
+    def stop(self) -> int:
+        return self.bounds[self.rank + 1]
+
+    def needs(self, reader: int, owner: int) -> tuple[int, int]:
+        """The positions `[lo, hi)` of `owner`'s chunk in `reader`'s halo (empty: lo >= hi)."""
+        if owner < reader:
+            lo, hi = self.bounds[reader] - self.left[reader], self.bounds[reader]
+        elif owner > reader:
+            lo, hi = self.bounds[reader + 1], self.bounds[reader + 1] + self.right[reader]
+        else:
+            return 0, 0
+        return max(lo, self.bounds[owner]), min(hi, self.bounds[owner + 1])
+
+
+def _gather_masks(
+    length: int,
+    masks: Sequence[tuple[Tensor | None, bool]],
+    cp: ContextParallel,
+    batch: int,
+    device: torch.device,
+) -> tuple[list[int], list[Tensor | None]]:
+    """Every rank's chunk length, and each mask of `masks` (`(mask, value where None)`, mask `[b, n]` bool or None)
+    gathered whole `[b, N]`; a mask that is None on every rank stays None. Two collectives: the lengths (with which
+    masks each rank has), then the masks."""
+    info = torch.tensor([[length] + [mask is not None for mask, _ in masks]], device=device)  # [1, 1 + masks]
+    parts = [torch.empty_like(info) for _ in range(cp.size)]
+    dist.all_gather(parts, info, group=cp.group)
+    table = torch.cat(parts).tolist()  # [P, 1 + masks]
+    lengths = [row[0] for row in table]
+    present = [any(row[1 + i] for row in table) for i in range(len(masks))]
+    longest = max(lengths)
+    # Padded to the longest chunk, since all_gather moves tensors of one shape; cut back to each rank's length.
+    stacked = torch.zeros(len(masks), batch, longest, dtype=torch.bool, device=device)
+    for i, (mask, absent_value) in enumerate(masks):
+        stacked[i, :, :length] = mask if mask is not None else absent_value
+    gathered = [torch.empty_like(stacked) for _ in range(cp.size)]
+    if any(present):
+        dist.all_gather(gathered, stacked, group=cp.group)
+    whole = [
+        torch.cat([part[i, :, :n] for part, n in zip(gathered, lengths)], dim=1) if present[i] else None
+        for i in range(len(masks))
+    ]
+    return lengths, whole
+
+
+def _exchange_halo(x: Tensor, shard: _Shard, cp: ContextParallel) -> Tensor:
+    """This rank's rows `x` `[n, ...]` with its halo around them, `[left + n + right, ...]`, in one autograd-aware
+    all-to-all: each rank sends every other rank the rows of its chunk that the other's halo covers."""
+    me, ranks = shard.rank, range(cp.size)
+    sends = [shard.needs(reader, me) for reader in ranks]
+    receives = [shard.needs(me, owner) for owner in ranks]
+    send_sizes = [max(0, hi - lo) for lo, hi in sends]
+    receive_sizes = [max(0, hi - lo) for lo, hi in receives]
+    outgoing = torch.cat([x[lo - shard.start : lo - shard.start + size] for (lo, _), size in zip(sends, send_sizes)])
+    incoming = funcol.all_to_all_single_autograd(outgoing.contiguous(), receive_sizes, send_sizes, cp.group)
+    # Chunks are in rank order, so the rows of lower ranks are the halo before, those of higher ranks the one after.
+    before = sum(receive_sizes[:me])
+    return torch.cat([incoming[:before], x, incoming[before:]])
+
+
+def _owned_rows(x: Tensor, index: Tensor, owned: Tensor, start: int) -> Tensor:
+    """Rows `index` `[b, g]` (global positions) of this rank's `x` `[b, h, n, d]`, zero where not `owned`:
+    `[b, h, g, d]`. Summed over the ranks, each row is taken once, from its owner."""
+    b, h, n, d = x.shape
+    rows = (index - start).clamp(0, max(n - 1, 0))
+    picked = x.gather(2, rows.view(b, 1, -1, 1).expand(b, h, rows.shape[1], d))
+    return picked * owned.view(b, 1, -1, 1).to(x.dtype)
+
+
+def context_parallel_sliding_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cp: ContextParallel,
+    window: int,
+    dilation: int | Sequence[int] = 1,
+    causal: bool = False,
+    global_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """`ops.sliding_window_attention` of this rank's chunk of a sequence split across `cp` (a collective: every rank
+    of the group calls it with its own chunk, in the same layer).
+
+    Args:
+        q: This rank's queries `[b, h, n, d]`.
+        k: Its keys `[b, h_kv, n, d]`, h_kv dividing h; v: its values `[b, h_kv, n, d_v]`.
+        cp: The context-parallel group.
+        window, dilation, causal: As in `ops.sliding_window_attention`.
+        global_mask: Bool `[b, n]` over this rank's tokens, True = global token; None = none.
+        key_padding_mask: Bool `[b, n]`, True = real token; None = no padding.
+        scale, dropout_p: As in `ops.sliding_window_attention`.
+
+    Returns:
+        `[b, h, n, d_v]`: the rows of this rank's queries of the single-process attention.
+
+    Raises:
+        ValueError: queries and keys of different lengths (cached decoding has no context-parallel form), or an
+            invalid window or dilation.
+    """
+    b, h, n, _ = q.shape
+    if k.shape[2] != n:
+        raise ValueError(
+            f"context-parallel attention needs one query per key (got {n} queries, {k.shape[2]} keys): cached "
+            "decoding and output_attentions run on one process."
+        )
+    window = check_window(window)
+    dilation = check_dilation(dilation, heads=h)
+    lengths, (padding, is_global) = _gather_masks(n, [(key_padding_mask, True), (global_mask, False)], cp, b, q.device)
+    bounds = [0, *itertools.accumulate(lengths)]
+    total = bounds[-1]
+    reach = window * (dilation if isinstance(dilation, int) else max(dilation))
+    shard = _Shard(
+        bounds=bounds,
+        left=[min(reach, bounds[r]) for r in range(cp.size)],
+        right=[0 if causal else min(reach, total - bounds[r + 1]) for r in range(cp.size)],
+        rank=cp.rank,
+    )
+    mask_fn = sliding_window_pattern(
+        window=window, dilation=dilation, causal=causal, global_mask=is_global, key_padding_mask=padding
+    )
+    global_index = global_valid = None
+    if is_global is not None:
+        global_index, global_valid = global_token_index(is_global)  # [b, g], global positions
+        if global_index.shape[1] == 0:
+            global_index = None
+
+    # Keys and values with their halo: [b, h_kv, m, d + d_v], sequence first for the exchange.
+    d_k = k.shape[3]
+    kv = torch.cat([k, v], dim=3)  # [b, h_kv, n, d + d_v]: one exchange for both
+    kv_halo = _exchange_halo(kv.permute(2, 0, 1, 3), shard, cp).permute(1, 2, 0, 3)  # [b, h_kv, m, d + d_v]
+    left = shard.left[cp.rank]
+    m = kv_halo.shape[2]
+
+    local_fn = mask_fn
+    global_keys = None
+    if global_index is not None:
+        g = global_index.shape[1]
+        owned = global_valid & (global_index >= shard.start) & (global_index < shard.stop)  # [b, g]
+        # Each rank contributes the global rows it holds; the sum over the group has every global token's keys,
+        # values and queries (and sends their gradients back to their owners).
+        kv_global = funcol.all_reduce(_owned_rows(kv, global_index, owned, shard.start), "sum", cp.group)
+        q_global = funcol.all_reduce(_owned_rows(q, global_index, owned, shard.start), "sum", cp.group)  # [b, h, g, d]
+        kv_halo = torch.cat([kv_halo, kv_global], dim=2)  # global keys after the band's: [b, h_kv, m + g, d + d_v]
+        slots = (m + torch.arange(g, device=q.device)).expand(b, g)
+        global_keys = (slots, global_index, global_valid)
+        # Their copies inside the band are hidden, so every key counts once in the softmax.
+        local_fn = and_masks(mask_fn, _not_global_key(is_global))
+    k_halo, v_halo = kv_halo[..., :d_k], kv_halo[..., d_k:]
+
+    groups = head_groups(dilation, h)
+    if len(groups) > 1 and k_halo.shape[1] != h:  # per-head dilations split the heads across key/value groups
+        k_halo, v_halo = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k_halo, v_halo))
+    outputs, order = [], []
+    for d, heads in groups:
+        heads_t = torch.tensor(heads, device=q.device)
+        q_g, k_g, v_g = (
+            (q, k_halo, v_halo) if len(heads) == h else (t.index_select(1, heads_t) for t in (q, k_halo, v_halo))
+        )
+        layout = band_layout(
+            q_len=n,
+            kv_len=m,
+            window_left=window,
+            window_right=0 if causal else window,
+            dilation=d,
+            block_size=128,  # banded_attention's for `attend_blocks`
+            q_offset=left,
+            device=q.device,
+        )
+        outputs.append(
+            band_block_attention(
+                q_g,
+                k_g,
+                v_g,
+                layout=layout,
+                heads=heads_t,
+                local_fn=local_fn,
+                mask_fn=mask_fn,
+                q_offset=left,
+                global_keys=global_keys,
+                position_offset=shard.start - left,
+                scale=scale,
+                dropout_p=dropout_p,
+            )
+        )
+        order.extend(heads)
+    out = (
+        outputs[0]
+        if len(outputs) == 1
+        else torch.cat(outputs, dim=1).index_select(1, torch.tensor(order, device=q.device).argsort())
+    )
+    if global_index is not None:
+        out = _global_queries(
+            q_global, k, v, out, mask_fn, global_index, global_valid, owned, shard, cp, scale, dropout_p
+        )
+    return out
+
+
+def _global_queries(
+    q_global: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    mask_fn: MaskFn,
+    global_index: Tensor,
+    global_valid: Tensor,
+    owned: Tensor,
+    shard: _Shard,
+    cp: ContextParallel,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """Global queries see the whole sequence: each rank attends all g of them `q_global` `[b, h, g, d]` to its own
+    keys `k`, `v` `[b, h_kv, n, d]`, the partial results of the ranks are merged by log-sum-exp, and each rank
+    writes the rows of the global tokens it holds over its local result `out` `[b, h, n, d_v]`."""
+    b, h, g, _ = q_global.shape
+    n, d_v = k.shape[2], v.shape[3]
+    mask = evaluate_block_mask(
+        mask_fn,
+        batch=b,
+        heads=torch.arange(h, device=k.device),
+        q_pos=global_index.view(b, 1, g),
+        kv_pos=(shard.start + torch.arange(n, device=k.device)).view(1, 1, n),
+        q_valid=global_valid.view(b, 1, g),
+    )  # [b, 1|h, 1, g, n]
+    part, lse = attend_blocks(q_global[:, :, None], k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p)
+    # [b, h, 1, g, d_v] and [b, h, 1, g] of every rank, side by side: [P·b, h, 1, g, d_v + 1], in the dtype of the
+    # log-sum-exp (float32 for half inputs), so that packing rounds neither.
+    packed = torch.cat([part.to(lse.dtype), lse[..., None]], dim=-1)
+    every = funcol.all_gather_single_autograd(packed.contiguous(), 0, cp.group).view(cp.size, *packed.shape)
+    merged, _ = merge_attention([(every[r, ..., :d_v], every[r, ..., d_v]) for r in range(cp.size)])
+    merged = merged.reshape(b, h, g, d_v).to(out.dtype)
+    # Rows of global tokens held elsewhere go to an extra row that is cut off, so no row is written twice.
+    target = torch.where(owned, global_index - shard.start, torch.full_like(global_index, n))  # [b, g]
+    padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n + 1, d_v]
+    padded = padded.scatter(2, target.view(b, 1, g, 1).expand(b, h, g, d_v), merged)
+    return padded[:, :, :n]
