@@ -937,14 +937,19 @@ def _fused_block_size(group: int) -> int:
 
 
 def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn=None):
-    """Global queries see every key: a dense row per global token (O(g · n)), written over the local result."""
+    """Global queries see every key: a dense row per global token (O(g · n)), written over the local result.
+
+    Where the fused band path runs (eager CPU code, no dropout, no logit bias) through SDPA, i.e. torch's fused kernel
+    with k and v read in place, grouped heads included; elsewhere `attend_blocks`. Both give a row that sees no key
+    zeros."""
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
     g = global_index.shape[1]
     # A global token before q_offset is a key only (cached decoding): it has no query row here.
     query_valid = global_valid & (global_index >= q_offset)  # [b, g]
     query_row = (global_index - q_offset).clamp(min=0)  # [b, g]
-    c = min(g, 64)
+    sdpa = bias_fn is None and _fused_band_applies(q, 1, dropout_p)
+    c = g if sdpa else min(g, 64)
     nb = -(-g // c)
     pad = nb * c - g
     if pad:
@@ -958,17 +963,33 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
         q_pos=(query_row + q_offset).view(b, nb, c),
         kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
         q_valid=query_valid.view(b, nb, c),
-    )
-    bias = None
-    if bias_fn is not None:
-        bias = block_bias(
-            bias_fn,
-            batch=b,
-            heads=torch.arange(h, device=q.device),
-            q_pos=(query_row + q_offset).view(b, nb, c),
-            kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
+    )  # [b, h|1, nb, c, n_k]
+    if sdpa:
+        mask = mask[:, :, 0]  # [b, h|1, g, n_k]
+        dtype = compute_dtype(q.dtype)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=q.device).masked_fill_(~mask, HIDDEN_LOGIT)
+        out_global = torch.nn.functional.scaled_dot_product_attention(
+            q_global[:, :, 0].to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            attn_mask=additive,
+            scale=scale,
+            enable_gqa=k.shape[1] != h,
         )
-    out_global, _ = attend_blocks(q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias)
+        out_global = (out_global * mask.any(dim=-1, keepdim=True)).to(q.dtype)  # [b, h, g, d_v]
+    else:
+        bias = None
+        if bias_fn is not None:
+            bias = block_bias(
+                bias_fn,
+                batch=b,
+                heads=torch.arange(h, device=q.device),
+                q_pos=(query_row + q_offset).view(b, nb, c),
+                kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
+            )
+        out_global, _ = attend_blocks(
+            q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
+        )
     # Padding slots write to an extra row that is cut off afterwards, so no index is ever written twice.
     target = torch.where(query_valid, query_row, torch.full_like(query_row, n_q))  # [b, g']
     padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n_q + 1, d_v]

@@ -15,7 +15,7 @@ Shapes (q, k, v are `[b, n, h, d]` projections seen as `[b, h, n, d]`, as a mode
 
 Examples:
     python scripts/band_layer_timing.py --shapes roberta llama --against main
-    python scripts/band_layer_timing.py --shapes sliding-4k sliding-16k --against f007ca9 --no-ideal
+    python scripts/band_layer_timing.py --shapes sliding-4k sliding-16k --against f007ca9 main --no-ideal
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ SHAPES = {
 }
 
 
-def load_revision(revision: str, folder: Path) -> types.ModuleType:
-    """The `ops` module of git revision `revision`, imported as package `longattn_before` (its `__init__` is not run,
-    so nothing is registered twice with transformers)."""
+def load_revision(revision: str, folder: Path, name: str) -> types.ModuleType:
+    """The `ops` module of git revision `revision`, imported as package `name` (its `__init__` is not run, so nothing
+    is registered twice with transformers)."""
+    folder.mkdir()
     archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "longattn"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    package = types.ModuleType("longattn_before")
+    package = types.ModuleType(name)
     package.__path__ = [str(folder / "longattn")]
-    sys.modules["longattn_before"] = package
-    return importlib.import_module("longattn_before.ops")
+    sys.modules[name] = package
+    return importlib.import_module(f"{name}.ops")
 
 
 def inputs(shape: str):
@@ -106,7 +107,7 @@ def timed(step) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["roberta", "llama"])
-    parser.add_argument("--against", help="git revision to time side by side (e.g. main, f007ca9)")
+    parser.add_argument("--against", nargs="*", default=[], help="git revisions to time side by side (main, f007ca9)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each path's best round is reported")
     parser.add_argument("--no-ideal", action="store_true", help="skip dense SDPA (the ideal)")
     args = parser.parse_args()
@@ -114,12 +115,14 @@ def main() -> None:
     import longattn.ops as ops_after
 
     with tempfile.TemporaryDirectory() as folder:
-        ops_before = load_revision(args.against, Path(folder)) if args.against else None
+        before = {
+            revision: load_revision(revision, Path(folder) / str(i), f"longattn_before_{i}")
+            for i, revision in enumerate(args.against)
+        }
         print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, 1 thread")
         for shape in args.shapes:
-            paths = {"after": band_step(ops_after, shape)}
-            if ops_before is not None:
-                paths = {f"before ({args.against})": band_step(ops_before, shape), **paths}
+            paths = {revision: band_step(ops_before, shape) for revision, ops_before in before.items()}
+            paths["after"] = band_step(ops_after, shape)
             if not args.no_ideal:
                 paths["dense"] = dense_step(shape)
             for step in paths.values():
@@ -132,10 +135,9 @@ def main() -> None:
             print(f"{shape}: forward + backward, process time, best of {args.repeats}")
             for name, seconds in best.items():
                 ratio = "" if ideal is None or name == "dense" else f"  {seconds / ideal:.2f}x ideal"
-                print(f"  {name:>20}: {seconds:.3f} s{ratio}")
-            if ops_before is not None:
-                before = best[f"before ({args.against})"]
-                print(f"  after / before: {best['after'] / before:.3f}")
+                print(f"  {name:>10}: {seconds:.3f} s{ratio}")
+            for revision in before:
+                print(f"  after / {revision}: {best['after'] / best[revision]:.3f}")
 
 
 if __name__ == "__main__":

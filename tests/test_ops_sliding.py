@@ -661,3 +661,21 @@ def test_a_wrong_shared_band_mask_is_detected(monkeypatch):
     torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **pattern), expected)
     monkeypatch.setattr(executor._BandPlan, "band_bias", one_key_too_wide)
     assert not torch.allclose(ops.sliding_window_attention(q, k, v, **pattern), expected)
+
+
+def test_fused_path_runs_global_queries_on_the_fused_kernel(monkeypatch):
+    """On the fused path the global queries' dense rows go through SDPA (k and v read in place, grouped heads
+    without repeating them), not `attend_blocks`; outputs and gradients still equal the dense reference (float64,
+    padding, a fully padded row holding a global token, causal)."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
+    q, _, _ = random_qkv(3, 4, 101, seed=9)
+    _, k, v = random_qkv(3, 2, 101, seed=10)
+    key_padding_mask, global_mask = _token_masks(3, 101, padding=True, global_tokens=True)
+    pattern = dict(window=7, causal=True, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), **pattern), q, k, v
+    )
+    assert_all_close(actual, expected)
