@@ -977,6 +977,12 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
             enable_gqa=k.shape[1] != h,
         )
         out_global = (out_global * mask.any(dim=-1, keepdim=True)).to(q.dtype)  # [b, h, g, d_v]
+        # Eager code (the fused path's condition): the valid slots are read back, and their rows written in one
+        # out-of-place `index_put` (one copy of out, and one of its gradient in backward).
+        batch_index, slot = query_valid.nonzero(as_tuple=True)  # [k]
+        rows = (batch_index, query_row[batch_index, slot])
+        values = out_global.transpose(1, 2)[batch_index, slot]  # [k, h, d_v]
+        return out.transpose(1, 2).index_put(rows, values).transpose(1, 2)
     else:
         bias = None
         if bias_fn is not None:
@@ -1184,8 +1190,9 @@ class _BandAttention(torch.autograd.Function):
                 o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
                 if glob is not None:
                     g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
-                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
-                    o_g, lse_g = _FLASH_FORWARD(q_chunk, g_keys, g_values, attn_mask=g_bias, scale=plan.scale)
+                    scores = _global_scores(q_chunk, glob[0][row], g_bias, plan.scale)
+                    lse_g = torch.logsumexp(scores, dim=-1)  # [n_blk, h_kv, group·c]
+                    o_g = torch.matmul(scores.sub_(lse_g.unsqueeze(-1)).exp_(), glob[1][row])
                     o, row_lse = merge_attention([(o, row_lse), (o_g, lse_g)])
                 if not plain:
                     # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
@@ -1249,22 +1256,18 @@ class _BandAttention(torch.autograd.Function):
                 )
                 if glob is not None:
                     g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
-                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
-                    grad_q_g, grad_g_keys, grad_g_values = _FLASH_BACKWARD(
-                        grad_out_chunk,
+                    _global_backward(
                         q_chunk,
-                        g_keys,
-                        g_values,
+                        grad_out_chunk,
                         out_chunk,
                         row_lse,
-                        0.0,
-                        False,
-                        attn_mask=g_bias,
-                        scale=plan.scale,
+                        g_bias,
+                        glob,
+                        row,
+                        plan.scale,
+                        grad_q_chunk,
+                        grad_glob,
                     )
-                    grad_q_chunk.add_(grad_q_g)
-                    grad_glob[0][row] += grad_g_keys.sum(0)
-                    grad_glob[1][row] += grad_g_values.sum(0)
                 _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
                 _add_band_grad(grad_k[row], grad_keys, plan, start, workspace, "grad_k")
                 _add_band_grad(grad_v[row], grad_values, plan, start, workspace, "grad_v")
@@ -1289,6 +1292,27 @@ def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None):
             stop += 1
         yield start, stop
         start = stop
+
+
+def _global_scores(q_chunk: Tensor, g_keys: Tensor, g_bias: Tensor, scale: float) -> Tensor:
+    """Masked scores of a chunk's queries `[n_blk, h_kv, rows, d]` against its row's g global keys `[h_kv, g, d]`:
+    `[n_blk, h_kv, rows, g]`. Plain products, not the fused kernel: with a handful of keys its per-tile steps cost
+    more than the work (measured: forward + backward of one global key, 4K tokens, 12 heads, was about a third of
+    the band's time through the kernel)."""
+    return torch.matmul(q_chunk, g_keys.transpose(1, 2)).mul_(scale).add_(g_bias)
+
+
+def _global_backward(q_chunk, grad_out_chunk, out_chunk, row_lse, g_bias, glob, row, scale, grad_q_chunk, grad_glob):
+    """Gradient of a chunk's global-key part under the MERGED softmax (out, lse of band and global keys together):
+    P = exp(S − lse), dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)); adds dS K · scale into grad_q_chunk and Σ_blocks dSᵀ Q · scale,
+    Pᵀ dO into the row's global key / value gradients `grad_glob` (each `[b, h_kv, g, d]`)."""
+    g_keys, g_values = glob[0][row], glob[1][row]  # [h_kv, g, d]
+    probs = _global_scores(q_chunk, g_keys, g_bias, scale).sub_(row_lse.unsqueeze(-1)).exp_()  # [n_blk, h_kv, rows, g]
+    grad_scores = torch.matmul(grad_out_chunk, g_values.transpose(1, 2))  # dP
+    grad_scores.sub_((grad_out_chunk * out_chunk).sum(dim=-1, keepdim=True)).mul_(probs)  # dS
+    grad_q_chunk.add_(torch.matmul(grad_scores, g_keys), alpha=scale)
+    grad_glob[0][row] += torch.matmul(grad_scores.transpose(2, 3), q_chunk).sum(0).mul_(scale)
+    grad_glob[1][row] += torch.matmul(probs.transpose(2, 3), grad_out_chunk).sum(0)
 
 
 def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:
