@@ -17,9 +17,10 @@ Three layers, each usable on its own:
    dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
    band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
    keys of a block read as a strided view of k and v themselves (they are contiguous positions; only the first and
-   last chunks copy a small zero-padded piece), key gradients added straight into their tensors, the masks evaluated
-   from the predicate in forward and again in backward (nothing n x keys is saved). Dilated bands, dropout, other
-   devices and compilers use `attend_blocks`.
+   last chunks copy a small zero-padded piece), key gradients added straight into their tensors; blocks at the
+   edges or next to padding / global keys evaluate their masks from the predicate in forward and again in backward
+   (nothing n x keys is saved), every other block of an exact band takes one shared band mask. Dilated bands,
+   dropout, other devices and compilers use `attend_blocks`.
 
 The block masks are never written by hand: they come from evaluating the pattern's `MaskFn` (see
 `longattn.patterns`) on the ORIGINAL positions of each block's queries and gathered keys, so the dense reference
