@@ -679,3 +679,19 @@ def test_fused_path_runs_global_queries_on_the_fused_kernel(monkeypatch):
         lambda q, k, v: _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), **pattern), q, k, v
     )
     assert_all_close(actual, expected)
+
+
+def test_fused_plain_blocks_in_half_precision(monkeypatch):
+    """bfloat16 inputs on the plain-block path (queries and keys copied into float32 workspaces, no views): close to
+    the float64 reference, with padding and a global token."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
+    q, k, v = random_qkv(2, 2, 203, dtype=torch.bfloat16, seed=11)
+    key_padding_mask, global_mask = _token_masks(2, 203, padding=True, global_tokens=True)
+    pattern = dict(window=9, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k, v, **pattern), *(t.detach().double().requires_grad_() for t in (q, k, v))
+    )
+    assert_all_close([t.double() for t in actual], expected, atol=3e-2, rtol=3e-2)
