@@ -931,8 +931,8 @@ def _fused_block_size(group: int) -> int:
     A block reads c + w_left + w_right keys for its c queries, so smaller blocks waste fewer keys; the fused kernel
     tiles a block's group·c stacked query rows by 32 below 192 rows (by 64 from 192 on), so blocks below 32 rows only
     add steps. Measured on one core (process time, forward + backward, against dense SDPA's work times the window's
-    share), with the plain blocks' shared mask and chunks of 2**21 elements: 4K tokens, 12 heads, w = 256 per side, no
-    global token: c = 32 -> 2.17x, 64 -> 1.80x, 128 -> 1.88x (global first token included); 8K tokens, 16 heads on 4
+    share), with the plain blocks' shared mask and chunks of 2**21 elements (2**20 measured the same): 4K tokens, 12
+    heads, w = 256 per side, global first token: c = 32 -> 2.17x, 64 -> 1.80x, 128 -> 1.88x; 8K tokens, 16 heads on 4
     key/value heads, causal w = 512: c = 32 -> 1.17x, 64 -> 1.18x, 128 -> 1.35x."""
     return 64
 
@@ -1017,8 +1017,9 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # backward, blocks of 64, against dense SDPA's work times the window's share: 4K tokens, 12 heads of 64, w = 256 per
 # side, global first token: 2**18 (one block a chunk) 2.05x, 2**20 1.85x, 2**21 1.80x; 8K tokens, 16 heads on 4
 # key/value heads, causal w = 512: 2**18 1.28x, 2**20 1.18x, 2**21 1.19x. The chunk workspaces, not the length, set
-# the memory above the O(n · d) tensors (about 4 x 8 MB at 2**21).
-_BAND_CHUNK_ELEMENTS = 2**21
+# the memory above the O(n · d) tensors: one layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS
+# (scripts/benchmark.py, one run each): 2**18 53 MB at 4K / 163 MB at 16K, 2**20 73 / 186 MB, 2**21 97 / 204 MB.
+_BAND_CHUNK_ELEMENTS = 2**20
 
 
 @dataclass
