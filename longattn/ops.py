@@ -353,6 +353,8 @@ def sliding_window_attention(
         scale=call.scale,
         dropout_p=call.dropout_p,
         bias_fn=call.bias_fn,
+        exact_band=True,
+        key_padding_mask=call.padding,
     )
 
 
