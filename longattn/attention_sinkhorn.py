@@ -359,6 +359,8 @@ def sinkhorn_attention(
     )  # [b, h, B, B]
     if sortcut:
         keys, values, visible = _sortcut_keys(k, v, sort, min(sortcut, blocks), s)
+        if not (padded or causal):  # every row of S sums to 1: every mixed block exists, no mask to apply
+            visible = None
         if choice == "xformers":  # one key block that all queries share
             out = _attend_on_kernel(
                 q, keys, values, visible=visible, queries_per_key_block=q.shape[2], scale=scale, dropout_p=dropout_p

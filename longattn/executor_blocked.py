@@ -17,9 +17,10 @@ Three layers, each usable on its own:
    dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
    band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
    keys of a block read as a strided view of k and v themselves (they are contiguous positions; only the first and
-   last chunks copy a small zero-padded piece), key gradients added straight into their tensors, the masks evaluated
-   from the predicate in forward and again in backward (nothing n x keys is saved). Dilated bands, dropout, other
-   devices and compilers use `attend_blocks`.
+   last chunks copy a small zero-padded piece), key gradients added straight into their tensors; blocks at the
+   edges or next to padding / global keys evaluate their masks from the predicate in forward and again in backward
+   (nothing n x keys is saved), every other block of an exact band takes one shared band mask. Dilated bands,
+   dropout, other devices and compilers use `attend_blocks`.
 
 The block masks are never written by hand: they come from evaluating the pattern's `MaskFn` (see
 `longattn.patterns`) on the ORIGINAL positions of each block's queries and gathered keys, so the dense reference
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -758,6 +759,8 @@ def banded_attention(
     dropout_p: float = 0.0,
     block_size: int | None = None,
     bias_fn: BiasFn | None = None,
+    exact_band: bool = False,
+    key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention whose pattern is a (dilated) band plus optional Longformer global tokens, in O(n · w).
 
@@ -788,6 +791,14 @@ def banded_attention(
         bias_fn: Optional logit bias of each kept pair (relative-position logits, `relative_logits`), evaluated on
             the same positions as `mask_fn` and added to the scores (`attend_blocks`' `bias`; the fused path takes
             none, so a bias runs `attend_blocks`).
+        exact_band: Whether `mask_fn` is exactly Longformer's pattern on the heads of dilation 1 (as
+            `patterns.sliding_window_pattern` builds it): a query that is not global sees the keys from
+            `window_left` before to `window_right` after it, the global keys and no padding key
+            (`key_padding_mask`), nothing else. The fused path then masks the blocks whose keys hold no padding,
+            global or out-of-range key with one band mask built once, instead of evaluating `mask_fn` for every
+            block in forward and again in backward. False: `mask_fn` is evaluated for every block.
+        key_padding_mask: With `exact_band`, the bool `[b, n_k]` real keys (True) that `mask_fn` tests; None: no
+            padding.
 
     Returns:
         Output `[b, h, n_q, d_v]`; queries that see no key get zeros.
@@ -833,6 +844,7 @@ def banded_attention(
             device=device,
         )
         if fused:
+            first_key = q_offset - min(window_left, class_len)
             plan = _BandPlan(
                 layout=layout,
                 local_fn=local_fn,
@@ -841,7 +853,12 @@ def banded_attention(
                 global_index=global_index,
                 global_valid=global_valid,
                 scale=float(scale),
-                first_key=q_offset - min(window_left, class_len),
+                first_key=first_key,
+                plain=_plain_blocks(
+                    layout, first_key, n_k, b, global_mask if global_index is not None else None, key_padding_mask
+                )
+                if exact_band
+                else None,
             )
             group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
             group_heads.extend(heads)
@@ -966,25 +983,31 @@ def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:
 
 
 def _fused_block_size(group: int) -> int:
-    """Queries per block of the fused path for `group` query heads per key/value head.
+    """Queries per block of the fused path for `group` query heads per key/value head: 64.
 
-    The fused kernel tiles a block's group·c stacked query rows by 32 below 192 rows and by 64 from 192 on, and a
-    block reads c + 2w keys for its c queries: c = 256 / group within [64, 128] balances the two. Measured on one core
-    (process time, forward + backward, against dense SDPA's / the window's share): 4K tokens, 12 heads, w = 256 per
-    side: c = 64 -> 2.13x, 128 -> 2.03x, 256 -> 2.21x; 8K tokens, 16 heads on 4 key/value heads, causal w = 512:
-    c = 64 -> 1.28x, 128 -> 1.46x, 256 -> 1.66x."""
-    return max(64, min(128, 256 // group))
+    A block reads c + w_left + w_right keys for its c queries, so smaller blocks waste fewer keys; the fused kernel
+    tiles a block's group·c stacked query rows by 32 below 192 rows (by 64 from 192 on), so blocks below 32 rows only
+    add steps. Measured on one core (process time, forward + backward, against dense SDPA's work times the window's
+    share), with the plain blocks' shared mask and chunks of 2**21 elements (2**20 measured the same): 4K tokens, 12
+    heads, w = 256 per side, global first token: c = 32 -> 2.17x, 64 -> 1.80x, 128 -> 1.88x; 8K tokens, 16 heads on 4
+    key/value heads, causal w = 512: c = 32 -> 1.17x, 64 -> 1.18x, 128 -> 1.35x."""
+    return 64
 
 
 def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn=None):
-    """Global queries see every key: a dense row per global token (O(g · n)), written over the local result."""
+    """Global queries see every key: a dense row per global token (O(g · n)), written over the local result.
+
+    Where the fused band path runs (eager CPU code, no dropout, no logit bias) through SDPA, i.e. torch's fused kernel
+    with k and v read in place, grouped heads included; elsewhere `attend_blocks`. Both give a row that sees no key
+    zeros."""
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
     g = global_index.shape[1]
     # A global token before q_offset is a key only (cached decoding): it has no query row here.
     query_valid = global_valid & (global_index >= q_offset)  # [b, g]
     query_row = (global_index - q_offset).clamp(min=0)  # [b, g]
-    c = min(g, 64)
+    sdpa = bias_fn is None and _fused_band_applies(q, 1, dropout_p)
+    c = g if sdpa else min(g, 64)
     nb = -(-g // c)
     pad = nb * c - g
     if pad:
@@ -998,17 +1021,39 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
         q_pos=(query_row + q_offset).view(b, nb, c),
         kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
         q_valid=query_valid.view(b, nb, c),
-    )
-    bias = None
-    if bias_fn is not None:
-        bias = block_bias(
-            bias_fn,
-            batch=b,
-            heads=torch.arange(h, device=q.device),
-            q_pos=(query_row + q_offset).view(b, nb, c),
-            kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
+    )  # [b, h|1, nb, c, n_k]
+    if sdpa:
+        mask = mask[:, :, 0]  # [b, h|1, g, n_k]
+        dtype = compute_dtype(q.dtype)
+        additive = torch.zeros(mask.shape, dtype=dtype, device=q.device).masked_fill_(~mask, HIDDEN_LOGIT)
+        out_global = torch.nn.functional.scaled_dot_product_attention(
+            q_global[:, :, 0].to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            attn_mask=additive,
+            scale=scale,
+            enable_gqa=k.shape[1] != h,
         )
-    out_global, _ = attend_blocks(q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias)
+        out_global = (out_global * mask.any(dim=-1, keepdim=True)).to(q.dtype)  # [b, h, g, d_v]
+        # Eager code (the fused path's condition): the valid slots are read back, and their rows written in one
+        # out-of-place `index_put` (one copy of out, and one of its gradient in backward).
+        batch_index, slot = query_valid.nonzero(as_tuple=True)  # [k]
+        rows = (batch_index, query_row[batch_index, slot])
+        values = out_global.transpose(1, 2)[batch_index, slot]  # [k, h, d_v]
+        return out.transpose(1, 2).index_put(rows, values).transpose(1, 2)
+    else:
+        bias = None
+        if bias_fn is not None:
+            bias = block_bias(
+                bias_fn,
+                batch=b,
+                heads=torch.arange(h, device=q.device),
+                q_pos=(query_row + q_offset).view(b, nb, c),
+                kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
+            )
+        out_global, _ = attend_blocks(
+            q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
+        )
     # Padding slots write to an extra row that is cut off afterwards, so no index is ever written twice.
     target = torch.where(query_valid, query_row, torch.full_like(query_row, n_q))  # [b, g']
     padded = torch.nn.functional.pad(out, (0, 0, 0, 1))  # [b, h, n_q + 1, d_v]
@@ -1025,11 +1070,13 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 # Key-gradient elements [n_blk, h_kv, m, d] of one chunk of the fused band path (the kernel's backward writes one such
 # tensor, m/c times the chunk's keys, per call; the additive mask and key/value gradients of a chunk are as large).
-# At 4K tokens, 12 heads of 64, w = 256, blocks of 128 (2**19 elements a block) chunks of 2**19 to 2**23 elements took
-# the same time. One layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS / time: 2**20 -> 87 MB /
-# 0.137 s at 4K, 208 MB / 0.51 s at 16K; 2**18 -> 55 MB / 0.143-0.149 s, 172-188 MB / 0.55-0.59 s (run-to-run noise
-# about 10%): the chunk workspaces, not the length, set the memory above the O(n · d) tensors, so chunks stay small.
-_BAND_CHUNK_ELEMENTS = 2**18
+# Each chunk costs a dozen Python-level calls, so chunks of one block are slow: one thread, process time, forward +
+# backward, blocks of 64, against dense SDPA's work times the window's share: 4K tokens, 12 heads of 64, w = 256 per
+# side, global first token: 2**18 (one block a chunk) 2.05x, 2**20 1.85x, 2**21 1.80x; 8K tokens, 16 heads on 4
+# key/value heads, causal w = 512: 2**18 1.28x, 2**20 1.18x, 2**21 1.19x. The chunk workspaces, not the length, set
+# the memory above the O(n · d) tensors: one layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS
+# (scripts/benchmark.py, one run each): 2**18 53 MB at 4K / 163 MB at 16K, 2**20 73 / 186 MB, 2**21 97 / 204 MB.
+_BAND_CHUNK_ELEMENTS = 2**20
 
 
 @dataclass
@@ -1038,7 +1085,9 @@ class _BandPlan:
     every chunk's masks (evaluated on original positions in forward, and again in backward instead of being saved).
 
     Block i's keys are the contiguous positions `first_key + i·c … first_key + i·c + m − 1`: a strided view of k, no
-    gather (`_band_keys`).
+    gather (`_band_keys`). `plain[row][i]` (from `_plain_blocks`) says that block i of batch row `row` sees exactly
+    the band geometry, `0 <= key slot − query slot <= m − c`: its mask is `band_bias`, the same for every such block,
+    built once instead of evaluated from the predicate; None: every block evaluates the predicate.
     """
 
     layout: BandLayout
@@ -1049,6 +1098,8 @@ class _BandPlan:
     global_valid: Tensor | None  # [b, g]
     scale: float
     first_key: int  # position of block 0's first key: q_offset - window_left
+    plain: list[list[bool]] | None = None  # [b][nb]
+    _band_biases: dict = field(default_factory=dict)
 
     def local_bias(self, batch: int, start: int, stop: int) -> Tensor:
         """Bool `[b|1, h|1, n_blk, c, m]` mask of blocks start:stop against their band keys."""
@@ -1076,6 +1127,51 @@ class _BandPlan:
             kv_valid=self.global_valid[:, None, :],
         )
 
+    def is_plain(self, row: int, start: int, stop: int) -> bool:
+        return self.plain is not None and all(self.plain[row][start:stop])
+
+    def band_bias(self, group: int, dtype: torch.dtype) -> Tensor:
+        """The additive mask of a plain block, `[1, 1, group·c, m]` (one row per stacked query row; the kernel
+        broadcasts it over blocks and heads): query slot i sees key slot j when `0 <= j − i <= m − c`."""
+        key = (group, dtype)
+        if key not in self._band_biases:
+            c, m = self.layout.q_pos.shape[1], self.layout.kv_pos.shape[1]
+            device = self.layout.q_pos.device
+            offset = torch.arange(m, device=device).view(1, m) - torch.arange(c, device=device).view(c, 1)
+            visible = (offset >= 0) & (offset <= m - c)  # [c, m]
+            bias = torch.zeros(c, m, dtype=dtype, device=device).masked_fill_(~visible, HIDDEN_LOGIT)
+            self._band_biases[key] = bias.repeat(group, 1).view(1, 1, group * c, m)
+        return self._band_biases[key]
+
+
+def _plain_blocks(
+    layout: BandLayout,
+    first_key: int,
+    n_k: int,
+    batch: int,
+    global_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+) -> list[list[bool]]:
+    """Which blocks of a plain band (dilation 1, `banded_attention(exact_band=True)`) see exactly the band geometry,
+    `[b][nb]`: all their queries are real slots, and their m keys lie inside the sequence and hold no global key (those
+    are attended separately, so the band hides them) and no padding key. Eager only (the fused path's condition): the
+    answer is read back to the host once per call."""
+    nb, c = layout.q_pos.shape
+    m = layout.kv_pos.shape[1]
+    device = layout.q_pos.device
+    lo = first_key + torch.arange(nb, device=device) * c  # [nb], first key of each block
+    plain = (lo >= 0) & (lo + m <= n_k) & layout.q_valid.all(dim=1)  # [nb]
+    special = None if global_mask is None else global_mask.bool()
+    if key_padding_mask is not None:
+        padding = ~key_padding_mask.bool()
+        special = padding if special is None else special | padding
+    if special is None:
+        return plain.expand(batch, nb).tolist()
+    # Keys of a block that are global or padding: a difference of running counts, O(n) per row.
+    count = torch.nn.functional.pad(special.long().cumsum(dim=1), (1, 0))  # [b, n_k + 1]
+    first, last = lo.clamp(0, n_k), (lo + m).clamp(0, n_k)
+    return (plain & (count[:, last] == count[:, first])).expand(batch, nb).tolist()
+
 
 def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspace, name: str) -> Tensor:
     """Bool `[b|1, h|1, n_blk, c, m]` -> the additive mask of batch row `row` as the fused kernel reads it,
@@ -1091,6 +1187,24 @@ def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspa
     return bias.flatten(2, 3)
 
 
+class _ChunkMasks:
+    """The predicate masks of one chunk of blocks, evaluated on first use (plain blocks never ask for the band's)."""
+
+    def __init__(self, plan: _BandPlan, batch: int, start: int, stop: int):
+        self.plan, self.batch, self.start, self.stop = plan, batch, start, stop
+        self._local = self._global = None
+
+    def local(self) -> Tensor:
+        if self._local is None:
+            self._local = self.plan.local_bias(self.batch, self.start, self.stop)
+        return self._local
+
+    def global_(self) -> Tensor:
+        if self._global is None:
+            self._global = self.plan.global_bias(self.batch, self.start, self.stop)
+        return self._global
+
+
 class _BandAttention(torch.autograd.Function):
     """Forward and backward of a plain band (plus global keys) through torch's fused CPU attention, block by block.
 
@@ -1098,11 +1212,13 @@ class _BandAttention(torch.autograd.Function):
     queries (with its group of query heads stacked as rows, `[n_blk, h_kv, group·c, d]`) attends to the m band keys
     of its key/value head, read as an overlapping strided view of k and v (`_band_keys`), and to its row's g global
     keys in a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
-    output and the log-sum-exp (O(n · d)); the masks are evaluated again from the predicates. Backward calls the
+    output and the log-sum-exp (O(n · d)); the masks of blocks at the edges, next to padding or global keys are
+    evaluated again from the predicates, every other block takes the plan's one `band_bias`. Backward calls the
     fused backward on both key sets with the MERGED output and log-sum-exp: it recomputes P = exp(S − lse) and
     rowsum(dO ∘ O) from them, which are exactly the merged softmax's, so the two calls give the exact gradient.
     Band key gradients `[n_blk, h_kv, m, d]` are added straight into the key/value gradients by ceil(m / c) strided
-    additions. Nothing O(n · d) is allocated besides the output, its log-sum-exp and the gradients.
+    additions. Nothing O(n · d) is allocated besides the output, its log-sum-exp and the gradients; plain blocks of
+    one head per key/value head read their queries, output gradients and outputs as views, no copy.
     """
 
     @staticmethod
@@ -1117,25 +1233,30 @@ class _BandAttention(torch.autograd.Function):
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain):
             n_blk = stop - start
-            local = plan.local_bias(b, start, stop)
-            global_mask = None if glob is None else plan.global_bias(b, start, stop)
+            masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
-                q_chunk = _gather_queries(q, row, start, stop, c, group, workspace, "q")  # [n_blk, h_kv, group·c, d]
+                plain = plan.is_plain(row, start, stop)
+                q_chunk = _chunk_queries(q, row, start, stop, c, group, workspace, "q", view=plain)
                 keys, values = (
                     _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
                 )
-                bias = _additive(local, row, h_kv, group, workspace, "bias")
+                if plain:
+                    bias = plan.band_bias(group, dtype)
+                else:
+                    bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
                 o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
                 if glob is not None:
-                    g_bias = _additive(global_mask, row, h_kv, group, workspace, "g_bias")
-                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
-                    o_g, lse_g = _FLASH_FORWARD(q_chunk, g_keys, g_values, attn_mask=g_bias, scale=plan.scale)
+                    g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
+                    scores = _global_scores(q_chunk, glob[0][row], g_bias, plan.scale)
+                    lse_g = torch.logsumexp(scores, dim=-1)  # [n_blk, h_kv, group·c]
+                    o_g = torch.matmul(scores.sub_(lse_g.unsqueeze(-1)).exp_(), glob[1][row])
                     o, row_lse = merge_attention([(o, row_lse), (o_g, lse_g)])
-                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
-                # `attend_blocks`.
-                o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
+                if not plain:
+                    # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
+                    # `attend_blocks`. (A plain block's queries all see their own key.)
+                    o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
                 lse[row, start:stop] = row_lse
                 _scatter_queries(out, o, row, start, stop, c, group)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -1160,20 +1281,26 @@ class _BandAttention(torch.autograd.Function):
         grad_k, grad_v = (torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format) for t in (k, v))
         grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain):
             n_blk = stop - start
-            local = plan.local_bias(b, start, stop)
-            global_mask = None if glob is None else plan.global_bias(b, start, stop)
+            masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
-                q_chunk = _gather_queries(q, row, start, stop, c, group, workspace, "q")
-                grad_out_chunk = _gather_queries(grad_out, row, start, stop, c, group, workspace, "grad_out")
-                out_chunk = _gather_queries(out, row, start, stop, c, group, workspace, "out", slots_first=True)
+                plain = plan.is_plain(row, start, stop)
+                q_chunk = _chunk_queries(q, row, start, stop, c, group, workspace, "q", view=plain)
+                grad_out_chunk = _chunk_queries(grad_out, row, start, stop, c, group, workspace, "grad_out", view=plain)
+                out_chunk = _chunk_queries(
+                    out, row, start, stop, c, group, workspace, "out", slots_first=True, view=plain
+                )
                 row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
-                grad_out_chunk.mul_((row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1))  # zeroed rows get no gradient
+                if not plain:
+                    grad_out_chunk.mul_((row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1))  # zeroed rows get no gradient
                 keys, values = (
                     _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
                 )
-                bias = _additive(local, row, h_kv, group, workspace, "bias")
+                if plain:
+                    bias = plan.band_bias(group, dtype)
+                else:
+                    bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
                 grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
                     grad_out_chunk,
                     q_chunk,
@@ -1187,23 +1314,19 @@ class _BandAttention(torch.autograd.Function):
                     scale=plan.scale,
                 )
                 if glob is not None:
-                    g_bias = _additive(global_mask, row, h_kv, group, workspace, "g_bias")
-                    g_keys, g_values = (t[row : row + 1].expand(n_blk, -1, -1, -1) for t in glob)
-                    grad_q_g, grad_g_keys, grad_g_values = _FLASH_BACKWARD(
-                        grad_out_chunk,
+                    g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
+                    _global_backward(
                         q_chunk,
-                        g_keys,
-                        g_values,
+                        grad_out_chunk,
                         out_chunk,
                         row_lse,
-                        0.0,
-                        False,
-                        attn_mask=g_bias,
-                        scale=plan.scale,
+                        g_bias,
+                        glob,
+                        row,
+                        plan.scale,
+                        grad_q_chunk,
+                        grad_glob,
                     )
-                    grad_q_chunk.add_(grad_q_g)
-                    grad_glob[0][row] += grad_g_keys.sum(0)
-                    grad_glob[1][row] += grad_g_values.sum(0)
                 _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
                 _add_band_grad(grad_k[row], grad_keys, plan, start, workspace, "grad_k")
                 _add_band_grad(grad_v[row], grad_values, plan, start, workspace, "grad_v")
@@ -1215,10 +1338,40 @@ class _BandAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-def _band_chunks(nb: int, per_block: int):
+def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None):
+    """`(start, stop)` of each chunk of blocks: at most `_BAND_CHUNK_ELEMENTS` key-gradient elements, and blocks that
+    are plain in every batch row never share a chunk with others (a chunk takes the shared mask only if all its blocks
+    are plain)."""
     step = max(1, min(nb, _BAND_CHUNK_ELEMENTS // max(1, per_block)))
-    for start in range(0, nb, step):
-        yield start, min(nb, start + step)
+    every_row = [False] * nb if plain is None else [all(column) for column in zip(*plain)]
+    start = 0
+    while start < nb:
+        stop = start + 1
+        while stop < nb and stop - start < step and every_row[stop] == every_row[start]:
+            stop += 1
+        yield start, stop
+        start = stop
+
+
+def _global_scores(q_chunk: Tensor, g_keys: Tensor, g_bias: Tensor, scale: float) -> Tensor:
+    """Masked scores of a chunk's queries `[n_blk, h_kv, rows, d]` against its row's g global keys `[h_kv, g, d]`:
+    `[n_blk, h_kv, rows, g]`. Plain products, not the fused kernel: with a handful of keys its per-tile steps cost
+    more than the work (measured: forward + backward of one global key, 4K tokens, 12 heads, was about a third of
+    the band's time through the kernel)."""
+    return torch.matmul(q_chunk, g_keys.transpose(1, 2)).mul_(scale).add_(g_bias)
+
+
+def _global_backward(q_chunk, grad_out_chunk, out_chunk, row_lse, g_bias, glob, row, scale, grad_q_chunk, grad_glob):
+    """Gradient of a chunk's global-key part under the MERGED softmax (out, lse of band and global keys together):
+    P = exp(S − lse), dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O)); adds dS K · scale into grad_q_chunk and Σ_blocks dSᵀ Q · scale,
+    Pᵀ dO into the row's global key / value gradients `grad_glob` (each `[b, h_kv, g, d]`)."""
+    g_keys, g_values = glob[0][row], glob[1][row]  # [h_kv, g, d]
+    probs = _global_scores(q_chunk, g_keys, g_bias, scale).sub_(row_lse.unsqueeze(-1)).exp_()  # [n_blk, h_kv, rows, g]
+    grad_scores = torch.matmul(grad_out_chunk, g_values.transpose(1, 2))  # dP
+    grad_scores.sub_((grad_out_chunk * out_chunk).sum(dim=-1, keepdim=True)).mul_(probs)  # dS
+    grad_q_chunk.add_(torch.matmul(grad_scores, g_keys), alpha=scale)
+    grad_glob[0][row] += torch.matmul(grad_scores.transpose(2, 3), q_chunk).sum(0).mul_(scale)
+    grad_glob[1][row] += torch.matmul(probs.transpose(2, 3), grad_out_chunk).sum(0)
 
 
 def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:
@@ -1266,27 +1419,32 @@ def _band_keys(
     return _block_rows(piece, 0, n_blk, c, m)
 
 
-def _gather_queries(t, row, start, stop, c, group, workspace, name, slots_first=False) -> Tensor:
+def _chunk_queries(t, row, start, stop, c, group, workspace, name, slots_first=False, view=False) -> Tensor:
     """Queries (or output gradients, or saved outputs) of blocks start:stop of one batch row, in the fused
-    kernel's layout `[n_blk, h_kv, group·c, d]`, copied into a workspace (zero rows past the last query).
+    kernel's layout `[n_blk, h_kv, group·c, d]`.
 
-    t is `[b, h, n, d]`, or `[b, slots, h, d]` with `slots_first`."""
+    t is `[b, h, n, d]`, or `[b, slots, h, d]` with `slots_first`. With `view` (the blocks' rows all lie inside t), one
+    head per key/value head, t in the workspace dtype and a unit stride on d, a strided view of t itself, no copy;
+    otherwise a copy into a workspace (zero rows past the last query), in `[n_blk, group·c, h_kv, d]` memory: the
+    kernel's backward reads its output gradient in that order, so it does not copy it again."""
     if slots_first:
         t = t.transpose(1, 2)
     h, n, d = t.shape[1], t.shape[2], t.shape[3]
     n_blk = stop - start
-    chunk = workspace.get(name, (n_blk, h // group, group, c, d))
+    if view and group == 1 and t.dtype == workspace.dtype and t.stride(3) == 1 and stop * c <= n:
+        return _block_rows(t[row], start * c, n_blk, c, c)  # [h, n, d] -> [n_blk, h, c, d]
+    chunk = workspace.get(name, (n_blk, group, c, h // group, d))
     lo, hi = start * c, min(n, stop * c)
     if hi - lo < n_blk * c:
         chunk.zero_()
     source = t[row, :, lo:hi].unflatten(0, (h // group, group))  # [h_kv, group, rows, d]
-    target = chunk.permute(1, 2, 0, 3, 4)  # [h_kv, group, n_blk, c, d]
+    target = chunk.permute(3, 1, 0, 2, 4)  # [h_kv, group, n_blk, c, d]
     full, rest = divmod(hi - lo, c)
     if full:
         target[:, :, :full].copy_(source[:, :, : full * c].unflatten(2, (full, c)))
     if rest:
         target[:, :, full, :rest].copy_(source[:, :, full * c :])
-    return chunk.flatten(2, 3)
+    return chunk.permute(0, 3, 1, 2, 4).flatten(2, 3)  # [n_blk, h_kv, group·c, d]
 
 
 def _scatter_queries(target: Tensor, chunk: Tensor, row: int, start: int, stop: int, c: int, group: int) -> None:

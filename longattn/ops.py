@@ -409,6 +409,8 @@ def sliding_window_attention(
         scale=call.scale,
         dropout_p=call.dropout_p,
         bias_fn=call.bias_fn,
+        exact_band=call.documents is None,  # the same-document test is not the band's geometry
+        key_padding_mask=call.padding,
     )
 
 

@@ -757,7 +757,12 @@ def _hide(
 ) -> None:
     """Hidden keys of windows start..stop, `scores [g, c, w]`, to -inf (`hidden`: the negated `mask` of
     `attend_gathered_windows`; `first`, `last` as there), then Reformer's self rule (see `attend_windows`)."""
-    if hidden is not None:
+    if hidden is not None and hidden.shape[1] == 1:
+        # One mask row per window (routing's used slots, LSH's real keys): adding a `[g, 1, w]` bias of 0 / -inf
+        # runs ~10x faster than a `masked_fill_` broadcast over the c query rows (same scores).
+        bias = torch.zeros(scores.shape[0], 1, scores.shape[2], dtype=scores.dtype, device=scores.device)
+        scores.add_(bias.masked_fill_(hidden[start:stop], -math.inf))
+    elif hidden is not None:
         scores.masked_fill_(hidden[start:stop], -math.inf)
     if first is not None:
         c, w = scores.shape[1], scores.shape[2]

@@ -15,6 +15,7 @@ import longattn
 from longattn import LongAttnConfig
 from longattn.ops_lsh import (
     SELF_SCORE,
+    attend_gathered_windows,
     lsh_attention,
     lsh_attention_dense,
     lsh_buckets,
@@ -592,3 +593,26 @@ def test_backward_keeps_rows_and_indices_not_sorted_copies_or_probabilities(caus
     assert floating <= 4 * rows * d * 4 + 2 * r * rows * 4, floating  # + a log-sum-exp per slot (and slack)
     # Integer indices: query, key, value and output slots (and a causal band's two ends), about r·rows each.
     assert other <= 8 * (r * rows + 4 * c * r * b * h) * 8, other
+
+
+def test_gathered_windows_mask_per_window_equals_the_mask_per_query():
+    """A `[U, 1, w]` mask (one row per window, as routing and LSH pass it; added as a 0 / -inf bias) hides exactly
+    what the same mask repeated for every query `[U, c, w]` hides: identical outputs and gradients."""
+    generator = torch.Generator().manual_seed(0)
+    rows, d, c, w = 10, 8, 3, 6
+    q, k, v = (torch.randn(rows, d, generator=generator, **DOUBLE).requires_grad_() for _ in range(3))
+    n_windows = 4
+    query_index = torch.randint(0, rows, (n_windows * c,), generator=generator)
+    key_index = torch.randint(0, rows, (n_windows * w,), generator=generator)
+    out_index = query_index.clone()
+    out_index[[1, 7]] = -1  # slots that answer nothing
+    mask = torch.rand(n_windows, 1, w, generator=generator) > 0.4
+    mask[2] = False  # a window that sees no key
+    settings = dict(query_index=query_index, key_index=key_index, value_index=key_index, out_index=out_index)
+    settings.update(n_out=rows, chunk=c, width=w, stride=w, scale=0.5)
+    results = []
+    for window_mask in (mask, mask.expand(n_windows, c, w).contiguous()):
+        out = attend_gathered_windows(q, k, v, mask=window_mask, **settings)
+        results.append([out, *torch.autograd.grad((out * torch.linspace(-1, 1, d, **DOUBLE)).sum(), (q, k, v))])
+    for per_window, per_query in zip(*results, strict=True):
+        torch.testing.assert_close(per_window, per_query, rtol=0, atol=0)

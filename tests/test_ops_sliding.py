@@ -537,3 +537,161 @@ def test_fused_band_reads_keys_in_place(causal, monkeypatch):
     # workspaces); padded copies of k and v (forward, backward) and of their gradients took 6.5, key/value gradients
     # in another layout than k and v's 5.2.
     assert peak_tensor_bytes(step) < 5 * key_bytes
+
+
+PLAIN_CASES = [
+    # (batch, heads, kv_heads, n_q, n_k, window, causal, padding, global_tokens, layout)
+    pytest.param(1, 2, 2, 203, 203, 9, False, False, False, "bhnd", id="n203-plain-only"),
+    pytest.param(1, 2, 2, 203, 203, 9, True, False, False, "bnhd", id="n203-causal-projection-layout"),
+    pytest.param(3, 2, 2, 203, 203, 9, False, True, True, "bnhd", id="n203-pad-global"),
+    pytest.param(3, 4, 2, 203, 203, 9, True, True, True, "bhnd", id="n203-causal-pad-global-grouped"),
+    pytest.param(2, 4, 1, 150, 150, 12, False, True, False, "bnhd", id="n150-pad-one-kv-head"),
+    pytest.param(3, 2, 2, 70, 203, 9, True, True, True, "bhnd", id="queries-shorter-than-keys-causal"),
+]
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, n_q, n_k, window, causal, padding, global_tokens, layout", PLAIN_CASES
+)
+def test_fused_plain_blocks_equal_reference(
+    batch, heads, kv_heads, n_q, n_k, window, causal, padding, global_tokens, layout, monkeypatch
+):
+    """Blocks of a plain band whose keys hold no padding, global or out-of-range key (`_plain_blocks`) take one
+    shared band mask and read their queries, output gradients and outputs as views; the others evaluate the
+    predicate. Chunks of a few blocks mix both kinds. Outputs and gradients equal the dense reference (float64),
+    with odd lengths, padding, global tokens, causal and not, grouped heads, and queries shorter than the keys."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
+    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 2**11)
+    classified = []
+    original = executor._plain_blocks
+    monkeypatch.setattr(executor, "_plain_blocks", lambda *args: classified.append(original(*args)) or classified[-1])
+    generator = torch.Generator().manual_seed(n_q + heads)
+
+    def draw(h, n):
+        shape = (batch, h, n, 8) if layout == "bhnd" else (batch, n, h, 8)
+        t = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return (t if layout == "bhnd" else t.transpose(1, 2)).detach().requires_grad_()
+
+    q, k, v = draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+    key_padding_mask, global_mask = _token_masks(batch, n_k, padding=padding, global_tokens=global_tokens)
+    pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    groups = heads // kv_heads
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern),
+        q,
+        k,
+        v,
+    )
+    assert_all_close(actual, expected)
+    (plain,) = classified
+    flags = [flag for row in plain for flag in row]
+    assert any(flags), "no block took the shared band mask"
+    assert not all(flags), "the edge blocks must evaluate the predicate"
+
+
+def test_plain_blocks_are_those_without_edge_padding_or_global_keys():
+    """`_plain_blocks` on a known layout: 9 blocks of 4 queries, window 2 per side (blocks read 8 keys from 4 i - 2).
+    Blocks 0 and 8 reach outside the sequence, block 8 also holds padding query slots (34 queries); a padding key at
+    position 20 removes blocks 4 and 5 of row 0; a global key at position 9 removes blocks 1 and 2 of row 1."""
+    from longattn.executor_blocked import _plain_blocks, band_layout
+
+    layout = band_layout(q_len=34, kv_len=34, window_left=2, window_right=2, block_size=4)
+    key_padding_mask = torch.ones(2, 34, dtype=torch.bool)
+    key_padding_mask[0, 20] = False
+    global_mask = torch.zeros(2, 34, dtype=torch.bool)
+    global_mask[1, 9] = True
+    plain = _plain_blocks(layout, -2, 34, 2, global_mask, key_padding_mask)
+    assert plain == [
+        [False, True, True, True, False, False, True, True, False],
+        [False, False, False, True, True, True, True, True, False],
+    ]
+    assert _plain_blocks(layout, -2, 34, 2, None, None) == [[False] + [True] * 7 + [False]] * 2
+
+
+def test_plain_blocks_evaluate_no_predicate(monkeypatch):
+    """Only the blocks at the edges (and next to padding or global keys) evaluate the pattern predicate, in forward
+    and backward; every other block takes the plan's one band mask (before, every chunk evaluated it twice)."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 1)  # one block per chunk
+    evaluated = []
+    original = executor._BandPlan.local_bias
+    monkeypatch.setattr(
+        executor._BandPlan, "local_bias", lambda self, *args: evaluated.append(args[1]) or original(self, *args)
+    )
+    q, k, v = random_qkv(1, 2, 160, seed=3)
+    mask_fn = patterns.sliding_window_pattern(window=8)
+    out = banded_attention(
+        q, k, v, mask_fn=mask_fn, window_left=8, window_right=8, scale=0.5, block_size=8, exact_band=True
+    )
+    out.sum().backward()
+    # 20 blocks, 24 keys each from 8 i - 8: only blocks 0 and 19 reach outside the sequence.
+    assert sorted(evaluated) == [0, 0, 19, 19]
+    assert_all_close(
+        outputs_and_grads(
+            lambda q, k, v: banded_attention(
+                q, k, v, mask_fn=mask_fn, window_left=8, window_right=8, scale=0.5, block_size=8, exact_band=True
+            ),
+            q,
+            k,
+            v,
+        ),
+        outputs_and_grads(lambda q, k, v: dense_reference(mask_fn, q, k, v, scale=0.5), q, k, v),
+    )
+
+
+def test_a_wrong_shared_band_mask_is_detected(monkeypatch):
+    """The plain-block comparisons can fail: a shared band mask one key too wide changes outputs and gradients."""
+    import longattn.executor_blocked as executor
+
+    original = executor._BandPlan.band_bias
+
+    def one_key_too_wide(self, group, dtype):
+        bias = original(self, group, dtype).clone()
+        c, m = self.layout.q_pos.shape[1], self.layout.kv_pos.shape[1]
+        bias[..., 0, m - c + 1] = 0.0  # the first query of a block sees one key past its window
+        return bias
+
+    q, k, v = random_qkv(1, 2, 203, seed=8)
+    pattern = dict(window=9)
+    expected = _reference(q, k, v, **pattern)
+    torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **pattern), expected)
+    monkeypatch.setattr(executor._BandPlan, "band_bias", one_key_too_wide)
+    assert not torch.allclose(ops.sliding_window_attention(q, k, v, **pattern), expected)
+
+
+def test_fused_path_runs_global_queries_on_the_fused_kernel(monkeypatch):
+    """On the fused path the global queries' dense rows go through SDPA (k and v read in place, grouped heads
+    without repeating them), not `attend_blocks`; outputs and gradients still equal the dense reference (float64,
+    padding, a fully padded row holding a global token, causal)."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
+    q, _, _ = random_qkv(3, 4, 101, seed=9)
+    _, k, v = random_qkv(3, 2, 101, seed=10)
+    key_padding_mask, global_mask = _token_masks(3, 101, padding=True, global_tokens=True)
+    pattern = dict(window=7, causal=True, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), **pattern), q, k, v
+    )
+    assert_all_close(actual, expected)
+
+
+def test_fused_plain_blocks_in_half_precision(monkeypatch):
+    """bfloat16 inputs on the plain-block path (queries and keys copied into float32 workspaces, no views): close to
+    the float64 reference, with padding and a global token."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
+    q, k, v = random_qkv(2, 2, 203, dtype=torch.bfloat16, seed=11)
+    key_padding_mask, global_mask = _token_masks(2, 203, padding=True, global_tokens=True)
+    pattern = dict(window=9, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k, v, **pattern), *(t.detach().double().requires_grad_() for t in (q, k, v))
+    )
+    assert_all_close([t.double() for t in actual], expected, atol=3e-2, rtol=3e-2)

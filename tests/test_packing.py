@@ -238,6 +238,23 @@ def test_flex_document_mask_equals_reference(name, fn, fields, causal):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_long_packed_band_keeps_documents_apart_in_plain_blocks(causal):
+    """Rows long enough for the fused band path's plain blocks (whose one shared band mask knows only the window,
+    global and padding keys): the same-document test still hides the keys of the neighbouring documents, global
+    tokens (each document's first) included."""
+    rows = ((150, 90, 160), (230, 170))
+    q, k, v = (
+        torch.randn(2, 2, 400, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    positions = _positions(rows)
+    documents = document_ids_from_position_ids(positions)
+    fields = dict(window=16, causal=causal, document_ids=documents, global_mask=positions == 0)  # global per document
+    expected = ops.sliding_window_attention(q, k, v, backend="reference", **fields)
+    got = ops.sliding_window_attention(q, k, v, backend="torch", **fields)
+    torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
+
+
 @pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, 3)])
 def test_xformers_block_diagonal_bias_is_the_document_pattern(causal, window):
     """The xformers bias built for packed documents, materialised, is the pattern's mask over the flattened batch."""

@@ -378,6 +378,32 @@ def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
     torch.testing.assert_close(fast, slow)
 
 
+def test_unpadded_sortcut_passes_no_mask(monkeypatch):
+    """Unpadded, non-causal SortCut: every row of S sums to 1, so every mixed block exists and `attend_blocks` gets
+    `mask=None` (no all-True mask to reduce and add); the output and gradients equal the masked path's (every token
+    real) and the explicit reference."""
+    from longattn import attention_sinkhorn
+
+    masks = []
+    original = attention_sinkhorn.attend_blocks
+    monkeypatch.setattr(
+        attention_sinkhorn,
+        "attend_blocks",
+        lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
+    )
+    q, k, v, weight = _inputs(n=20, seed=3)
+    kwargs = dict(causal=False, sortcut=2, scale=0.4, **SETTINGS)
+    every = torch.ones(2, 20, dtype=torch.bool)
+    fast = sinkhorn_attention(q, k, v, weight, **kwargs)
+    masked = sinkhorn_attention(q, k, v, weight, key_padding_mask=every, **kwargs)
+    assert masks[0] is None and masks[1] is not None
+    torch.testing.assert_close(fast, masked)
+    grads = [torch.autograd.grad(out.square().sum(), (q, k, v, weight)) for out in (fast, masked)]
+    for fast_grad, masked_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(fast_grad, masked_grad)
+    torch.testing.assert_close(fast, reference(q, k, v, weight, valid=every, **kwargs))
+
+
 def test_attend_blocks_refuses_key_weights_without_a_matching_key_set():
     from longattn.executor_blocked import attend_blocks
 
