@@ -13,6 +13,10 @@ Three layers, each usable on its own:
    peak memory does not grow with the length beyond those saved tensors. Sparse Transformer layouts, LSH buckets
    and other "attend within a gathered key set" kinds reuse it.
 2. `merge_attention([(out, lse), ...])`: combine partial attentions over disjoint key sets exactly (log-sum-exp).
+   `attend_block_sets(q, k, v, [BlockSet, ...])` does it inside the kernel, for a pattern whose parts need different
+   block layouts (Sparse Transformer's strided and fixed): one autograd function over all the parts, queries read
+   and outputs written by index, chunks merged into the output as they are computed, masks evaluated from each part's
+   predicate in forward and again in backward; saved: q, k, v, the output and its log-sum-exp (O(n · d)).
 3. `banded_attention(q, k, v, mask_fn=..., window_left=..., ...)`: sliding window, dilated sliding window (per-head
    dilation) and Longformer global tokens, for any pattern predicate whose local part lies inside the band. A plain
    band without dropout on CPU runs `_BandAttention`: torch's fused CPU attention kernel per chunk of blocks, the
@@ -733,7 +737,7 @@ class _BlockSetAttention(torch.autograd.Function):
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
         k, v = k.to(dtype), v.to(dtype)
-        for plan in plans:
+        for index, plan in enumerate(plans):
             for chunk, _ in _set_chunks(q.to(dtype), k, v, plan, scale, workspace):
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
@@ -749,7 +753,11 @@ class _BlockSetAttention(torch.autograd.Function):
                 chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape)).view(-1, d_v)
                 write = _query_rows(out_base, out_step, plan, plan.write, chunk.start, chunk.stop, b)
                 lse_write = _query_rows(lse_base, lse_step, plan, plan.write, chunk.start, chunk.stop, b)
-                _merge_rows(out_rows, lse_rows.view(-1), write, lse_write, chunk_out, row_lse)
+                if index == 0:  # nothing to merge with yet: the same values as a merge, without reading them
+                    out_rows.index_copy_(0, write, chunk_out)
+                    lse_rows.view(-1).index_copy_(0, lse_write, row_lse)
+                else:
+                    _merge_rows(out_rows, lse_rows.view(-1), write, lse_write, chunk_out, row_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale, ctx.dropout_p, ctx.seed = plans, scale, dropout_p, seed
         ctx.set_materialize_grads(False)

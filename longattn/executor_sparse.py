@@ -11,12 +11,15 @@ Both patterns are a union of two key sets, and each set has a layout in which it
 - fixed: A1, the query's own block, is block-diagonal. A2, the summary cells, is one short list of keys shared
   by every query. Cost O(n · (l + c · n / l)).
 
-Each part runs through `executor_blocked.attend_blocks` and the parts are combined with `merge_attention`
-(log-sum-exp), so the softmax is over the union. A key in both sets must be counted once: the first part takes the
-pattern restricted to its geometry (`|i - j| <= l`, or the same block) and the second the pattern restricted to the
-complement, so every visible key lies in exactly one part. Visibility itself is always decided by the pattern's
-`MaskFn` evaluated on original positions (`evaluate_block_mask`): the geometry arguments only say where visible
-keys can be, so the dense reference (`patterns.materialize_mask`) and these executors share one definition.
+The parts are `BlockSet`s of one `executor_blocked.attend_block_sets` call: one softmax over their union, each
+chunk's partial attention merged into its queries' output by log-sum-exp, one set of gradients, and no mask, gathered
+query or partial output kept for backward (O(n · d) memory besides the chunk workspaces).
+
+A key in both sets must be counted once: the first part takes the pattern restricted to its geometry (`|i - j| <= l`,
+or the same block) and the second the pattern restricted to the complement, so every visible key lies in exactly one
+part. Visibility itself is always decided by the pattern's `MaskFn` evaluated on original positions
+(`evaluate_block_mask`): the geometry arguments only say where visible keys can be, so the dense reference
+(`patterns.materialize_mask`) and these executors share one definition.
 """
 
 from __future__ import annotations
