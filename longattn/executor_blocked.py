@@ -754,6 +754,7 @@ class _BlockSetAttention(torch.autograd.Function):
                 write = _query_rows(out_base, out_step, plan, plan.write, chunk.start, chunk.stop, b)
                 lse_write = _query_rows(lse_base, lse_step, plan, plan.write, chunk.start, chunk.stop, b)
                 if index == 0:  # nothing to merge with yet: the same values as a merge, without reading them
+                    chunk_out.masked_fill_((row_lse == -math.inf).unsqueeze(-1), 0.0)  # rows that saw no key
                     out_rows.index_copy_(0, write, chunk_out)
                     lse_rows.view(-1).index_copy_(0, lse_write, row_lse)
                 else:
