@@ -54,7 +54,8 @@ __all__ = [
     "global_token_index",
 ]
 
-# Elements of one chunk's score tensor [b, h, nb_chunk, c, m]. 2**20 floats (4 MB in float32) keeps the
+# Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
+# `_WORKSPACE_ELEMENTS`). 2**20 floats (4 MB in float32) keeps the
 # workspaces of a chunk (scores, their gradient, gathered keys and values) inside a typical L3 cache. Measured on
 # a 2-core CPU (16K tokens, 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a
 # bmm writing into a fresh large tensor instead of a reused buffer was 2x slower (page faults on first touch).

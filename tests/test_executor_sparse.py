@@ -148,7 +148,7 @@ def test_backward_keeps_rows_not_masks_gathered_queries_or_partial_outputs(execu
 
     from longattn import executor_blocked
 
-    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14)
+    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
     monkeypatch.setattr(executor_blocked, "_CHUNK_ELEMENTS", 2**13)
     b, h, n, d = 1, 2, 2048, 16
     # q, k, v as the [b, n, h, d] memory of projections, whose gradients must come back in that layout
