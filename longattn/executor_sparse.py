@@ -11,12 +11,15 @@ Both patterns are a union of two key sets, and each set has a layout in which it
 - fixed: A1, the query's own block, is block-diagonal. A2, the summary cells, is one short list of keys shared
   by every query. Cost O(n · (l + c · n / l)).
 
-Each part runs through `executor_blocked.attend_blocks` and the parts are combined with `merge_attention`
-(log-sum-exp), so the softmax is over the union. A key in both sets must be counted once: the first part takes the
-pattern restricted to its geometry (`|i - j| <= l`, or the same block) and the second the pattern restricted to the
-complement, so every visible key lies in exactly one part. Visibility itself is always decided by the pattern's
-`MaskFn` evaluated on original positions (`evaluate_block_mask`): the geometry arguments only say where visible
-keys can be, so the dense reference (`patterns.materialize_mask`) and these executors share one definition.
+The parts are `BlockSet`s of one `executor_blocked.attend_block_sets` call: one softmax over their union, each
+chunk's partial attention merged into its queries' output by log-sum-exp, one set of gradients, and no mask, gathered
+query or partial output kept for backward (O(n · d) memory besides the chunk workspaces).
+
+A key in both sets must be counted once: the first part takes the pattern restricted to its geometry (`|i - j| <= l`,
+or the same block) and the second the pattern restricted to the complement, so every visible key lies in exactly one
+part. Visibility itself is always decided by the pattern's `MaskFn` evaluated on original positions
+(`evaluate_block_mask`): the geometry arguments only say where visible keys can be, so the dense reference
+(`patterns.materialize_mask`) and these executors share one definition.
 
 Both executors take queries q `[b, h, n_q, d]` (the last n_q positions when n_q < n_k), keys k `[b, h, n_k, d]` and
 values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for a query that sees no key.
@@ -24,15 +27,12 @@ values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .executor_blocked import attend_blocks, band_layout, evaluate_block_mask
-from .numerics import compute_dtype, merge_attention
+from .executor_blocked import BlockSet, attend_block_sets, band_layout
 from .patterns import MaskFn, and_masks
-from .relative_logits import BiasFn, block_bias
+from .relative_logits import BiasFn
 
 __all__ = ["strided_blocked_attention", "fixed_blocked_attention"]
 
@@ -62,35 +62,9 @@ def _same_block(block_size: int, same: bool) -> MaskFn:
     return block_test
 
 
-def _empty_partial(q: Tensor, v: Tensor, blocks: int, rows: int) -> tuple[Tensor, Tensor]:
-    """A part with no key for these query blocks: zero output, lse = -inf (it drops out of the merge)."""
-    b, h = q.shape[:2]
-    lse_dtype = compute_dtype(q.dtype)
-    return (
-        q.new_zeros(b, h, blocks, rows, v.shape[3]),
-        torch.full((b, h, blocks, rows), -math.inf, dtype=lse_dtype, device=q.device),
-    )
-
-
-def _gather_queries(q: Tensor, q_pos: Tensor, q_offset: int) -> Tensor:
-    """Queries at the (clamped) positions `q_pos` `[nb, q_blk]`, as blocks `[b, h, nb, q_blk, d]`."""
-    b, h, _, d = q.shape
-    nb, rows = q_pos.shape
-    return q.index_select(2, (q_pos - q_offset).reshape(-1)).view(b, h, nb, rows, d)
-
-
 # ---------------------------------------------------------------------------------------------- strided
-def _bias(bias_fn: BiasFn | None, *, batch: int, heads: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor | None:
-    """The logit bias of a call's pairs (`relative_logits.block_bias`), or None without a bias."""
-    return None if bias_fn is None else block_bias(bias_fn, batch=batch, heads=heads, q_pos=q_pos, kv_pos=kv_pos)
-
-
-def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, block_size, bias_fn):
-    """A1: the pattern restricted to |i - j| <= l, on a band layout. Returns out `[b, h, n_q, d_v]`, lse `[b, h,
-    n_q]`."""
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    q_offset = n_k - n_q
+def _strided_band_set(mask_fn, *, n_q, n_k, stride, causal, block_size, device) -> BlockSet:
+    """A1: the pattern restricted to |i - j| <= l, on a band layout."""
     reach = min(stride, n_k)  # a band wider than the sequence gathers nothing more
     layout = band_layout(
         q_len=n_q,
@@ -98,46 +72,24 @@ def _strided_band_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, bl
         window_left=reach,
         window_right=0 if causal else reach,
         block_size=block_size,
-        q_offset=q_offset,
-        device=q.device,
+        q_offset=n_k - n_q,
+        device=device,
     )
-    nb, rows = layout.q_pos.shape
-    if nb * rows == n_q:
-        q_blocks = q.reshape(b, h, nb, rows, d)
-    else:
-        q_blocks = torch.nn.functional.pad(q, (0, 0, 0, nb * rows - n_q)).view(b, h, nb, rows, d)
-    mask = evaluate_block_mask(
-        and_masks(mask_fn, _within_band(stride)),
-        batch=b,
-        heads=torch.arange(h, device=q.device),
-        q_pos=layout.q_pos[None],
-        kv_pos=layout.kv_pos[None],
-        q_valid=layout.q_valid[None],
-        kv_valid=layout.kv_valid[None],
-    )  # [b|1, h|1, nb, rows, m]
-    bias = _bias(
-        bias_fn, batch=b, heads=torch.arange(h, device=q.device), q_pos=layout.q_pos[None], kv_pos=layout.kv_pos[None]
+    return BlockSet(
+        and_masks(mask_fn, _within_band(stride)), layout.q_pos, layout.q_valid, layout.kv_pos, layout.kv_valid
     )
-    out, lse = attend_blocks(
-        q_blocks, k, v, kv_index=layout.kv_pos, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
-    )
-    # Dilation 1: slots are the queries in order, then padding slots at the end.
-    return out.reshape(b, h, nb * rows, -1)[:, :, :n_q], lse.reshape(b, h, nb * rows)[:, :, :n_q]
 
 
-def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, class_block, bias_fn):
-    """A2 beyond the band: dense attention inside each residue class mod l. Returns out, lse in query order.
+def _strided_class_sets(mask_fn, *, n_q, n_k, stride, causal, class_block, device) -> list[BlockSet]:
+    """A2 beyond the band: dense attention inside each residue class mod l.
 
     Class r holds the positions r, r + l, r + 2l, ... (step t at position r + t·l). Its queries are cut into
     sub-blocks of `class_block` steps; every sub-block of class r gathers the keys of class r. Causal: sub-block
-    s only needs the key steps before its end, so each s is its own call with that many keys (about half the work
+    s only needs the key steps before its end, so each s is its own set with that many keys (about half the work
     of gathering the whole class). (Permuting q, k, v into class-major layout once and folding classes into the
     head dimension instead measured about 10% slower on CPU.)
     """
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
     q_offset = n_k - n_q
-    device = q.device
     classes = min(stride, n_k)
     steps = -(-n_k // stride)  # key steps per class (the last may be past the end for some classes)
     first_step = q_offset // stride
@@ -150,10 +102,9 @@ def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, c
     q_valid = (q_pos >= q_offset) & (q_pos < n_k)
     q_pos = q_pos.clamp(q_offset, n_k - 1)
     beyond_fn = and_masks(mask_fn, _beyond_band(stride))
-    heads = torch.arange(h, device=device)
 
-    def run(q_pos_call, q_valid_call, key_steps, repeat):
-        """One attend_blocks call: blocks `[nb, rows]` of queries, each gathering `key_steps` steps of its class."""
+    def class_set(q_pos_set, q_valid_set, key_steps, repeat):
+        """Blocks `[nb, rows]` of queries, each gathering `key_steps` steps of its class."""
         kv_pos = (
             torch.arange(classes, device=device).view(classes, 1)
             + torch.arange(key_steps, device=device).view(1, key_steps) * stride
@@ -163,38 +114,15 @@ def _strided_class_part(q, k, v, mask_fn, *, stride, causal, scale, dropout_p, c
         if repeat > 1:  # blocks are (class, sub-block) in that order
             kv_pos = kv_pos.repeat_interleave(repeat, dim=0)
             kv_valid = kv_valid.repeat_interleave(repeat, dim=0)
-        mask = evaluate_block_mask(
-            beyond_fn,
-            batch=b,
-            heads=heads,
-            q_pos=q_pos_call[None],
-            kv_pos=kv_pos[None],
-            q_valid=q_valid_call[None],
-            kv_valid=kv_valid[None],
-        )
-        q_blocks = _gather_queries(q, q_pos_call, q_offset)
-        bias = _bias(bias_fn, batch=b, heads=heads, q_pos=q_pos_call[None], kv_pos=kv_pos[None])
-        return attend_blocks(q_blocks, k, v, kv_index=kv_pos, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias)
+        return BlockSet(beyond_fn, q_pos_set, q_valid_set, kv_pos, kv_valid)
 
     if causal:
-        outs, lses = [], []
-        for sub in range(subs):
-            # Query steps of this sub-block end before first_step + (sub + 1)·rows.
-            key_steps = min(steps, first_step + (sub + 1) * rows)
-            out, lse = run(q_pos[:, sub], q_valid[:, sub], key_steps, 1)  # [b, h, classes, rows, ...]
-            outs.append(out)
-            lses.append(lse)
-        out = torch.cat(outs, dim=3) if subs > 1 else outs[0]  # [b, h, classes, subs·rows, d_v]
-        lse = torch.cat(lses, dim=3) if subs > 1 else lses[0]
-    else:
-        out, lse = run(q_pos.reshape(classes * subs, rows), q_valid.reshape(classes * subs, rows), steps, subs)
-    span = subs * rows
-    # Query p sits in class p mod l at step p // l: slot (p mod l) · span + (p // l − first_step).
-    position = torch.arange(q_offset, n_k, device=device)
-    slot = (position % stride) * span + torch.div(position, stride, rounding_mode="floor") - first_step
-    out = out.reshape(b, h, classes * span, -1).index_select(2, slot)
-    lse = lse.reshape(b, h, classes * span).index_select(2, slot)
-    return out, lse
+        # Query steps of sub-block s end before first_step + (s + 1)·rows.
+        return [
+            class_set(q_pos[:, sub], q_valid[:, sub], min(steps, first_step + (sub + 1) * rows), 1)
+            for sub in range(subs)
+        ]
+    return [class_set(q_pos.reshape(classes * subs, rows), q_valid.reshape(classes * subs, rows), steps, subs)]
 
 
 def strided_blocked_attention(
@@ -239,12 +167,12 @@ def strided_blocked_attention(
         return q.new_zeros(b, h, 0, v.shape[3])
     if class_block is None:
         class_block = 128 if causal else 256
-    kwargs = dict(stride=stride, causal=causal, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
-    partials = [_strided_band_part(q, k, v, mask_fn, block_size=block_size, **kwargs)]
+    geometry = dict(n_q=n_q, n_k=n_k, stride=stride, causal=causal, device=q.device)
+    sets = [_strided_band_set(mask_fn, block_size=block_size, **geometry)]
     # A class key beyond the band is at least 2l away from its query: none exists in a sequence of <= 2l keys.
     if n_k - 1 >= 2 * stride:
-        partials.append(_strided_class_part(q, k, v, mask_fn, class_block=class_block, **kwargs))
-    out, _ = merge_attention(partials)
+        sets.extend(_strided_class_sets(mask_fn, class_block=class_block, **geometry))
+    out, _ = attend_block_sets(q, k, v, sets, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
     return out
 
 
@@ -320,7 +248,6 @@ def fixed_blocked_attention(
     device = q.device
     if n_q == 0:
         return q.new_zeros(b, h, 0, v.shape[3])
-    heads = torch.arange(h, device=device)
 
     # Query blocks: pattern blocks `first_block ...` that hold a query, each cut into `subs` sub-blocks.
     first_block = q_offset // block_size
@@ -336,101 +263,35 @@ def fixed_blocked_attention(
     q_valid = (offset_in_block < block_size) & (q_pos >= q_offset) & (q_pos < n_k)
     q_pos = q_pos.clamp(q_offset, n_k - 1).reshape(-1, rows)  # [nb, rows], nb = nbq · subs
     q_valid = q_valid.reshape(-1, rows)
-    nb = q_pos.shape[0]
-    q_blocks = _gather_queries(q, q_pos, q_offset)  # [b, h, nb, rows, d]
 
     # Block part: every sub-block gathers its whole pattern block.
     kv_pos = block_start.view(-1, 1) + torch.arange(keys_per_block, device=device)  # [nbq, m]
     kv_valid = kv_pos < n_k
     kv_pos = kv_pos.clamp(max=n_k - 1).repeat_interleave(subs, dim=0)  # [nb, m]
     kv_valid = kv_valid.repeat_interleave(subs, dim=0)
-    block_mask = evaluate_block_mask(
-        and_masks(mask_fn, _same_block(block_size, True)),
-        batch=b,
-        heads=heads,
-        q_pos=q_pos[None],
-        kv_pos=kv_pos[None],
-        q_valid=q_valid[None],
-        kv_valid=kv_valid[None],
-    )
-    own_block_bias = _bias(bias_fn, batch=b, heads=heads, q_pos=q_pos[None], kv_pos=kv_pos[None])
-    block_part = attend_blocks(
-        q_blocks, k, v, kv_index=kv_pos, mask=block_mask, scale=scale, dropout_p=dropout_p, bias=own_block_bias
-    )
+    sets = [BlockSet(and_masks(mask_fn, _same_block(block_size, True)), q_pos, q_valid, kv_pos, kv_valid)]
 
-    # Summary part: per group of heads sharing summary cells, per group of query blocks sharing a key budget.
+    # Summary part: per group of heads sharing summary cells, per group of query blocks sharing a key budget; the
+    # summary keys of a set are shared by all its blocks.
     other_block_fn = and_masks(mask_fn, _same_block(block_size, False))
     head_groups = (block_size // num_summary) if summary_per_head else 1
     head_groups = min(head_groups, h)
     group_count = min(q_pattern_blocks, causal_groups) if causal else 1
     # Query-block groups, in pattern blocks: [bounds[i], bounds[i + 1]).
     bounds = [round(i * q_pattern_blocks / group_count) for i in range(group_count + 1)]
-    summary_outs, summary_lses, summary_heads = [], [], []
     for group in range(head_groups):
-        group_heads = list(range(group, h, head_groups))
-        group_heads_t = torch.tensor(group_heads, device=device)
-        if head_groups == 1:
-            q_g, k_g, v_g = q_blocks, k, v
-        else:
-            q_g, k_g, v_g = (t.index_select(1, group_heads_t) for t in (q_blocks, k, v))
+        heads = None if head_groups == 1 else torch.arange(group, h, head_groups, device=device)
         positions = _fixed_summary_positions(n_k, block_size, num_summary, group, device)  # [S]
-        outs, lses = [], []
         for start, stop in zip(bounds[:-1], bounds[1:]):
-            if stop == start:
-                continue
-            blocks = slice(start * subs, stop * subs)
-            n_blocks = (stop - start) * subs
             if causal:
                 # The last query block of the group sees summary cells of earlier blocks only.
                 keys = _fixed_summary_count((first_block + stop - 1) * block_size, block_size, num_summary, group)
             else:
                 keys = positions.shape[0]
-            if keys == 0:
-                out, lse = _empty_partial(q_g, v_g, n_blocks, rows)
-            else:
-                key_pos = positions[:keys]
-                k_summary = k_g.index_select(2, key_pos)  # [b, hg, S, d]
-                v_summary = v_g.index_select(2, key_pos)  # [b, hg, S, d_v]
-                mask = evaluate_block_mask(
-                    other_block_fn,
-                    batch=b,
-                    heads=group_heads_t,
-                    q_pos=q_pos[None, blocks],
-                    kv_pos=key_pos.view(1, 1, keys),
-                    q_valid=q_valid[None, blocks],
+            if stop > start and keys > 0:  # a set without keys adds nothing to the union
+                blocks = slice(start * subs, stop * subs)
+                sets.append(
+                    BlockSet(other_block_fn, q_pos[blocks], q_valid[blocks], positions[None, :keys], heads=heads)
                 )
-                bias = _bias(
-                    bias_fn, batch=b, heads=group_heads_t, q_pos=q_pos[None, blocks], kv_pos=key_pos.view(1, 1, keys)
-                )
-                out, lse = attend_blocks(
-                    q_g[:, :, blocks],
-                    k_summary,
-                    v_summary,
-                    kv_index=None,
-                    mask=mask,
-                    scale=scale,
-                    dropout_p=dropout_p,
-                    bias=bias,
-                )
-            outs.append(out)
-            lses.append(lse)
-        summary_outs.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])  # [b, hg, nb, rows, d_v]
-        summary_lses.append(torch.cat(lses, dim=2) if len(lses) > 1 else lses[0])
-        summary_heads.extend(group_heads)
-    if head_groups == 1:
-        summary_part = (summary_outs[0], summary_lses[0])
-    else:
-        order = torch.tensor(summary_heads, device=device).argsort()
-        summary_part = (
-            torch.cat(summary_outs, dim=1).index_select(1, order),
-            torch.cat(summary_lses, dim=1).index_select(1, order),
-        )
-
-    out, _ = merge_attention([block_part, summary_part])  # [b, h, nb, rows, d_v]
-    # Query p sits in pattern block p // l − first_block at offset p mod l: slot (p // l − first_block)·subs·rows + p
-    # mod l.
-    position = torch.arange(q_offset, n_k, device=device)
-    slot = (torch.div(position, block_size, rounding_mode="floor") - first_block) * (
-        subs * rows
-    ) + position % block_size
-    return out.reshape(b, h, nb * rows, -1).index_select(2, slot)
+    out, _ = attend_block_sets(q, k, v, sets, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
+    return out

@@ -626,6 +626,8 @@ def _on_rolled_positions(mask_fn, first: Tensor, length: int):
         row_first = first[bi]
         return mask_fn(bi, hi, (q_idx + row_first) % length, (kv_idx + row_first) % length)
 
+    if hasattr(mask_fn, "tensors"):  # a bias function: the tensors it reads (`relative_logits.BiasFn`)
+        rolled_mask_fn.tensors = mask_fn.tensors
     return rolled_mask_fn
 
 

@@ -40,7 +40,11 @@ __all__ = [
 
 BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """`bias(b, h, q_idx, kv_idx) -> float` logit added to scale · q·k, on broadcastable index tensors (absolute
-positions, queries the last n_q of n_k as everywhere in the ops)."""
+positions, queries the last n_q of n_k as everywhere in the ops).
+
+A bias function may list the tensors it reads in an attribute `tensors` (`relative_bias_fn` lists its table): an
+executor that evaluates the bias again in backward (`executor_blocked.attend_block_sets`) returns their gradients
+through that list; one without it is run in plain differentiable ops."""
 
 
 def check_relative_embedding(embedding: Tensor | None, q: Tensor) -> Tensor | None:
@@ -96,6 +100,7 @@ def relative_bias_fn(table: Tensor, *, q_offset: int) -> BiasFn:
         distance = (kv_idx - q_idx).clamp(-reach, reach) + reach
         return table[b, h, (q_idx - q_offset).clamp(0, max(n_q - 1, 0)), distance]
 
+    relative_position_bias.tensors = (table,)  # see `BiasFn`
     return relative_position_bias
 
 

@@ -772,27 +772,36 @@ MODEL_ROWS = {
     "longformer": "transformers' LongformerModel, longformer-base-4096's geometry: attention_window 512 (256 per "
     "side), global first token",
     "sdpa": "the stock model under `sdpa` (dense attention)",
-    "floor": "attention replaced by a zero-cost stand-in (returns v): the floor; slightly optimistic, no gradient "
-    "reaches the q/k projections",
+    "floor": "attention replaced by a near-zero-cost stand-in (returns v + 0·(q + k)): the floor; the zero term "
+    "sends a (zero) gradient through the q/k projections, whose backward the attention's cost must not include",
+    "floor-v": "the earlier floor (returns v): slightly optimistic, no gradient reaches the q/k projections, so their "
+    "backward is counted in every row's attention cost",
     "longattn": "the stock model with `longattn.apply_longattn(attention_type='sliding', sliding_window=W)`, global "
     "first token for the encoder",
     "generate-sdpa": "`generate()` under `sdpa`, the full dynamic cache",
     "generate-longattn": "`generate()` with longattn's sliding window (bounded cache of W + 1 keys per layer)",
 }
-FLOOR = "longattn-benchmark-floor"
+FLOORS = {"floor": "longattn-benchmark-floor", "floor-v": "longattn-benchmark-floor-v"}
 
 
 def _register_floor() -> None:
-    """A zero-cost attention (the value, unchanged): what the model costs without any attention."""
+    """Near-zero-cost attentions: what the model costs without any attention. `floor` returns v + 0·(q + k), so that
+    backward still runs the q/k projections (as it does under every real attention); `floor-v` returns v alone."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    def floor_attention(module, query, key, value, attention_mask, **kwargs):
+    def value_only(module, query, key, value, attention_mask, **kwargs):
         groups = query.shape[1] // value.shape[1]
         return value.repeat_interleave(groups, dim=1).transpose(1, 2), None  # [b, n, h, d]
 
-    AttentionInterface.register(FLOOR, floor_attention)
-    AttentionMaskInterface.register(FLOOR, lambda *args, **kwargs: None)
+    def value_and_zero_qk(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // value.shape[1]
+        zero = (query + key.repeat_interleave(groups, dim=1)) * 0.0  # a zero gradient reaches both projections
+        return (value.repeat_interleave(groups, dim=1) + zero).transpose(1, 2), None
+
+    for row, attention in (("floor", value_and_zero_qk), ("floor-v", value_only)):
+        AttentionInterface.register(FLOORS[row], attention)
+        AttentionMaskInterface.register(FLOORS[row], lambda *args, **kwargs: None)
 
 
 def _stock_model(model_set: ModelSet, row: str, length: int):
@@ -803,7 +812,7 @@ def _stock_model(model_set: ModelSet, row: str, length: int):
     import longattn
 
     _register_floor()
-    implementation = {"floor": FLOOR}.get(row, "sdpa")
+    implementation = FLOORS.get(row, "sdpa")
     if model_set.family == "roberta":
         geometry = dict(
             hidden_size=768,
@@ -1017,9 +1026,9 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
         "| row | time (s) | peak MB | attention cost (s) | cost / ideal | speed-up vs longformer | memory vs sdpa |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in model_set.rows:
-        r = next((r for r in results if r["impl"] == row), None)
-        if r is None or row.startswith("generate"):
+    for r in results:
+        row = r["impl"]
+        if row.startswith("generate"):
             continue
         if "error" in r:
             lines.append(f"| {row} | {r['error']} | | | | | |")
@@ -1056,7 +1065,7 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
                 f"| {r['impl']} | {r['prefill_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
                 f"{r['cache_bytes'] / 2**20:.1f} | {_format(cache, '{:.4f}')} | {_format(speed, '{:.2f}x')} |"
             )
-    lines += ["", "Rows:", ""] + [f"- `{row}`: {MODEL_ROWS[row]}" for row in model_set.rows]
+    lines += ["", "Rows:", ""] + [f"- `{r['impl']}`: {MODEL_ROWS[r['impl']]}" for r in results]
     return "\n".join(lines) + "\n"
 
 

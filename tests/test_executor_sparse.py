@@ -6,6 +6,7 @@ enough that every block / sub-block / causal-group loop runs more than once."""
 from __future__ import annotations
 
 import pytest
+import torch
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
 
 from longattn import executor_sparse, patterns
@@ -125,3 +126,173 @@ def test_a_narrower_predicate_inside_the_geometry_is_followed():
     """The geometry says where keys can be, the predicate which are seen: strided geometry, window-1 predicate."""
     mask_fn = patterns.and_masks(patterns.strided_pattern(stride=3), patterns.sliding_window_mask(1))
     _check(executor_sparse.strided_blocked_attention, mask_fn, 19, 19, stride=3, causal=False, block_size=4)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(
+    "executor, kwargs",
+    [
+        (executor_sparse.strided_blocked_attention, dict(stride=16, class_block=32)),
+        (executor_sparse.fixed_blocked_attention, dict(block_size=32, num_summary=2)),
+    ],
+    ids=["strided", "fixed"],
+)
+def test_backward_keeps_rows_not_masks_gathered_queries_or_partial_outputs(executor, kwargs, causal, monkeypatch):
+    """Saved for backward: q, k, v, the merged output and one log-sum-exp per query (O(n·d) floats), no bool mask
+    (the predicates are evaluated again), no gathered copy of q and no part's own output. Forward + backward, with
+    chunk workspaces made small, peak below 7 q-sized tensors (the output, the three gradients, masks and
+    workspaces of a chunk); the parts as separate autograd calls merged afterwards took 10.3-11 (two sets of
+    gradients, the parts' outputs and masks, gathered and reordered copies)."""
+    from attention_checks import peak_tensor_bytes, saved_tensor_bytes
+
+    from longattn import executor_blocked
+
+    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
+    monkeypatch.setattr(executor_blocked, "_CHUNK_ELEMENTS", 2**13)
+    b, h, n, d = 1, 2, 2048, 16
+    # q, k, v as the [b, n, h, d] memory of projections, whose gradients must come back in that layout
+    bases = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
+    cotangent = torch.randn(b, h, n, d)
+    pattern = (patterns.strided_pattern if "stride" in kwargs else patterns.fixed_pattern)(
+        causal=causal, **{key: value for key, value in kwargs.items() if key != "class_block"}
+    )
+
+    def step():
+        q, k, v = (t.transpose(1, 2) for t in bases)
+        executor(q, k, v, mask_fn=pattern, causal=causal, scale=0.25, **kwargs).backward(cotangent)
+
+    floating, other = saved_tensor_bytes(step)
+    assert floating <= (4 * d + 1) * b * h * (n + 1) * 4, floating  # q, k, v, the output, the log-sum-exp
+    assert other == 0, other
+    step()  # warm-up: first-call allocations of the profiler and autograd
+    q_bytes = bases[0].numel() * bases[0].element_size()
+    peak = peak_tensor_bytes(step)
+    assert peak < 7 * q_bytes, peak / q_bytes
+
+
+@pytest.mark.parametrize(
+    "executor, kwargs",
+    [
+        (executor_sparse.strided_blocked_attention, dict(stride=16, class_block=32)),
+        (executor_sparse.fixed_blocked_attention, dict(block_size=32, num_summary=2)),
+    ],
+    ids=["strided", "fixed"],
+)
+def test_backward_with_relative_logits_keeps_rows_and_the_table_only(executor, kwargs, monkeypatch):
+    """With relative-position logits: saved for backward are q, k, v, the output, the log-sum-exp and the
+    `[b, h, n, 2M + 1]` table's own inputs (q and r), nothing n x keys; the bias is read again per chunk in backward
+    and its gradient goes to the table chunk by chunk. The executor before (a materialised bias per part, fed to
+    per-part autograd calls) kept the biases of every part (n x keys floats)."""
+    from attention_checks import peak_tensor_bytes, saved_tensor_bytes
+
+    from longattn import executor_blocked
+    from longattn.relative_logits import relative_bias
+
+    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
+    monkeypatch.setattr(executor_blocked, "_CHUNK_ELEMENTS", 2**13)
+    b, h, n, d, reach = 1, 2, 2048, 16, 4
+    bases = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
+    embedding = torch.randn(2 * reach + 1, d, requires_grad=True)
+    cotangent = torch.randn(b, h, n, d)
+    pattern = (patterns.strided_pattern if "stride" in kwargs else patterns.fixed_pattern)(
+        causal=True, **{key: value for key, value in kwargs.items() if key != "class_block"}
+    )
+
+    def step():
+        q, k, v = (t.transpose(1, 2) for t in bases)
+        bias_fn = relative_bias(q, embedding, scale=0.25, kv_len=n)
+        out = executor(q, k, v, mask_fn=pattern, causal=True, scale=0.25, bias_fn=bias_fn, **kwargs)
+        out.backward(cotangent)
+
+    floating, _ = saved_tensor_bytes(step)
+    table_bytes = b * h * n * (2 * reach + 1) * 4
+    # q, k, v, the output, the log-sum-exp; r and a contiguous copy of q saved by the table's own product
+    assert floating <= (5 * d + 1) * b * h * (n + 1) * 4 + embedding.numel() * 4, floating
+    step()  # warm-up
+    q_bytes = bases[0].numel() * bases[0].element_size()
+    peak = peak_tensor_bytes(step)
+    # Besides the 7 of the test above: the table's product (q's copy, then its gradient to q) and three tables (the
+    # table, its gradient, and one chunk's contribution to it).
+    assert peak < 8 * q_bytes + 3 * table_bytes, peak / q_bytes
+    assert embedding.grad is not None and embedding.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- attend_block_sets
+def _two_sets(n, heads=None):
+    """A band of width 2 on blocks of 4 consecutive queries (last block padded) and, beyond it, every third key
+    (one set of keys shared by all blocks of the second set): disjoint geometries, as a union pattern needs."""
+    from longattn.executor_blocked import BlockSet, band_layout
+    from longattn.executor_sparse import _beyond_band, _within_band
+
+    layout = band_layout(q_len=n, kv_len=n, window_left=2, window_right=2, block_size=4)
+    band = BlockSet(_within_band(2), layout.q_pos, layout.q_valid, layout.kv_pos, layout.kv_valid)
+    third = torch.arange(0, n, 3)
+    q_pos = torch.arange(n).flip(0).view(-1, 1)  # one query per block, in reverse order
+    sparse = BlockSet(_beyond_band(2), q_pos, torch.ones_like(q_pos, dtype=torch.bool), third[None], heads=heads)
+    return [band, sparse]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped-heads"])
+def test_attend_block_sets_equals_its_plain_op_form_with_a_log_sum_exp_gradient(kv_heads):
+    """Output, log-sum-exp and the gradients of both (the log-sum-exp gradient is what `merge_attention` of a caller
+    sends back) equal the plain-op form (`_attend_block_sets_traceable`: masks materialised, sets merged by
+    `merge_attention`), with grouped key/value heads and with a set serving only some heads."""
+    from longattn.executor_blocked import _attend_block_sets_traceable, attend_block_sets
+
+    n = 23
+    q, _, _ = random_qkv(2, 4, n, D, seed=3)
+    _, k, v = random_qkv(2, kv_heads, n, D, seed=4)
+    sets = _two_sets(n, heads=torch.tensor([1, 3]) if kv_heads == 4 else None)
+    results = []
+    for run in (attend_block_sets, _attend_block_sets_traceable):
+        out, lse = run(q, k, v, sets, scale=SCALE, dropout_p=0.0)
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + (lse.exp() * 0.1).sum()
+        results.append((out, lse, *torch.autograd.grad(loss, (q, k, v))))
+    for actual, expected in zip(*results, strict=True):
+        torch.testing.assert_close(actual, expected, **TIGHT)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped-heads"])
+def test_attend_block_sets_with_relative_logits_equals_its_plain_op_form(kv_heads, monkeypatch):
+    """With relative-position logits (read per chunk, in forward and again in backward), output, log-sum-exp and the
+    gradients of q, k, v and the embedding r (through the table the bias reads) equal the plain-op form, where the
+    biases are materialised and autograd differentiates them; the fused function is the one that ran."""
+    from longattn import executor_blocked
+    from longattn.executor_blocked import _attend_block_sets_traceable, attend_block_sets
+    from longattn.relative_logits import relative_bias
+
+    calls = []
+    apply = executor_blocked._BlockSetAttention.apply
+    monkeypatch.setattr(executor_blocked._BlockSetAttention, "apply", lambda *args: calls.append(1) or apply(*args))
+    n = 23
+    q, _, _ = random_qkv(2, 4, n, D, seed=3)
+    _, k, v = random_qkv(2, kv_heads, n, D, seed=4)
+    embedding = torch.randn(2 * 3 + 1, D, requires_grad=True)
+    sets = _two_sets(n, heads=torch.tensor([1, 3]) if kv_heads == 4 else None)
+    results = []
+    for run in (attend_block_sets, _attend_block_sets_traceable):
+        bias_fn = relative_bias(q, embedding, scale=SCALE, kv_len=n)
+        out, lse = run(q, k, v, sets, scale=SCALE, dropout_p=0.0, bias_fn=bias_fn)
+        loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + (lse.exp() * 0.1).sum()
+        results.append((out, lse, *torch.autograd.grad(loss, (q, k, v, embedding))))
+    assert calls == [1]
+    for actual, expected in zip(*results, strict=True):
+        torch.testing.assert_close(actual, expected, **TIGHT)
+
+
+def test_attend_block_sets_dropout_has_matching_gradients():
+    """With dropout, backward draws the same keep masks as forward: the gradients are those of the function that
+    forward computed (finite differences, same seed for every evaluation)."""
+    from longattn.executor_blocked import attend_block_sets
+
+    n = 11
+    q, k, v = random_qkv(1, 2, n, 4, seed=5)
+    sets = _two_sets(n)
+
+    def run(q, k, v):
+        torch.manual_seed(0)
+        return attend_block_sets(q, k, v, sets, scale=SCALE, dropout_p=0.3)[0]
+
+    assert not torch.equal(run(q, k, v), attend_block_sets(q, k, v, sets, scale=SCALE)[0]), "dropout must act"
+    assert torch.autograd.gradcheck(run, (q, k, v))

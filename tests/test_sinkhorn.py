@@ -421,3 +421,25 @@ def test_attend_blocks_refuses_key_weights_without_a_matching_key_set():
         )
     with pytest.raises(ValueError, match="kv_index"):
         attend_blocks(q, k, k, kv_index=torch.zeros(1, 3, 3, 5, dtype=torch.long), mask=mask, scale=1.0)
+
+
+def test_forward_and_backward_workspaces_stay_within_their_budget():
+    """The blocked executor sizes its chunks by ALL their workspaces (scores, gathered and weighted keys and values,
+    their gradients), not by the scores alone: Sinkhorn's blocks gather 2s keys for s queries, and budgeting the
+    scores let its workspaces reach 42 MB at 16K tokens. At 4K tokens, 4 heads of 64: forward + backward peak at
+    about 6 q-sized tensors (the output, the three gradients, 8 MB of workspaces); it was 15."""
+    from attention_checks import peak_tensor_bytes
+
+    b, h, n, d = 1, 4, 4096, 64
+    # q, k, v as the [b, n, h, d] memory of projections, whose gradients must come back in that layout
+    bases = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
+    sort_weight = torch.randn(d, d, requires_grad=True)
+    cotangent = torch.randn(b, h, n, d)
+
+    def step():
+        q, k, v = (t.transpose(1, 2) for t in bases)
+        sinkhorn_attention(q, k, v, sort_weight, block_size=64, iterations=8, temperature=0.75).backward(cotangent)
+
+    step()  # warm-up: first-call allocations of the profiler and autograd
+    q_bytes = bases[0].numel() * bases[0].element_size()
+    assert peak_tensor_bytes(step) < 8 * q_bytes
