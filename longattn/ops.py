@@ -672,6 +672,8 @@ def _on_slot_positions(mask_fn, position: Tensor, real: Tensor | None = None):
         at_positions = mask_fn(bi, hi, position[bi, q_idx], position[bi, kv_idx])
         return at_positions if real is None else real[bi, kv_idx] & at_positions
 
+    if hasattr(mask_fn, "tensors"):  # a bias function: the tensors it reads (`relative_logits.BiasFn`)
+        slot_mask_fn.tensors = mask_fn.tensors
     return slot_mask_fn
 
 
