@@ -1331,14 +1331,14 @@ def count_loss_items(batches: list[dict[str, torch.Tensor]], *, shifted_labels: 
     """The labelled items (label != -100) of the micro-batches of one optimizer step, in this process: `shift_labels`
     where a batch has them, else `labels[..., 1:]` when the model shifts its labels (a causal LM: the first label is
     never a target), else every label (one per example for classification)."""
-    total = torch.zeros((), dtype=torch.long, device=batches[0]["input_ids"].device)
+    counts = []
     for batch in batches:
         if "shift_labels" in batch:
             labels = batch["shift_labels"]
         else:
             labels = batch["labels"][..., 1:] if shifted_labels else batch["labels"]
-        total += labels.ne(-100).sum()
-    return total
+        counts.append(labels.ne(-100).sum())  # on the labels' device: a batch need not hold input_ids
+    return torch.stack(counts).sum()
 
 
 def accumulation_step(
