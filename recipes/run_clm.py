@@ -72,28 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
             num_proc=args.preprocessing_num_workers,
             desc="tokenize",
         )
-        if args.packing:
-            processed = processed.map(
-                training.pack_documents,
-                batched=True,
-                fn_kwargs={"block_size": max_length},
-                num_proc=args.preprocessing_num_workers,
-                desc=f"pack into rows of {max_length}",
-            )
-        elif not args.line_by_line:
-            processed = processed.map(
-                training.group_texts,
-                batched=True,
-                fn_kwargs={"block_size": max_length},
-                num_proc=args.preprocessing_num_workers,
-                desc=f"blocks of {max_length}",
-            )
-    for split in ("train", "validation"):
-        if training.is_empty(processed[split]):  # a stream is peeked
-            raise training.RecipeError(
-                f"the {split} texts make no block of {max_length} tokens: lower "
-                f"--max_seq_length or pass --line_by_line."
-            )
+        processed = training.arrange_rows(processed, args, max_length)
+    training.check_rows_exist(processed, max_length)
 
     model = training.load_model(args, config, tokenizer, AutoModelForCausalLM)
     collator = training.PadCollator(

@@ -145,3 +145,21 @@ def test_each_step_of_the_loop_is_short(name):
     body = function.body[1:] if isinstance(function.body[0], ast.Expr) else function.body
     lines = body[-1].end_lineno - body[0].lineno + 1
     assert lines <= 50, f"{name} has {lines} lines of code"
+
+
+def test_language_model_rows_are_arranged_and_an_empty_split_is_refused():
+    from argparse import Namespace
+
+    from datasets import Dataset, DatasetDict
+
+    texts = DatasetDict(
+        {split: Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8]]}) for split in ("train", "validation")}
+    )
+    options = dict(preprocessing_num_workers=None)
+    blocks = training.arrange_rows(texts, Namespace(packing=False, line_by_line=False, **options), 4)
+    assert blocks["train"]["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]  # joined into blocks of 4
+    rows = training.arrange_rows(texts, Namespace(packing=False, line_by_line=True, **options), 4)
+    assert rows["train"]["input_ids"] == [[1, 2, 3], [4, 5, 6, 7, 8]]  # one text a row
+    too_long = training.arrange_rows(texts, Namespace(packing=False, line_by_line=False, **options), 64)
+    with pytest.raises(training.RecipeError, match="the train texts make no block of 64 tokens"):
+        training.check_rows_exist(too_long, 64)

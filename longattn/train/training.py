@@ -962,6 +962,39 @@ def check_packing(args: argparse.Namespace) -> None:
         )
 
 
+def arrange_rows(processed, args, max_length: int):
+    """The tokenized splits of a language-model recipe as training rows: whole documents packed into rows of
+    `max_length` with `--packing`, texts joined into blocks of `max_length` by default, one text a row with
+    `--line_by_line`. Run under `accelerator.main_process_first()` (the map's cache); then `check_rows_exist`."""
+    if args.packing:
+        processed = processed.map(
+            pack_documents,
+            batched=True,
+            fn_kwargs={"block_size": max_length},
+            num_proc=args.preprocessing_num_workers,
+            desc=f"pack into rows of {max_length}",
+        )
+    elif not args.line_by_line:
+        processed = processed.map(
+            group_texts,
+            batched=True,
+            fn_kwargs={"block_size": max_length},
+            num_proc=args.preprocessing_num_workers,
+            desc=f"blocks of {max_length}",
+        )
+    return processed
+
+
+def check_rows_exist(processed, max_length: int) -> None:
+    """Raise RecipeError when the train or validation split made no row (its texts shorter than a block)."""
+    for split in ("train", "validation"):
+        if is_empty(processed[split]):  # a stream is peeked
+            raise RecipeError(
+                f"the {split} texts make no block of {max_length} tokens: lower --max_seq_length or pass "
+                "--line_by_line."
+            )
+
+
 def pack_documents(examples: dict[str, list], block_size: int) -> dict[str, list]:
     """Join whole tokenized documents into rows of at most `block_size` tokens, with `position_ids` that restart at 0
     for each document (how longattn's models, like transformers' `DataCollatorWithFlattening`, tell packed
@@ -1990,6 +2023,8 @@ __all__ = [
     "require_columns",
     "group_texts",
     "is_empty",
+    "arrange_rows",
+    "check_rows_exist",
     "PadCollator",
     "DataCollatorWithGlobalAttention",
     "attention_types",
