@@ -71,72 +71,129 @@ def _jit(fn):
 
 
 # ------------------------------------------------------------------------------------------------ the kernels
+# Tensors reach the kernels with their four strides as one tuple (`[b, h, n, width]`), read by `_rows_of`.
 @_jit
-def _class_block(pid, n, r, BLOCK: tl.constexpr):
-    """Program `pid`'s class c, first step and the class's number of steps (c >= r: a spare program)."""
+def _program(DILATION, n, heads, group, BLOCK: tl.constexpr):
+    """This program's (batch, head) index bh, batch row b, query head h, key/value head, class c, dilation r, first
+    step and the class's number of steps (c >= r or a first step past them: a spare program)."""
+    bh = tl.program_id(1)
+    h = bh % heads
+    r = tl.load(DILATION + h)
     blocks_per_class = tl.cdiv(tl.cdiv(n, r), BLOCK)
-    c = pid // blocks_per_class
-    start = (pid % blocks_per_class) * BLOCK
+    c = tl.program_id(0) // blocks_per_class
+    start = (tl.program_id(0) % blocks_per_class) * BLOCK
     steps = tl.cdiv(tl.maximum(n - c, 0), r)
-    return c, start, steps
+    return bh, bh // heads, h, h // group, c, r, start, steps
+
+
+@_jit
+def _class_tile(c, r, start, limit, BLOCK: tl.constexpr):
+    """Steps start .. start + BLOCK - 1 of class c under dilation r: the steps, which lie before `limit`, and their
+    positions c + r · step."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < limit, c + r * offs
+
+
+@_jit
+def _rows_of(PTR, strides, b, head, pos, valid, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows `pos` of head `head` of batch row b of a `[b, h, n, WIDTH]` tensor: `[len(pos), BLOCK_W]`, 0 in the rows
+    that are not `valid` and in the columns past WIDTH."""
+    offs = tl.arange(0, BLOCK_W)
+    return tl.load(
+        PTR + b * strides[0] + head * strides[1] + pos[:, None] * strides[2] + offs[None, :] * strides[3],
+        mask=valid[:, None] & (offs[None, :] < WIDTH),
+        other=0.0,
+    )
+
+
+@_jit
+def _store_rows(PTR, bh, n, pos, valid, value, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Write `value` `[len(pos), BLOCK_W]` to rows `pos` of (batch, head) bh of a contiguous `[b·h, n, WIDTH]`
+    output, in its dtype: the `valid` rows, the columns before WIDTH."""
+    offs = tl.arange(0, BLOCK_W)
+    tl.store(
+        PTR + bh * n * WIDTH + pos[:, None] * WIDTH + offs[None, :],
+        value.to(PTR.dtype.element_ty),
+        mask=valid[:, None] & (offs[None, :] < WIDTH),
+    )
+
+
+@_jit
+def _band_queries(FLAGS, b, n, pos, rows, HAS_FLAGS: tl.constexpr):
+    """`rows` without the global queries (the global pass owns them)."""
+    if HAS_FLAGS:
+        rows = rows & ((tl.load(FLAGS + b * n + pos, mask=rows, other=0) & 2) == 0)
+    return rows
+
+
+@_jit
+def _band_key_flags(FLAGS, b, n, pos, cols, HAS_FLAGS: tl.constexpr):
+    """`cols` without the padding keys and the global keys (those the global part walks)."""
+    if HAS_FLAGS:
+        cols = cols & (tl.load(FLAGS + b * n + pos, mask=cols, other=0) == 1)
+    return cols
+
+
+@_jit
+def _in_band(offs_m, offs_n, rows, cols, WINDOW: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """Which (query step, key step) pairs of the tile the band shows: `[len(offs_m), len(offs_n)]`."""
+    step = offs_m[:, None] - offs_n[None, :]
+    return rows[:, None] & cols[None, :] & (step <= WINDOW) & (step >= -WINDOW_RIGHT)
+
+
+@_jit
+def _band_keys(
+    K, V, FLAGS, k_strides, v_strides, b, kv_h, n, c, r, start_n, hi, offs_m, rows,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WINDOW: tl.constexpr, WINDOW_RIGHT: tl.constexpr, HAS_FLAGS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The key tile at class step start_n (steps before hi) of the band of query steps `offs_m`: k, v and which
+    (query, key) pairs are visible."""
+    offs_n, cols, pos_n = _class_tile(c, r, start_n, hi, BLOCK_N)
+    k = _rows_of(K, k_strides, b, kv_h, pos_n, cols, D, BLOCK_D)
+    v = _rows_of(V, v_strides, b, kv_h, pos_n, cols, DV, BLOCK_DV)
+    cols = _band_key_flags(FLAGS, b, n, pos_n, cols, HAS_FLAGS)
+    return k, v, _in_band(offs_m, offs_n, rows, cols, WINDOW, WINDOW_RIGHT)
+
+
+@_jit
+def _query_rows(
+    Q, DO, LSE, DELTA, FLAGS, q_strides, o_strides, b, h, bh, n, pos, valid,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_FLAGS: tl.constexpr,
+):  # fmt: skip
+    """What the backward reads of query rows `pos`: q, dO, the merged lse in base 2 (0 for a row without a key),
+    delta, and which rows are the band's."""
+    q = _rows_of(Q, q_strides, b, h, pos, valid, D, BLOCK_D)
+    do = _rows_of(DO, o_strides, b, h, pos, valid, DV, BLOCK_DV)
+    lse = tl.load(LSE + bh * n + pos, mask=valid, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + bh * n + pos, mask=valid, other=0.0)
+    return q, do, lse2, delta, _band_queries(FLAGS, b, n, pos, valid, HAS_FLAGS)
 
 
 @_jit
 def _band_forward_kernel(
-    Q, K, V, OUT, LSE, FLAGS, GLOBAL_INDEX, DILATION,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    n, heads, group, g, scale,
+    Q, K, V, OUT, LSE, FLAGS, GLOBAL_INDEX, DILATION, q_strides, k_strides, v_strides, n, heads, group, g, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     WINDOW: tl.constexpr, WINDOW_RIGHT: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_FLAGS: tl.constexpr, HAS_GLOBAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Output and log-sum-exp of BLOCK_M query steps of one class: their band, then the global keys."""
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    r = tl.load(DILATION + h)
-    c, start_m, steps = _class_block(tl.program_id(0), n, r, BLOCK_M)
+    bh, b, h, kv_h, c, r, start_m, steps = _program(DILATION, n, heads, group, BLOCK_M)
     if (c >= r) | (start_m >= steps):
         return
-    kv_h = h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    in_class = offs_m < steps
-    pos_m = c + r * offs_m
-    q = tl.load(
-        Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :] * sqd,
-        mask=in_class[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    )
-    rows = in_class
-    if HAS_FLAGS:  # global queries are the global pass's rows
-        rows = rows & ((tl.load(FLAGS + b * n + pos_m, mask=in_class, other=0) & 2) == 0)
+    offs_m, in_class, pos_m = _class_tile(c, r, start_m, steps, BLOCK_M)
+    q = _rows_of(Q, q_strides, b, h, pos_m, in_class, D, BLOCK_D)
+    rows = _band_queries(FLAGS, b, n, pos_m, in_class, HAS_FLAGS)
     qk_scale = scale * 1.4426950408889634
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo = tl.maximum(start_m - WINDOW, 0)
-    hi = tl.minimum(start_m + BLOCK_M + WINDOW_RIGHT, steps)
+    lo, hi = _band_span(start_m, steps, WINDOW, BLOCK_M + WINDOW_RIGHT)
+    m_i, l_i, acc = _softmax_start(BLOCK_M, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        pos_n = c + r * offs_n
-        cols = offs_n < hi
-        k = tl.load(
-            K + b * skb + kv_h * skh + pos_n[:, None] * skn + offs_d[None, :] * skd,
-            mask=cols[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
-        v = tl.load(
-            V + b * svb + kv_h * svh + pos_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=cols[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
-        if HAS_FLAGS:  # a real key that is not global (global keys come below)
-            cols = cols & (tl.load(FLAGS + b * n + pos_n, mask=cols, other=0) == 1)
-        step = offs_m[:, None] - offs_n[None, :]
-        visible = rows[:, None] & cols[None, :] & (step <= WINDOW) & (step >= -WINDOW_RIGHT)
+        k, v, visible = _band_keys(
+            K, V, FLAGS, k_strides, v_strides, b, kv_h, n, c, r, start_n, hi, offs_m, rows,
+            D, DV, BLOCK_D, BLOCK_DV, WINDOW, WINDOW_RIGHT, HAS_FLAGS, BLOCK_N,
+        )  # fmt: skip
         acc, m_i, l_i = _softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PRECISION)
     if HAS_GLOBAL:
         for start_g in range(0, g, BLOCK_N):
@@ -145,30 +202,34 @@ def _band_forward_kernel(
             cols = pos_g >= 0
             safe_g = tl.where(cols, pos_g, 0)
             cols = cols & ((tl.load(FLAGS + b * n + safe_g, mask=cols, other=0) & 1) == 1)
-            k = tl.load(
-                K + b * skb + kv_h * skh + safe_g[:, None] * skn + offs_d[None, :] * skd,
-                mask=cols[:, None] & (offs_d[None, :] < D),
-                other=0.0,
-            )
-            v = tl.load(
-                V + b * svb + kv_h * svh + safe_g[:, None] * svn + offs_dv[None, :] * svd,
-                mask=cols[:, None] & (offs_dv[None, :] < DV),
-                other=0.0,
-            )
+            k = _rows_of(K, k_strides, b, kv_h, safe_g, cols, D, BLOCK_D)
+            v = _rows_of(V, v_strides, b, kv_h, safe_g, cols, DV, BLOCK_DV)
             visible = rows[:, None] & cols[None, :]
             if CAUSAL:
                 visible = visible & (safe_g[None, :] <= pos_m[:, None])
             acc, m_i, l_i = _softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PRECISION)
     has_key = l_i > 0  # a row without a visible key: output 0, lse -inf
     l_safe = tl.where(has_key, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(
-        OUT + bh * n * DV + pos_m[:, None] * DV + offs_dv[None, :],
-        out.to(OUT.dtype.element_ty),
-        mask=in_class[:, None] & (offs_dv[None, :] < DV),
-    )
+    _store_rows(OUT, bh, n, pos_m, in_class, acc / l_safe[:, None], DV, BLOCK_DV)
     tl.store(LSE + bh * n + pos_m, lse, mask=in_class)
+
+
+@_jit
+def _band_span(start, steps, BEFORE: tl.constexpr, AFTER: tl.constexpr):
+    """The other side's steps [lo, hi) that a block starting at step `start` meets in the band: from BEFORE steps
+    before it to AFTER steps past its start (the block's length included), within the class's `steps`."""
+    return tl.maximum(start - BEFORE, 0), tl.minimum(start + AFTER, steps)
+
+
+@_jit
+def _softmax_start(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The empty running softmax of BLOCK_M rows: maximum -inf, sum 0, accumulator `[BLOCK_M, BLOCK_DV]` 0."""
+    return (
+        tl.full([BLOCK_M], float("-inf"), tl.float32),
+        tl.zeros([BLOCK_M], tl.float32),
+        tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),
+    )
 
 
 @_jit
@@ -186,165 +247,67 @@ def _softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PRECISION: tl.const
 
 
 @_jit
-def _band_probs(q, k, lse2, visible, qk_scale, PRECISION: tl.constexpr):
-    """Probabilities exp(S - merged lse) of a tile (base 2), 0 where hidden."""
+def _score_grads(q, k, v, do, lse2, delta, visible, qk_scale, PRECISION: tl.constexpr):
+    """Of a tile: the probabilities P = exp(S - merged lse) (base 2, 0 where hidden) and the score gradients
+    dS = P ∘ (dO · Vᵀ - delta)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    return tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
 
 
 @_jit
-def _band_backward_kv_kernel(
-    Q, K, V, DO, LSE, DELTA, FLAGS, DILATION, DK, DV_OUT,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+def _band_backward_kernel(
+    Q, K, V, DO, LSE, DELTA, FLAGS, DILATION, GRAD_A, GRAD_B, q_strides, k_strides, v_strides, o_strides,
     n, heads, group, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     WINDOW: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     HAS_FLAGS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV of BLOCK_N key steps of one class for one query head: the band's queries that see them."""
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    r = tl.load(DILATION + h)
-    c, start_n, steps = _class_block(tl.program_id(0), n, r, BLOCK_N)
-    if (c >= r) | (start_n >= steps):
+    """KEYS: dK (into GRAD_A) and dV (GRAD_B) of BLOCK_N key steps of one class for one query head, from the band's
+    queries that see them. Otherwise dQ (GRAD_A) of BLOCK_M query steps of one class, from the band's keys (the
+    global keys' share is added in PyTorch)."""
+    BLOCK: tl.constexpr = BLOCK_N if KEYS else BLOCK_M
+    bh, b, h, kv_h, c, r, start, steps = _program(DILATION, n, heads, group, BLOCK)
+    if (c >= r) | (start >= steps):
         return
-    kv_h = h // group
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    in_class = offs_n < steps
-    pos_n = c + r * offs_n
-    k = tl.load(
-        K + b * skb + kv_h * skh + pos_n[:, None] * skn + offs_d[None, :] * skd,
-        mask=in_class[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * svb + kv_h * svh + pos_n[:, None] * svn + offs_dv[None, :] * svd,
-        mask=in_class[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
-    cols = in_class
-    if HAS_FLAGS:
-        cols = cols & (tl.load(FLAGS + b * n + pos_n, mask=in_class, other=0) == 1)
+    offs, in_class, pos = _class_tile(c, r, start, steps, BLOCK)
     qk_scale = scale * 1.4426950408889634
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo = tl.maximum(start_n - WINDOW_RIGHT, 0)
-    hi = tl.minimum(start_n + BLOCK_N + WINDOW, steps)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        pos_m = c + r * offs_m
-        rows = offs_m < hi
-        q = tl.load(
-            Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :] * sqd,
-            mask=rows[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
-        do = tl.load(
-            DO + b * sob + h * soh + pos_m[:, None] * son + offs_dv[None, :] * sod,
-            mask=rows[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
-        lse = tl.load(LSE + bh * n + pos_m, mask=rows, other=0.0)
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-        delta = tl.load(DELTA + bh * n + pos_m, mask=rows, other=0.0)
-        if HAS_FLAGS:
-            rows = rows & ((tl.load(FLAGS + b * n + pos_m, mask=rows, other=0) & 2) == 0)
-        step = offs_m[:, None] - offs_n[None, :]
-        visible = rows[:, None] & cols[None, :] & (step <= WINDOW) & (step >= -WINDOW_RIGHT)
-        p = _band_probs(q, k, lse2, visible, qk_scale, PRECISION)  # [BLOCK_M, BLOCK_N]
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    dk = dk * scale
-    tl.store(
-        DK + bh * n * D + pos_n[:, None] * D + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=in_class[:, None] & (offs_d[None, :] < D),
-    )
-    tl.store(
-        DV_OUT + bh * n * DV + pos_n[:, None] * DV + offs_dv[None, :],
-        dv.to(DV_OUT.dtype.element_ty),
-        mask=in_class[:, None] & (offs_dv[None, :] < DV),
-    )
-
-
-@_jit
-def _band_backward_q_kernel(
-    Q, K, V, DO, LSE, DELTA, FLAGS, DILATION, DQ,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    n, heads, group, scale,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    WINDOW: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    HAS_FLAGS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """dQ of BLOCK_M query steps of one class: the band's keys (the global keys' share is added in PyTorch)."""
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    r = tl.load(DILATION + h)
-    c, start_m, steps = _class_block(tl.program_id(0), n, r, BLOCK_M)
-    if (c >= r) | (start_m >= steps):
-        return
-    kv_h = h // group
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    in_class = offs_m < steps
-    pos_m = c + r * offs_m
-    q = tl.load(
-        Q + b * sqb + h * sqh + pos_m[:, None] * sqn + offs_d[None, :] * sqd,
-        mask=in_class[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * sob + h * soh + pos_m[:, None] * son + offs_dv[None, :] * sod,
-        mask=in_class[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    )
-    lse = tl.load(LSE + bh * n + pos_m, mask=in_class, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(DELTA + bh * n + pos_m, mask=in_class, other=0.0)
-    rows = in_class
-    if HAS_FLAGS:
-        rows = rows & ((tl.load(FLAGS + b * n + pos_m, mask=in_class, other=0) & 2) == 0)
-    qk_scale = scale * 1.4426950408889634
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = tl.maximum(start_m - WINDOW, 0)
-    hi = tl.minimum(start_m + BLOCK_M + WINDOW_RIGHT, steps)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        pos_n = c + r * offs_n
-        cols = offs_n < hi
-        k = tl.load(
-            K + b * skb + kv_h * skh + pos_n[:, None] * skn + offs_d[None, :] * skd,
-            mask=cols[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
-        v = tl.load(
-            V + b * svb + kv_h * svh + pos_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=cols[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
-        if HAS_FLAGS:
-            cols = cols & (tl.load(FLAGS + b * n + pos_n, mask=cols, other=0) == 1)
-        step = offs_m[:, None] - offs_n[None, :]
-        visible = rows[:, None] & cols[None, :] & (step <= WINDOW) & (step >= -WINDOW_RIGHT)
-        p = _band_probs(q, k, lse2, visible, qk_scale, PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    dq = dq * scale
-    tl.store(
-        DQ + bh * n * D + pos_m[:, None] * D + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=in_class[:, None] & (offs_d[None, :] < D),
-    )
+    if KEYS:  # walk the query tiles whose band reaches these keys
+        k = _rows_of(K, k_strides, b, kv_h, pos, in_class, D, BLOCK_D)
+        v = _rows_of(V, v_strides, b, kv_h, pos, in_class, DV, BLOCK_DV)
+        cols = _band_key_flags(FLAGS, b, n, pos, in_class, HAS_FLAGS)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        lo, hi = _band_span(start, steps, WINDOW_RIGHT, BLOCK_N + WINDOW)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m, valid, pos_m = _class_tile(c, r, start_m, hi, BLOCK_M)
+            q, do, lse2, delta, rows = _query_rows(
+                Q, DO, LSE, DELTA, FLAGS, q_strides, o_strides, b, h, bh, n, pos_m, valid,
+                D, DV, BLOCK_D, BLOCK_DV, HAS_FLAGS,
+            )  # fmt: skip
+            visible = _in_band(offs_m, offs, rows, cols, WINDOW, WINDOW_RIGHT)
+            p, ds = _score_grads(q, k, v, do, lse2, delta, visible, qk_scale, PRECISION)  # [BLOCK_M, BLOCK_N]
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        _store_rows(GRAD_A, bh, n, pos, in_class, dk * scale, D, BLOCK_D)
+        _store_rows(GRAD_B, bh, n, pos, in_class, dv, DV, BLOCK_DV)
+    else:  # walk the key tiles of these queries' band
+        q, do, lse2, delta, rows = _query_rows(
+            Q, DO, LSE, DELTA, FLAGS, q_strides, o_strides, b, h, bh, n, pos, in_class,
+            D, DV, BLOCK_D, BLOCK_DV, HAS_FLAGS,
+        )  # fmt: skip
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, hi = _band_span(start, steps, WINDOW, BLOCK_M + WINDOW_RIGHT)
+        for start_n in range(lo, hi, BLOCK_N):
+            k, v, visible = _band_keys(
+                K, V, FLAGS, k_strides, v_strides, b, kv_h, n, c, r, start_n, hi, offs, rows,
+                D, DV, BLOCK_D, BLOCK_DV, WINDOW, WINDOW_RIGHT, HAS_FLAGS, BLOCK_N,
+            )  # fmt: skip
+            p, ds = _score_grads(q, k, v, do, lse2, delta, visible, qk_scale, PRECISION)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        _store_rows(GRAD_A, bh, n, pos, in_class, dq * scale, D, BLOCK_D)
 
 
 # ------------------------------------------------------------------------------------------------ host side
@@ -429,10 +392,6 @@ def _probs(scores: Tensor, lse: Tensor) -> Tensor:
     return (scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]).exp()
 
 
-def _strides(*tensors: Tensor) -> list[int]:
-    return [stride for t in tensors for stride in t.stride()]
-
-
 def _forward(q, k, v, flags, dilation, glob, band) -> tuple[Tensor, Tensor]:
     """Output `[b, h, n, d_v]` (q's dtype) and the merged log-sum-exp `[b, h, n]` (float32)."""
     b, h, n, d = q.shape
@@ -446,7 +405,7 @@ def _forward(q, k, v, flags, dilation, glob, band) -> tuple[Tensor, Tensor]:
         dilation if flags is None else flags,
         dilation if glob is None else glob.kernel_index,
         dilation,
-        *_strides(q, k, v),
+        q.stride(), k.stride(), v.stride(),
         n, h, h // h_kv, g, band.scale,
         CAUSAL=band.causal, HAS_FLAGS=flags is not None, HAS_GLOBAL=glob is not None,
         **band.constants(d, d_v, q.dtype),
@@ -472,17 +431,14 @@ def _backward(grad_out, q, k, v, out, lse, flags, dilation, glob, band) -> tuple
     grad_q = torch.empty(b, h, n, d, dtype=acc or q.dtype, device=q.device)
     grad_k = torch.empty(b, h, n, d, dtype=acc or k.dtype, device=q.device)
     grad_v = torch.empty(b, h, n, d_v, dtype=acc or v.dtype, device=q.device)
-    shared = (
-        *_strides(q, k, v, grad_out),
-        n, h, group, band.scale,
-    )  # fmt: skip
+    inputs = (q, k, v, grad_out, lse, delta, dilation if flags is None else flags, dilation)
+    shared = (q.stride(), k.stride(), v.stride(), grad_out.stride(), n, h, group, band.scale)
     constants = dict(HAS_FLAGS=flags is not None, **band.constants(d, d_v, q.dtype))
-    band_flags = dilation if flags is None else flags
-    _band_backward_kv_kernel[(band.programs(n, band.block_n), b * h)](
-        q, k, v, grad_out, lse, delta, band_flags, dilation, grad_k, grad_v, *shared, **constants
+    _band_backward_kernel[(band.programs(n, band.block_n), b * h)](
+        *inputs, grad_k, grad_v, *shared, KEYS=True, **constants
     )
-    _band_backward_q_kernel[(band.programs(n, band.block_m), b * h)](
-        q, k, v, grad_out, lse, delta, band_flags, dilation, grad_q, *shared, **constants
+    _band_backward_kernel[(band.programs(n, band.block_m), b * h)](
+        *inputs, grad_q, grad_q, *shared, KEYS=False, **constants
     )
     if group > 1:  # [b, h_kv, group, n, ·] summed over each key/value head's group
         grad_k = grad_k.view(b, h_kv, group, n, d).sum(dim=2)
