@@ -35,6 +35,8 @@ of matching shapes, dtype and device, a mask that is not bool `[b, n_k]`, a non-
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -96,8 +98,8 @@ __all__ = [
 ]
 
 
-class _Checked(NamedTuple):
-    """The arguments every pattern function shares, validated once."""
+class _Call(NamedTuple):
+    """The arguments every pattern function shares, validated once and passed down to the back ends."""
 
     padding: Tensor | None  # bool [b, n_k], True = real token
     global_tokens: Tensor | None  # bool [b, n_k], True = global token
@@ -105,100 +107,115 @@ class _Checked(NamedTuple):
     scale: float
     dropout_p: float
     backend: str
-    bias_fn: BiasFn | None = None  # relative-position logits of the kept pairs
+    embedding: Tensor | None  # the relative-position embedding `[2M + 1, d]`
+    bias_fn: BiasFn | None  # relative-position logits of the kept pairs
 
+    def shared(self, **changes) -> dict:
+        """These arguments as a pattern function's shared keywords, `changes` applied (one pattern function
+        handing its call to another)."""
+        given = _SharedArguments(self.padding, self.documents, self.scale, self.dropout_p, self.backend, self.embedding)
+        return given._replace(**changes)._asdict()
 
-def _check_shared(
-    q: Tensor,
-    k: Tensor,
-    *,
-    key_padding_mask: Tensor | None,
-    global_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    scale: float | None,
-    dropout_p: float,
-    backend: str,
-    relative_embedding: Tensor | None = None,
-) -> _Checked:
-    """Validate the masks, documents, scale, dropout, back-end name and relative embedding of a call on q
-    `[b, h, n_q, d]`,
-    k `[b, h_kv, n_k, d]`."""
-    b, n_k = q.shape[0], k.shape[2]
-    padding = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
-    documents = check_document_ids(document_ids, b, n_k, device=q.device)
-    dropout_p = check_dropout(dropout_p)
-    scale = check_scale(scale, q.shape[-1])
-    backend = check_backend_name(backend)
-    embedding = check_relative_embedding(relative_embedding, q)
-    bias_fn = relative_bias(q, embedding, scale=scale, kv_len=n_k)  # the O(n · M) table, read per kept pair
-    return _Checked(padding, global_tokens, documents, scale, dropout_p, backend, bias_fn)
-
-
-def _select(q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, pattern: str, causal: bool, **fields) -> str:
-    """The back end that runs this call (`backends.select_backend` on its request)."""
-    return select_backend(
-        call.backend,
-        AttentionRequest.for_inputs(
+    def select(self, q: Tensor, k: Tensor, v: Tensor, *, pattern: str, causal: bool, **fields) -> str:
+        """The back end that runs this call (`backends.select_backend` on its request)."""
+        request = AttentionRequest.for_inputs(
             q,
             k,
             v,
             pattern=pattern,
-            dropout_p=call.dropout_p,
+            dropout_p=self.dropout_p,
             causal=causal,
-            key_padding=call.padding is not None,
-            global_tokens=call.global_tokens is not None,
-            documents=call.documents is not None,
-            relative_logits=call.bias_fn is not None,
+            key_padding=self.padding is not None,
+            global_tokens=self.global_tokens is not None,
+            documents=self.documents is not None,
+            relative_logits=self.bias_fn is not None,
             **fields,
-        ),
-    )
+        )
+        return select_backend(self.backend, request)
 
-
-def _run_pattern(
-    backend: str, q: Tensor, k: Tensor, v: Tensor, call: _Checked, *, mask_fn: MaskFn, per_head: bool
-) -> Tensor:
-    """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
-    if backend == "reference":
-        return reference_pattern_attention(
+    def run_pattern(self, backend: str, q: Tensor, k: Tensor, v: Tensor, *, mask_fn: MaskFn, per_head: bool) -> Tensor:
+        """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
+        if backend == "reference":
+            return reference_pattern_attention(
+                q, k, v, mask_fn=mask_fn, per_head=per_head, **self.executor_arguments(bias=True)
+            )
+        # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
+        per_batch = self.padding is not None or self.global_tokens is not None or self.documents is not None
+        return flex_pattern_attention(
             q,
             k,
             v,
             mask_fn=mask_fn,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
+            scale=self.scale,
+            per_batch=per_batch,
             per_head=per_head,
-            bias_fn=call.bias_fn,
+            cache_key=None if per_batch else mask_fn.__name__,
+            bias_fn=self.bias_fn,
         )
-    # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
-    per_batch = call.padding is not None or call.global_tokens is not None or call.documents is not None
-    return flex_pattern_attention(
-        q,
-        k,
-        v,
-        mask_fn=mask_fn,
-        scale=call.scale,
-        per_batch=per_batch,
-        per_head=per_head,
-        cache_key=None if per_batch else mask_fn.__name__,
-        bias_fn=call.bias_fn,
-    )
+
+    def executor_arguments(self, *, bias: bool) -> dict:
+        """The scale and dropout of the call (`bias`: and its relative logits), as an executor's keywords."""
+        return dict(scale=self.scale, dropout_p=self.dropout_p, **({"bias_fn": self.bias_fn} if bias else {}))
 
 
-def full_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    global_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    relative_embedding: Tensor | None = None,
-) -> Tensor:
+class _SharedArguments(NamedTuple):
+    """The keyword arguments every pattern function takes besides its pattern's own (module docstring), as given.
+
+    Declared here once: `_pattern_function` adds them to each function's signature and hands them over unchecked,
+    so that each function checks its own arguments first, then these (`check`), in its documented order.
+    """
+
+    key_padding_mask: Tensor | None = None
+    document_ids: Tensor | None = None
+    scale: float | None = None
+    dropout_p: float = 0.0
+    backend: str = "auto"
+    relative_embedding: Tensor | None = None
+
+    def check(self, q: Tensor, k: Tensor, *, global_mask: Tensor | None = None) -> _Call:
+        """Validate the masks, documents, scale, dropout, back-end name and relative embedding of a call on q
+        `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`."""
+        b, n_k = q.shape[0], k.shape[2]
+        padding = check_token_mask("key_padding_mask", self.key_padding_mask, b, n_k, device=q.device)
+        global_tokens = check_token_mask("global_mask", global_mask, b, n_k, device=q.device)
+        documents = check_document_ids(self.document_ids, b, n_k, device=q.device)
+        dropout_p = check_dropout(self.dropout_p)
+        scale = check_scale(self.scale, q.shape[-1])
+        backend = check_backend_name(self.backend)
+        embedding = check_relative_embedding(self.relative_embedding, q)
+        bias_fn = relative_bias(q, embedding, scale=scale, kv_len=n_k)  # the O(n · M) table, read per kept pair
+        return _Call(padding, global_tokens, documents, scale, dropout_p, backend, embedding, bias_fn)
+
+
+def _pattern_function(fn):
+    """The public pattern function of `fn(q, k, v, *, <its pattern's own arguments>, shared)`.
+
+    It takes q, k, v (tensors) and, besides `fn`'s own keywords, those of `_SharedArguments` with their defaults
+    (its signature shows them all), and hands these to `fn` unchecked as `shared`.
+    """
+    tensors = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Tensor") for name in "qkv"]
+    own = [p for name, p in inspect.signature(fn).parameters.items() if name not in ("q", "k", "v", "shared")]
+    tail = [
+        # NamedTuple keeps this module's postponed (string) annotations as forward references: shown as strings
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation.__forward_arg__)
+        for (name, default), annotation in zip(
+            _SharedArguments._field_defaults.items(), _SharedArguments.__annotations__.values()
+        )
+    ]
+
+    @functools.wraps(fn)
+    def pattern_function(q, k, v, **arguments):
+        given = {name: arguments.pop(name) for name in _SharedArguments._fields if name in arguments}
+        return fn(q, k, v, shared=_SharedArguments(**given), **arguments)
+
+    parameters = [*tensors, *own, *tail]
+    pattern_function.__signature__ = inspect.Signature(parameters, return_annotation="Tensor")
+    pattern_function.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": "Tensor"}
+    return pattern_function
+
+
+@_pattern_function
+def full_attention(q, k, v, *, causal: bool = False, global_mask: Tensor | None = None, shared: _SharedArguments):
     """Dense attention over every (visible) key through torch's `scaled_dot_product_attention`: the baseline.
 
     Args:
@@ -218,28 +235,19 @@ def full_attention(
     causal = check_flag("causal", causal)
     # Only causal attention (and packed documents) align the queries with the last keys; cross-attention has any
     # number of queries.
-    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal or document_ids is not None)
+    b, h, n_q, n_k = check_qkv(q, k, v, queries_last=causal or shared.document_ids is not None)
     check_token_mask("global_mask", global_mask, b, n_k, device=q.device)  # checked only: it adds no key
-    call = _check_shared(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        document_ids=document_ids,
-        scale=scale,
-        dropout_p=dropout_p,
-        backend=backend,
-        relative_embedding=relative_embedding,
-    )
+    call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    choice = _select(q, k, v, call, pattern="full", causal=causal)
+    choice = call.select(q, k, v, pattern="full", causal=causal)
     if choice == "xformers" and call.documents is not None:
         return xformers_document_attention(
-            q, k, v, document_ids=call.documents, causal=causal, scale=call.scale, dropout_p=call.dropout_p
+            q, k, v, document_ids=call.documents, causal=causal, **call.executor_arguments(bias=False)
         )
     if choice == "xformers":
         return xformers_full_attention(
-            q, k, v, causal=causal, key_padding_mask=call.padding, scale=call.scale, dropout_p=call.dropout_p
+            q, k, v, causal=causal, key_padding_mask=call.padding, **call.executor_arguments(bias=False)
         )
     if (
         choice == "torch"
@@ -255,7 +263,7 @@ def full_attention(
     if call.documents is not None:
         parts.append(same_document_mask(call.documents))
     if choice != "torch":
-        return _run_pattern(choice, q, k, v, call, mask_fn=and_masks(*parts), per_head=False)
+        return call.run_pattern(choice, q, k, v, mask_fn=and_masks(*parts), per_head=False)
     mask = materialize_mask(
         and_masks(*parts), batch=b, heads=1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
     )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
@@ -272,22 +280,11 @@ def full_attention(
     return out.masked_fill(~sees_a_key, 0.0)
 
 
+@_pattern_function
 def sliding_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    dilation: int | Sequence[int] = 1,
-    causal: bool = False,
-    global_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    relative_embedding: Tensor | None = None,
-) -> Tensor:
+    q, k, v, *, window: int, dilation: int | Sequence[int] = 1, causal: bool = False,
+    global_mask: Tensor | None = None, shared: _SharedArguments,
+):  # fmt: skip
     """Longformer attention: (dilated) sliding window plus symmetric global tokens, in O(n · window).
 
     The pattern is `patterns.sliding_window_pattern(...)`; it is computed by the blocked executor
@@ -318,85 +315,31 @@ def sliding_window_attention(
     if not isinstance(dilation, int) and len(set(dilation)) == 1:
         dilation = dilation[0]  # one group of heads, and a mask without a head dimension
     causal = check_flag("causal", causal)
-    call = _check_shared(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        global_mask=global_mask,
-        document_ids=document_ids,
-        scale=scale,
-        dropout_p=dropout_p,
-        backend=backend,
-        relative_embedding=relative_embedding,
-    )
+    call = shared.check(q, k, global_mask=global_mask)
     if is_empty(q, k):
         return empty_attention(q, k, v)
-    mask_fn = sliding_window_pattern(
-        window=window,
-        dilation=dilation,
-        causal=causal,
-        global_mask=call.global_tokens,
-        key_padding_mask=call.padding,
-        document_ids=call.documents,
-    )
-    choice = _select(q, k, v, call, pattern="sliding", causal=causal, dilation=dilation)
+    band = dict(window=window, dilation=dilation, causal=causal)
+    masks = dict(global_mask=call.global_tokens, key_padding_mask=call.padding)
+    choice = call.select(q, k, v, pattern="sliding", causal=causal, dilation=dilation)
     if choice == "triton":
         from .executor_triton import triton_sliding_window_attention  # noqa: PLC0415  (triton is optional)
 
-        return triton_sliding_window_attention(
-            q,
-            k,
-            v,
-            window=window,
-            dilation=dilation,
-            causal=causal,
-            global_mask=call.global_tokens,
-            key_padding_mask=call.padding,
-            scale=call.scale,
-        )
+        return triton_sliding_window_attention(q, k, v, **band, **masks, scale=call.scale)
     if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # the blocked executor reads groups
     if choice == "xformers" and call.documents is not None:
         return xformers_document_attention(
-            q,
-            k,
-            v,
-            document_ids=call.documents,
-            causal=causal,
-            window=window,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
+            q, k, v, document_ids=call.documents, causal=causal, window=window, **call.executor_arguments(bias=False)
         )
     if choice == "xformers":
-        return xformers_sliding_window_attention(
-            q,
-            k,
-            v,
-            window=window,
-            dilation=dilation,
-            causal=causal,
-            global_mask=call.global_tokens,
-            key_padding_mask=call.padding,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
-        )
+        return xformers_sliding_window_attention(q, k, v, **band, **masks, **call.executor_arguments(bias=False))
+    mask_fn = sliding_window_pattern(**band, **masks, document_ids=call.documents)
     if choice != "torch":
-        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=not isinstance(dilation, int))
+        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=not isinstance(dilation, int))
     if dilation == 1 and window >= n_k - 1:
         # The window reaches every key, so the pattern is exactly (causal) full attention: global tokens add no
         # key. SDPA computes it without the blocked executor's per-block overhead, which dominates short inputs.
-        return full_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=call.padding,
-            document_ids=call.documents,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
-            backend="torch",
-            relative_embedding=relative_embedding,
-        )
+        return full_attention(q, k, v, causal=causal, **call.shared(backend="torch"))
     return banded_attention(
         q,
         k,
@@ -406,28 +349,14 @@ def sliding_window_attention(
         window_right=0 if causal else window,
         dilation=dilation,
         global_mask=call.global_tokens,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-        bias_fn=call.bias_fn,
         exact_band=call.documents is None,  # the same-document test is not the band's geometry
         key_padding_mask=call.padding,
+        **call.executor_arguments(bias=True),
     )
 
 
-def strided_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    stride: int,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    relative_embedding: Tensor | None = None,
-) -> Tensor:
+@_pattern_function
+def strided_attention(q, k, v, *, stride: int, causal: bool = True, shared: _SharedArguments):
     """Sparse Transformer strided attention (Child et al. 2019): the previous l keys and every l-th key.
 
     Query i sees A1 = {max(0, i − l) … i} and A2 = {j <= i : (i − j) mod l = 0}; the bidirectional form
@@ -447,59 +376,31 @@ def strided_attention(
         ValueError: For a stride below 1, a non-bool `causal`, or a shared argument that is invalid (module
             docstring).
     """
-    b, h, n_q, n_k = check_qkv(q, k, v)
+    check_qkv(q, k, v)
     stride = check_stride(stride)
     causal = check_flag("causal", causal)
-    call = _check_shared(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        document_ids=document_ids,
-        scale=scale,
-        dropout_p=dropout_p,
-        backend=backend,
-        relative_embedding=relative_embedding,
-    )
+    call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding, document_ids=call.documents)
-    choice = _select(q, k, v, call, pattern="strided", causal=causal)
+    choice = call.select(q, k, v, pattern="strided", causal=causal)
     if choice == "xformers":
         # The dispatcher admits xformers without dropout and with n_q == n_k only (its layout's requirements).
         return xformers_strided_attention(
             q, k, v, stride=stride, causal=causal, key_padding_mask=call.padding, scale=call.scale
         )
     if choice != "torch":
-        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=False)
+        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=False)
     return strided_blocked_attention(
-        q,
-        k,
-        v,
-        mask_fn=mask_fn,
-        stride=stride,
-        causal=causal,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-        bias_fn=call.bias_fn,
+        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, **call.executor_arguments(bias=True)
     )
 
 
+@_pattern_function
 def fixed_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    block_size: int,
-    num_summary: int,
-    causal: bool = True,
-    summary_per_head: bool = False,
-    key_padding_mask: Tensor | None = None,
-    document_ids: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    relative_embedding: Tensor | None = None,
-) -> Tensor:
+    q, k, v, *, block_size: int, num_summary: int, causal: bool = True, summary_per_head: bool = False,
+    shared: _SharedArguments,
+):  # fmt: skip
     """Sparse Transformer fixed attention (Child et al. 2019): the query's own block and every block's summary cells.
 
     Query i sees A1 = {j : floor(j / l) = floor(i / l)} and A2 = {j : j mod l in [l − c, l − 1]} (the last c
@@ -522,54 +423,28 @@ def fixed_attention(
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
             argument that is invalid (module docstring).
     """
-    b, h, n_q, n_k = check_qkv(q, k, v)
+    n_k = check_qkv(q, k, v)[3]
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
-    call = _check_shared(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        document_ids=document_ids,
-        scale=scale,
-        dropout_p=dropout_p,
-        backend=backend,
-        relative_embedding=relative_embedding,
-    )
+    call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     padding = call.padding
-    mask_fn = fixed_pattern(
-        block_size=block_size,
-        num_summary=num_summary,
-        summary_per_head=summary_per_head,
-        causal=causal,
-        key_padding_mask=padding,
-        document_ids=call.documents,
-    )
-    choice = _select(q, k, v, call, pattern="fixed", causal=causal)
+    blocks = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal)
+    mask_fn = fixed_pattern(**blocks, key_padding_mask=padding, document_ids=call.documents)
+    choice = call.select(q, k, v, pattern="fixed", causal=causal)
     if choice in ("flex", "reference"):
-        return _run_pattern(choice, q, k, v, call, mask_fn=mask_fn, per_head=summary_per_head)
+        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=summary_per_head)
     if call.documents is not None:
         # The executor's blocks start at multiples of l; each document's blocks start at its first token. Lay the
         # documents out so that each begins at a multiple of l, run the same predicate there, and gather back.
         def execute_laid_out(q: Tensor, k: Tensor, v: Tensor, position: Tensor, real: Tensor) -> Tensor:
-            bias_fn = call.bias_fn
-            if bias_fn is not None:  # the same relative logits, read at the original positions of the slots
-                bias_fn = _on_slot_positions(bias_fn, position)
-            return fixed_blocked_attention(
-                q,
-                k,
-                v,
-                mask_fn=_on_slot_positions(mask_fn, position, real),
-                block_size=block_size,
-                num_summary=num_summary,
-                summary_per_head=summary_per_head,
-                causal=causal,
-                scale=call.scale,
-                dropout_p=call.dropout_p,
-                bias_fn=bias_fn,
-            )
+            arguments = call.executor_arguments(bias=True)
+            if call.bias_fn is not None:  # the same relative logits, read at the original positions of the slots
+                arguments["bias_fn"] = _on_slot_positions(call.bias_fn, position)
+            slot_mask_fn = _on_slot_positions(mask_fn, position, real)
+            return fixed_blocked_attention(q, k, v, mask_fn=slot_mask_fn, **blocks, **arguments)
 
         return _run_documents_aligned(execute_laid_out, q, k, v, call.documents, block_size)
     first = None if padding is None else first_real_token(padding)  # [b]
@@ -578,38 +453,17 @@ def fixed_attention(
         # rolled rows (below) a wrapped padding query would see later keys. Bidirectional, every rolled slot s is
         # tested as position s, real or wrapped padding, which is what the layout's blocks from 0 compute.
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
-            return xformers_fixed_attention(
-                q,
-                k,
-                v,
-                block_size=block_size,
-                num_summary=num_summary,
-                summary_per_head=summary_per_head,
-                causal=causal,
-                key_padding_mask=padding if rolled_index is None else padding.gather(1, rolled_index),
-                scale=call.scale,
-            )
+            rolled_padding = padding if rolled_index is None else padding.gather(1, rolled_index)
+            return xformers_fixed_attention(q, k, v, **blocks, key_padding_mask=rolled_padding, scale=call.scale)
     else:
 
         def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
             # In rolled rows, the SAME predicate (and bias) evaluated on the original positions of the slots.
             rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
-            bias_fn = call.bias_fn
-            if bias_fn is not None and rolled_index is not None:
-                bias_fn = _on_rolled_positions(bias_fn, first, n_k)
-            return fixed_blocked_attention(
-                q,
-                k,
-                v,
-                mask_fn=rolled_mask_fn,
-                block_size=block_size,
-                num_summary=num_summary,
-                summary_per_head=summary_per_head,
-                causal=causal,
-                scale=call.scale,
-                dropout_p=call.dropout_p,
-                bias_fn=bias_fn,
-            )
+            arguments = call.executor_arguments(bias=True)
+            if call.bias_fn is not None and rolled_index is not None:
+                arguments["bias_fn"] = _on_rolled_positions(call.bias_fn, first, n_k)
+            return fixed_blocked_attention(q, k, v, mask_fn=rolled_mask_fn, **blocks, **arguments)
 
     # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
     # would break a `torch.compile` graph, so compiled code always rolls.
