@@ -42,7 +42,7 @@ import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,7 @@ __all__ = [
     "HIDDEN_PENALTY",
     "Part",
     "XformersLayout",
+    "LayoutGrid",
     "XformersKernel",
     "ReferenceKernel",
     "current_kernel",
@@ -140,6 +141,28 @@ class XformersLayout:
     override_rows: Tensor | None = None
 
 
+class LayoutGrid(NamedTuple):
+    """What a layout covers: `batch` rows of `heads` heads, `q_len` queries (the last of the positions) over `kv_len`
+    keys; its index tensors live on `device`."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    device: torch.device | str | None = None
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor) -> LayoutGrid:
+        """The grid of a call on q `[b, h, n_q, d]`, k `[b, h, n_k, d]`."""
+        return cls(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+
+    def length(self, layout: str) -> int:
+        """n, for a layout of as many queries as keys (queries = keys = the n positions)."""
+        if self.q_len != self.kv_len:
+            raise ValueError(f"the {layout} layout needs as many queries as keys (got {self.q_len} and {self.kv_len})")
+        return self.kv_len
+
+
 def residue_classes(q_len: int, kv_len: int, modulus: int, *, device=None) -> list[tuple[Tensor, Tensor]]:
     """Positions split into residue classes mod `modulus`, classes of equal size grouped (one batched call each).
 
@@ -196,18 +219,9 @@ def _token_flags(key_padding_mask: Tensor | None, extra: Tensor | None = None) -
 
 
 def sliding_window_layout(
-    *,
-    batch: int,
-    heads: int,
-    q_len: int,
-    kv_len: int,
-    window: int,
-    dilation: int | Sequence[int] = 1,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    global_mask: Tensor | None = None,
-    device=None,
-) -> XformersLayout:
+    grid: LayoutGrid, *, window: int, dilation: int | Sequence[int] = 1, causal: bool = False,
+    key_padding_mask: Tensor | None = None, global_mask: Tensor | None = None,
+) -> XformersLayout:  # fmt: skip
     """`patterns.sliding_window_pattern` as xformers calls.
 
     Per head group sharing a dilation and per group of equally long residue classes: a band
@@ -216,21 +230,18 @@ def sliding_window_layout(
     once) and an override for the global queries (dense over all keys). Padding keys are hidden keys.
 
     Args:
-        batch: b.
-        heads: h.
-        q_len: n_q (the last n_q positions).
-        kv_len: n_k.
+        grid: The calls' batch, heads, lengths (the queries are the last n_q positions) and device.
         window: Keys on each side (causal: before).
         dilation: Gap between keys, or one per head.
         causal: Keys after the query are hidden.
         key_padding_mask: Bool `[b, n_k]`, True = real token.
         global_mask: Bool `[b, n_k]`, True = global token.
-        device: Device of the index tensors.
 
     Returns:
         The layout.
     """
     bias = _attn_bias()
+    batch, heads, q_len, kv_len, device = grid
     q_offset = kv_len - q_len
     global_index = global_valid = None
     if global_mask is not None:
@@ -287,16 +298,9 @@ def sliding_window_layout(
 
 
 def strided_layout(
-    *,
-    batch: int,
-    heads: int,
-    length: int,
-    stride: int,
-    causal: bool = True,
-    key_padding_mask: Tensor | None = None,
-    device=None,
+    grid: LayoutGrid, *, stride: int, causal: bool = True, key_padding_mask: Tensor | None = None
 ) -> XformersLayout:
-    """Sparse Transformer's strided pattern as xformers calls (queries = keys = `length` positions).
+    """Sparse Transformer's strided pattern as xformers calls (queries = keys = the n positions of `grid`).
 
     Query i sees A1 = {i − l … i} (bidirectional: |i − j| <= l) and A2 = {j : (i − j) mod l = 0} (causal: j <= i).
     Disjoint parts: the band |i − j| < l (causal: i − l < j <= i) on the sequence; the earlier members of i's
@@ -304,18 +308,16 @@ def strided_layout(
     also the later members (the same over the reversed class).
 
     Args:
-        batch: b.
-        heads: h.
-        length: n.
+        grid: The calls' batch, heads, lengths and device.
         stride: l >= 1.
         causal: Keys after the query are hidden.
         key_padding_mask: Bool `[b, n]`, True = real token.
-        device: Device of the index tensors.
 
     Returns:
         The layout.
     """
     bias = _attn_bias()
+    batch, length, device = grid.batch, grid.length("strided"), grid.device
     reach = min(stride - 1, length)
     hidden = _token_flags(key_padding_mask)
     parts = [
@@ -329,43 +331,23 @@ def strided_layout(
     for q_pos, k_pos in residue_classes(length, length, stride, device=device):
         if q_pos.shape[1] < 2:
             continue
-        # Query step t (t >= 1) against class steps 0 .. t-1: a causal triangle between steps 1.. and steps ..-1.
-        earlier_q, earlier_k = q_pos[:, 1:], k_pos[:, :-1]
-        parts.append(
-            Part(
-                _rows(earlier_q, batch, length),
-                _rows(earlier_k, batch, length),
-                bias.LowerTriangularMask(),
-                key_hidden=_hidden_keys(hidden, earlier_k, batch),
-            )
-        )
+        # Query step t (t >= 1) against class steps 0 .. t-1: a causal triangle between steps 1.. and steps ..-1;
+        # bidirectional, the later members too: the same triangle over the reversed class.
+        triangles = [(q_pos[:, 1:], k_pos[:, :-1])]
         if not causal:
-            # The later members: the same triangle over the reversed class.
-            later_q, later_k = q_pos[:, :-1].flip(1), k_pos[:, 1:].flip(1)
-            parts.append(
-                Part(
-                    _rows(later_q, batch, length),
-                    _rows(later_k, batch, length),
-                    bias.LowerTriangularMask(),
-                    key_hidden=_hidden_keys(hidden, later_k, batch),
-                )
-            )
+            triangles.append((q_pos[:, :-1].flip(1), k_pos[:, 1:].flip(1)))
+        for tri_q, tri_k in triangles:
+            rows = (_rows(tri_q, batch, length), _rows(tri_k, batch, length))
+            parts.append(Part(*rows, bias.LowerTriangularMask(), key_hidden=_hidden_keys(hidden, tri_k, batch)))
     return XformersLayout(parts, disjoint=False)
 
 
 def fixed_layout(
-    *,
-    batch: int,
-    heads: int,
-    length: int,
-    block_size: int,
-    num_summary: int,
-    summary_per_head: bool = False,
-    causal: bool = True,
+    grid: LayoutGrid, *, block_size: int, num_summary: int, summary_per_head: bool = False, causal: bool = True,
     key_padding_mask: Tensor | None = None,
-    device=None,
-) -> XformersLayout:
-    """Sparse Transformer's fixed pattern as xformers calls (queries = keys = `length` positions, blocks from 0).
+) -> XformersLayout:  # fmt: skip
+    """Sparse Transformer's fixed pattern as xformers calls (queries = keys = the n positions of `grid`, blocks
+    from 0).
 
     Query i sees A1 = {j : floor(j / l) = floor(i / l)} and A2 = the summary keys {j : j mod l >= l − c} (per
     head: head h owns the c cells `g·c … (g + 1)·c − 1` counted back from the block end, g = h mod floor(l / c)),
@@ -374,20 +356,18 @@ def fixed_layout(
     `[n, n · c / l]` mask, the only O(n² · c / l) piece).
 
     Args:
-        batch: b.
-        heads: h.
-        length: n.
+        grid: The calls' batch, heads, lengths and device.
         block_size: l >= 1.
         num_summary: c, 1 <= c <= l.
         summary_per_head: Summary cells per head group as above; False: the last c cells for every head.
         causal: Keys after the query are hidden.
         key_padding_mask: Bool `[b, n]`, True = real token (blocks still start at position 0).
-        device: Device of the index tensors.
 
     Returns:
         The layout.
     """
     bias = _attn_bias()
+    batch, heads, length, device = grid.batch, grid.heads, grid.length("fixed"), grid.device
     positions = torch.arange(length, device=device)
     hidden = _token_flags(key_padding_mask)
     n_full = length // block_size
@@ -429,17 +409,8 @@ def fixed_layout(
     return XformersLayout(parts, disjoint=False)
 
 
-def full_layout(
-    *,
-    batch: int,
-    heads: int,
-    q_len: int,
-    kv_len: int,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    device=None,
-) -> XformersLayout:
-    """Dense attention as one call (causal: bottom-right aligned triangle); padding keys hidden."""
+def full_layout(grid: LayoutGrid, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> XformersLayout:
+    """Dense attention as one call over `grid` (causal: bottom-right aligned triangle); padding keys hidden."""
     bias = _attn_bias()
     causal_bias = bias.LowerTriangularFromBottomRightMask() if causal else None
     hidden = _token_flags(key_padding_mask)
@@ -470,9 +441,7 @@ def bucket_order(buckets: Tensor) -> tuple[Tensor, list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------- dense pictures
-def materialize_layout(
-    layout: XformersLayout, *, batch: int, heads: int, q_len: int, kv_len: int, device=None
-) -> tuple[Tensor, Tensor]:
+def materialize_layout(layout: XformersLayout, grid: LayoutGrid) -> tuple[Tensor, Tensor]:
     """The pattern a layout computes, as a dense mask, and how often each (query, key) is covered.
 
     Evaluates every part's bias (`materialize`), dense mask and hidden keys and scatters them back to original
@@ -482,15 +451,16 @@ def materialize_layout(
     Returns:
         `(mask, count)`: bool and long `[b, h, n_q, n_k]`.
     """
-    count = _coverage(layout.parts, batch, heads, q_len, kv_len, device)
+    count = _coverage(layout.parts, grid)
     if layout.overrides:
-        override = _coverage(layout.overrides, batch, heads, q_len, kv_len, device)
+        override = _coverage(layout.overrides, grid)
         rows = layout.override_rows[:, None, :, None]
         count = torch.where(rows, override, count)
     return count > 0, count
 
 
-def _coverage(parts, batch, heads, q_len, kv_len, device) -> Tensor:
+def _coverage(parts, grid: LayoutGrid) -> Tensor:
+    batch, heads, q_len, kv_len, device = grid
     count = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.long, device=device)
     for part in parts:
         q_rows = part.q_rows if part.q_rows is not None else _identity_rows(batch, q_len, device)
@@ -754,15 +724,13 @@ def xformers_sliding_window_attention(
         dropout_p: Dropout on the attention probabilities.
         **pattern: `sliding_window_layout`'s window, dilation, causal, key_padding_mask and global_mask.
     """
-    b, h, n_q, _ = q.shape
     dilation, causal = pattern.get("dilation", 1), pattern.get("causal", False)
     masked = pattern.get("key_padding_mask") is not None or pattern.get("global_mask") is not None
     if not masked and _residue_views_apply(q, k, dilation):
         return _dilated_band_on_views(
             q, k, v, window=pattern["window"], dilation=dilation, causal=causal, scale=scale, dropout_p=dropout_p
         )
-    layout = sliding_window_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], device=q.device, **pattern)
-    return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
+    return run_layout(q, k, v, sliding_window_layout(LayoutGrid.of(q, k), **pattern), scale=scale, dropout_p=dropout_p)
 
 
 def _residue_views_apply(q: Tensor, k: Tensor, dilation) -> bool:
@@ -800,8 +768,7 @@ def _dilated_band_on_views(q, k, v, *, window, dilation, causal, scale, dropout_
 def xformers_strided_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **pattern: Any) -> Tensor:
     """Strided attention on xformers kernels; q, k, v `[b, h, n, d]`, `pattern`: `strided_layout`'s stride, causal
     and key_padding_mask."""
-    b, h, n, _ = q.shape
-    return run_layout(q, k, v, strided_layout(batch=b, heads=h, length=n, device=q.device, **pattern), scale=scale)
+    return run_layout(q, k, v, strided_layout(LayoutGrid.of(q, k), **pattern), scale=scale)
 
 
 def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **pattern: Any) -> Tensor:
@@ -812,8 +779,7 @@ def xformers_fixed_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, *
     from each row's first real token; `ops.fixed_attention` rolls left-padded rows before calling this, so call it
     directly only on rows whose padding is at the end.
     """
-    b, h, n, _ = q.shape
-    return run_layout(q, k, v, fixed_layout(batch=b, heads=h, length=n, device=q.device, **pattern), scale=scale)
+    return run_layout(q, k, v, fixed_layout(LayoutGrid.of(q, k), **pattern), scale=scale)
 
 
 def xformers_full_attention(
@@ -821,9 +787,7 @@ def xformers_full_attention(
 ) -> Tensor:
     """Dense attention on xformers kernels; q `[b, h, n_q, d]` are the last n_q positions, `pattern`:
     `full_layout`'s causal and key_padding_mask."""
-    b, h, n_q, _ = q.shape
-    layout = full_layout(batch=b, heads=h, q_len=n_q, kv_len=k.shape[2], device=q.device, **pattern)
-    return run_layout(q, k, v, layout, scale=scale, dropout_p=dropout_p)
+    return run_layout(q, k, v, full_layout(LayoutGrid.of(q, k), **pattern), scale=scale, dropout_p=dropout_p)
 
 
 def bucketed_attention(
@@ -887,16 +851,9 @@ def document_bias(document_ids: Tensor, *, causal: bool, window: int | None = No
 
 
 def xformers_document_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    document_ids: Tensor,
-    causal: bool = False,
-    window: int | None = None,
-    scale: float,
-    dropout_p: float = 0.0,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, document_ids: Tensor, causal: bool = False, window: int | None = None,
+    scale: float, dropout_p: float = 0.0,
+) -> Tensor:  # fmt: skip
     """Full or causal-window attention within packed documents, one block-diagonal kernel call (xformers' varlen).
 
     Args:

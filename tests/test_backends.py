@@ -308,7 +308,7 @@ def test_flex_full_attention_and_block_mask_cache():
 
 # ---------------------------------------------------------------------------------------------- xformers layouts
 def _assert_layout_is_the_pattern(layout, mask_fn, *, n_q=N, n_k=N):
-    mask, count = executor_xformers.materialize_layout(layout, batch=B, heads=H, q_len=n_q, kv_len=n_k)
+    mask, count = executor_xformers.materialize_layout(layout, executor_xformers.LayoutGrid(B, H, n_q, n_k))
     expected = patterns.materialize_mask(mask_fn, batch=B, heads=H, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q)
     assert torch.equal(mask, expected)
     assert int(count.max()) <= 1, "parts overlap: a log-sum-exp merge would count a key twice"
@@ -328,7 +328,7 @@ def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation,
         key_padding_mask=key_padding_mask if "padding" in masks else None,
         global_mask=global_mask if "global" in masks else None,
     )
-    layout = executor_xformers.sliding_window_layout(batch=B, heads=H, q_len=n_q, kv_len=N, **pattern)
+    layout = executor_xformers.sliding_window_layout(executor_xformers.LayoutGrid(B, H, n_q, N), **pattern)
     _assert_layout_is_the_pattern(layout, patterns.sliding_window_pattern(**pattern), n_q=n_q)
     # Dilation runs over residue classes: a plain band per class, no dense mask anywhere but the causal global part.
     assert isinstance(layout.parts[0].bias, executor_xformers._attn_bias().LocalAttentionFromBottomRightMask)
@@ -341,7 +341,7 @@ def test_strided_layout_biases_materialise_to_the_pattern(stride, causal, paddin
     pytest.importorskip("xformers")
     key_padding_mask = padding_and_global_masks(B, N)[0] if padding else None
     layout = executor_xformers.strided_layout(
-        batch=B, heads=H, length=N, stride=stride, causal=causal, key_padding_mask=key_padding_mask
+        executor_xformers.LayoutGrid(B, H, N, N), stride=stride, causal=causal, key_padding_mask=key_padding_mask
     )
     mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
     _assert_layout_is_the_pattern(layout, mask_fn)
@@ -361,7 +361,7 @@ def test_fixed_layout_biases_materialise_to_the_pattern(block_size, num_summary,
         causal=causal,
         key_padding_mask=right_padding,
     )
-    layout = executor_xformers.fixed_layout(batch=B, heads=H, length=N, **kwargs)
+    layout = executor_xformers.fixed_layout(executor_xformers.LayoutGrid(B, H, N, N), **kwargs)
     _assert_layout_is_the_pattern(layout, patterns.fixed_pattern(**kwargs))
 
 
@@ -370,7 +370,7 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
     key_padding_mask, _ = padding_and_global_masks(B, N)
     for n_q, causal in ((N, False), (N, True), (4, True)):
         layout = executor_xformers.full_layout(
-            batch=B, heads=H, q_len=n_q, kv_len=N, causal=causal, key_padding_mask=key_padding_mask
+            executor_xformers.LayoutGrid(B, H, n_q, N), causal=causal, key_padding_mask=key_padding_mask
         )
         parts = [patterns.key_padding_predicate(key_padding_mask)] + ([patterns.causal_mask()] if causal else [])
         _assert_layout_is_the_pattern(layout, patterns.and_masks(*parts), n_q=n_q)
@@ -702,7 +702,7 @@ def test_xformers_dropout_runs_on_single_call_layouts_only(reference_kernel):
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     layout = executor_xformers.sliding_window_layout(
-        batch=B, heads=H, q_len=N, kv_len=N, window=2, key_padding_mask=padding_and_global_masks(B, N)[0]
+        executor_xformers.LayoutGrid(B, H, N, N), window=2, key_padding_mask=padding_and_global_masks(B, N)[0]
     )
     with pytest.raises(ValueError, match="no attention dropout"):
         executor_xformers.run_layout(q, k, v, layout, scale=SCALE, dropout_p=0.5)

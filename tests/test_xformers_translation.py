@@ -56,7 +56,7 @@ def _assert_built_layout_is_the_pattern(layouts, mask_fn, *, roll=None):
     layout, n_q, n_k = layouts[0]
     for part in layout.parts + layout.overrides:
         assert part.bias is None or isinstance(part.bias, executor_xformers._attn_bias().AttentionBias)
-    mask, count = executor_xformers.materialize_layout(layout, batch=B, heads=H, q_len=n_q, kv_len=n_k)
+    mask, count = executor_xformers.materialize_layout(layout, executor_xformers.LayoutGrid(B, H, n_q, n_k))
     expected = patterns.materialize_mask(mask_fn, batch=B, heads=H, q_len=n_q, kv_len=n_k, q_offset=n_k - n_q)
     if roll is not None:  # slot s of row b holds position (s + roll[b]) mod n
         index = (torch.arange(n_k)[None, :] + roll[:, None]) % n_k  # [b, n]
