@@ -458,22 +458,16 @@ def context_parallel_sliding_attention(
     groups = head_groups(dilation, h)
     if len(groups) > 1 and k_halo.shape[1] != h:  # per-head dilations split the heads across key/value groups
         k_halo, v_halo = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k_halo, v_halo))
+    # What every head group shares: its band over this rank's queries and halo keys, and how its blocks are attended.
+    band = dict(q_len=n, kv_len=m, window_left=window, window_right=0 if causal else window, q_offset=left)
+    attend = dict(local_fn=local_fn, mask_fn=mask_fn, q_offset=left, global_keys=global_keys, scale=scale)
     outputs, order = [], []
     for d, heads in groups:
         heads_t = torch.tensor(heads, device=q.device)
         q_g, k_g, v_g = (
             (q, k_halo, v_halo) if len(heads) == h else (t.index_select(1, heads_t) for t in (q, k_halo, v_halo))
         )
-        layout = band_layout(
-            q_len=n,
-            kv_len=m,
-            window_left=window,
-            window_right=0 if causal else window,
-            dilation=d,
-            block_size=128,  # banded_attention's for `attend_blocks`
-            q_offset=left,
-            device=q.device,
-        )
+        layout = band_layout(**band, dilation=d, block_size=128, device=q.device)  # banded_attention's block size
         outputs.append(
             band_block_attention(
                 q_g,
@@ -481,13 +475,9 @@ def context_parallel_sliding_attention(
                 v_g,
                 layout=layout,
                 heads=heads_t,
-                local_fn=local_fn,
-                mask_fn=mask_fn,
-                q_offset=left,
-                global_keys=global_keys,
                 position_offset=shard.start - left,
-                scale=scale,
                 dropout_p=dropout_p,
+                **attend,
             )
         )
         order.extend(heads)

@@ -217,17 +217,9 @@ def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def flex_pattern_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask_fn: MaskFn,
-    scale: float,
-    per_batch: bool = False,
-    per_head: bool = False,
-    cache_key: Hashable | None = None,
-    bias_fn: BiasFn | None = None,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, mask_fn: MaskFn, scale: float, per_batch: bool = False,
+    per_head: bool = False, cache_key: Hashable | None = None, bias_fn: BiasFn | None = None,
+) -> Tensor:  # fmt: skip
     """Attention under a pattern predicate through FlexAttention: what `executor_reference.reference_pattern_attention`
     computes densely (no dropout), `[b, h, n_q, d_v]`.
 
@@ -239,7 +231,7 @@ def flex_pattern_attention(
         bias_fn: Optional logit bias of each pair (relative-position logits), FlexAttention's `score_mod`.
 
     Returns:
-        Output `[b, h, n_q, d_v]`; a query that sees no key gets zeros.
+        The output, as `reference_pattern_attention`'s (zeros for a query that sees no key).
     """
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]

@@ -22,7 +22,10 @@ part. Visibility itself is always decided by the pattern's `MaskFn` evaluated on
 (`patterns.materialize_mask`) and these executors share one definition.
 
 Both executors take queries q `[b, h, n_q, d]` (the last n_q positions when n_q < n_k), keys k `[b, h, n_k, d]` and
-values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for a query that sees no key.
+values v `[b, h, n_k, d_v]`, and return the output `[b, h, n_q, d_v]`, zeros for a query that sees no key. Both also
+take `scale` (the multiplier of q·k), `dropout_p` (dropout on the attention probabilities) and `bias_fn` (an optional
+logit bias of each kept pair, e.g. relative-position logits, evaluated on the positions each part computes and added
+to its scores).
 """
 
 from __future__ import annotations
@@ -126,37 +129,23 @@ def _strided_class_sets(mask_fn, *, n_q, n_k, stride, causal, class_block, devic
 
 
 def strided_blocked_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask_fn: MaskFn,
-    stride: int,
-    causal: bool,
-    scale: float,
-    dropout_p: float = 0.0,
-    block_size: int = 64,
-    class_block: int | None = None,
-    bias_fn: BiasFn | None = None,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, mask_fn: MaskFn, stride: int, causal: bool, scale: float,
+    dropout_p: float = 0.0, block_size: int = 64, class_block: int | None = None, bias_fn: BiasFn | None = None,
+) -> Tensor:  # fmt: skip
     """Attention whose visible keys lie in the strided geometry: |i − j| <= l, or (i − j) mod l = 0.
 
     Band part (|i − j| <= l) on a band layout, class part (same residue mod l, |i − j| > l) dense inside each
     residue class, merged by log-sum-exp. Cost O(n · (l + n / l)) time; no n x n tensor.
 
     Args:
-        q, k, v: As in the module docstring.
+        q, k, v, scale, dropout_p, bias_fn: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.strided_pattern(...)`); it must not see keys outside the
             strided geometry.
         stride: The stride l (>= 1).
         causal: No visible key lies after its query (skips gathering those keys).
-        scale: Multiplier of q·k.
-        dropout_p: Dropout on the attention probabilities.
         block_size: Queries per band block (64 measured fastest on CPU against 32 and 128).
         class_block: Query steps per block inside a residue class; default 128 when causal (each block is its own
             call gathering only earlier keys), 256 otherwise (larger blocks measured faster on CPU).
-        bias_fn: Optional logit bias of each kept pair (relative-position logits), evaluated on the positions each
-            part computes and added to its scores.
 
     Returns:
         The output (module docstring).
@@ -222,7 +211,7 @@ def fixed_blocked_attention(
     attention of each query block over the gathered summary keys, merged by log-sum-exp. Cost O(n · (l + c·n/l)).
 
     Args:
-        q, k, v: As in the module docstring.
+        q, k, v, scale, dropout_p, bias_fn: As in the module docstring.
         mask_fn: The pattern predicate (e.g. `patterns.fixed_pattern(...)`); it must not see keys outside the
             fixed geometry.
         block_size: Block length l (>= 1).
@@ -231,13 +220,9 @@ def fixed_blocked_attention(
             (see `patterns.fixed_mask`); heads sharing a sub-block are computed together.
         causal: No visible key lies after its query: query blocks are split into up to `causal_groups` groups,
             each gathering only the summary keys before its last block.
-        scale: Multiplier of q·k.
-        dropout_p: Dropout on the attention probabilities.
         max_block_rows: Blocks longer than this are split into query sub-blocks of at most this many rows (each
             still gathering its whole block), which bounds the workspace.
         causal_groups: See `causal`.
-        bias_fn: Optional logit bias of each kept pair (relative-position logits), evaluated on the positions each
-            part computes and added to its scores.
 
     Returns:
         The output (module docstring).

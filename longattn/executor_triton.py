@@ -506,19 +506,10 @@ class _TritonBandAttention(torch.autograd.Function):
 
 
 def triton_sliding_window_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    dilation: int | Sequence[int] = 1,
-    causal: bool = False,
-    global_mask: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    scale: float,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, window: int, dilation: int | Sequence[int] = 1, causal: bool = False,
+    global_mask: Tensor | None = None, key_padding_mask: Tensor | None = None, scale: float,
+    block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+) -> Tensor:  # fmt: skip
     """`patterns.sliding_window_pattern` on the Triton kernels, with autograd.
 
     The arguments are checked by `longattn.ops.sliding_window_attention`, and the dispatcher
