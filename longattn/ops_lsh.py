@@ -103,7 +103,6 @@ SELF_SCORE = -1e5
 
 KEY_NORM_EPS = 1e-6
 """Epsilon of the shared-QK key normalisation `x / sqrt(|x|² + d·eps)` (transformers' convention)."""
-"""Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
 
 # The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
 _UNSUPPORTED_BACKENDS = {
@@ -524,6 +523,33 @@ def attend_windows(
 
 
 # ---------------------------------------------------------------------------------------------- gathered windows
+class _WindowLayout(NamedTuple):
+    """What `_GatheredWindows` reads besides the rows and the relative table: the arguments of
+    `attend_gathered_windows` of the same names, and U = `n_windows`."""
+
+    query_index: Tensor
+    key_index: Tensor
+    value_index: Tensor
+    out_index: Tensor
+    mask: Tensor | None
+    first: Tensor | None
+    last: Tensor | None
+    query_position: Tensor | None
+    key_position: Tensor | None
+    n_windows: int
+    width: int
+    n_out: int
+    stride: int
+    scale: float
+    self_column: int | None
+    key_norm_eps: float | None
+
+    def relative_columns(self, table: Tensor | None, c: int) -> RelativeColumns | None:
+        return RelativeColumns.of(
+            table, self.query_position, self.key_position, self.out_index, c, self.stride, self.width
+        )
+
+
 class _GatheredWindows(torch.autograd.Function):
     """Window attention whose query slots, key rows and value rows are gathered from unsorted rows by index, with
     the slots that answer the same output row merged by their log-sum-exp; hand-written backward.
@@ -545,45 +571,23 @@ class _GatheredWindows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        q_rows,
-        k_rows,
-        v_rows,
-        query_index,
-        key_index,
-        value_index,
-        out_index,
-        mask,
-        first,
-        last,
-        n_windows,
-        w,
-        n_out,
-        scale,
-        stride,
-        self_column,
-        key_norm_eps,
-        relative_table,
-        query_position,
-        key_position,
-    ):
+    def forward(ctx, q_rows, k_rows, v_rows, relative_table, layout: _WindowLayout):
         dtype = compute_dtype(q_rows.dtype)
-        c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
-        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
+        c, w, d_v = layout.query_index.shape[0] // layout.n_windows, layout.width, v_rows.shape[-1]
+        relative = layout.relative_columns(relative_table, c)
         key_factor = None
-        if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
-            key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
-        slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
-        slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
-        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index)
-        hidden = None if mask is None else ~mask
-        for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
+        if layout.key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
+            key_factor, _ = _key_norm_factor(k_rows.to(dtype), layout.key_norm_eps)  # [Nk, 1]
+        slot_out = torch.empty(layout.n_windows, c, d_v, dtype=dtype, device=q_rows.device)
+        slot_lse = torch.empty(layout.n_windows, c, dtype=dtype, device=q_rows.device)
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, layout.query_index, layout.key_index, layout.value_index)
+        hidden = None if layout.mask is None else ~layout.mask
+        for start, stop, scores in _window_groups(layout.n_windows, c, w, dtype, q_rows.device):
+            queries, keys, values = rows.group(start, stop, c, layout.stride, w, dtype, layout.scale)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
             if relative is not None:
                 scores.add_(relative.bias(start, stop))
-            _hide(scores, start, stop, hidden, first, last, self_column)
+            _hide(scores, start, stop, hidden, layout.first, layout.last, layout.self_column)
             row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
             # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
             row_max.masked_fill_(torch.isneginf(row_max), 0.0)
@@ -593,11 +597,9 @@ class _GatheredWindows(torch.autograd.Function):
             scores.div_(row_sum.clamp_(min=1.0))
             torch.bmm(scores, values, out=slot_out[start:stop])
         slot_lse = slot_lse.view(-1)
-        out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
-        ctx.save_for_backward(
-            *rows, out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position
-        )
-        ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
+        out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, layout.out_index, layout.n_out)
+        ctx.save_for_backward(*rows, slot_lse, out, lse, relative_table)
+        ctx.layout = layout  # integer indices, a bool mask and numbers: nothing autograd tracks
         ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
         return out.to(q_rows.dtype)
 
@@ -605,11 +607,11 @@ class _GatheredWindows(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         rows = _GroupRows(*saved[: len(_GroupRows._fields)])
-        out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position = saved[
-            len(_GroupRows._fields) :
-        ]
+        slot_lse, out, lse, relative_table = saved[len(_GroupRows._fields) :]
         q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index = rows
-        n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
+        layout = ctx.layout
+        n_windows, w, scale, stride = layout.n_windows, layout.width, layout.scale, layout.stride
+        self_column, out_index = layout.self_column, layout.out_index
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
         grad_out = grad_out.to(dtype).contiguous()
@@ -627,10 +629,10 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
-        hidden = None if mask is None else ~mask
-        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
+        hidden = None if layout.mask is None else ~layout.mask
+        relative = layout.relative_columns(relative_table, c)
         grad_table = None
-        if relative is not None and ctx.needs_input_grad[17]:
+        if relative is not None and ctx.needs_input_grad[3]:
             grad_table = torch.zeros(relative_table.shape, dtype=dtype, device=out.device)
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
@@ -638,7 +640,7 @@ class _GatheredWindows(torch.autograd.Function):
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
             if relative is not None:
                 probs.add_(relative.bias(start, stop))
-            _hide(probs, start, stop, hidden, first, last, self_column)
+            _hide(probs, start, stop, hidden, layout.first, layout.last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
             # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
             grad_slot = grad_out.index_select(0, row[start * c : stop * c]).view(g, c, d_v)  # dC_p
@@ -666,7 +668,7 @@ class _GatheredWindows(torch.autograd.Function):
         else:
             grad_k = grad_k.to(k_rows.dtype)
         grad_table = None if grad_table is None else grad_table.to(relative_table.dtype)
-        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14, grad_table, None, None)
+        return grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), grad_table, None
 
 
 class RelativeColumns:
@@ -859,11 +861,7 @@ def attend_gathered_windows(
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
     if relative_table is not None and (query_position is None or key_position is None):
         raise ValueError("`relative_table` needs `query_position` and `key_position` (where each pair lies).")
-    n_windows = query_index.shape[0] // chunk
-    return _GatheredWindows.apply(
-        q_rows,
-        k_rows,
-        v_rows,
+    layout = _WindowLayout(
         query_index,
         key_index,
         value_index,
@@ -871,17 +869,17 @@ def attend_gathered_windows(
         mask,
         first,
         last,
-        n_windows,
-        width,
-        n_out,
-        float(scale),
-        stride,
-        self_column,
-        key_norm_eps,
-        relative_table,
         query_position,
         key_position,
+        n_windows=query_index.shape[0] // chunk,
+        width=width,
+        n_out=n_out,
+        stride=stride,
+        scale=float(scale),
+        self_column=self_column,
+        key_norm_eps=key_norm_eps,
     )
+    return _GatheredWindows.apply(q_rows, k_rows, v_rows, relative_table, layout)
 
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
