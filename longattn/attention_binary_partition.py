@@ -496,14 +496,8 @@ class BinaryPartitionAttention(LongAttnAttention):
         init.zeros_(self.relative_bias)
 
     def _kwargs(self) -> dict[str, Any]:
-        return dict(
-            context=self.context,
-            causal=self.is_causal,
-            relative_bias=self.relative_bias,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            relative_embedding=self.relative_weight,
-        )
+        shared = self.layer_arguments("causal", "scale", "dropout_p", "relative_embedding")
+        return dict(context=self.context, relative_bias=self.relative_bias, **shared)
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         def run(q, k, v, key_padding_mask):

@@ -805,7 +805,7 @@ class RoutingAttention(LongAttnAttention):
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         # The centroids move when the backward pass reaches this layer (see the module docstring).
         learn = self.training and q_r.requires_grad
@@ -840,7 +840,7 @@ class RoutingAttention(LongAttnAttention):
         return out
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         out, weights = self._route(routing_attention_dense, q_r, k_r, v_r, key_padding_mask, document_ids, dropout_p)
         if self.num_local_heads:
