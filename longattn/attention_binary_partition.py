@@ -306,18 +306,7 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _attend_chunk(
-    q_blocks: Tensor,
-    nodes_k: Tensor,
-    nodes_v: Tensor,
-    nodes: Tensor,
-    bias: Tensor,
-    visible: Tensor,
-    scale: float,
-    dropout_p: float,
-    table: Tensor | None = None,
-    q_pos: Tensor | None = None,
-) -> Tensor:
+def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropout_p, table=None, q_pos=None) -> Tensor:
     """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]`, relative
     table `[b, h, n, 2M + 1]` or None with query positions q_pos `[nb, c]` -> out `[b, h, nb, c, d]`."""
     dtype = compute_dtype(q_blocks.dtype)

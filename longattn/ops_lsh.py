@@ -935,19 +935,9 @@ class _KernelWindows(torch.autograd.Function):
         return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None
 
 
-def attend_windows_on_kernel(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor,
-    *,
-    stride: int,
-    scale: float,
-    dropout_p: float = 0.0,
-    self_column: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments (less
-    `keep_probs`, a memory choice of the PyTorch kernel) and results.
+def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, self_column=None) -> tuple[Tensor, Tensor]:
+    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments, with their
+    types and shapes (less `keep_probs`, a memory choice of the PyTorch kernel) and results.
 
     The key windows are copied out (`[B, w, d]`; the kernel reads whole tensors, not overlapping views), the mask
     becomes an additive bias (-P for hidden keys, P = `numerics.HALF_HIDDEN_PENALTY`, -P / 2 for the self column, which
