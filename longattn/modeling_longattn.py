@@ -515,15 +515,15 @@ def _run_backbone(
     output_hidden_states: bool | None = None,
     output_attentions: bool | None = None,
     prefix: str = "",
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
+    **varlen: torch.Tensor | None,
 ) -> BaseModelOutputWithPastAndCrossAttentions:
     """Validate inputs, embed, add positions, and run `stack`: the shared body of every model (`prefix`: the
     arguments' prefix in error messages, "decoder_" for the seq2seq decoder).
 
     Packed rows (several documents per row) are recognised once here, from `position_ids` that restart or the
-    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`longattn.packing`), and their `document_ids` `[b, n]` go
-    to every layer; positions (learned or rotary) restart per document."""
+    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`varlen`, as `longattn.packing.packed_document_ids` takes
+    them), and their `document_ids` `[b, n]` go to every layer; positions (learned or rotary) restart per
+    document."""
     batch, length = _check_token_inputs(config, embeddings, input_ids, inputs_embeds, prefix=prefix)
     device = (input_ids if input_ids is not None else inputs_embeds).device
     _check_position_ids(position_ids, config, batch=batch, length=length, device=device)
@@ -552,12 +552,7 @@ def _run_backbone(
     document_ids = None
     if past == 0:  # with a cache the new tokens continue the cached ones: packing is a training-time layout
         document_ids = packed_document_ids(
-            position_ids=position_ids,
-            batch=batch,
-            length=length,
-            cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k,
-            attention_mask=attention_mask,
+            position_ids=position_ids, batch=batch, length=length, attention_mask=attention_mask, **varlen
         )
     if position_ids is None and document_ids is not None:  # varlen keywords alone: positions restart per document
         position_ids = torch.arange(length, device=device) - document_starts(document_ids)
