@@ -39,7 +39,6 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .backends import select_named_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
@@ -50,6 +49,7 @@ from .ops_lsh import (
     attend_windows_on_kernel,
     gather_rows,
     head_rows,
+    select_windows_backend,
 )
 from .patterns import document_index
 from .rank_sync import sum_over_ranks
@@ -333,17 +333,7 @@ def routing_attention(
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
-    choice = select_named_backend(
-        backend,
-        q,
-        k,
-        v,
-        pattern="windows",
-        dropout_p=dropout_p,
-        causal=causal,
-        key_padding=valid is not None,
-        relative_logits=relative_embedding is not None,
-    )
+    choice = select_windows_backend(backend, q, k, v, valid, relative_embedding, dropout_p, causal)
     if choice not in ("torch", "xformers"):
         raise ValueError(
             f"`backend`={backend!r} cannot run routing attention here: use 'auto', 'torch' or "

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, default_scale
 from .ops_checks import (
@@ -96,6 +96,7 @@ __all__ = [
     "lsh_buckets",
     "lsh_rotations",
     "normalize_keys",
+    "select_windows_backend",
 ]
 
 SELF_SCORE = -1e5
@@ -968,6 +969,18 @@ def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, sel
     return out.squeeze(2), lse.squeeze(1)
 
 
+def select_windows_backend(backend, q, k, v, key_padding_mask, relative_embedding, dropout_p, causal) -> str:
+    """`select_named_backend` for the window executors (`attend_windows` and its kernel, pattern "windows") of a call
+    on q, k, v `[b, h, n, d]` with this key padding mask and relative embedding (each a tensor or None), dropout
+    and causality: "torch" for `"auto"`, else the named back end once checked against the call.
+
+    Raises:
+        ValueError: As `select_backend`, with the reasons the named back end cannot run the call.
+    """
+    flags = dict(key_padding=key_padding_mask is not None, relative_logits=relative_embedding is not None)
+    return select_named_backend(backend, q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, **flags)
+
+
 # ---------------------------------------------------------------------------------------------- the executor
 def _check_rotations(rotations: Tensor, *, heads: int, head_dim: int, num_buckets: Buckets | None) -> None:
     """Refuse rotations that are not a floating-point `[h or 1, d, r, Σ factors/2]` tensor (r >= 1).
@@ -1085,20 +1098,8 @@ def lsh_attention(
             heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed, device=device
         )
     windows = attend_windows
-    if backend == "xformers":
-        select_backend(
-            backend,
-            AttentionRequest.for_inputs(
-                qk,
-                qk,
-                v,
-                pattern="windows",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=key_padding_mask is not None,
-                relative_logits=relative_embedding is not None,
-            ),
-        )  # raises with the reasons when the kernel cannot run here
+    if backend == "xformers":  # raises with the reasons when the kernel cannot run here
+        select_windows_backend(backend, qk, qk, v, key_padding_mask, relative_embedding, dropout_p, causal)
         windows = attend_windows_on_kernel
     if backend == "reference":
         # The dense form at the SAME rotations and bucket count, so both hash every token alike.
