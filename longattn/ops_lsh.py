@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -525,25 +525,30 @@ def attend_windows(
 
 # ---------------------------------------------------------------------------------------------- gathered windows
 class _WindowLayout(NamedTuple):
-    """What `_GatheredWindows` reads besides the rows and the relative table: the arguments of
-    `attend_gathered_windows` of the same names, and U = `n_windows`."""
+    """The keyword arguments of `attend_gathered_windows` but `relative_table` (see there): where its slots and
+    window rows come from and what they see. What `_GatheredWindows` reads besides the rows and the table."""
 
-    query_index: Tensor
-    key_index: Tensor
-    value_index: Tensor
-    out_index: Tensor
-    mask: Tensor | None
-    first: Tensor | None
-    last: Tensor | None
-    query_position: Tensor | None
-    key_position: Tensor | None
-    n_windows: int
-    width: int
+    query_index: Tensor  # [U·c]
+    key_index: Tensor  # [R]
+    value_index: Tensor  # [R]
+    out_index: Tensor  # [U·c]
     n_out: int
+    chunk: int  # c
+    width: int  # w
     stride: int
     scale: float
-    self_column: int | None
-    key_norm_eps: float | None
+    mask: Tensor | None = None  # [U, c or 1, w]
+    first: Tensor | None = None  # [U·c]
+    last: Tensor | None = None  # [U·c]
+    self_column: int | None = None
+    key_norm_eps: float | None = None
+    query_position: Tensor | None = None  # [U·c]
+    key_position: Tensor | None = None  # [R]
+
+    @property
+    def n_windows(self) -> int:
+        """U, the windows: U·c query slots."""
+        return self.query_index.shape[0] // self.chunk
 
     def relative_columns(self, table: Tensor | None, c: int) -> RelativeColumns | None:
         return RelativeColumns.of(
@@ -793,27 +798,7 @@ def _merge_slots(slot_out: Tensor, slot_lse: Tensor, out_index: Tensor, n_out: i
 
 
 def attend_gathered_windows(
-    q_rows: Tensor,
-    k_rows: Tensor,
-    v_rows: Tensor,
-    *,
-    query_index: Tensor,
-    key_index: Tensor,
-    value_index: Tensor,
-    out_index: Tensor,
-    n_out: int,
-    chunk: int,
-    width: int,
-    stride: int,
-    scale: float,
-    mask: Tensor | None = None,
-    first: Tensor | None = None,
-    last: Tensor | None = None,
-    self_column: int | None = None,
-    key_norm_eps: float | None = None,
-    relative_table: Tensor | None = None,
-    query_position: Tensor | None = None,
-    key_position: Tensor | None = None,
+    q_rows: Tensor, k_rows: Tensor, v_rows: Tensor, *, relative_table: Tensor | None = None, **layout: Any
 ) -> Tensor:
     """`attend_windows` over rows gathered by index, its slots merged into output rows: memory O(n·d) + indices.
 
@@ -826,7 +811,8 @@ def attend_gathered_windows(
     O(n·d) floats, the indices, the mask and one log-sum-exp per slot are kept. No dropout (use `attend_windows`).
 
     Which keys a slot sees is given by `mask`, by a range of window columns `first <= j < last` per slot (a
-    causal band within a cluster or bucket: two integers per query instead of w flags), or by both.
+    causal band within a cluster or bucket: two integers per query instead of w flags), or by both. The keywords
+    but `relative_table` are declared once, with their defaults, as the fields of `_WindowLayout`.
 
     Args:
         q_rows: Query rows `[Nq, d]`.
@@ -856,30 +842,15 @@ def attend_gathered_windows(
     Returns:
         `[n_out, d_v]` in q_rows' dtype; zeros for a row no slot answers or whose slots see no key.
     """
+    layout = _WindowLayout(**layout)
+    width, stride = layout.width, layout.stride
     if width > stride and width % stride:
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={width}, stride={stride}.")
-    if (first is None) != (last is None):
+    if (layout.first is None) != (layout.last is None):
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
-    if relative_table is not None and (query_position is None or key_position is None):
+    if relative_table is not None and (layout.query_position is None or layout.key_position is None):
         raise ValueError("`relative_table` needs `query_position` and `key_position` (where each pair lies).")
-    layout = _WindowLayout(
-        query_index,
-        key_index,
-        value_index,
-        out_index,
-        mask,
-        first,
-        last,
-        query_position,
-        key_position,
-        n_windows=query_index.shape[0] // chunk,
-        width=width,
-        n_out=n_out,
-        stride=stride,
-        scale=float(scale),
-        self_column=self_column,
-        key_norm_eps=key_norm_eps,
-    )
+    layout = layout._replace(scale=float(layout.scale))
     return _GatheredWindows.apply(q_rows, k_rows, v_rows, relative_table, layout)
 
 
