@@ -369,14 +369,8 @@ class AdaptiveSpanAttention(LongAttnAttention):
 
     def _pattern(self) -> dict[str, Any]:
         """The settings the banded executor and the dense form share."""
-        return dict(
-            span=self.spans(),
-            max_span=self.max_span,
-            ramp=self.ramp,
-            causal=self.is_causal,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )
+        shared = self.layer_arguments("causal", "scale", "dropout_p")
+        return dict(span=self.spans(), max_span=self.max_span, ramp=self.ramp, **shared)
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         return adaptive_span_attention(q, k, v, key_padding_mask=key_padding_mask, **self._pattern())

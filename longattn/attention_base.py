@@ -110,6 +110,23 @@ class LongAttnAttention(nn.Module):
         """r `[2M + 1, d]` of this layer's relative-position logits, or None when the layer has none."""
         return None if self.relative_embedding is None else self.relative_embedding.weight
 
+    @property
+    def active_dropout_p(self) -> float:
+        """The attention dropout of this call: `dropout_p` in training, none in eval."""
+        return self.dropout_p if self.training else 0.0
+
+    def layer_arguments(self, *names: str) -> dict[str, Any]:
+        """The executor keywords `names` as this layer fills them, so that every kind fills them alike: `causal`,
+        `scale`, `dropout_p` (`active_dropout_p`), `backend` and `relative_embedding` (`relative_weight`)."""
+        values = {
+            "causal": self.is_causal,
+            "scale": self.scale,
+            "dropout_p": self.active_dropout_p,
+            "backend": self.backend,
+            "relative_embedding": self.relative_weight,
+        }
+        return {name: values[name] for name in names}
+
     # -------------------------------------------------------------- what a kind provides
     @classmethod
     def validate_config(cls, config: Any, *, layer_idx: int, is_causal: bool) -> None:
@@ -191,12 +208,7 @@ class LongAttnAttention(nn.Module):
     def op_arguments(self) -> dict[str, Any]:
         """What every `longattn.ops` pattern function takes from the layer: `scale`, `dropout_p` (in training only),
         `backend` and the relative-position logits' `relative_embedding` (None without them)."""
-        return dict(
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
-            relative_embedding=self.relative_weight,
-        )
+        return self.layer_arguments("scale", "dropout_p", "backend", "relative_embedding")
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v `[b, h, n, d]` from hidden states `[b, n, D]` (LSH overrides this to share q and k)."""
@@ -238,7 +250,7 @@ class LongAttnAttention(nn.Module):
             bias = materialize_bias(
                 bias_fn, batch=b, heads=self.num_heads, q_len=n, kv_len=m, q_offset=m - n, device=q.device
             )  # [b, h, n, m]
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True, bias=bias)
 
     def attention_inputs(

@@ -306,18 +306,7 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _attend_chunk(
-    q_blocks: Tensor,
-    nodes_k: Tensor,
-    nodes_v: Tensor,
-    nodes: Tensor,
-    bias: Tensor,
-    visible: Tensor,
-    scale: float,
-    dropout_p: float,
-    table: Tensor | None = None,
-    q_pos: Tensor | None = None,
-) -> Tensor:
+def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropout_p, table=None, q_pos=None) -> Tensor:
     """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]`, relative
     table `[b, h, n, 2M + 1]` or None with query positions q_pos `[nb, c]` -> out `[b, h, nb, c, d]`."""
     dtype = compute_dtype(q_blocks.dtype)
@@ -340,31 +329,66 @@ def binary_partition_attention(
     scale: float,
     dropout_p: float = 0.0,
     relative_embedding: Tensor | None = None,
-) -> Tensor:
-    """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`).
+    dense: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`); with
+    `dense`, the dense form. Both share the checks and the pooled span nodes (`pool_spans`).
 
     Args:
-        q, k, v: `[b, h, n, d]` (rotary already applied).
+        q, k, v: `[b, h, n, d]` (rotary already applied); with `dense`, q `[b, h, n, d]` may be the last n of the m
+            positions of k, v `[b, h, m, d]`.
         context: k, nodes per level and side.
         causal: Only the left side (the paper's language-model setting).
-        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+        key_padding_mask: `[b, m]` bool, True = real token; None = none.
         relative_bias: `[h, num_edge_types(context)]`, added to the logits per edge type.
         scale: Multiplier of q·k.
         dropout_p: Dropout on the attention probabilities.
         relative_embedding: Optional r `[2M + 1, d]`: relative-position logits on the token edges (module
             docstring).
+        dense: The dense form instead (`binary_partition_reference`): the queries against all N nodes with the
+            explicit edge table, and the weights too.
 
     Returns:
-        `[b, h, n, d]`.
+        `[b, h, n, d]`; with `dense`, (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly
+        over its real tokens, so that `weights @ v == out`).
     """
     relative_embedding = check_relative_embedding(relative_embedding, q)
     if is_empty(q, k):
-        return empty_attention(q, k, v)
-    b, h, n, d = q.shape
+        return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
     table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
-    levels = num_levels(n, context)
-    nodes_k, real, _ = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
+    levels = num_levels(k.shape[2], context)
+    nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
+    if not dense:
+        return _attend_gathered_nodes(
+            q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p
+        )
+    n, m = q.shape[2], k.shape[2]
+    edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
+    dtype = compute_dtype(q.dtype)
+    bias = relative_bias[:, edges.clamp(min=0)].to(dtype)  # [h, n, N]
+    scores = (q.to(dtype) * scale) @ nodes_k.to(dtype).transpose(-1, -2) + bias  # [b, h, n, N]
+    if table is not None:  # rows: positions m - n ..
+        q_pos = torch.arange(m - n, m, device=q.device)[:, None]  # [n, 1]
+        node = torch.arange(edges.shape[1], device=q.device)[None, :]  # [1, N]
+        scores = scores + _token_edge_logits(table, q_pos, node, m, q_offset=m - n).to(dtype)
+    probs = _softmax_rows(scores, (edges >= 0) & real[:, None, None, :], dropout_p)
+    out = (probs @ nodes_v.to(dtype)).to(q.dtype)
+    # A span's key and value are the means of its real tokens: its weight, spread over them, gives the same output.
+    offsets = level_offsets(m, levels)
+    tokens = torch.arange(m, device=q.device)
+    token_real = real[:, :m].to(dtype)  # [b, m]
+    weights = torch.zeros_like(probs[..., :m])
+    for level in range(levels):
+        index = offsets[level] + tokens // 2**level  # [m]
+        weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
+    return out, weights.to(q.dtype)
+
+
+def _attend_gathered_nodes(q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p):
+    """`binary_partition_attention`'s blocked executor on the pooled nodes `[b, h, N, d]` (`real` `[b, N]`, as
+    `pool_spans` gives them) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`."""
+    b, h, n, d = q.shape
     if torch.compiler.is_compiling():
         nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
     else:  # the layout depends on the length only: built once per length, not in every layer and step
@@ -397,55 +421,17 @@ def binary_partition_attention(
     return torch.cat(outs, 2).flatten(2, 3)[:, :, :n]
 
 
-def binary_partition_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    context: int,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    relative_bias: Tensor,
-    scale: float,
-    dropout_p: float = 0.0,
-    relative_embedding: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def binary_partition_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:
     """The dense form: the n queries (the last n of m positions) against all N nodes, with the explicit edge table.
 
-    Args:
-        q: `[b, h, n, d]`; k, v: `[b, h, m, d]`; key_padding_mask `[b, m]`; the rest as `binary_partition_attention`.
+    Takes the keyword arguments of `binary_partition_attention` (`dense=True` there): q `[b, h, n, d]`; k, v
+    `[b, h, m, d]`; key_padding_mask `[b, m]`.
 
     Returns:
         (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly over its real tokens, so that
         `weights @ v == out`).
     """
-    if is_empty(q, k):
-        return empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])
-    n, m = q.shape[2], k.shape[2]
-    levels = num_levels(m, context)
-    nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
-    nodes_v = pool_spans(v, key_padding_mask, levels)[0]
-    edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
-    dtype = compute_dtype(q.dtype)
-    bias = relative_bias[:, edges.clamp(min=0)].to(dtype)  # [h, n, N]
-    scores = (q.to(dtype) * scale) @ nodes_k.to(dtype).transpose(-1, -2) + bias  # [b, h, n, N]
-    relative_embedding = check_relative_embedding(relative_embedding, q)
-    if relative_embedding is not None:
-        table = relative_logit_table(q, relative_embedding, scale)  # [b, h, n, 2M + 1], rows: positions m - n ..
-        q_pos = torch.arange(m - n, m, device=q.device)[:, None]  # [n, 1]
-        node = torch.arange(edges.shape[1], device=q.device)[None, :]  # [1, N]
-        scores = scores + _token_edge_logits(table, q_pos, node, m, q_offset=m - n).to(dtype)
-    probs = _softmax_rows(scores, (edges >= 0) & real[:, None, None, :], dropout_p)
-    out = (probs @ nodes_v.to(dtype)).to(q.dtype)
-    # A span's key and value are the means of its real tokens: its weight, spread over them, gives the same output.
-    offsets = level_offsets(m, levels)
-    tokens = torch.arange(m, device=q.device)
-    token_real = real[:, :m].to(dtype)  # [b, m]
-    weights = torch.zeros_like(probs[..., :m])
-    for level in range(levels):
-        index = offsets[level] + tokens // 2**level  # [m]
-        weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
-    return out, weights.to(q.dtype)
+    return binary_partition_attention(q, k, v, dense=True, **settings)
 
 
 def _from_first_real_token(run, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None):
@@ -499,14 +485,8 @@ class BinaryPartitionAttention(LongAttnAttention):
         init.zeros_(self.relative_bias)
 
     def _kwargs(self) -> dict[str, Any]:
-        return dict(
-            context=self.context,
-            causal=self.is_causal,
-            relative_bias=self.relative_bias,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            relative_embedding=self.relative_weight,
-        )
+        shared = self.layer_arguments("causal", "scale", "dropout_p", "relative_embedding")
+        return dict(context=self.context, relative_bias=self.relative_bias, **shared)
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask):
         def run(q, k, v, key_padding_mask):

@@ -25,13 +25,9 @@ class FullAttention(LongAttnAttention):
             q,
             k,
             v,
-            causal=self.is_causal,
             key_padding_mask=key_padding_mask,
             document_ids=document_ids,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            backend=self.backend,
-            relative_embedding=self.relative_weight,
+            **self.layer_arguments("causal", "scale", "dropout_p", "backend", "relative_embedding"),
         )
 
 

@@ -206,7 +206,7 @@ class LinformerAttention(LongAttnAttention):
         The output is `P̄ (Fᵀ V)` = `(P̄ Fᵀ) V`, with P̄ `[b, h, n, k]` the softmax over projected keys, so `P̄ Fᵀ`
         `[b, h, n, n]` is exactly the linear map applied to the values (rows need not sum to 1; padded tokens get 0).
         """
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         if not with_weights:
             # Every projected key is visible (padding was removed inside the projection): plain SDPA, [n, k] scores.
             return nn.functional.scaled_dot_product_attention(

@@ -155,9 +155,7 @@ class LSHAttention(LongAttnAttention):
             num_buckets=self.num_buckets,
             num_chunks_before=self.num_chunks_before,
             num_chunks_after=self.num_chunks_after,
-            causal=self.is_causal,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            relative_embedding=self.relative_weight,
+            **self.layer_arguments("causal", "dropout_p", "relative_embedding"),
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):

@@ -101,8 +101,7 @@ class ReductionAttention(LongAttnAttention):
             k,
             v,
             key_padding_mask=key_padding_mask,
-            scale=self.scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            **self.layer_arguments("scale", "dropout_p"),
         )
 
     def reduce(
@@ -146,7 +145,7 @@ class ReductionAttention(LongAttnAttention):
                 dense=dense,
             )
         group_valid = None if key_padding_mask is None else valid_groups(key_padding_mask, k.shape[2], self.ratio)
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         if dense:
             mask = None if group_valid is None else group_valid[:, None, None, :]
             return reference_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p, return_weights=True)

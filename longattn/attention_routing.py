@@ -39,7 +39,6 @@ from torch import Tensor
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .backends import select_named_backend
 from .numerics import compute_dtype, default_scale
 from .ops import sliding_window_attention
 from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
@@ -50,6 +49,7 @@ from .ops_lsh import (
     attend_windows_on_kernel,
     gather_rows,
     head_rows,
+    select_windows_backend,
 )
 from .patterns import document_index
 from .rank_sync import sum_over_ranks
@@ -333,17 +333,7 @@ def routing_attention(
         out = empty_attention(q, k, v)
         return (out, _empty_statistics(q, centroids.shape[1])) if return_statistics else out
     clusters = centroids.shape[1]
-    choice = select_named_backend(
-        backend,
-        q,
-        k,
-        v,
-        pattern="windows",
-        dropout_p=dropout_p,
-        causal=causal,
-        key_padding=valid is not None,
-        relative_logits=relative_embedding is not None,
-    )
+    choice = select_windows_backend(backend, q, k, v, valid, relative_embedding, dropout_p, causal)
     if choice not in ("torch", "xformers"):
         raise ValueError(
             f"`backend`={backend!r} cannot run routing attention here: use 'auto', 'torch' or "
@@ -805,7 +795,7 @@ class RoutingAttention(LongAttnAttention):
         )
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         # The centroids move when the backward pass reaches this layer (see the module docstring).
         learn = self.training and q_r.requires_grad
@@ -840,7 +830,7 @@ class RoutingAttention(LongAttnAttention):
         return out
 
     def attend_dense(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self.active_dropout_p
         (q_r, q_l), (k_r, k_l), (v_r, v_l) = self._split(q), self._split(k), self._split(v)
         out, weights = self._route(routing_attention_dense, q_r, k_r, v_r, key_padding_mask, document_ids, dropout_p)
         if self.num_local_heads:

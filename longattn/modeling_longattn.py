@@ -504,26 +504,26 @@ def _run_backbone(
     stack: LongAttnStack,
     config: LongAttnConfig,
     *,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    global_attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    past_key_values: Cache | None,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    global_attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
     encoder_hidden_states: torch.Tensor | None = None,
     encoder_attention_mask: torch.Tensor | None = None,
-    output_hidden_states: bool,
-    output_attentions: bool,
+    output_hidden_states: bool | None = None,
+    output_attentions: bool | None = None,
     prefix: str = "",
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
+    **varlen: torch.Tensor | None,
 ) -> BaseModelOutputWithPastAndCrossAttentions:
     """Validate inputs, embed, add positions, and run `stack`: the shared body of every model (`prefix`: the
     arguments' prefix in error messages, "decoder_" for the seq2seq decoder).
 
     Packed rows (several documents per row) are recognised once here, from `position_ids` that restart or the
-    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`longattn.packing`), and their `document_ids` `[b, n]` go
-    to every layer; positions (learned or rotary) restart per document."""
+    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`varlen`, as `longattn.packing.packed_document_ids` takes
+    them), and their `document_ids` `[b, n]` go to every layer; positions (learned or rotary) restart per
+    document."""
     batch, length = _check_token_inputs(config, embeddings, input_ids, inputs_embeds, prefix=prefix)
     device = (input_ids if input_ids is not None else inputs_embeds).device
     _check_position_ids(position_ids, config, batch=batch, length=length, device=device)
@@ -552,12 +552,7 @@ def _run_backbone(
     document_ids = None
     if past == 0:  # with a cache the new tokens continue the cached ones: packing is a training-time layout
         document_ids = packed_document_ids(
-            position_ids=position_ids,
-            batch=batch,
-            length=length,
-            cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k,
-            attention_mask=attention_mask,
+            position_ids=position_ids, batch=batch, length=length, attention_mask=attention_mask, **varlen
         )
     if position_ids is None and document_ids is not None:  # varlen keywords alone: positions restart per document
         position_ids = torch.arange(length, device=device) - document_starts(document_ids)
@@ -573,8 +568,8 @@ def _run_backbone(
         encoder_hidden_states=encoder_hidden_states,
         encoder_attention_mask=encoder_attention_mask,
         past_key_values=past_key_values,
-        output_hidden_states=output_hidden_states,
-        output_attentions=output_attentions,
+        output_hidden_states=_flag(config, "output_hidden_states", output_hidden_states),
+        output_attentions=_flag(config, "output_attentions", output_attentions),
         document_ids=document_ids,
     )
 
@@ -692,38 +687,13 @@ class LongAttnModel(LongAttnPreTrainedModel):
         return torch.stack(losses).sum() if losses else None
 
     def encode(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        global_attention_mask=None,
-        inputs_embeds=None,
-        position_ids=None,
-        output_hidden_states=None,
-        output_attentions=None,
-        return_dict=None,
-        past_key_values: Cache | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
+        self, *, return_dict: bool | None = None, **inputs: Any
     ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        """The encoder stack alone: `last_hidden_state` `[b, n, D]`. Bidirectional without a cache, except in a
-        causal decoder-only model, whose stack this is (`past_key_values`: its KV cache). `cu_seq_lens_q` /
-        `cu_seq_lens_k`: flash attention's varlen keywords of packed rows (`longattn.packing`)."""
-        outputs = _run_backbone(
-            self.embeddings,
-            self.rotary,
-            self.encoder,
-            self.config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
-            output_attentions=_flag(self.config, "output_attentions", output_attentions),
-            cu_seq_lens_q=cu_seq_lens_q,
-            cu_seq_lens_k=cu_seq_lens_k,
-        )
+        """The encoder stack alone: `last_hidden_state` `[b, n, D]`; `inputs` are `_run_backbone`'s keywords (the
+        other `ENCODER_INPUTS`, `past_key_values`, `cu_seq_lens_q` / `cu_seq_lens_k`). Bidirectional without a
+        cache, except in a causal decoder-only model, whose stack this is (`past_key_values`: its KV cache).
+        `cu_seq_lens_q` / `cu_seq_lens_k`: flash attention's varlen keywords of packed rows (`longattn.packing`)."""
+        outputs = _run_backbone(self.embeddings, self.rotary, self.encoder, self.config, **inputs)
         return outputs if _return_dict(self, return_dict) else outputs.to_tuple()
 
     def forward(
@@ -763,7 +733,7 @@ class LongAttnModel(LongAttnPreTrainedModel):
             past_key_values = None
         if not seq2seq or encoder_outputs is None:
             encoder_outputs = self.encode(
-                input_ids,
+                input_ids=input_ids,
                 attention_mask=attention_mask,
                 global_attention_mask=global_attention_mask,
                 inputs_embeds=inputs_embeds,
@@ -812,8 +782,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
             past_key_values=past_key_values,
-            output_hidden_states=_flag(self.config, "output_hidden_states", output_hidden_states),
-            output_attentions=_flag(self.config, "output_attentions", output_attentions),
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -828,6 +798,19 @@ class LongAttnModel(LongAttnPreTrainedModel):
         return output if _return_dict(self, return_dict) else output.to_tuple()
 
 
+ENCODER_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "global_attention_mask",
+    "inputs_embeds",
+    "position_ids",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+)
+"""The arguments of a seq2seq model's encoder (`LongAttnEncoder`), in their positional order."""
+
+
 class LongAttnEncoder(nn.Module):
     """The encoder of a seq2seq `LongAttnModel` as one module (embeddings, then the encoder stack): what
     `get_encoder()` returns, and `generate()` runs once per input.
@@ -840,28 +823,18 @@ class LongAttnEncoder(nn.Module):
         super().__init__()
         self._model = (model,)
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        global_attention_mask=None,
-        inputs_embeds=None,
-        position_ids=None,
-        output_hidden_states=None,
-        output_attentions=None,
-        return_dict=None,
-        **kwargs,
-    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
-        return self._model[0].encode(
-            input_ids,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-            return_dict=return_dict,
-        )
+    def forward(self, *args, **kwargs) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+        """`LongAttnModel.encode` on `args` and the keywords among `ENCODER_INPUTS` (its arguments but the cache and
+        the varlen ones: a seq2seq encoder has neither); `generate` passes every model keyword but the decoder's,
+        and the others are ignored."""
+        if len(args) > len(ENCODER_INPUTS):
+            raise TypeError(f"the encoder takes at most {len(ENCODER_INPUTS)} positional arguments: {ENCODER_INPUTS}")
+        inputs = {name: value for name, value in kwargs.items() if name in ENCODER_INPUTS}
+        for name, value in zip(ENCODER_INPUTS, args):
+            if name in inputs:
+                raise TypeError(f"the encoder got `{name}` twice: by position and by name")
+            inputs[name] = value
+        return self._model[0].encode(**inputs)
 
 
 def _with_auxiliary_loss(
@@ -901,11 +874,62 @@ class LongAttnLMHead(nn.Module):
         return self.decoder(self.layer_norm(self.act(self.dense(hidden_states))))
 
 
-class _LongAttnEncoderHead(LongAttnPreTrainedModel):
-    """A task head on the bidirectional encoder (`longattn`) trained on `labels`: the forward pass they share.
+class _LongAttnHead(LongAttnPreTrainedModel):
+    """A task head on `longattn` (a `LongAttnModel`): the forward pass every head shares.
 
-    A head builds its layers after `super().__init__` and states what differs: `_head` (logits and loss from the
-    encoder's states) and, optionally, `_global_attention_mask` (its default global tokens).
+    Each head keeps an explicit `forward` signature, because transformers reads its parameter names (Trainer, to
+    keep dataset columns and to pass `num_items_in_batch`; `generate`, to route model keywords), and hands its
+    arguments on as they came, first thing: `return self._forward(locals())`. A head states what differs:
+    `output_class`; `_head_arguments`, the arguments that are the head's (targets, options of its logits) rather
+    than the backbone's; `_backbone_arguments` (by default: every other argument, and the varlen keywords);
+    `_task`, the output fields and the task loss; `_states`, the fields copied from the backbone's output.
+    """
+
+    output_class: type[ModelOutput]
+    _head_arguments: tuple[str, ...] = ("labels",)
+
+    def _forward(self, arguments: dict[str, Any]) -> ModelOutput | tuple:
+        """The shared body, on a head forward's `arguments` by name (its `locals()`)."""
+        arguments = {name: value for name, value in arguments.items() if name != "self"}
+        varlen = _varlen_kwargs(arguments.pop("kwargs"))
+        return_dict = arguments.pop("return_dict")
+        num_items_in_batch = arguments.pop("num_items_in_batch", None)  # not a parameter where a head refuses it
+        targets = {name: arguments.pop(name) for name in self._head_arguments}
+        outputs = self.longattn(**self._backbone_arguments(arguments, varlen, targets), return_dict=True)
+        fields, labels = self._task(
+            outputs, num_items_in_batch=num_items_in_batch, attention_mask=arguments.get("attention_mask"), **targets
+        )
+        fields["loss"] = _with_auxiliary_loss(
+            fields["loss"], self.longattn, labels=labels, num_items_in_batch=num_items_in_batch
+        )
+        output = self.output_class(**fields, **self._states(outputs))
+        return output if _return_dict(self, return_dict) else output.to_tuple()
+
+    def _backbone_arguments(
+        self, arguments: dict[str, Any], varlen: dict[str, Any], targets: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The keyword arguments of `self.longattn`, from the forward's `arguments` that are not the head's, the
+        varlen keywords among its `**kwargs` (`varlen`), and the head's `targets` (for a head whose inputs come
+        from them)."""
+        return {**arguments, **varlen}
+
+    def _task(
+        self, outputs: ModelOutput, *, num_items_in_batch, attention_mask, **targets
+    ) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The backbone's `outputs` and the head's `targets` -> (the output's fields, "loss" the task loss or None;
+        the labels whose labelled items `num_items_in_batch` counts, for the auxiliary loss's share)."""
+        raise NotImplementedError
+
+    def _states(self, outputs: ModelOutput) -> dict[str, Any]:
+        """The output fields copied from the backbone's `outputs`."""
+        return {"hidden_states": outputs.hidden_states, "attentions": outputs.attentions}
+
+
+class _LongAttnEncoderHead(_LongAttnHead):
+    """A task head on the bidirectional encoder (`longattn`) trained on `labels`: the forward signature they share.
+
+    A head builds its layers after `super().__init__` and states `_head` (logits and loss from the encoder's
+    states) and, optionally, `_backbone_arguments` (e.g. its default global tokens).
 
     Forward args:
         input_ids, attention_mask, global_attention_mask, inputs_embeds, position_ids, output_hidden_states,
@@ -914,8 +938,6 @@ class _LongAttnEncoderHead(LongAttnPreTrainedModel):
         return_dict: An `output_class` (default: the config's `return_dict`) or a tuple.
         num_items_in_batch: transformers' Trainer: the labelled items of the whole optimizer step.
     """
-
-    output_class: type[ModelOutput]
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
@@ -935,37 +957,11 @@ class _LongAttnEncoderHead(LongAttnPreTrainedModel):
         num_items_in_batch=None,
         **kwargs,
     ) -> ModelOutput | tuple:
-        varlen = _varlen_kwargs(kwargs)
-        global_attention_mask = self._global_attention_mask(
-            global_attention_mask, input_ids, inputs_embeds, position_ids=position_ids, varlen=varlen
-        )
-        outputs = _backbone_outputs(
-            self,
-            input_ids,
-            attention_mask,
-            global_attention_mask,
-            inputs_embeds,
-            position_ids,
-            output_hidden_states,
-            output_attentions,
-            **varlen,
-        )
-        logits, loss = self._head(outputs.last_hidden_state, labels, num_items_in_batch, attention_mask=attention_mask)
-        loss = _with_auxiliary_loss(loss, self.longattn, labels=labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(self, self.output_class, outputs, return_dict, loss=loss, logits=logits)
+        return self._forward(locals())
 
-    def _global_attention_mask(
-        self,
-        global_attention_mask: torch.Tensor | None,
-        input_ids: torch.Tensor | None,
-        inputs_embeds,
-        *,
-        position_ids: torch.Tensor | None,
-        varlen: dict[str, Any],
-    ) -> torch.Tensor | None:
-        """The global tokens the encoder runs with: the caller's (none by default). `position_ids` and `varlen` (the
-        varlen keywords) let a head that cannot take packed rows refuse them first."""
-        return global_attention_mask
+    def _task(self, outputs, *, num_items_in_batch, attention_mask, labels):
+        logits, loss = self._head(outputs.last_hidden_state, labels, num_items_in_batch, attention_mask=attention_mask)
+        return {"loss": loss, "logits": logits}, labels
 
     def _head(
         self, hidden_states: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch, attention_mask=None
@@ -1006,41 +1002,6 @@ def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
     return return_dict if return_dict is not None else model.config.return_dict
 
 
-def _backbone_outputs(
-    head: PreTrainedModel,
-    input_ids,
-    attention_mask,
-    global_attention_mask,
-    inputs_embeds,
-    position_ids,
-    output_hidden_states,
-    output_attentions,
-    **extra,
-) -> ModelOutput:
-    """`head.longattn` on the inputs of the head's `forward` (same names, same order), always as a ModelOutput: the
-    head applies `return_dict` to its own output. `extra`: the decoder heads' cache arguments."""
-    return head.longattn(
-        input_ids,
-        attention_mask=attention_mask,
-        global_attention_mask=global_attention_mask,
-        inputs_embeds=inputs_embeds,
-        position_ids=position_ids,
-        output_hidden_states=output_hidden_states,
-        output_attentions=output_attentions,
-        return_dict=True,
-        **extra,
-    )
-
-
-def _head_output(
-    head: PreTrainedModel, output_class: type[ModelOutput], outputs: ModelOutput, return_dict: bool | None, **fields
-) -> ModelOutput | tuple:
-    """A head's `output_class(**fields)` with the backbone `outputs`' hidden states and attentions, as a tuple unless
-    `return_dict` (default: the config's) asks for the ModelOutput."""
-    output = output_class(**fields, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    return output if _return_dict(head, return_dict) else output.to_tuple()
-
-
 def _masked_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -1075,7 +1036,9 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def _global_attention_mask(self, global_attention_mask, input_ids, inputs_embeds, *, position_ids, varlen):
+    def _backbone_arguments(self, arguments, varlen, targets):
+        """Refuse empty and packed rows, and make the first token global unless `global_attention_mask` is given."""
+        input_ids, inputs_embeds = arguments["input_ids"], arguments["inputs_embeds"]
         # Shapes only: the backbone checks the ids' values (one host sync per forward, not two).
         batch, length = _check_token_inputs(
             self.config, self.longattn.embeddings, input_ids, inputs_embeds, check_values=False
@@ -1085,17 +1048,18 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
                 "`input_ids` has length 0: sequence classification reads the first token's state, so "
                 "pass at least one token."
             )
-        if _is_packed(position_ids, varlen, batch=batch, length=length):
+        if _is_packed(arguments["position_ids"], varlen, batch=batch, length=length):
             raise ValueError(
                 "sequence classification reads one label per row from the row's first token: packed documents "
                 "(`position_ids` that restart, or `cu_seq_lens_q`/`cu_seq_lens_k`) are not supported; pad each "
                 "example to its own row."
             )
-        if global_attention_mask is None:
+        if arguments["global_attention_mask"] is None:
             device = (input_ids if input_ids is not None else inputs_embeds).device
             global_attention_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
             global_attention_mask[:, 0] = True
-        return global_attention_mask
+            arguments = {**arguments, "global_attention_mask": global_attention_mask}
+        return super()._backbone_arguments(arguments, varlen, targets)
 
     def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
         if self.config.classifier_pooling == "mean":
@@ -1178,17 +1142,18 @@ class LongAttnForTokenClassification(_LongAttnEncoderHead):
         return logits, loss
 
 
-class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
+class LongAttnForQuestionAnswering(_LongAttnEncoderHead):
     """Extractive QA: start/end logits per token. Put global attention on the question tokens
     (`global_attention_mask`), as Longformer does; none is added by default."""
 
+    output_class = QuestionAnsweringModelOutput
+    _head_arguments = ("start_positions", "end_positions")
     # The loss is the mean of two per-example means, which `num_items_in_batch` cannot split (and QA batches have no
     # `labels` for Trainer to count): Trainer divides it by the accumulation steps itself.
     accepts_loss_kwargs = False
 
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
-        self.longattn = LongAttnModel(config, add_decoder=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -1206,17 +1171,9 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
         return_dict=None,
         **kwargs,
     ) -> QuestionAnsweringModelOutput | tuple:
-        outputs = _backbone_outputs(
-            self,
-            input_ids,
-            attention_mask,
-            global_attention_mask,
-            inputs_embeds,
-            position_ids,
-            output_hidden_states,
-            output_attentions,
-            **_varlen_kwargs(kwargs),
-        )
+        return self._forward(locals())
+
+    def _task(self, outputs, *, num_items_in_batch, attention_mask, start_positions, end_positions):
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(-1)  # [b, n] each
         batch = start_logits.shape[0]
         _check_labels("start_positions", start_positions, [(batch,), (batch, 1)])
@@ -1231,24 +1188,17 @@ class LongAttnForQuestionAnswering(LongAttnPreTrainedModel):
                 F.cross_entropy(start_logits, start, ignore_index=length)
                 + F.cross_entropy(end_logits, end, ignore_index=length)
             ) / 2
-        loss = _with_auxiliary_loss(loss, self.longattn)
-        return _head_output(
-            self,
-            QuestionAnsweringModelOutput,
-            outputs,
-            return_dict,
-            loss=loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-        )
+        return {"loss": loss, "start_logits": start_logits, "end_logits": end_logits}, None
 
 
 # ---------------------------------------------------------------------------------------------- decoder heads
-class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
+class LongAttnForCausalLM(_LongAttnHead, GenerationMixin):
     """Causal LM: the stack with causal attention (`config.is_decoder` is set), and a tied vocabulary projection.
     `labels` `[b, n]` are the inputs themselves (shifted inside), -100 ignored."""
 
     _tied_weights_keys = {"lm_head.weight": "longattn.embeddings.word_embeddings.weight"}
+    output_class = CausalLMOutputWithPast
+    _head_arguments = ("labels", "shift_labels", "logits_to_keep")
 
     def __init__(self, config: LongAttnConfig):
         if not config.is_decoder or config.is_encoder_decoder:
@@ -1284,19 +1234,9 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
         cache=None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        outputs = _backbone_outputs(
-            self,
-            input_ids,
-            attention_mask,
-            global_attention_mask,
-            inputs_embeds,
-            position_ids,
-            output_hidden_states,
-            output_attentions,
-            past_key_values=_cache_argument(cache, past_key_values),
-            use_cache=use_cache,
-            **_varlen_kwargs(kwargs),
-        )
+        return self._forward(locals())
+
+    def _task(self, outputs, *, num_items_in_batch, attention_mask, labels, shift_labels, logits_to_keep):
         hidden_states = outputs.last_hidden_state
         _check_labels("labels", labels, [hidden_states.shape[:2]])
         _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
@@ -1315,16 +1255,10 @@ class LongAttnForCausalLM(LongAttnPreTrainedModel, GenerationMixin):
                 num_items_in_batch=num_items_in_batch,
                 shift_labels=shift_labels.contiguous(),
             )
-        loss = _with_auxiliary_loss(loss, self.longattn, labels=shift_labels, num_items_in_batch=num_items_in_batch)
-        return _head_output(
-            self,
-            CausalLMOutputWithPast,
-            outputs,
-            return_dict,
-            loss=loss,
-            logits=logits,
-            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
-        )
+        return {"loss": loss, "logits": logits}, shift_labels
+
+    def _states(self, outputs):
+        return {**super()._states(outputs), _CACHE_FIELD: getattr(outputs, _CACHE_FIELD)}
 
 
 class LongAttnDecoder(nn.Module):
@@ -1340,34 +1274,11 @@ class LongAttnDecoder(nn.Module):
             config, attention_types=config.decoder_layer_attention_types, is_causal=True, has_cross_attention=True
         )
 
-    def forward(
-        self,
-        input_ids=None,
-        inputs_embeds=None,
-        attention_mask=None,
-        encoder_hidden_states=None,
-        encoder_attention_mask=None,
-        past_key_values=None,
-        output_hidden_states=False,
-        output_attentions=False,
-    ) -> BaseModelOutputWithPastAndCrossAttentions:
-        return _run_backbone(
-            self.embeddings,
-            self.rotary,
-            self.stack,
-            self.config,
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            global_attention_mask=None,
-            position_ids=None,
-            past_key_values=past_key_values,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-            prefix="decoder_",
-        )
+    def forward(self, **inputs: Any) -> BaseModelOutputWithPastAndCrossAttentions:
+        """`_run_backbone` on the decoder's layers: `inputs` are its keywords `input_ids` / `inputs_embeds`,
+        `attention_mask`, `encoder_hidden_states`, `encoder_attention_mask`, `past_key_values` and the two output
+        flags (no global tokens, positions counted from the cache)."""
+        return _run_backbone(self.embeddings, self.rotary, self.stack, self.config, prefix="decoder_", **inputs)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -1378,13 +1289,14 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
+class LongAttnForSeq2SeqLM(_LongAttnHead, GenerationMixin):
     """Encoder-decoder like LED: a long encoder with the configured attention (`attention_type`), a decoder with causal
     self-attention (`decoder_attention_type`, "full" by default) and dense cross-attention, shared embeddings.
 
     The encoder-decoder is a `LongAttnModel` under `longattn` (see there why), plus the LM head."""
 
     _tied_weights_keys = {"lm_head.weight": "longattn.embeddings.word_embeddings.weight"}
+    output_class = Seq2SeqLMOutput
 
     def __init__(self, config: LongAttnConfig):
         if not config.is_encoder_decoder or config.is_decoder:
@@ -1430,35 +1342,26 @@ class LongAttnForSeq2SeqLM(LongAttnPreTrainedModel, GenerationMixin):
         cache=None,
         **kwargs,
     ) -> Seq2SeqLMOutput | tuple:
-        if labels is not None:
-            use_cache = False
-            if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        past_key_values = _cache_argument(cache, past_key_values)
-        outputs = self.longattn(
-            input_ids,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            inputs_embeds=inputs_embeds,
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-            return_dict=True,
-        )
+        return self._forward(locals())
+
+    def _backbone_arguments(self, arguments, varlen, targets):
+        """Without decoder inputs the decoder reads the shifted `labels`; packed rows are not taken (no varlen)."""
+        if targets["labels"] is not None:
+            arguments = {**arguments, "use_cache": False}
+            if arguments["decoder_input_ids"] is None and arguments["decoder_inputs_embeds"] is None:
+                arguments["decoder_input_ids"] = self.prepare_decoder_input_ids_from_labels(targets["labels"])
+        return arguments
+
+    def _task(self, outputs, *, num_items_in_batch, attention_mask, labels):
         logits = self.lm_head(outputs.last_hidden_state)  # [b, t, V]
         # Labels are the decoder's targets, unshifted (the decoder inputs are the shifted labels).
         loss = _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
-        loss = _with_auxiliary_loss(loss, self, labels=labels, num_items_in_batch=num_items_in_batch)
+        return {"loss": loss, "logits": logits}, labels
+
+    def _states(self, outputs):
         # Every field of the base model's output but its last hidden state (the cache, the decoder's and encoder's
         # states and attentions) has the same name in the LM output.
-        states = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
-        output = Seq2SeqLMOutput(loss=loss, logits=logits, **states)
-        return output if _return_dict(self, return_dict) else output.to_tuple()
+        return {name: value for name, value in outputs.items() if name != "last_hidden_state"}
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         return self.longattn.auxiliary_loss()

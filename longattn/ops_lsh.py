@@ -60,13 +60,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import AttentionRequest, select_backend
+from .backends import select_named_backend
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, default_scale
 from .ops_checks import (
@@ -96,6 +96,7 @@ __all__ = [
     "lsh_buckets",
     "lsh_rotations",
     "normalize_keys",
+    "select_windows_backend",
 ]
 
 SELF_SCORE = -1e5
@@ -103,7 +104,6 @@ SELF_SCORE = -1e5
 
 KEY_NORM_EPS = 1e-6
 """Epsilon of the shared-QK key normalisation `x / sqrt(|x|² + d·eps)` (transformers' convention)."""
-"""Score of a query's own key (transformers' value in float32): used only when nothing else is visible."""
 
 # The `backend=` values LSH attention cannot honour, and why: its chunked windows are not a mask over positions.
 _UNSUPPORTED_BACKENDS = {
@@ -524,6 +524,38 @@ def attend_windows(
 
 
 # ---------------------------------------------------------------------------------------------- gathered windows
+class _WindowLayout(NamedTuple):
+    """The keyword arguments of `attend_gathered_windows` but `relative_table` (see there): where its slots and
+    window rows come from and what they see. What `_GatheredWindows` reads besides the rows and the table."""
+
+    query_index: Tensor  # [U·c]
+    key_index: Tensor  # [R]
+    value_index: Tensor  # [R]
+    out_index: Tensor  # [U·c]
+    n_out: int
+    chunk: int  # c
+    width: int  # w
+    stride: int
+    scale: float
+    mask: Tensor | None = None  # [U, c or 1, w]
+    first: Tensor | None = None  # [U·c]
+    last: Tensor | None = None  # [U·c]
+    self_column: int | None = None
+    key_norm_eps: float | None = None
+    query_position: Tensor | None = None  # [U·c]
+    key_position: Tensor | None = None  # [R]
+
+    @property
+    def n_windows(self) -> int:
+        """U, the windows: U·c query slots."""
+        return self.query_index.shape[0] // self.chunk
+
+    def relative_columns(self, table: Tensor | None, c: int) -> RelativeColumns | None:
+        return RelativeColumns.of(
+            table, self.query_position, self.key_position, self.out_index, c, self.stride, self.width
+        )
+
+
 class _GatheredWindows(torch.autograd.Function):
     """Window attention whose query slots, key rows and value rows are gathered from unsorted rows by index, with
     the slots that answer the same output row merged by their log-sum-exp; hand-written backward.
@@ -545,45 +577,23 @@ class _GatheredWindows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        q_rows,
-        k_rows,
-        v_rows,
-        query_index,
-        key_index,
-        value_index,
-        out_index,
-        mask,
-        first,
-        last,
-        n_windows,
-        w,
-        n_out,
-        scale,
-        stride,
-        self_column,
-        key_norm_eps,
-        relative_table,
-        query_position,
-        key_position,
-    ):
+    def forward(ctx, q_rows, k_rows, v_rows, relative_table, layout: _WindowLayout):
         dtype = compute_dtype(q_rows.dtype)
-        c, d_v = query_index.shape[0] // n_windows, v_rows.shape[-1]
-        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
+        c, w, d_v = layout.query_index.shape[0] // layout.n_windows, layout.width, v_rows.shape[-1]
+        relative = layout.relative_columns(relative_table, c)
         key_factor = None
-        if key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
-            key_factor, _ = _key_norm_factor(k_rows.to(dtype), key_norm_eps)  # [Nk, 1]
-        slot_out = torch.empty(n_windows, c, d_v, dtype=dtype, device=q_rows.device)
-        slot_lse = torch.empty(n_windows, c, dtype=dtype, device=q_rows.device)
-        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index)
-        hidden = None if mask is None else ~mask
-        for start, stop, scores in _window_groups(n_windows, c, w, dtype, q_rows.device):
-            queries, keys, values = rows.group(start, stop, c, stride, w, dtype, scale)
+        if layout.key_norm_eps is not None:  # `normalize_keys` row by row: x · rsqrt(mean(x²) + eps) / sqrt(d)
+            key_factor, _ = _key_norm_factor(k_rows.to(dtype), layout.key_norm_eps)  # [Nk, 1]
+        slot_out = torch.empty(layout.n_windows, c, d_v, dtype=dtype, device=q_rows.device)
+        slot_lse = torch.empty(layout.n_windows, c, dtype=dtype, device=q_rows.device)
+        rows = _GroupRows(q_rows, k_rows, v_rows, key_factor, layout.query_index, layout.key_index, layout.value_index)
+        hidden = None if layout.mask is None else ~layout.mask
+        for start, stop, scores in _window_groups(layout.n_windows, c, w, dtype, q_rows.device):
+            queries, keys, values = rows.group(start, stop, c, layout.stride, w, dtype, layout.scale)
             torch.bmm(queries, keys.transpose(1, 2), out=scores)
             if relative is not None:
                 scores.add_(relative.bias(start, stop))
-            _hide(scores, start, stop, hidden, first, last, self_column)
+            _hide(scores, start, stop, hidden, layout.first, layout.last, layout.self_column)
             row_max = scores.amax(dim=-1, keepdim=True)  # [g, c, 1]
             # A row without any visible key would give (-inf) - (-inf) = NaN; shifting it by 0 keeps exp() at 0.
             row_max.masked_fill_(torch.isneginf(row_max), 0.0)
@@ -593,11 +603,9 @@ class _GatheredWindows(torch.autograd.Function):
             scores.div_(row_sum.clamp_(min=1.0))
             torch.bmm(scores, values, out=slot_out[start:stop])
         slot_lse = slot_lse.view(-1)
-        out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, out_index, n_out)
-        ctx.save_for_backward(
-            *rows, out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position
-        )
-        ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column = n_windows, w, scale, stride, self_column
+        out, lse = _merge_slots(slot_out.view(-1, d_v), slot_lse, layout.out_index, layout.n_out)
+        ctx.save_for_backward(*rows, slot_lse, out, lse, relative_table)
+        ctx.layout = layout  # integer indices, a bool mask and numbers: nothing autograd tracks
         ctx.shared_keys = k_rows is q_rows  # shared-QK: one gradient buffer for both
         return out.to(q_rows.dtype)
 
@@ -605,11 +613,11 @@ class _GatheredWindows(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         rows = _GroupRows(*saved[: len(_GroupRows._fields)])
-        out_index, mask, first, last, slot_lse, out, lse, relative_table, query_position, key_position = saved[
-            len(_GroupRows._fields) :
-        ]
+        slot_lse, out, lse, relative_table = saved[len(_GroupRows._fields) :]
         q_rows, k_rows, v_rows, key_factor, query_index, key_index, value_index = rows
-        n_windows, w, scale, stride, self_column = ctx.n_windows, ctx.w, ctx.scale, ctx.stride, ctx.self_column
+        layout = ctx.layout
+        n_windows, w, scale, stride = layout.n_windows, layout.width, layout.scale, layout.stride
+        self_column, out_index = layout.self_column, layout.out_index
         dtype = out.dtype
         c, d, d_v = query_index.shape[0] // n_windows, q_rows.shape[-1], v_rows.shape[-1]
         grad_out = grad_out.to(dtype).contiguous()
@@ -627,10 +635,10 @@ class _GatheredWindows(torch.autograd.Function):
         query_target = torch.where(query_index >= 0, query_index, q_rows.shape[0])
         key_target = torch.where(key_index >= 0, key_index, k_rows.shape[0])
         value_target = torch.where(value_index >= 0, value_index, v_rows.shape[0])
-        hidden = None if mask is None else ~mask
-        relative = RelativeColumns.of(relative_table, query_position, key_position, out_index, c, stride, w)
+        hidden = None if layout.mask is None else ~layout.mask
+        relative = layout.relative_columns(relative_table, c)
         grad_table = None
-        if relative is not None and ctx.needs_input_grad[17]:
+        if relative is not None and ctx.needs_input_grad[3]:
             grad_table = torch.zeros(relative_table.shape, dtype=dtype, device=out.device)
         for start, stop, probs in _window_groups(n_windows, c, w, dtype, out.device):
             g = stop - start
@@ -638,7 +646,7 @@ class _GatheredWindows(torch.autograd.Function):
             torch.bmm(queries, keys.transpose(1, 2), out=probs)
             if relative is not None:
                 probs.add_(relative.bias(start, stop))
-            _hide(probs, start, stop, hidden, first, last, self_column)
+            _hide(probs, start, stop, hidden, layout.first, layout.last, self_column)
             probs.sub_(lse_shift[start:stop]).exp_().mul_(share[start:stop])  # w_i · P
             # Empty slots have w_i = 0, so whichever row their gradient is read from adds nothing.
             grad_slot = grad_out.index_select(0, row[start * c : stop * c]).view(g, c, d_v)  # dC_p
@@ -666,7 +674,7 @@ class _GatheredWindows(torch.autograd.Function):
         else:
             grad_k = grad_k.to(k_rows.dtype)
         grad_table = None if grad_table is None else grad_table.to(relative_table.dtype)
-        return (grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), *[None] * 14, grad_table, None, None)
+        return grad_q.to(q_rows.dtype), grad_k, grad_v.to(v_rows.dtype), grad_table, None
 
 
 class RelativeColumns:
@@ -790,27 +798,7 @@ def _merge_slots(slot_out: Tensor, slot_lse: Tensor, out_index: Tensor, n_out: i
 
 
 def attend_gathered_windows(
-    q_rows: Tensor,
-    k_rows: Tensor,
-    v_rows: Tensor,
-    *,
-    query_index: Tensor,
-    key_index: Tensor,
-    value_index: Tensor,
-    out_index: Tensor,
-    n_out: int,
-    chunk: int,
-    width: int,
-    stride: int,
-    scale: float,
-    mask: Tensor | None = None,
-    first: Tensor | None = None,
-    last: Tensor | None = None,
-    self_column: int | None = None,
-    key_norm_eps: float | None = None,
-    relative_table: Tensor | None = None,
-    query_position: Tensor | None = None,
-    key_position: Tensor | None = None,
+    q_rows: Tensor, k_rows: Tensor, v_rows: Tensor, *, relative_table: Tensor | None = None, **layout: Any
 ) -> Tensor:
     """`attend_windows` over rows gathered by index, its slots merged into output rows: memory O(n·d) + indices.
 
@@ -823,7 +811,8 @@ def attend_gathered_windows(
     O(n·d) floats, the indices, the mask and one log-sum-exp per slot are kept. No dropout (use `attend_windows`).
 
     Which keys a slot sees is given by `mask`, by a range of window columns `first <= j < last` per slot (a
-    causal band within a cluster or bucket: two integers per query instead of w flags), or by both.
+    causal band within a cluster or bucket: two integers per query instead of w flags), or by both. The keywords
+    but `relative_table` are declared once, with their defaults, as the fields of `_WindowLayout`.
 
     Args:
         q_rows: Query rows `[Nq, d]`.
@@ -853,35 +842,16 @@ def attend_gathered_windows(
     Returns:
         `[n_out, d_v]` in q_rows' dtype; zeros for a row no slot answers or whose slots see no key.
     """
+    layout = _WindowLayout(**layout)
+    width, stride = layout.width, layout.stride
     if width > stride and width % stride:
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={width}, stride={stride}.")
-    if (first is None) != (last is None):
+    if (layout.first is None) != (layout.last is None):
         raise ValueError("`first` and `last` go together: give both (a column range per slot) or neither.")
-    if relative_table is not None and (query_position is None or key_position is None):
+    if relative_table is not None and (layout.query_position is None or layout.key_position is None):
         raise ValueError("`relative_table` needs `query_position` and `key_position` (where each pair lies).")
-    n_windows = query_index.shape[0] // chunk
-    return _GatheredWindows.apply(
-        q_rows,
-        k_rows,
-        v_rows,
-        query_index,
-        key_index,
-        value_index,
-        out_index,
-        mask,
-        first,
-        last,
-        n_windows,
-        width,
-        n_out,
-        float(scale),
-        stride,
-        self_column,
-        key_norm_eps,
-        relative_table,
-        query_position,
-        key_position,
-    )
+    layout = layout._replace(scale=float(layout.scale))
+    return _GatheredWindows.apply(q_rows, k_rows, v_rows, relative_table, layout)
 
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
@@ -937,19 +907,9 @@ class _KernelWindows(torch.autograd.Function):
         return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None
 
 
-def attend_windows_on_kernel(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor,
-    *,
-    stride: int,
-    scale: float,
-    dropout_p: float = 0.0,
-    self_column: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments (less
-    `keep_probs`, a memory choice of the PyTorch kernel) and results.
+def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, self_column=None) -> tuple[Tensor, Tensor]:
+    """`attend_windows` on the xformers kernel (`executor_xformers.current_kernel()`): the same arguments, with their
+    types and shapes (less `keep_probs`, a memory choice of the PyTorch kernel) and results.
 
     The key windows are copied out (`[B, w, d]`; the kernel reads whole tensors, not overlapping views), the mask
     becomes an additive bias (-P for hidden keys, P = `numerics.HALF_HIDDEN_PENALTY`, -P / 2 for the self column, which
@@ -978,6 +938,18 @@ def attend_windows_on_kernel(
     values = _windows(v.contiguous(), 0, chunks, stride, w)
     out, lse = _KernelWindows.apply(q.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2), bias, float(scale))
     return out.squeeze(2), lse.squeeze(1)
+
+
+def select_windows_backend(backend, q, k, v, key_padding_mask, relative_embedding, dropout_p, causal) -> str:
+    """`select_named_backend` for the window executors (`attend_windows` and its kernel, pattern "windows") of a call
+    on q, k, v `[b, h, n, d]` with this key padding mask and relative embedding (each a tensor or None), dropout
+    and causality: "torch" for `"auto"`, else the named back end once checked against the call.
+
+    Raises:
+        ValueError: As `select_backend`, with the reasons the named back end cannot run the call.
+    """
+    flags = dict(key_padding=key_padding_mask is not None, relative_logits=relative_embedding is not None)
+    return select_named_backend(backend, q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, **flags)
 
 
 # ---------------------------------------------------------------------------------------------- the executor
@@ -1097,20 +1069,8 @@ def lsh_attention(
             heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed, device=device
         )
     windows = attend_windows
-    if backend == "xformers":
-        select_backend(
-            backend,
-            AttentionRequest.for_inputs(
-                qk,
-                qk,
-                v,
-                pattern="windows",
-                dropout_p=dropout_p,
-                causal=causal,
-                key_padding=key_padding_mask is not None,
-                relative_logits=relative_embedding is not None,
-            ),
-        )  # raises with the reasons when the kernel cannot run here
+    if backend == "xformers":  # raises with the reasons when the kernel cannot run here
+        select_windows_backend(backend, qk, qk, v, key_padding_mask, relative_embedding, dropout_p, causal)
         windows = attend_windows_on_kernel
     if backend == "reference":
         # The dense form at the SAME rotations and bucket count, so both hash every token alike.

@@ -211,3 +211,20 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_every_model(name, us
     assert got.keys() == expected.keys()
     for param_name, grad in expected.items():
         torch.testing.assert_close(got[param_name], grad, msg=param_name)
+
+
+def test_seq2seq_encoder_takes_its_inputs_by_position_or_name_and_ignores_other_model_keywords():
+    torch.manual_seed(0)
+    encoder = longattn.LongAttnForSeq2SeqLM(tiny()).eval().get_encoder()
+    source = ids(2, 9, seed=4)
+    mask = torch.ones_like(source)
+    mask[0, -2:] = 0
+    with torch.no_grad():
+        by_name = encoder(input_ids=source, attention_mask=mask, use_cache=True, decoder_input_ids=source)
+        by_position = encoder(source, mask)
+    torch.testing.assert_close(by_position.last_hidden_state, by_name.last_hidden_state, rtol=0, atol=0)
+    assert isinstance(encoder(source, mask, return_dict=False), tuple)
+    with pytest.raises(TypeError, match="attention_mask"):
+        encoder(source, mask, attention_mask=mask)
+    with pytest.raises(TypeError, match="at most 8 positional"):
+        encoder(*[None] * 9)

@@ -8,6 +8,7 @@ gradient, so a gradient scaled by the number of accumulation steps shows in the 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import kind_configs
 import pytest
@@ -137,6 +138,38 @@ def test_loss_is_a_share_of_num_items_in_batch():
     share = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40)).loss
     labelled = int(labels.ne(-100).sum())
     torch.testing.assert_close(share, mean * labelled / 40)
+
+
+INPUTS = ["input_ids", "attention_mask", "global_attention_mask", "inputs_embeds", "position_ids"]
+FLAGS = ["output_hidden_states", "output_attentions", "return_dict"]
+DECODER = ["decoder_input_ids", "decoder_attention_mask", "decoder_inputs_embeds", "encoder_outputs"]
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [
+        ("LongAttnForMaskedLM", [*INPUTS, "labels", *FLAGS, "num_items_in_batch", "kwargs"]),
+        ("LongAttnForSequenceClassification", [*INPUTS, "labels", *FLAGS, "num_items_in_batch", "kwargs"]),
+        ("LongAttnForTokenClassification", [*INPUTS, "labels", *FLAGS, "num_items_in_batch", "kwargs"]),
+        ("LongAttnForQuestionAnswering", [*INPUTS, "start_positions", "end_positions", *FLAGS, "kwargs"]),
+        (
+            "LongAttnForCausalLM",
+            [*INPUTS, "past_key_values", "use_cache", "labels", *FLAGS]
+            + ["logits_to_keep", "shift_labels", "num_items_in_batch", "cache", "kwargs"],
+        ),
+        (
+            "LongAttnForSeq2SeqLM",
+            [*INPUTS[:4], *DECODER, "past_key_values", "use_cache", "labels", *FLAGS, "num_items_in_batch", "cache"]
+            + ["kwargs"],
+        ),
+    ],
+)
+def test_head_forward_signatures_keep_the_names_trainer_and_generate_read(name, parameters):
+    """Trainer keeps the dataset columns the forward names (`remove_unused_columns`) and passes `num_items_in_batch`
+    when it is one; generate routes model keywords by them. The heads share one body, so their explicit signatures
+    (in this order, positional callers included) are what keeps these contracts."""
+    signature = inspect.signature(getattr(longattn, name).forward)
+    assert list(signature.parameters)[1:] == parameters
 
 
 def test_question_answering_leaves_normalisation_to_the_trainer():

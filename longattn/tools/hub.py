@@ -243,19 +243,26 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- model card
-def _card_data(
+def _card(
+    header: str,
+    how_to_load: str,
     *,
     task: str | None,
     unique_kinds: list[str],
-    metrics: dict[str, float],
-    datasets,
     model_name: str,
     tags: list[str],
     base_model: str | None = None,
+    metrics: dict[str, float] | None = None,
+    training_data: str | None = None,
+    command: str | None = None,
+    datasets: list[str] | None = None,
+    extra: dict[str, Any] | None = None,
 ):
-    """The card's metadata: library, task, tags with the attention kinds, datasets and evaluation results."""
-    from huggingface_hub import EvalResult, ModelCardData
+    """The `ModelCard` both kinds of model get: metadata (library, task, tags with the attention kinds, datasets,
+    evaluation results) and a body of `header`, the training sections and `how_to_load`."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+    metrics = metrics or {}
     pipeline_tag = _task(task)[0] if task else None
     dataset_label = datasets[0] if datasets else "local data"
     eval_results = [
@@ -268,7 +275,7 @@ def _card_data(
         )
         for name, value in metrics.items()
     ]
-    return ModelCardData(
+    card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         base_model=base_model,
@@ -277,6 +284,8 @@ def _card_data(
         model_name=model_name,
         eval_results=eval_results or None,
     )
+    training = _card_training_sections(training_data=training_data, metrics=metrics, extra=extra, command=command)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{header}\n\n{training}\n\n{how_to_load}")
 
 
 def _card_training_sections(
@@ -321,26 +330,15 @@ def is_stock_longattn(config) -> bool:
 
 
 def stock_model_card(
-    config,
-    *,
-    task: str | None = None,
-    metrics: dict[str, float] | None = None,
-    training_data: str | None = None,
-    command: str | None = None,
-    datasets: list[str] | None = None,
-    extra: dict[str, Any] | None = None,
-    base_model: str | None = None,
-    model_name: str | None = None,
+    config, *, task: str | None = None, base_model: str | None = None, model_name: str | None = None, **details: Any
 ):
     """A `huggingface_hub.ModelCard` for a stock family running longattn's kinds (a lengthened checkpoint): its
     attention settings and the note that loading it needs `pip install longattn` and `import longattn` (the
     folder holds no code; without longattn, transformers refuses the unknown attention implementation).
 
-    Args: as `model_card`; `task` may be None (a lengthened checkpoint not yet fine-tuned), `base_model` the
-        checkpoint it was lengthened from.
+    Args: as `model_card` (`details`: its metrics, training_data, command, datasets and extra); `task` may be None
+        (a lengthened checkpoint not yet fine-tuned), `base_model` the checkpoint it was lengthened from.
     """
-    from huggingface_hub import ModelCard
-
     from ..configuration_longattn import max_tokens
 
     _, task_name, auto_class = _task(task) if task else (None, None, "AutoModel")
@@ -349,18 +347,8 @@ def stock_model_card(
     kinds = fields.get("attention_type", "sliding")
     unique_kinds = list(dict.fromkeys([kinds] if isinstance(kinds, str) else kinds))
     model_name = model_name or f"{config.model_type}-longattn-{'-'.join(unique_kinds)}" + (f"-{task}" if task else "")
-    metrics = metrics or {}
-    card_data = _card_data(
-        task=task,
-        unique_kinds=unique_kinds,
-        metrics=metrics,
-        datasets=datasets,
-        model_name=model_name,
-        tags=[],
-        base_model=base_model,
-    )
     settings = "\n".join(f"| `{key}` | `{value}` |" for key, value in fields.items())
-    body = f"""
+    header = f"""
 # {model_name}
 
 A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attention kinds
@@ -374,11 +362,8 @@ A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attent
 |---|---|
 {settings or "| - | - |"}
 
-Cross-attention (encoder-decoder models) stays dense.
-
-{_card_training_sections(training_data=training_data, metrics=metrics, extra=extra, command=command)}
-
-## How to load
+Cross-attention (encoder-decoder models) stays dense."""
+    how_to_load = f"""## How to load
 
 This folder holds no code: it needs longattn installed.
 
@@ -395,7 +380,8 @@ model = {auto_class}.from_pretrained("<this folder or repo id>")
 
 Without `import longattn`, transformers refuses the unknown attention implementation `longattn`.
 """
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+    card = dict(task=task, unique_kinds=unique_kinds, model_name=model_name, tags=[], base_model=base_model)
+    return _card(header, how_to_load, **card, **details)
 
 
 def _kind_settings(config, layer_idx: int, name: str) -> str:
@@ -409,17 +395,7 @@ def _kind_settings(config, layer_idx: int, name: str) -> str:
     return ", ".join(parts) or "-"
 
 
-def model_card(
-    config,
-    *,
-    task: str,
-    metrics: dict[str, float] | None = None,
-    training_data: str | None = None,
-    command: str | None = None,
-    datasets: list[str] | None = None,
-    extra: dict[str, Any] | None = None,
-    model_name: str | None = None,
-):
+def model_card(config, *, task: str, model_name: str | None = None, **details: Any):
     """A `huggingface_hub.ModelCard` for a longattn model: metadata (library, tags with the attention kinds, task,
     datasets, evaluation results) and a body with the attention per layer, the training data, the metrics, the
     command used and how to load the model.
@@ -427,44 +403,25 @@ def model_card(
     Args:
         config: The model's `LongAttnConfig` (a stock family's config with a `longattn` dict: `stock_model_card`).
         task: A recipe task: "mlm", "classification", "clm" or "seq2seq".
-        metrics: `{"eval_accuracy": 0.97, ...}`.
-        training_data: One line about the data.
-        command: The training command (the values of secret flags such as `--hub_token` are redacted).
-        datasets: Hub dataset ids, for the metadata.
-        extra: More `{name: value}` facts for the training section (steps, batch size, ...).
         model_name: The title (default: "longattn <attention kinds> <task>").
+        details: Keywords, each optional:
+            metrics: `{"eval_accuracy": 0.97, ...}`.
+            training_data: One line about the data.
+            command: The training command (the values of secret flags such as `--hub_token` are redacted).
+            datasets: Hub dataset ids, for the metadata.
+            extra: More `{name: value}` facts for the training section (steps, batch size, ...).
     """
-    from huggingface_hub import ModelCard
-
     if is_stock_longattn(config):
-        return stock_model_card(
-            config,
-            task=task,
-            metrics=metrics,
-            training_data=training_data,
-            command=command,
-            datasets=datasets,
-            extra=extra,
-            model_name=model_name,
-        )
+        return stock_model_card(config, task=task, model_name=model_name, **details)
     _, task_name, auto_class = _task(task)
     kinds = list(config.layer_attention_types)
     unique_kinds = list(dict.fromkeys(kinds))
     model_name = model_name or f"longattn-{'-'.join(unique_kinds)}-{task}"
-    metrics = metrics or {}
-    card_data = _card_data(
-        task=task,
-        unique_kinds=unique_kinds,
-        metrics=metrics,
-        datasets=datasets,
-        model_name=model_name,
-        tags=["custom_code"],
-    )
     layers = "\n".join(f"| {i} | `{name}` | {_kind_settings(config, i, name)} |" for i, name in enumerate(kinds))
     if getattr(config, "is_encoder_decoder", False):
         decoder_kinds = ", ".join(f"`{k}`" for k in config.decoder_layer_attention_types)
         layers += f"\n\nDecoder self-attention per layer: {decoder_kinds}; cross-attention is dense."
-    body = f"""
+    header = f"""
 # {model_name}
 
 A longattn model for {task_name}: {config.num_hidden_layers} layers, hidden size {config.hidden_size},
@@ -475,11 +432,8 @@ positions), vocabulary of {config.vocab_size}.
 
 | layer | attention | settings |
 |---|---|---|
-{layers}
-
-{_card_training_sections(training_data=training_data, metrics=metrics, extra=extra, command=command)}
-
-## How to load
+{layers}"""
+    how_to_load = f"""## How to load
 
 With only torch and transformers installed (the modeling code is in this folder):
 
@@ -496,7 +450,8 @@ tokenizer itself is a plain `tokenizer.json`.)
 With longattn installed, `import longattn` registers the classes and the same call works without
 `trust_remote_code`.
 """
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n{body}")
+    card = dict(task=task, unique_kinds=unique_kinds, model_name=model_name, tags=["custom_code"])
+    return _card(header, how_to_load, **card, **details)
 
 
 # ---------------------------------------------------------------------------------------------- pushing

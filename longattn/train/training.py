@@ -966,23 +966,16 @@ def arrange_rows(processed, args, max_length: int):
     """The tokenized splits of a language-model recipe as training rows: whole documents packed into rows of
     `max_length` with `--packing`, texts joined into blocks of `max_length` by default, one text a row with
     `--line_by_line`. Run under `accelerator.main_process_first()` (the map's cache); then `check_rows_exist`."""
-    if args.packing:
-        processed = processed.map(
-            pack_documents,
-            batched=True,
-            fn_kwargs={"block_size": max_length},
-            num_proc=args.preprocessing_num_workers,
-            desc=f"pack into rows of {max_length}",
-        )
-    elif not args.line_by_line:
-        processed = processed.map(
-            group_texts,
-            batched=True,
-            fn_kwargs={"block_size": max_length},
-            num_proc=args.preprocessing_num_workers,
-            desc=f"blocks of {max_length}",
-        )
-    return processed
+    if args.line_by_line and not args.packing:
+        return processed
+    arrange, desc = (pack_documents, "pack into rows of") if args.packing else (group_texts, "blocks of")
+    return processed.map(
+        arrange,
+        batched=True,
+        fn_kwargs={"block_size": max_length},
+        num_proc=args.preprocessing_num_workers,
+        desc=f"{desc} {max_length}",
+    )
 
 
 def check_rows_exist(processed, max_length: int) -> None:
@@ -1446,15 +1439,10 @@ def build_optimizer(args: argparse.Namespace, model) -> torch.optim.Optimizer:
 
 
 def prepare_training(
-    args: argparse.Namespace,
-    accelerator,
-    model,
-    train_dataset,
-    eval_dataset,
-    collate_fn: Callable,
-    eval_collate_fn: Callable | None = None,
+    args: argparse.Namespace, accelerator, model, train_dataset, eval_dataset, collate_fn, eval_collate_fn=None
 ) -> TrainState:
-    """The data loaders, optimizer and learning-rate schedule, prepared by accelerate, in a `TrainState` at step 0."""
+    """The data loaders, optimizer and learning-rate schedule, prepared by accelerate, in a `TrainState` at step 0
+    (the arguments are those of `train`)."""
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
