@@ -341,14 +341,35 @@ def _chunk_scores(chunk: _Chunk, bias: Tensor | None, h_kv: int, workspace: _Wor
 
 
 def _product_gradients(
-    chunk: _Chunk, probs: Tensor, grad_scores: Tensor, grad_out_chunk: Tensor, workspace: _Workspace
+    chunk: _Chunk,
+    probs: Tensor,
+    grad_scores: Tensor,
+    grad_out_chunk: Tensor,
+    workspace: _Workspace,
+    accumulate: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K of a chunk (q and the keys as the chunk holds them: dK and dQ still
-    need the scale where the other side was scaled), in the "grad_values", "grad_keys", "grad_q" workspaces."""
-    grad_values = torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape))
-    grad_keys = torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape))
+    need the scale where the other side was scaled), in the "grad_values", "grad_keys", "grad_q" workspaces; with
+    `accumulate`, dV and dK are added to what those workspaces hold (keys shared by the chunks)."""
+    grad_values = workspace.get("grad_values", chunk.values.shape)
+    grad_keys = workspace.get("grad_keys", chunk.keys.shape)
+    if accumulate:
+        grad_values.baddbmm_(probs.transpose(1, 2), grad_out_chunk)
+        grad_keys.baddbmm_(grad_scores.transpose(1, 2), chunk.q)
+    else:
+        torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=grad_values)
+        torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=grad_keys)
     grad_q = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
     return grad_values, grad_keys, grad_q
+
+
+def _softmax_rows(probs: Tensor) -> Tensor:
+    """Softmax of scores `[rows, queries, m]` in place; returns each row's log-sum-exp `[rows·queries]` (near
+    HIDDEN_LOGIT where every key is hidden)."""
+    score_max = probs.amax(dim=-1).view(-1)
+    torch.ops.aten._softmax.out(probs, -1, False, out=probs)
+    # The largest probability is exp(score_max − lse): one cheap reduction instead of a separate exp-sum.
+    return score_max - probs.amax(dim=-1).view(-1).log()
 
 
 def _gathered_gradients(
@@ -796,10 +817,17 @@ def _query_rows(base: Tensor, step: int, plan: _SetPlan, index: Tensor, start: i
     return (base[:, :, None, :, None] + slots[None, None, :, None, :]).reshape(-1)
 
 
-def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, workspace: _Workspace):
+def _set_chunks(
+    q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, workspace: _Workspace, backward: bool = False
+):
     """Yield `(chunk, kv_rows)` per group of the set's blocks: the `_Chunk` of gathered (scaled) queries, keys and
     values with the negated mask of the predicate, and the flat rows `_gather_rows` of its keys in k's `_rows` view
-    (the same positions index the key gradients)."""
+    (the same positions index the key gradients).
+
+    Chunks are sized by the workspaces of their pass: backward holds the scores and their gradient, the keys, values
+    and their gradients; forward only the scores, keys and values, so its chunks take up to twice the blocks (fewer
+    chunks: the mask, gathers and merges per chunk cost the same at any size) without raising the step's peak,
+    which comes in backward, where the q, k, v gradients exist."""
     b, _, _, d = q.shape
     d_v = v.shape[3]
     block_set = plan.block_set
@@ -810,11 +838,22 @@ def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, w
     k_rows, k_base, k_step = _rows(k)
     v_rows, v_base, v_step = _rows(v)
     k_base, v_base = (_head_rows(base, plan, b).reshape(-1) for base in (k_base, v_base))
-    keys_once = 4 * b * plan.h_kv * m * max(d, d_v) if plan.shared else 0
-    per_block = 2 * b * h_s * c * m + 4 * b * h_s * c * max(d, d_v)
+    buffers = 2 if backward else 1  # scores (and their gradient); keys and values (and their gradients)
+    keys_once = 2 * buffers * b * plan.h_kv * m * max(d, d_v) if plan.shared else 0
+    per_block = buffers * b * h_s * c * m + 4 * b * h_s * c * max(d, d_v)
     if not plan.shared:
-        per_block += 4 * b * plan.h_kv * m * max(d, d_v)
+        per_block += 2 * buffers * b * plan.h_kv * m * max(d, d_v)
     step = _blocks_per_workspace(per_block, nb, keys_once)
+
+    def gather_keys(kv_start: int, kv_stop: int) -> tuple[Tensor, Tensor]:
+        kv_count = b * plan.h_kv * (kv_stop - kv_start) * m
+        key_rows = _gather_rows(k_base, k_step, block_set.kv_pos, kv_start, kv_stop)
+        keys = torch.index_select(k_rows, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
+        value_rows = _gather_rows(v_base, v_step, block_set.kv_pos, kv_start, kv_stop)
+        return keys, torch.index_select(v_rows, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
+
+    if plan.shared:  # the same keys for every block: gathered once for the set
+        keys, values = gather_keys(0, 1)
     for start in range(0, nb, step):
         stop = min(nb, start + step)
         n_blk = stop - start
@@ -823,14 +862,10 @@ def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, w
         hidden6 = torch.logical_not(hidden6, out=workspace.get("hidden", hidden6.shape, torch.bool))
         rows = _query_rows(q_base, q_step, plan, plan.read, start, stop, b)
         q_chunk = torch.index_select(q_rows, 0, rows, out=workspace.get("q", (rows.shape[0], d))).mul_(scale)
-        kv_blocks = 1 if plan.shared else n_blk
         kv_start, kv_stop = (0, 1) if plan.shared else (start, stop)
-        kv_count = b * plan.h_kv * kv_blocks * m
-        key_rows = _gather_rows(k_base, k_step, block_set.kv_pos, kv_start, kv_stop)
-        keys = torch.index_select(k_rows, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
-        value_rows = _gather_rows(v_base, v_step, block_set.kv_pos, kv_start, kv_stop)
-        values = torch.index_select(v_rows, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
-        batches = b * plan.h_kv * kv_blocks
+        if not plan.shared:
+            keys, values = gather_keys(start, stop)
+        batches = b * plan.h_kv * (kv_stop - kv_start)
         chunk = _Chunk(
             start,
             stop,
@@ -881,11 +916,9 @@ class _BlockSetAttention(torch.autograd.Function):
                 chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
                 if bias_fn is not None:
                     chunk.view6(probs).add_(_set_bias(bias_fn, plan, b, chunk))
-                score_max = probs.amax(dim=-1).view(-1)  # [rows·queries]
-                torch.ops.aten._softmax.out(probs, -1, False, out=probs)
-                row_lse = score_max - probs.amax(dim=-1).view(-1).log()  # see _BlockAttention
-                # A row whose keys are all hidden has a largest score near HIDDEN_LOGIT: no key, lse = -inf.
-                row_lse.masked_fill_(score_max < HIDDEN_LOGIT / 2, -math.inf)
+                row_lse = _softmax_rows(probs)
+                # A row whose keys are all hidden has a log-sum-exp near HIDDEN_LOGIT: no key, lse = -inf.
+                row_lse.masked_fill_(row_lse < HIDDEN_LOGIT / 2, -math.inf)
                 if generator is not None:
                     keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                     probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
@@ -916,19 +949,19 @@ class _BlockSetAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros(b, h, n_q, d_v, dtype=dtype, device=device)
         grad_out = grad_out.to(dtype)
-        # Per query `[b, h, n_q]`: L with -inf as 0 (a row that sees no key has P = exp(S + HIDDEN_LOGIT) = 0
-        # anyway), D = rowsum(dO ∘ O), and dL when the log-sum-exp has a gradient.
-        stats = torch.empty(2 if grad_lse is None else 3, b, h, n_q, dtype=dtype, device=device)
-        stats[0] = lse[:, :, :n_q]
-        stats[0].masked_fill_(stats[0] == -math.inf, 0.0)
+        # Per query `[b, h, n_q, 2 | 3]`, side by side so that a chunk reads them with one gather: L with -inf as 0
+        # (a row that sees no key has P = exp(S + HIDDEN_LOGIT) = 0 anyway), D = rowsum(dO ∘ O), and dL when the
+        # log-sum-exp has a gradient.
+        stats = torch.empty(b, h, n_q, 2 if grad_lse is None else 3, dtype=dtype, device=device)
+        stats[..., 0] = lse[:, :, :n_q]
+        stats[..., 0].masked_fill_(stats[..., 0] == -math.inf, 0.0)
         step = max(1, _WORKSPACE_ELEMENTS // max(1, b * h * d_v))
         for start in range(0, n_q, step):  # a slice at a time: no [b, h, n_q, d_v] temporary
             stop = min(n_q, start + step)
-            torch.linalg.vecdot(grad_out[:, :, start:stop], out[:, :, start:stop], out=stats[1, :, :, start:stop])
+            stats[:, :, start:stop, 1] = torch.linalg.vecdot(grad_out[:, :, start:stop], out[:, :, start:stop])
         if grad_lse is not None:
-            stats[2] = grad_lse
-        stat_base = torch.arange(b * h, device=device) * n_q  # `_rows` of stats[i] `[b, h, n_q, 1]`
-        stat_rows = [t.view(-1) for t in stats]
+            stats[..., 2] = grad_lse
+        stat_rows, stat_base, stat_step = _rows(stats)
         grad_out_rows, grad_out_base, grad_out_step = _rows(grad_out)
         grad_q, (grad_q_rows, grad_q_base, grad_q_step) = _zeros_with_rows(q, dtype)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
@@ -942,7 +975,11 @@ class _BlockSetAttention(torch.autograd.Function):
         for plan in plans:
             kv_pos = plan.block_set.kv_pos
             grad_k_set, grad_v_set = (_head_rows(base, plan, b).reshape(-1) for base in (grad_k_base, grad_v_base))
-            for chunk, (_, _, kv_start, kv_stop) in _set_chunks(q.to(dtype), k_c, v_c, plan, scale, workspace):
+            chunks = _set_chunks(q.to(dtype), k_c, v_c, plan, scale, workspace, backward=True)
+            for chunk, (_, _, kv_start, kv_stop) in chunks:
+                # Keys shared by every block of the set: their gradients add up over the chunks in one workspace,
+                # scattered back once after the last chunk.
+                accumulate = plan.shared and chunk.start > 0
                 start, stop = chunk.start, chunk.stop
                 batches, queries = chunk.q.shape[:2]
 
@@ -957,11 +994,12 @@ class _BlockSetAttention(torch.autograd.Function):
                     with torch.enable_grad():  # the chunk's read of the bias tensors, differentiated below
                         bias = _set_bias(bias_fn, plan, b, chunk)
                     chunk.view6(probs).add_(bias.detach())
-                row_l, row_d, *row_dl = (
-                    gather(t.view(-1, 1), stat_base, 1, f"stat{i}", 1).view(batches, queries, 1)
-                    for i, t in enumerate(stat_rows)
-                )
-                probs.sub_(row_l).exp_()  # P of the union's softmax
+                row_stats = gather(stat_rows, stat_base, stat_step, "stats", stats.shape[3]).view(batches, queries, -1)
+                row_l, row_d, *row_dl = row_stats.split(1, dim=-1)  # [batches, queries, 1] each
+                # P of the union's softmax, exp(S − L), as the chunk's softmax times exp(lse_chunk − L): torch's
+                # softmax kernel exponentiates the hidden keys' scores (near HIDDEN_LOGIT) ~10x faster than `exp_`.
+                row_lse = _softmax_rows(probs).view(batches, queries, 1)
+                probs.mul_(row_lse.sub_(row_l).exp_())
                 grad_out_chunk = gather(grad_out_rows, grad_out_base, grad_out_step, "grad_out", d_v)
                 grad_out_chunk = grad_out_chunk.view(batches, queries, d_v)
                 grad_scores = workspace.get("grad_scores", chunk.scores_shape)
@@ -985,11 +1023,13 @@ class _BlockSetAttention(torch.autograd.Function):
                 if generator is not None:
                     probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
                 grad_values, grad_keys, grad_q_chunk = _product_gradients(
-                    chunk, probs, grad_scores, grad_out_chunk, workspace
+                    chunk, probs, grad_scores, grad_out_chunk, workspace, accumulate=accumulate
                 )
                 grad_q_index = _query_rows(grad_q_base, grad_q_step, plan, plan.read, start, stop, b)
                 # Padding slots read row 0 of their head: their P, hence their gradients, are exactly 0.
                 grad_q_rows.index_add_(0, grad_q_index, grad_q_chunk.view(-1, d), alpha=scale)
+                if plan.shared and stop < plan.block_set.q_pos.shape[0]:
+                    continue  # more chunks add to the shared keys' gradients
                 grad_k_rows.index_add_(
                     0, _gather_rows(grad_k_set, grad_k_step, kv_pos, kv_start, kv_stop), grad_keys.view(-1, d)
                 )
