@@ -168,8 +168,14 @@ def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-# Hidden keys get HIDDEN_LOGIT added to their scores (see `numerics`): an additive mask is also ~10x faster than
-# masked_fill_ with a bool mask on CPU.
+def _hide(scores: Tensor, hidden: Tensor) -> None:
+    """Add HIDDEN_LOGIT (see `numerics`) to the scores of hidden keys, in place; hidden: bool, broadcastable.
+
+    An additive mask is faster than masked_fill_ with a bool mask on CPU, and adding the mask's bytes as uint8 (the
+    same 0 / 1) is ~3x faster again than adding the bool tensor (which converts element by element): 69 vs 223 µs
+    for [4, 128, 1024] scores on one thread.
+    """
+    scores.add_(hidden.view(torch.uint8), alpha=HIDDEN_LOGIT)
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -336,7 +342,7 @@ def _chunk_scores(chunk: _Chunk, bias: Tensor | None, h_kv: int, workspace: _Wor
     if bias is not None:
         chunk.view6(probs).add_(_split_heads(bias[:, :, chunk.start : chunk.stop], h_kv))
     if chunk.hidden is not None:
-        chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+        _hide(chunk.view6(probs), chunk.hidden)
     return probs
 
 
@@ -913,7 +919,7 @@ class _BlockSetAttention(torch.autograd.Function):
             for chunk, _ in _set_chunks(q.to(dtype), k, v, plan, scale, workspace):
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     chunk.view6(probs).add_(_set_bias(bias_fn, plan, b, chunk))
                 row_lse = _softmax_rows(probs)
@@ -989,7 +995,7 @@ class _BlockSetAttention(torch.autograd.Function):
 
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     with torch.enable_grad():  # the chunk's read of the bias tensors, differentiated below
                         bias = _set_bias(bias_fn, plan, b, chunk)
