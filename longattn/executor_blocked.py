@@ -50,6 +50,7 @@ __all__ = [
     "BlockSet",
     "merge_attention",
     "evaluate_block_mask",
+    "block_mask",
     "BandLayout",
     "band_layout",
     "banded_attention",
@@ -750,20 +751,15 @@ class BlockSet:
 
     def mask(self, batch: int, heads: Tensor, start: int, stop: int) -> Tensor:
         """Bool `[b|1, h_s|1, stop − start, c, m]` of blocks start:stop."""
-        shared = self.kv_pos.shape[0] == 1
-        kv_pos, kv_valid = self.kv_pos, self.kv_valid
-        if not shared:
-            kv_pos = kv_pos[start:stop]
-            kv_valid = None if kv_valid is None else kv_valid[start:stop]
-        return evaluate_block_mask(
+        return block_mask(
             self.mask_fn,
             batch=batch,
             heads=heads,
-            q_pos=self.q_pos[None, start:stop],
-            kv_pos=kv_pos[None],
-            q_valid=self.q_valid[None, start:stop],
-            kv_valid=None if kv_valid is None else kv_valid[None],
-        )
+            q_pos=self.q_pos[None],
+            kv_pos=self.kv_pos[None],
+            q_valid=self.q_valid[None],
+            kv_valid=None if self.kv_valid is None else self.kv_valid[None],
+        )(start, stop)
 
     def bias(self, bias_fn: BiasFn, batch: int, heads: Tensor, start: int, stop: int) -> Tensor:
         """Float `[b, h_s, stop − start, c, m]`: `bias_fn` on the original positions of blocks start:stop (like
@@ -1171,6 +1167,39 @@ def _attend_block_sets_traceable(q, k, v, block_sets, *, scale, dropout_p, bias_
         lse[:, heads[:, None], write] = lse_b.reshape(b, heads.shape[0], nb * c)
         partials.append((out[:, :, :n_q], lse[:, :, :n_q]))
     return merge_attention(partials)
+
+
+def block_mask(
+    mask_fn: MaskFn,
+    *,
+    batch: int,
+    heads: Tensor,
+    q_pos: Tensor,
+    kv_pos: Tensor,
+    q_valid: Tensor | None = None,
+    kv_valid: Tensor | None = None,
+) -> Callable[[int, int], Tensor]:
+    """`evaluate_block_mask` as a function of (start, stop) giving blocks start:stop: a `mask` for `attend_blocks`
+    that is evaluated per chunk, in forward and again in backward, so that no n x m bool tensor is kept.
+
+    Args: as `evaluate_block_mask` (positions `[b or 1, nb, ·]`; keys `[b or 1, 1, m]` are shared by all blocks).
+    """
+
+    def blocks(start: int, stop: int) -> Tensor:
+        def keys_of(t: Tensor | None) -> Tensor | None:
+            return t if t is None or t.shape[1] == 1 else t[:, start:stop]
+
+        return evaluate_block_mask(
+            mask_fn,
+            batch=batch,
+            heads=heads,
+            q_pos=q_pos[:, start:stop],
+            kv_pos=keys_of(kv_pos),
+            q_valid=None if q_valid is None else q_valid[:, start:stop],
+            kv_valid=keys_of(kv_valid),
+        )
+
+    return blocks
 
 
 def evaluate_block_mask(
