@@ -234,9 +234,10 @@ def sinkhorn_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
-    The attention step runs through `executor_blocked.attend_blocks`: query block i gathers its own block and its
-    sorted block (`kv_index`, one key set per head), the sorted one weighted by S_ij* (`kv_weight`, differentiable,
-    so the sorting network learns through it); SortCut's p mixed blocks are keys every query block sees.
+    The attention step runs through `executor_blocked.attend_blocks`: query block i reads its own block in place
+    (`own_keys`) and gathers its sorted block (`kv_index`, one key set per head), weighted by S_ij* (`kv_weight`,
+    one per block, differentiable, so the sorting network learns through it); a padded or causal mask is a function
+    of the chunk, evaluated again in backward. SortCut's p mixed blocks are keys every query block sees.
 
     Args:
         q, k, v: `[b, h, n, d]` (v: d_v).

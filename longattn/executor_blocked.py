@@ -7,11 +7,13 @@ gathered per block, g global tokens (the most any batch row has), d head dim (d_
 Three layers, each usable on its own:
 
 1. `attend_blocks(q_blocks, k, v, kv_index=..., mask=...) -> (out, lse)`: the generic kernel. Block i of queries
-   attends to the keys `kv_index[i]` (or to every key), restricted by a bool mask. A custom autograd function saves
-   only q, k, v and the bool mask (O(n · d) floats and O(n · m) bytes) and recomputes the probabilities in
-   backward, walking the blocks in chunks with reused workspaces, so no [nb, c, m] float tensor is ever kept and
-   peak memory does not grow with the length beyond those saved tensors. Sparse Transformer layouts, LSH buckets
-   and other "attend within a gathered key set" kinds reuse it.
+   attends to the keys `kv_index[i]` (or to every key; optionally first to its own block of keys, read in place:
+   `own_keys`), restricted by a bool mask. A custom autograd function saves q, k, v, the indices and one bool per
+   query row, plus the mask when it is given as a tensor (O(n · m) bytes); a mask given as a function of the chunk
+   (`block_mask`) is evaluated again in backward instead. Backward recomputes the probabilities, walking the blocks
+   in chunks with reused workspaces, so no [nb, c, m] float tensor is ever kept and peak memory does not grow with
+   the length beyond the saved tensors. Sinkhorn's blocks, dilated bands, global queries and other "attend within
+   a gathered key set" kinds reuse it.
 2. `merge_attention([(out, lse), ...])`: combine partial attentions over disjoint key sets exactly (log-sum-exp).
    `attend_block_sets(q, k, v, [BlockSet, ...])` does it inside the kernel, for a pattern whose parts need different
    block layouts (Sparse Transformer's strided and fixed): one autograd function over all the parts, queries read
