@@ -43,6 +43,7 @@ Block pattern, 4 blocks, bidirectional (■ own block, ▣ sorted block; here S 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -233,9 +234,10 @@ def sinkhorn_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
-    The attention step runs through `executor_blocked.attend_blocks`: query block i gathers its own block and its
-    sorted block (`kv_index`, one key set per head), the sorted one weighted by S_ij* (`kv_weight`, differentiable,
-    so the sorting network learns through it); SortCut's p mixed blocks are keys every query block sees.
+    The attention step runs through `executor_blocked.attend_blocks`: query block i reads its own block in place
+    (`own_keys`) and gathers its sorted block (`kv_index`, one key set per head), weighted by S_ij* (`kv_weight`,
+    one per block, differentiable, so the sorting network learns through it); a padded or causal mask is a function
+    of the chunk, evaluated again in backward. SortCut's p mixed blocks are keys every query block sees.
 
     Args:
         q, k, v: `[b, h, n, d]` (v: d_v).
@@ -283,24 +285,23 @@ def sinkhorn_attention(
             f"relative_embedding cannot be used with SortCut (sortcut={sortcut}): its keys are mixtures of blocks, "
             "with no position to measure a distance to."
         )
+    settings = dict(
+        block_size=block_size,
+        iterations=iterations,
+        temperature=temperature,
+        causal=causal,
+        scale=scale,
+        noise=noise,
+        dropout_p=dropout_p,
+        relative_embedding=relative_embedding,
+    )
     if document_ids is not None:
         if sortcut:
             raise ValueError(
                 f"SortCut (`sinkhorn_sortcut`={sortcut}) cannot run packed documents (`document_ids`): its keys are "
                 "mixtures of every block of the row. Pad each document to its own row, or use Sinkhorn attention."
             )
-        settings = dict(
-            block_size=block_size,
-            iterations=iterations,
-            temperature=temperature,
-            causal=causal,
-            scale=scale,
-            noise=noise,
-            dropout_p=dropout_p,
-            backend=backend,
-            return_weights=return_weights,
-            relative_embedding=relative_embedding,
-        )
+        settings.update(backend=backend, return_weights=return_weights)
         return _per_document(q, k, v, sort_weight, document_ids, key_padding_mask, settings)
     if return_weights:  # the dense form also serves decoding (fewer queries than keys), which dispatch does not take
         choice = "reference"
@@ -321,21 +322,7 @@ def sinkhorn_attention(
         )
     if choice == "reference":
         out, weights = _dense_attention(
-            q,
-            k,
-            v,
-            sort_weight,
-            key_padding_mask,
-            block_size,
-            iterations,
-            temperature,
-            causal,
-            sortcut,
-            scale,
-            noise,
-            dropout_p,
-            relative_embedding,
-            _block_documents,
+            q, k, v, sort_weight, key_padding_mask, sortcut=sortcut, block_documents=_block_documents, **settings
         )
         return (out, weights) if return_weights else out
     b, h, n, d = q.shape
@@ -357,6 +344,7 @@ def sinkhorn_attention(
         padded=padded,
         block_documents=_block_documents,
     )  # [b, h, B, B]
+    own_keys = 0
     if sortcut:
         keys, values, visible = _sortcut_keys(k, v, sort, min(sortcut, blocks), s)
         if not (padded or causal):  # every row of S sums to 1: every mixed block exists, no mask to apply
@@ -367,24 +355,27 @@ def sinkhorn_attention(
             )
             return _restore(out, n, rotation)
         kv_index = kv_weight = None
+        # [b, h, 1, 1, p·s] broadcast (its storage is p·s per head); None: every key visible.
+        mask = None if visible is None else visible.expand(b, h, blocks, s, keys.shape[2])
     else:
-        kv_index, kv_weight, visible = _own_and_sorted_keys(sort, valid, s, causal=causal, padded=padded)
+        # Each block's own keys read in place (`own_keys`), then its sorted block gathered and weighted by S_ij*;
+        # the mask is a function of the chunk (evaluated again in backward, never kept).
+        kv_index, kv_weight, mask = _own_and_sorted_keys(sort, valid, s, causal=causal, padded=padded)
         kv_weight = kv_weight.to(k.dtype)
-        if choice == "xformers":  # the gathered, weighted keys materialised per block: [b, h, B·2s, d]
-            keys, values = (_gather_blocks(x, kv_index, kv_weight).flatten(2, 3) for x in (k, v))
+        if choice == "xformers":  # the keys materialised per block: [b, h, B·2s, d]
+            keys, values = (_own_and_sorted_rows(x, kv_index, kv_weight).flatten(2, 3) for x in (k, v))
+            visible = None if mask is None else mask(0, blocks)
             out = _attend_on_kernel(
                 q, keys, values, visible=visible, queries_per_key_block=s, scale=scale, dropout_p=dropout_p
             )
             return _restore(out, n, rotation)
-        keys, values = k, v
-    m = keys.shape[2] if kv_index is None else kv_index.shape[-1]
-    mask = None if visible is None else visible.expand(b, h, blocks, s, m)  # None: every key visible
+        keys, values, own_keys = k, v, s
     bias = None
     if bias_fn is not None:
         # The original position of every layout slot (padding slots: any position, they are hidden).
         position = torch.arange(n, device=q.device).expand(b, n) if rotation is None else rotation
         position = F.pad(position, (0, blocks * s - n))  # [b, B·s]
-        kv_pos = position.gather(1, kv_index.flatten(1)).view(b, h, blocks, m)
+        kv_pos = _own_and_sorted_rows(position.view(b, 1, -1, 1), kv_index, None)[..., 0]  # [b, h, B, 2s]
         bias = block_bias(
             bias_fn, batch=b, heads=torch.arange(h, device=q.device), q_pos=position.view(b, blocks, s), kv_pos=kv_pos
         )  # [b, h, B, s, 2s]
@@ -398,14 +389,16 @@ def sinkhorn_attention(
         dropout_p=dropout_p,
         kv_weight=kv_weight,
         bias=bias,
+        own_keys=own_keys,
     )  # [b, h, B, s, d_v]
     return _restore(out.flatten(2, 3), n, rotation)
 
 
 def _own_and_sorted_keys(
     sort: Tensor, valid: Tensor, s: int, *, causal: bool, padded: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Each query block's keys: its own block, then its sorted block j* = argmax_j S_ij, weighted by S_ij*.
+) -> tuple[Tensor, Tensor, Callable[[int, int], Tensor] | None]:
+    """What each query block attends to besides its own block (`attend_blocks`' `own_keys`): its sorted block
+    j* = argmax_j S_ij, weighted by S_ij*, and which of the 2s keys each query sees.
 
     The sorted block is the soft permutation truncated to its largest entry (module docstring): `w · K_j*` and
     `w · V_j*` with w = S_ij*, through which the sorting network gets its gradient.
@@ -418,27 +411,31 @@ def _own_and_sorted_keys(
         padded: Whether anything can be hidden (padding, an empty row of S); False with `causal` False: None mask.
 
     Returns:
-        `(kv_index, kv_weight, visible)`: long `[b, h, B, 2s]` key positions, `[b, h, B, 2s]` weights (1 for the
-        own block, S_ij* for the sorted one; differentiable), bool `[b, h, B, 1 or s, 2s]` or None (all visible).
+        `(kv_index, kv_weight, visible)`: long `[b, h, B, s]` positions of the sorted block's keys, `[b, h, B, 1]`
+        its weight S_ij* (differentiable), and None (every key visible) or a function of (start, stop) giving bool
+        `[b, h, stop − start, s, 2s]` (own block, then sorted block) from `valid`, the index and the empty rows of S
+        alone, O(n) tensors, so that the executor can evaluate it per chunk in forward and again in backward.
     """
     b, h, blocks, _ = sort.shape
     with torch.no_grad():
         source = sort.argmax(dim=-1, keepdim=True)  # [b, h, B, 1], the block sorted into place i
-        offsets = torch.arange(s, device=sort.device)
-        own = (torch.arange(blocks, device=sort.device)[:, None] * s + offsets).expand(b, h, blocks, s)
-        kv_index = torch.cat([own, source * s + offsets], dim=-1)  # [b, h, B, 2s]
+        kv_index = source * s + torch.arange(s, device=sort.device)  # [b, h, B, s]
     weight = sort.gather(-1, source)  # [b, h, B, 1]: S_ij*, carries the gradient
-    kv_weight = torch.cat([torch.ones_like(weight).expand(b, h, blocks, s), weight.expand(b, h, blocks, s)], dim=-1)
     if not (padded or causal):  # every key is visible and every row of S has a block (rows sum to 1)
-        return kv_index, kv_weight, None
-    with torch.no_grad():
-        has_source = (weight > 0).expand(b, h, blocks, s)  # an empty row of S (no real or no earlier block)
-        visible = valid.gather(1, kv_index.flatten(1)).view(b, h, blocks, 1, 2 * s)
-        visible = visible & torch.cat([torch.ones_like(has_source), has_source], dim=-1).unsqueeze(3)
-        if causal:
-            earlier = torch.ones(s, s, dtype=torch.bool, device=sort.device).tril()
-            visible = visible & torch.cat([earlier, torch.ones_like(earlier)], dim=-1)  # [b, h, B, s, 2s]
-    return kv_index, kv_weight, visible
+        return kv_index, weight, None
+    has_source = (weight > 0).detach()  # [b, h, B, 1]; False: an empty row of S (no real or no earlier block)
+    own_valid = valid.reshape(b, 1, blocks, 1, s)
+    earlier = torch.ones(s, s, dtype=torch.bool, device=sort.device).tril() if causal else None
+
+    def visible(start: int, stop: int) -> Tensor:
+        n_blk = stop - start
+        own = own_valid[:, :, start:stop]
+        own = own.expand(b, h, n_blk, s, s) if earlier is None else own & earlier  # [b, 1|h, n_blk, s, s]
+        other = valid.gather(1, kv_index[:, :, start:stop].flatten(1)).view(b, h, n_blk, 1, s)
+        other = other & has_source[:, :, start:stop, :, None]
+        return torch.cat([own.expand(b, h, n_blk, s, s), other.expand(b, h, n_blk, s, s)], dim=-1)
+
+    return kv_index, weight, visible
 
 
 def _sortcut_keys(k: Tensor, v: Tensor, sort: Tensor, kept: int, s: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -457,11 +454,16 @@ def _sortcut_keys(k: Tensor, v: Tensor, sort: Tensor, kept: int, s: int) -> tupl
     return keys, values, present.reshape(b, h, 1, 1, kept * s)
 
 
-def _gather_blocks(x: Tensor, kv_index: Tensor, kv_weight: Tensor) -> Tensor:
-    """`x [b, h, n, c]` at the positions `kv_index [b, h, B, m]`, times `kv_weight`: `[b, h, B, m, c]`."""
-    b, h, blocks, m = kv_index.shape
-    rows = x.gather(2, kv_index.reshape(b, h, blocks * m, 1).expand(b, h, blocks * m, x.shape[-1]))
-    return rows.view(b, h, blocks, m, -1) * kv_weight[..., None]
+def _own_and_sorted_rows(x: Tensor, kv_index: Tensor, kv_weight: Tensor | None) -> Tensor:
+    """Each block's own rows of `x [b, h|1, B·s, c]`, then its sorted rows `kv_index [b, h, B, s]` times `kv_weight`
+    `[b, h, B, 1]` (None: unweighted): `[b, h, B, 2s, c]`, what `attend_blocks` reads with `own_keys=s`."""
+    b, h, blocks, s = kv_index.shape
+    x = x.expand(b, h, -1, -1)
+    rows = x.gather(2, kv_index.reshape(b, h, blocks * s, 1).expand(b, h, blocks * s, x.shape[-1]))
+    rows = rows.view(b, h, blocks, s, -1)
+    if kv_weight is not None:
+        rows = rows * kv_weight[..., None]
+    return torch.cat([x.unflatten(2, (blocks, s)), rows], dim=3)
 
 
 def _attend_on_kernel(
@@ -533,24 +535,12 @@ def sinkhorn_attention_dense(
     return sinkhorn_attention(q, k, v, sort_weight, backend="reference", return_weights=True, **settings)
 
 
-def _dense_attention(
-    q,
-    k,
-    v,
-    sort_weight,
-    key_padding_mask,
-    s,
-    iterations,
-    temperature,
-    causal,
-    sortcut,
-    scale,
-    noise,
-    dropout_p,
-    relative_embedding=None,
-    block_documents=None,
-):
-    """`sinkhorn_attention_dense` (arguments in `sinkhorn_attention`'s order, the key padding mask checked)."""
+def _dense_attention(q, k, v, sort_weight, key_padding_mask, *, block_size, sortcut, block_documents, **settings):
+    """`sinkhorn_attention_dense` (the arguments of `sinkhorn_attention`, the key padding mask checked)."""
+    s = block_size
+    iterations, temperature, causal = settings["iterations"], settings["temperature"], settings["causal"]
+    scale, noise, dropout_p = settings["scale"], settings["noise"], settings["dropout_p"]
+    relative_embedding = settings["relative_embedding"]
     b, h, n, d = q.shape
     m = k.shape[2]
     scale = default_scale(d) if scale is None else scale

@@ -7,11 +7,13 @@ gathered per block, g global tokens (the most any batch row has), d head dim (d_
 Three layers, each usable on its own:
 
 1. `attend_blocks(q_blocks, k, v, kv_index=..., mask=...) -> (out, lse)`: the generic kernel. Block i of queries
-   attends to the keys `kv_index[i]` (or to every key), restricted by a bool mask. A custom autograd function saves
-   only q, k, v and the bool mask (O(n · d) floats and O(n · m) bytes) and recomputes the probabilities in
-   backward, walking the blocks in chunks with reused workspaces, so no [nb, c, m] float tensor is ever kept and
-   peak memory does not grow with the length beyond those saved tensors. Sparse Transformer layouts, LSH buckets
-   and other "attend within a gathered key set" kinds reuse it.
+   attends to the keys `kv_index[i]` (or to every key; optionally first to its own block of keys, read in place:
+   `own_keys`), restricted by a bool mask. A custom autograd function saves q, k, v, the indices and one bool per
+   query row, plus the mask when it is given as a tensor (O(n · m) bytes); a mask given as a function of the chunk
+   (`block_mask`) is evaluated again in backward instead. Backward recomputes the probabilities, walking the blocks
+   in chunks with reused workspaces, so no [nb, c, m] float tensor is ever kept and peak memory does not grow with
+   the length beyond the saved tensors. Sinkhorn's blocks, dilated bands, global queries and other "attend within
+   a gathered key set" kinds reuse it.
 2. `merge_attention([(out, lse), ...])`: combine partial attentions over disjoint key sets exactly (log-sum-exp).
    `attend_block_sets(q, k, v, [BlockSet, ...])` does it inside the kernel, for a pattern whose parts need different
    block layouts (Sparse Transformer's strided and fixed): one autograd function over all the parts, queries read
@@ -34,8 +36,8 @@ The block masks are never written by hand: they come from evaluating the pattern
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,6 +52,7 @@ __all__ = [
     "BlockSet",
     "merge_attention",
     "evaluate_block_mask",
+    "block_mask",
     "BandLayout",
     "band_layout",
     "banded_attention",
@@ -168,53 +171,62 @@ def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-# Hidden keys get HIDDEN_LOGIT added to their scores (see `numerics`): an additive mask is also ~10x faster than
-# masked_fill_ with a bool mask on CPU.
+def _hide(scores: Tensor, hidden: Tensor) -> None:
+    """Add HIDDEN_LOGIT (see `numerics`) to the scores of hidden keys, in place; hidden: bool, broadcastable.
+
+    An additive mask is faster than masked_fill_ with a bool mask on CPU, and adding the mask's bytes as uint8 (the
+    same 0 / 1) is ~3x faster again than adding the bool tensor (which converts element by element): 69 vs 223 µs
+    for [4, 128, 1024] scores on one thread.
+    """
+    scores.add_(hidden.view(torch.uint8), alpha=HIDDEN_LOGIT)
 
 
 class _BlockAttention(torch.autograd.Function):
     """Forward and hand-written backward of `attend_blocks` (see there for shapes).
 
-    Saves q, k, v and the bool mask only; backward recomputes the probabilities P chunk by chunk and applies
-    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)) + P ∘ dlse, dQ = dS K · scale, dK = dSᵀ Q · scale;
-    the gradients of gathered keys are scatter-added back to their positions. The dlse term lets partial
-    attentions merged by `merge_attention` train.
+    Saves q, k, v, the integer key sets and weights, and one bool per query row ("sees a key"); a mask given as a
+    tensor is saved as it is, a mask given as a function of the chunk is evaluated again in backward (nothing n x
+    keys is kept). Backward recomputes the probabilities P chunk by chunk and applies dV = Pᵀ dO,
+    dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)) + P ∘ dlse, dQ = dS K · scale, dK = dSᵀ Q · scale; the gradients of
+    gathered keys are scatter-added back to their positions, those of the blocks' own keys (`own_keys`) added in
+    place. The dlse term lets partial attentions merged by `merge_attention` train.
 
     Layouts: k, v are read in place (see `_rows`), and the output and gradients are allocated in the layout of
     their counterparts, so the `[b, n, h, d]` views that multi-head layers pass in and get back cost no copies.
     """
 
     @staticmethod
-    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed, kv_weight, bias):
+    def forward(ctx, q_blocks, k, v, kv_index, mask, scale, dropout_p, seed, kv_weight, bias, own_keys):
         b, h, nb, c, _ = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
         dtype = compute_dtype(q_blocks.dtype)
         device = q_blocks.device
-        # None (no mask: every key visible) skips the hidden-score addition and the "row sees no key" zeroing.
-        has_key = None if mask is None else mask.any(dim=-1, keepdim=True)  # [b|1, h|1, nb, c, 1]
         # [b, nb, c, h, d_v] memory seen as [b, h, nb, c, d_v]: merging the heads afterwards is then a view.
         out = torch.empty(b, nb, c, h, d_v, dtype=dtype, device=device).permute(0, 3, 1, 2, 4)
         lse = torch.empty(b, h, nb, c, dtype=dtype, device=device)
         # Grouped views [b, h_kv, group, nb, c, ...] of the per-query-head tensors, matching `_Chunk.view6`.
         out6, lse6 = (_split_heads(t, h_kv) for t in (out, lse))
-        has_key6 = None if has_key is None else _split_heads(has_key, h_kv)
+        # None (no mask: every key visible) skips the hidden-score addition and the "row sees no key" zeroing.
+        # Otherwise [b|1, h|1, nb, c, 1], filled chunk by chunk (its batch and head dims are the mask's).
+        has_key = has_key6 = None
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
-
-        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight):
+        k_c, v_c = k.to(dtype), v.to(dtype)
+        for chunk in _chunks(q_blocks, k_c, v_c, kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = workspace.get("probs", chunk.scores_shape)
-            torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            if bias is not None:
-                chunk.view6(probs).add_(_split_heads(bias[:, :, start:stop], h_kv))
-            if chunk.hidden is not None:
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+            probs = _chunk_scores(chunk, bias, h_kv, workspace)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
             row_lse = score_max - chunk.view6(probs).amax(dim=-1).log()
-            if has_key6 is not None:
-                row_lse = row_lse.masked_fill(~has_key6[:, :, :, start:stop, :, 0], -math.inf)
+            if chunk.hidden is not None:
+                if has_key is None:
+                    b_m, h_kv_m, group_m = chunk.hidden.shape[:3]
+                    has_key = torch.empty(b_m, h_kv_m * group_m, nb, c, 1, dtype=torch.bool, device=device)
+                    has_key6 = _split_heads(has_key, h_kv)
+                chunk_has = has_key6[:, :, :, start:stop]
+                torch.logical_not(chunk.hidden.all(dim=-1, keepdim=True), out=chunk_has)
+                row_lse = row_lse.masked_fill(~chunk_has[..., 0], -math.inf)
             lse6[:, :, :, start:stop] = row_lse
             if generator is not None:
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
@@ -225,8 +237,10 @@ class _BlockAttention(torch.autograd.Function):
             else:
                 torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
-        ctx.save_for_backward(q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias)
-        ctx.scale, ctx.dropout_p, ctx.seed = scale, dropout_p, seed
+        saved_mask = mask if isinstance(mask, Tensor) else None
+        ctx.save_for_backward(q_blocks, k, v, kv_index, saved_mask, has_key, kv_weight, bias)
+        ctx.mask_fn = None if isinstance(mask, Tensor) else mask
+        ctx.scale, ctx.dropout_p, ctx.seed, ctx.own_keys = scale, dropout_p, seed, own_keys
         # An unused lse (the common case) then arrives as None in backward instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
         return out.to(q_blocks.dtype), lse
@@ -234,7 +248,8 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias = ctx.saved_tensors
-        scale, dropout_p = ctx.scale, ctx.dropout_p
+        mask = ctx.mask_fn if mask is None else mask
+        scale, dropout_p, own_keys = ctx.scale, ctx.dropout_p, ctx.own_keys
         b, h, nb, c, d = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]
         dtype = compute_dtype(q_blocks.dtype)
@@ -248,19 +263,16 @@ class _BlockAttention(torch.autograd.Function):
         grad_out6 = None if grad_out is None else _split_heads(grad_out, h_kv)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
         grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
+        # The blocks' own keys: [b, h_kv, nb, own_keys, d] views of the gradients, added to in place.
+        grad_k_own, grad_v_own = (_own_blocks(t, nb, own_keys) for t in (grad_k, grad_v))
         grad_weight = None if kv_weight is None else torch.empty(kv_weight.shape, dtype=dtype, device=device)
         grad_bias = torch.empty(bias.shape, dtype=dtype, device=device) if ctx.needs_input_grad[9] else None
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
 
-        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight):
+        for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = workspace.get("probs", chunk.scores_shape)
-            torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-            if bias is not None:
-                chunk.view6(probs).add_(_split_heads(bias[:, :, start:stop], h_kv))
-            if chunk.hidden is not None:
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+            probs = _chunk_scores(chunk, bias, h_kv, workspace)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = workspace.get("grad_out", chunk.out_shape)
             if grad_out is None:
@@ -285,26 +297,25 @@ class _BlockAttention(torch.autograd.Function):
                 _split_heads(grad_bias, h_kv)[:, :, :, start:stop] = chunk.view6(grad_scores)
             if generator is not None:
                 probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-            grad_values = torch.bmm(
-                probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape)
+            grad_values, grad_keys, grad_q_chunk = _product_gradients(
+                chunk, probs, grad_scores, grad_out_chunk, workspace
             )
-            grad_keys = torch.bmm(
-                grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape)
-            )
-            grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
             torch.mul(chunk.view6(grad_q_chunk), scale, out=grad_q6[:, :, :, start:stop])
-            if grad_weight is not None:
-                _weight_backward(chunk, grad_keys, grad_values, grad_weight, workspace)
             if kv_index is None:
                 grad_k.add_(grad_keys.view(b, h_kv, -1, d))
                 grad_v.add_(grad_values.view(b, h_kv, -1, d_v))
-            else:
-                grad_k_rows.index_add_(
-                    0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.view(-1, d)
-                )
-                grad_v_rows.index_add_(
-                    0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.view(-1, d_v)
-                )
+                continue
+            if own_keys:
+                n_blk = stop - start
+                grad_k_own[:, :, start:stop] += grad_keys.view(b, h_kv, n_blk, -1, d)[:, :, :, :own_keys]
+                grad_v_own[:, :, start:stop] += grad_values.view(b, h_kv, n_blk, -1, d_v)[:, :, :, :own_keys]
+            grad_keys, grad_values = _gathered_gradients(chunk, grad_keys, grad_values, grad_weight, workspace)
+            grad_k_rows.index_add_(
+                0, _gather_rows(grad_k_base, grad_k_step, kv_index, start, stop), grad_keys.reshape(-1, d)
+            )
+            grad_v_rows.index_add_(
+                0, _gather_rows(grad_v_base, grad_v_step, kv_index, start, stop), grad_values.reshape(-1, d_v)
+            )
 
         return (
             grad_q.to(q_blocks.dtype),
@@ -317,21 +328,81 @@ class _BlockAttention(torch.autograd.Function):
             None,
             None if grad_weight is None else grad_weight.to(kv_weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
         )
 
 
-def _weight_backward(
-    chunk: _Chunk, grad_keys: Tensor, grad_values: Tensor, grad_weight: Tensor, workspace: _Workspace
-) -> None:
-    """Weighted gathered keys and values (K_w = w·K, V_w = w·V): writes dw = Σ_d dK_w ∘ K + Σ_d dV_w ∘ V into the
-    chunk's slice of grad_weight `[b, h_kv, nb, m]`, and turns grad_keys, grad_values into the gradients of the
-    unweighted gathered rows (dK = w·dK_w, dV = w·dV_w), in place, before they are scattered back."""
+def _own_blocks(t: Tensor, nb: int, own_keys: int) -> Tensor | None:
+    """The first nb · own_keys positions of t `[b, h, n, d]` as `[b, h, nb, own_keys, d]` (a view), or None."""
+    return t[:, :, : nb * own_keys].unflatten(2, (nb, own_keys)) if own_keys else None
+
+
+def _chunk_scores(chunk: _Chunk, bias: Tensor | None, h_kv: int, workspace: _Workspace) -> Tensor:
+    """The chunk's scores `[rows, queries, m]` (q is scaled already) plus the bias and the hidden keys' logit, in
+    the "probs" workspace (forward and backward compute them alike)."""
+    probs = workspace.get("probs", chunk.scores_shape)
+    torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
+    if bias is not None:
+        chunk.view6(probs).add_(_split_heads(bias[:, :, chunk.start : chunk.stop], h_kv))
+    if chunk.hidden is not None:
+        _hide(chunk.view6(probs), chunk.hidden)
+    return probs
+
+
+def _product_gradients(
+    chunk: _Chunk,
+    probs: Tensor,
+    grad_scores: Tensor,
+    grad_out_chunk: Tensor,
+    workspace: _Workspace,
+    accumulate: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K of a chunk (q and the keys as the chunk holds them: dK and dQ still
+    need the scale where the other side was scaled), in the "grad_values", "grad_keys", "grad_q" workspaces; with
+    `accumulate`, dV and dK are added to what those workspaces hold (keys shared by the chunks)."""
+    grad_values = workspace.get("grad_values", chunk.values.shape)
+    grad_keys = workspace.get("grad_keys", chunk.keys.shape)
+    if accumulate:
+        grad_values.baddbmm_(probs.transpose(1, 2), grad_out_chunk)
+        grad_keys.baddbmm_(grad_scores.transpose(1, 2), chunk.q)
+    else:
+        torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=grad_values)
+        torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=grad_keys)
+    grad_q = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
+    return grad_values, grad_keys, grad_q
+
+
+def _softmax_rows(probs: Tensor) -> Tensor:
+    """Softmax of scores `[rows, queries, m]` in place; returns each row's log-sum-exp `[rows·queries]` (near
+    HIDDEN_LOGIT where every key is hidden)."""
+    score_max = probs.amax(dim=-1).view(-1)
+    torch.ops.aten._softmax.out(probs, -1, False, out=probs)
+    # The largest probability is exp(score_max − lse): one cheap reduction instead of a separate exp-sum.
+    return score_max - probs.amax(dim=-1).view(-1).log()
+
+
+def _gathered_gradients(
+    chunk: _Chunk, grad_keys: Tensor, grad_values: Tensor, grad_weight: Tensor | None, workspace: _Workspace
+) -> tuple[Tensor, Tensor]:
+    """The gradients of the chunk's gathered (unweighted) key and value rows `[rows, m − own, d]`, from those of the
+    keys and values it attended to `[rows, m, d]`.
+
+    With weights (K_w = w·K, V_w = w·V): writes dw = Σ_d dK_w ∘ K + Σ_d dV_w ∘ V (summed over the keys too where w
+    is one per block) into the chunk's slice of grad_weight `[b, h_kv, nb, m − own | 1]`, and returns w·dK_w,
+    w·dV_w."""
+    own = chunk.own_keys
+    grad_keys, grad_values = grad_keys[:, own:], grad_values[:, own:]
+    if chunk.weight is None:
+        return grad_keys, grad_values
+    rows, columns = grad_keys.shape[0], chunk.weight.shape[1]
     product = torch.mul(grad_keys, chunk.raw_keys, out=workspace.get("weight_product", grad_keys.shape))
-    dw = product.sum(dim=-1)  # [b·h_kv·n_blk, m]
-    dw += torch.mul(grad_values, chunk.raw_values, out=workspace.get("weight_product", grad_values.shape)).sum(dim=-1)
-    grad_weight[:, :, chunk.start : chunk.stop] = dw.view(grad_weight.shape[0], grad_weight.shape[1], -1, dw.shape[-1])
-    grad_keys.mul_(chunk.weight)
-    grad_values.mul_(chunk.weight)
+    dw = product.view(rows, columns, -1).sum(dim=-1)  # [b·h_kv·n_blk, m − own | 1]
+    product = torch.mul(grad_values, chunk.raw_values, out=workspace.get("weight_product", grad_values.shape))
+    dw += product.view(rows, columns, -1).sum(dim=-1)
+    grad_weight[:, :, chunk.start : chunk.stop] = dw.view(grad_weight.shape[0], grad_weight.shape[1], -1, columns)
+    weighted_keys = torch.mul(grad_keys, chunk.weight, out=workspace.get("weighted_grad_keys", grad_keys.shape))
+    weighted_values = torch.mul(grad_values, chunk.weight, out=workspace.get("weighted_grad_values", grad_values.shape))
+    return weighted_keys, weighted_values
 
 
 @dataclass
@@ -352,11 +423,12 @@ class _Chunk:
     values: Tensor
     hidden: Tensor | None
     shape6: tuple[int, int, int, int, int]  # (b, h_kv, group, n_blk, c)
-    # With `kv_weight`: keys and values above are weighted; these are the gathered rows before weighting and the
-    # weights `[b·h_kv·n_blk, m, 1]` (for the weights' gradient).
+    # With `kv_weight`: the gathered part of keys and values above is weighted; these are the gathered rows before
+    # weighting `[b·h_kv·n_blk, m − own_keys, d]` and the weights `[b·h_kv·n_blk, m − own_keys | 1, 1]`.
     raw_keys: Tensor | None = None
     raw_values: Tensor | None = None
     weight: Tensor | None = None
+    own_keys: int = 0  # the first own_keys keys of each block are its own (`attend_blocks`), then the gathered ones
 
     @property
     def scores_shape(self) -> tuple[int, int, int]:
@@ -374,40 +446,56 @@ class _Chunk:
         return tensor.view(b, h_kv, n_blk, group, c, tensor.shape[-1]).transpose(2, 3)
 
 
+MaskSource = Tensor | Callable[[int, int], Tensor] | None
+
+
+def _chunk_mask(mask: MaskSource, start: int, stop: int) -> Tensor | None:
+    """Blocks start:stop of a mask given as a tensor `[b|1, h|1, nb, c, m]` or as a function of (start, stop)."""
+    if mask is None or isinstance(mask, Tensor):
+        return None if mask is None else mask[:, :, start:stop]
+    return mask(start, stop)
+
+
 def _chunks(
     q_blocks: Tensor,
     k: Tensor,
     v: Tensor,
     kv_index: Tensor | None,
-    mask: Tensor | None,
+    mask: MaskSource,
     scale: float,
     workspace: _Workspace,
     kv_weight: Tensor | None = None,
+    own_keys: int = 0,
 ):
     """Yield a `_Chunk` per group of query blocks small enough for the workspace budget."""
     b, h, nb, c, d = q_blocks.shape
     h_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     group = h // h_kv
-    m = n_k if kv_index is None else kv_index.shape[-1]
+    gathered = 0 if kv_index is None else kv_index.shape[-1]
+    m = n_k if kv_index is None else own_keys + gathered
     # Per block: scores and their gradient, the queries, output and query gradients, and (gathered) keys and values
-    # with their gradients, plus the weighted copies and their product with `kv_weight`.
+    # with their gradients, plus the gathered rows before weighting and their products with `kv_weight`.
     per_block = 2 * b * h * c * m + 4 * b * h * c * max(d, d_v)
     if kv_index is not None:
-        per_block += (4 if kv_weight is None else 7) * b * h_kv * m * max(d, d_v)
+        per_block += 4 * b * h_kv * m * max(d, d_v)
+        if kv_weight is not None or own_keys:
+            per_block += 3 * b * h_kv * gathered * max(d, d_v)
     step = _blocks_per_workspace(per_block, nb)
     if kv_index is None:
         all_keys, all_values = k.reshape(b * h_kv, n_k, d), v.reshape(b * h_kv, n_k, d_v)  # views, usual layouts
     else:
         k_rows, k_base, k_step = _rows(k)
         v_rows, v_base, v_step = _rows(v)
+        k_own, v_own = _own_blocks(k, nb, own_keys), _own_blocks(v, nb, own_keys)
     for start in range(0, nb, step):
         stop = min(nb, start + step)
         n_blk = stop - start
         shape6 = (b, h_kv, group, n_blk, c)
         q_chunk = _split_heads(q_blocks[:, :, start:stop], h_kv)  # [b, h_kv, group, n_blk, c, d]
         hidden = None
-        if mask is not None:
-            mask_chunk = _split_heads(mask[:, :, start:stop], h_kv)
+        mask_chunk = _chunk_mask(mask, start, stop)
+        if mask_chunk is not None:
+            mask_chunk = _split_heads(mask_chunk, h_kv)
             hidden = torch.logical_not(mask_chunk, out=workspace.get("hidden", mask_chunk.shape, torch.bool))
         if kv_index is None:
             q_scaled = torch.mul(q_chunk, scale, out=workspace.get("q", (b, h_kv, group, n_blk, c, d)))
@@ -418,33 +506,53 @@ def _chunks(
         # Each block's queries of one group side by side: [b, h_kv, n_blk, group, c, d] memory.
         q_scaled = workspace.get("q", (b, h_kv, n_blk, group, c, d))
         torch.mul(q_chunk, scale, out=q_scaled.transpose(2, 3))
+        batches = b * h_kv * n_blk
         # Flat rows of (batch·head, block, key): a dim-0 index_select is ~4x faster than one on dim 2.
-        count = b * h_kv * n_blk * m
-        keys = torch.index_select(
-            k_rows, 0, _gather_rows(k_base, k_step, kv_index, start, stop), out=workspace.get("keys", (count, d))
-        )
-        values = torch.index_select(
-            v_rows, 0, _gather_rows(v_base, v_step, kv_index, start, stop), out=workspace.get("values", (count, d_v))
-        )
-        chunk = _Chunk(
+        plain = kv_weight is None and not own_keys  # the gathered rows are the keys themselves
+        count = batches * gathered
+        gathered_keys = torch.index_select(
+            k_rows,
+            0,
+            _gather_rows(k_base, k_step, kv_index, start, stop),
+            out=workspace.get("keys" if plain else "gathered_keys", (count, d)),
+        ).view(batches, gathered, d)
+        gathered_values = torch.index_select(
+            v_rows,
+            0,
+            _gather_rows(v_base, v_step, kv_index, start, stop),
+            out=workspace.get("values" if plain else "gathered_values", (count, d_v)),
+        ).view(batches, gathered, d_v)
+        if plain:
+            yield _Chunk(
+                start, stop, q_scaled.view(batches, group * c, d), gathered_keys, gathered_values, hidden, shape6
+            )
+            continue
+        # Own keys copied block by block from k (no index), then the gathered rows, weighted where they have weights.
+        keys, values = workspace.get("keys", (batches, m, d)), workspace.get("values", (batches, m, d_v))
+        if own_keys:
+            keys.view(b, h_kv, n_blk, m, d)[:, :, :, :own_keys] = k_own[:, :, start:stop]
+            values.view(b, h_kv, n_blk, m, d_v)[:, :, :, :own_keys] = v_own[:, :, start:stop]
+        weight = None
+        if kv_weight is None:
+            keys[:, own_keys:] = gathered_keys
+            values[:, own_keys:] = gathered_values
+        else:
+            weight = kv_weight[:, :, start:stop].reshape(batches, -1, 1).to(keys.dtype)  # [batches, m − own | 1, 1]
+            torch.mul(gathered_keys, weight, out=keys[:, own_keys:])
+            torch.mul(gathered_values, weight, out=values[:, own_keys:])
+        yield _Chunk(
             start,
             stop,
-            q_scaled.view(b * h_kv * n_blk, group * c, d),
-            keys.view(b * h_kv * n_blk, m, d),
-            values.view(b * h_kv * n_blk, m, d_v),
+            q_scaled.view(batches, group * c, d),
+            keys,
+            values,
             hidden,
             shape6,
+            raw_keys=gathered_keys,
+            raw_values=gathered_values,
+            weight=weight,
+            own_keys=own_keys,
         )
-        yield chunk if kv_weight is None else _weighted(chunk, kv_weight, workspace)
-
-
-def _weighted(chunk: _Chunk, kv_weight: Tensor, workspace: _Workspace) -> _Chunk:
-    """The chunk with its gathered keys and values multiplied by their `kv_weight` (see `attend_blocks`); the
-    unweighted rows and the weights stay in the chunk for `_weight_backward`."""
-    weight = kv_weight[:, :, chunk.start : chunk.stop].reshape(*chunk.keys.shape[:2], 1).to(chunk.keys.dtype)
-    keys = torch.mul(chunk.keys, weight, out=workspace.get("weighted_keys", chunk.keys.shape))
-    values = torch.mul(chunk.values, weight, out=workspace.get("weighted_values", chunk.values.shape))
-    return replace(chunk, keys=keys, values=values, raw_keys=chunk.keys, raw_values=chunk.values, weight=weight)
 
 
 def attend_blocks(
@@ -453,36 +561,44 @@ def attend_blocks(
     v: Tensor,
     *,
     kv_index: Tensor | None,
-    mask: Tensor | None,
+    mask: MaskSource,
     scale: float,
     dropout_p: float = 0.0,
     kv_weight: Tensor | None = None,
     bias: Tensor | None = None,
+    own_keys: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Each block of queries attends to its own set of keys; returns the output and the log-sum-exp.
 
-    Costs O(b · h · nb · c · m) time and O(b · h · (n · d + nb · c)) memory plus the bool mask; probabilities are
-    recomputed in backward. A query row with no visible key returns zeros and `lse = -inf` (gradients stay finite).
+    Costs O(b · h · nb · c · m) time and O(b · h · (n · d + nb · c)) memory (plus a mask or bias passed as a
+    tensor, which is saved); probabilities are recomputed in backward. A query row with no visible key returns zeros
+    and `lse = -inf` (gradients stay finite).
 
     Args:
         q_blocks: Queries `[b, h, nb, c, d]` (any layout, e.g. `q.view(b, h, nb, c, d)` of a transposed view).
         k: Keys `[b, h_kv, n_k, d]`, h_kv dividing h (grouped-query attention: query head i reads key head
             i // (h / h_kv), without repeating k); the usual `[b, n, h_kv, d]`-backed views are read without a copy.
         v: Values `[b, h_kv, n_k, d_v]`, likewise.
-        kv_index: Long `[nb, m]`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
-            entries); `[b, nb, m]`: one key set per batch row; `[b, h_kv, nb, m]`: one per batch row and key/value
-            head (content-based layouts, e.g. Sinkhorn's sorted blocks). None: every block attends to all `n_k` keys (m
-            = n_k) without gathering them.
-        mask: Bool `[b or 1, h or 1, nb, c, m]`, True = the query may see the key; None: every key is visible
-            (no mask is read or negated, and no row can be empty).
+        kv_index: Long `[nb, m']`: block i attends to keys `kv_index[i]` (valid positions; mask out padding
+            entries); `[b, nb, m']`: one key set per batch row; `[b, h_kv, nb, m']`: one per batch row and key/value
+            head (content-based layouts, e.g. Sinkhorn's sorted blocks). m = own_keys + m'. None: every block
+            attends to all `n_k` keys (m = n_k) without gathering them.
+        mask: Which keys each query may see, True = visible: a bool tensor `[b or 1, h or 1, nb, c, m]` (saved for
+            backward), or a function `(start, stop) -> ` that tensor's blocks start:stop, called per chunk in forward
+            and again in backward, so that no n x m tensor is kept (the function should read only O(n) tensors);
+            None: every key is visible (no mask is read or negated, and no row can be empty).
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
-        kv_weight: Optional float `[b, h_kv, nb, m]` (needs `kv_index`): gathered key j of block i enters as
-            `w · k` and `w · v` with w = `kv_weight[..., i, j]`, differentiably (Sinkhorn's sorted block, scaled by
-            its sorting weight). None: weight 1 (no extra work).
+        kv_weight: Optional float `[b, h_kv, nb, m']` or `[b, h_kv, nb, 1]` (needs `kv_index`): gathered key j of
+            block i enters as `w · k` and `w · v` with w = `kv_weight[..., i, j]` (or one w per block),
+            differentiably (Sinkhorn's sorted block, scaled by its sorting weight). None: weight 1 (no extra work).
+            The own keys are never weighted.
         bias: Optional float `[b, h, nb, c, m]` added to the scaled scores of the pairs the blocks compute,
             differentiably (its gradient is the scores' gradient): relative-position logits
-            (`relative_logits.block_bias`). Saved for backward, O(n · m) floats like the mask. None: no bias.
+            (`relative_logits.block_bias`). Saved for backward, O(n · m) floats. None: no bias.
+        own_keys: s > 0 (needs `kv_index`): the first s keys of block i are the positions i·s … i·s + s − 1 of k
+            and v (a block's own keys, as in Sinkhorn attention), read block by block in place (no index, no
+            weight) before the m' gathered ones; nb · s ≤ n_k. 0: every key comes from `kv_index`.
 
     Returns:
         `(out, lse)`: out `[b, h, nb, c, d_v]` in the dtype of q, stored as `[b, nb, c, h, d_v]` so that merging
@@ -503,7 +619,12 @@ def attend_blocks(
             f"k, v must be [{b}, h_kv, n_k, {d}] with h_kv dividing {h} to match q_blocks; got "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    m = k.shape[2] if kv_index is None else kv_index.shape[-1]
+    if own_keys < 0 or (own_keys and (kv_index is None or nb * own_keys > k.shape[2])):
+        raise ValueError(
+            f"own_keys must be 0, or a block size s > 0 with a kv_index and nb * s <= n_k ({nb} * s <= {k.shape[2]}); "
+            f"got own_keys={own_keys} with kv_index {None if kv_index is None else tuple(kv_index.shape)}"
+        )
+    m = k.shape[2] if kv_index is None else own_keys + kv_index.shape[-1]
     if kv_index is not None and (
         kv_index.dim() not in (2, 3, 4) or kv_index.shape[-2] != nb or (kv_index.dim() == 3 and kv_index.shape[0] != b)
     ):
@@ -513,59 +634,65 @@ def attend_blocks(
             f"kv_index of one key set per head must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m], "
             f"got {tuple(kv_index.shape)}"
         )
-    if kv_weight is not None and (kv_index is None or tuple(kv_weight.shape) != (b, k.shape[1], nb, m)):
+    if kv_weight is not None and (
+        kv_index is None or tuple(kv_weight.shape) not in ((b, k.shape[1], nb, m - own_keys), (b, k.shape[1], nb, 1))
+    ):
         raise ValueError(
-            f"kv_weight must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, m={m}] and comes with a "
+            f"kv_weight must have shape [b={b}, h_kv={k.shape[1]}, nb={nb}, {m - own_keys} or 1] and comes with a "
             f"kv_index; got {tuple(kv_weight.shape)} with kv_index "
             f"{None if kv_index is None else tuple(kv_index.shape)}"
         )
-    if mask is not None and (
+    if isinstance(mask, Tensor) and (
         mask.dim() != 5
         or mask.shape[0] not in (1, b)
         or mask.shape[1] not in (1, h)
         or tuple(mask.shape[2:]) != (nb, c, m)
     ):
         raise ValueError(f"mask must have shape [{b} or 1, {h} or 1, {nb}, {c}, {m}], got {tuple(mask.shape)}")
+    if mask is not None and not isinstance(mask, Tensor) and not callable(mask):
+        raise ValueError(f"mask must be a bool tensor, a function of (start, stop) or None; got {type(mask).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if bias is not None and tuple(bias.shape) != (b, h, nb, c, m):
         raise ValueError(f"bias must have shape [{b}, {h}, {nb}, {c}, {m}], got {tuple(bias.shape)}")
+    arguments = (q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p))
     if torch.compiler.is_compiling():
-        return _attend_blocks_traceable(
-            q_blocks,
-            k,
-            v,
-            kv_index=kv_index,
-            mask=mask,
-            scale=scale,
-            dropout_p=dropout_p,
-            kv_weight=kv_weight,
-            bias=bias,
-        )
+        return _attend_blocks_traceable(*arguments, kv_weight=kv_weight, bias=bias, own_keys=own_keys)
     seed = int(torch.randint(0, 2**62, (), device="cpu")) if dropout_p > 0 else 0
-    return _BlockAttention.apply(q_blocks, k, v, kv_index, mask, float(scale), float(dropout_p), seed, kv_weight, bias)
+    return _BlockAttention.apply(*arguments, seed, kv_weight, bias, own_keys)
 
 
 def _attend_blocks_traceable(
     q_blocks: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
     kv_index: Tensor | None,
-    mask: Tensor | None,
+    mask: MaskSource,
     scale: float,
     dropout_p: float,
+    *,
     kv_weight: Tensor | None = None,
     bias: Tensor | None = None,
+    own_keys: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
 
     The eager kernel's chunk loop, reused workspaces and `out=` writes into strided views are host-side memory
     management: a compiler plans memory itself, and `out=` into strided views neither traces without graph breaks
     nor lowers to inductor. Here autograd derives the backward, and the compiler fuses mask, softmax and products.
+    A mask function is evaluated on all the blocks at once.
     """
     dtype = compute_dtype(q_blocks.dtype)
     b, h_kv = k.shape[:2]
+    nb = q_blocks.shape[2]
+    if mask is not None and not isinstance(mask, Tensor):
+        mask = mask(0, nb)
+    if own_keys:  # the own keys as an index of their own, with weight 1
+        own = torch.arange(nb * own_keys, device=k.device).view(nb, own_keys)
+        if kv_weight is not None:
+            kv_weight = kv_weight.expand(*kv_weight.shape[:3], kv_index.shape[-1])
+            kv_weight = torch.cat([torch.ones_like(kv_weight[..., :1]).expand(-1, -1, -1, own_keys), kv_weight], -1)
+        kv_index = torch.cat([own.expand(*kv_index.shape[:-1], own_keys), kv_index], dim=-1)
     if kv_index is None:
         keys, values = k.to(dtype)[:, :, None], v.to(dtype)[:, :, None]  # [b, h_kv, 1, n_k, d]
     elif kv_index.dim() == 4:  # one key set per head: [b, h_kv, nb, m, d]
@@ -581,7 +708,7 @@ def _attend_blocks_traceable(
         # [b, nb, m, h_kv, d] -> [b, h_kv, nb, m, d]
         keys, values = (t.to(dtype).transpose(1, 2)[rows, index].permute(0, 3, 1, 2, 4) for t in (k, v))
     if kv_weight is not None:
-        weight = kv_weight.to(dtype)[..., None]  # [b, h_kv, nb, m, 1]
+        weight = kv_weight.to(dtype)[..., None]  # [b, h_kv, nb, m | 1, 1]
         keys, values = keys * weight, values * weight
     keys, values = keys[:, :, None], values[:, :, None]  # a group of query heads shares a key/value head
     scores = (_split_heads(q_blocks.to(dtype), h_kv) * scale) @ keys.transpose(-1, -2)  # [b, h_kv, group, nb, c, m]
@@ -626,20 +753,15 @@ class BlockSet:
 
     def mask(self, batch: int, heads: Tensor, start: int, stop: int) -> Tensor:
         """Bool `[b|1, h_s|1, stop − start, c, m]` of blocks start:stop."""
-        shared = self.kv_pos.shape[0] == 1
-        kv_pos, kv_valid = self.kv_pos, self.kv_valid
-        if not shared:
-            kv_pos = kv_pos[start:stop]
-            kv_valid = None if kv_valid is None else kv_valid[start:stop]
-        return evaluate_block_mask(
+        return block_mask(
             self.mask_fn,
             batch=batch,
             heads=heads,
-            q_pos=self.q_pos[None, start:stop],
-            kv_pos=kv_pos[None],
-            q_valid=self.q_valid[None, start:stop],
-            kv_valid=None if kv_valid is None else kv_valid[None],
-        )
+            q_pos=self.q_pos[None],
+            kv_pos=self.kv_pos[None],
+            q_valid=self.q_valid[None],
+            kv_valid=None if self.kv_valid is None else self.kv_valid[None],
+        )(start, stop)
 
     def bias(self, bias_fn: BiasFn, batch: int, heads: Tensor, start: int, stop: int) -> Tensor:
         """Float `[b, h_s, stop − start, c, m]`: `bias_fn` on the original positions of blocks start:stop (like
@@ -699,10 +821,17 @@ def _query_rows(base: Tensor, step: int, plan: _SetPlan, index: Tensor, start: i
     return (base[:, :, None, :, None] + slots[None, None, :, None, :]).reshape(-1)
 
 
-def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, workspace: _Workspace):
+def _set_chunks(
+    q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, workspace: _Workspace, backward: bool = False
+):
     """Yield `(chunk, kv_rows)` per group of the set's blocks: the `_Chunk` of gathered (scaled) queries, keys and
     values with the negated mask of the predicate, and the flat rows `_gather_rows` of its keys in k's `_rows` view
-    (the same positions index the key gradients)."""
+    (the same positions index the key gradients).
+
+    Chunks are sized by the workspaces of their pass: backward holds the scores and their gradient, the keys, values
+    and their gradients; forward only the scores, keys and values, so its chunks take up to twice the blocks (fewer
+    chunks: the mask, gathers and merges per chunk cost the same at any size) without raising the step's peak,
+    which comes in backward, where the q, k, v gradients exist."""
     b, _, _, d = q.shape
     d_v = v.shape[3]
     block_set = plan.block_set
@@ -713,11 +842,22 @@ def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, w
     k_rows, k_base, k_step = _rows(k)
     v_rows, v_base, v_step = _rows(v)
     k_base, v_base = (_head_rows(base, plan, b).reshape(-1) for base in (k_base, v_base))
-    keys_once = 4 * b * plan.h_kv * m * max(d, d_v) if plan.shared else 0
-    per_block = 2 * b * h_s * c * m + 4 * b * h_s * c * max(d, d_v)
+    buffers = 2 if backward else 1  # scores (and their gradient); keys and values (and their gradients)
+    keys_once = 2 * buffers * b * plan.h_kv * m * max(d, d_v) if plan.shared else 0
+    per_block = buffers * b * h_s * c * m + 4 * b * h_s * c * max(d, d_v)
     if not plan.shared:
-        per_block += 4 * b * plan.h_kv * m * max(d, d_v)
+        per_block += 2 * buffers * b * plan.h_kv * m * max(d, d_v)
     step = _blocks_per_workspace(per_block, nb, keys_once)
+
+    def gather_keys(kv_start: int, kv_stop: int) -> tuple[Tensor, Tensor]:
+        kv_count = b * plan.h_kv * (kv_stop - kv_start) * m
+        key_rows = _gather_rows(k_base, k_step, block_set.kv_pos, kv_start, kv_stop)
+        keys = torch.index_select(k_rows, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
+        value_rows = _gather_rows(v_base, v_step, block_set.kv_pos, kv_start, kv_stop)
+        return keys, torch.index_select(v_rows, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
+
+    if plan.shared:  # the same keys for every block: gathered once for the set
+        keys, values = gather_keys(0, 1)
     for start in range(0, nb, step):
         stop = min(nb, start + step)
         n_blk = stop - start
@@ -726,14 +866,10 @@ def _set_chunks(q: Tensor, k: Tensor, v: Tensor, plan: _SetPlan, scale: float, w
         hidden6 = torch.logical_not(hidden6, out=workspace.get("hidden", hidden6.shape, torch.bool))
         rows = _query_rows(q_base, q_step, plan, plan.read, start, stop, b)
         q_chunk = torch.index_select(q_rows, 0, rows, out=workspace.get("q", (rows.shape[0], d))).mul_(scale)
-        kv_blocks = 1 if plan.shared else n_blk
         kv_start, kv_stop = (0, 1) if plan.shared else (start, stop)
-        kv_count = b * plan.h_kv * kv_blocks * m
-        key_rows = _gather_rows(k_base, k_step, block_set.kv_pos, kv_start, kv_stop)
-        keys = torch.index_select(k_rows, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
-        value_rows = _gather_rows(v_base, v_step, block_set.kv_pos, kv_start, kv_stop)
-        values = torch.index_select(v_rows, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
-        batches = b * plan.h_kv * kv_blocks
+        if not plan.shared:
+            keys, values = gather_keys(start, stop)
+        batches = b * plan.h_kv * (kv_stop - kv_start)
         chunk = _Chunk(
             start,
             stop,
@@ -781,14 +917,12 @@ class _BlockSetAttention(torch.autograd.Function):
             for chunk, _ in _set_chunks(q.to(dtype), k, v, plan, scale, workspace):
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     chunk.view6(probs).add_(_set_bias(bias_fn, plan, b, chunk))
-                score_max = probs.amax(dim=-1).view(-1)  # [rows·queries]
-                torch.ops.aten._softmax.out(probs, -1, False, out=probs)
-                row_lse = score_max - probs.amax(dim=-1).view(-1).log()  # see _BlockAttention
-                # A row whose keys are all hidden has a largest score near HIDDEN_LOGIT: no key, lse = -inf.
-                row_lse.masked_fill_(score_max < HIDDEN_LOGIT / 2, -math.inf)
+                row_lse = _softmax_rows(probs)
+                # A row whose keys are all hidden has a log-sum-exp near HIDDEN_LOGIT: no key, lse = -inf.
+                row_lse.masked_fill_(row_lse < HIDDEN_LOGIT / 2, -math.inf)
                 if generator is not None:
                     keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                     probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
@@ -819,19 +953,19 @@ class _BlockSetAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros(b, h, n_q, d_v, dtype=dtype, device=device)
         grad_out = grad_out.to(dtype)
-        # Per query `[b, h, n_q]`: L with -inf as 0 (a row that sees no key has P = exp(S + HIDDEN_LOGIT) = 0
-        # anyway), D = rowsum(dO ∘ O), and dL when the log-sum-exp has a gradient.
-        stats = torch.empty(2 if grad_lse is None else 3, b, h, n_q, dtype=dtype, device=device)
-        stats[0] = lse[:, :, :n_q]
-        stats[0].masked_fill_(stats[0] == -math.inf, 0.0)
+        # Per query `[b, h, n_q, 2 | 3]`, side by side so that a chunk reads them with one gather: L with -inf as 0
+        # (a row that sees no key has P = exp(S + HIDDEN_LOGIT) = 0 anyway), D = rowsum(dO ∘ O), and dL when the
+        # log-sum-exp has a gradient.
+        stats = torch.empty(b, h, n_q, 2 if grad_lse is None else 3, dtype=dtype, device=device)
+        stats[..., 0] = lse[:, :, :n_q]
+        stats[..., 0].masked_fill_(stats[..., 0] == -math.inf, 0.0)
         step = max(1, _WORKSPACE_ELEMENTS // max(1, b * h * d_v))
         for start in range(0, n_q, step):  # a slice at a time: no [b, h, n_q, d_v] temporary
             stop = min(n_q, start + step)
-            torch.linalg.vecdot(grad_out[:, :, start:stop], out[:, :, start:stop], out=stats[1, :, :, start:stop])
+            stats[:, :, start:stop, 1] = torch.linalg.vecdot(grad_out[:, :, start:stop], out[:, :, start:stop])
         if grad_lse is not None:
-            stats[2] = grad_lse
-        stat_base = torch.arange(b * h, device=device) * n_q  # `_rows` of stats[i] `[b, h, n_q, 1]`
-        stat_rows = [t.view(-1) for t in stats]
+            stats[..., 2] = grad_lse
+        stat_rows, stat_base, stat_step = _rows(stats)
         grad_out_rows, grad_out_base, grad_out_step = _rows(grad_out)
         grad_q, (grad_q_rows, grad_q_base, grad_q_step) = _zeros_with_rows(q, dtype)
         grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
@@ -845,7 +979,11 @@ class _BlockSetAttention(torch.autograd.Function):
         for plan in plans:
             kv_pos = plan.block_set.kv_pos
             grad_k_set, grad_v_set = (_head_rows(base, plan, b).reshape(-1) for base in (grad_k_base, grad_v_base))
-            for chunk, (_, _, kv_start, kv_stop) in _set_chunks(q.to(dtype), k_c, v_c, plan, scale, workspace):
+            chunks = _set_chunks(q.to(dtype), k_c, v_c, plan, scale, workspace, backward=True)
+            for chunk, (_, _, kv_start, kv_stop) in chunks:
+                # Keys shared by every block of the set: their gradients add up over the chunks in one workspace,
+                # scattered back once after the last chunk.
+                accumulate = plan.shared and chunk.start > 0
                 start, stop = chunk.start, chunk.stop
                 batches, queries = chunk.q.shape[:2]
 
@@ -855,16 +993,17 @@ class _BlockSetAttention(torch.autograd.Function):
 
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                chunk.view6(probs).add_(chunk.hidden, alpha=HIDDEN_LOGIT)
+                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     with torch.enable_grad():  # the chunk's read of the bias tensors, differentiated below
                         bias = _set_bias(bias_fn, plan, b, chunk)
                     chunk.view6(probs).add_(bias.detach())
-                row_l, row_d, *row_dl = (
-                    gather(t.view(-1, 1), stat_base, 1, f"stat{i}", 1).view(batches, queries, 1)
-                    for i, t in enumerate(stat_rows)
-                )
-                probs.sub_(row_l).exp_()  # P of the union's softmax
+                row_stats = gather(stat_rows, stat_base, stat_step, "stats", stats.shape[3]).view(batches, queries, -1)
+                row_l, row_d, *row_dl = row_stats.split(1, dim=-1)  # [batches, queries, 1] each
+                # P of the union's softmax, exp(S − L), as the chunk's softmax times exp(lse_chunk − L): torch's
+                # softmax kernel exponentiates the hidden keys' scores (near HIDDEN_LOGIT) ~10x faster than `exp_`.
+                row_lse = _softmax_rows(probs).view(batches, queries, 1)
+                probs.mul_(row_lse.sub_(row_l).exp_())
                 grad_out_chunk = gather(grad_out_rows, grad_out_base, grad_out_step, "grad_out", d_v)
                 grad_out_chunk = grad_out_chunk.view(batches, queries, d_v)
                 grad_scores = workspace.get("grad_scores", chunk.scores_shape)
@@ -887,16 +1026,14 @@ class _BlockSetAttention(torch.autograd.Function):
                             grad_bias[i] = part if grad_bias[i] is None else grad_bias[i].add_(part)
                 if generator is not None:
                     probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-                grad_values = torch.bmm(
-                    probs.transpose(1, 2), grad_out_chunk, out=workspace.get("grad_values", chunk.values.shape)
+                grad_values, grad_keys, grad_q_chunk = _product_gradients(
+                    chunk, probs, grad_scores, grad_out_chunk, workspace, accumulate=accumulate
                 )
-                grad_keys = torch.bmm(
-                    grad_scores.transpose(1, 2), chunk.q, out=workspace.get("grad_keys", chunk.keys.shape)
-                )
-                grad_q_chunk = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
                 grad_q_index = _query_rows(grad_q_base, grad_q_step, plan, plan.read, start, stop, b)
                 # Padding slots read row 0 of their head: their P, hence their gradients, are exactly 0.
                 grad_q_rows.index_add_(0, grad_q_index, grad_q_chunk.view(-1, d), alpha=scale)
+                if plan.shared and stop < plan.block_set.q_pos.shape[0]:
+                    continue  # more chunks add to the shared keys' gradients
                 grad_k_rows.index_add_(
                     0, _gather_rows(grad_k_set, grad_k_step, kv_pos, kv_start, kv_stop), grad_keys.view(-1, d)
                 )
@@ -1032,6 +1169,39 @@ def _attend_block_sets_traceable(q, k, v, block_sets, *, scale, dropout_p, bias_
         lse[:, heads[:, None], write] = lse_b.reshape(b, heads.shape[0], nb * c)
         partials.append((out[:, :, :n_q], lse[:, :, :n_q]))
     return merge_attention(partials)
+
+
+def block_mask(
+    mask_fn: MaskFn,
+    *,
+    batch: int,
+    heads: Tensor,
+    q_pos: Tensor,
+    kv_pos: Tensor,
+    q_valid: Tensor | None = None,
+    kv_valid: Tensor | None = None,
+) -> Callable[[int, int], Tensor]:
+    """`evaluate_block_mask` as a function of (start, stop) giving blocks start:stop: a `mask` for `attend_blocks`
+    that is evaluated per chunk, in forward and again in backward, so that no n x m bool tensor is kept.
+
+    Args: as `evaluate_block_mask` (positions `[b or 1, nb, ·]`; keys `[b or 1, 1, m]` are shared by all blocks).
+    """
+
+    def blocks(start: int, stop: int) -> Tensor:
+        def keys_of(t: Tensor | None) -> Tensor | None:
+            return t if t is None or t.shape[1] == 1 else t[:, start:stop]
+
+        return evaluate_block_mask(
+            mask_fn,
+            batch=batch,
+            heads=heads,
+            q_pos=q_pos[:, start:stop],
+            kv_pos=keys_of(kv_pos),
+            q_valid=None if q_valid is None else q_valid[:, start:stop],
+            kv_valid=keys_of(kv_valid),
+        )
+
+    return blocks
 
 
 def evaluate_block_mask(

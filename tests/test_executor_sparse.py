@@ -296,3 +296,46 @@ def test_attend_block_sets_dropout_has_matching_gradients():
 
     assert not torch.equal(run(q, k, v), attend_block_sets(q, k, v, sets, scale=SCALE)[0]), "dropout must act"
     assert torch.autograd.gradcheck(run, (q, k, v))
+
+
+@pytest.mark.parametrize("shared_keys", [False, True])
+def test_attend_blocks_with_a_mask_function_equals_the_mask_and_keeps_no_mask(shared_keys, monkeypatch):
+    """`executor_blocked.block_mask` hands `attend_blocks` the predicate as a function of the chunk: outputs,
+    log-sum-exps and gradients (float64, padding slots and keys, a query that sees nothing, chunks of one block)
+    equal those of the evaluated mask tensor, and the mask's bytes ([b|1, h|1, nb, c, m] bools, saved when the mask
+    is a tensor) are not among the tensors saved for backward."""
+    from attention_checks import saved_tensor_bytes
+
+    from longattn import executor_blocked
+
+    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**8)
+    b, h, nb, c, m, n, d = 2, 2, 5, 4, 6, 20, 8
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(b, h, nb, c, d, generator=generator, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(b, h, n, d, generator=generator, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q_pos = torch.arange(nb * c).view(1, nb, c)
+    kv_pos = torch.randint(0, n, (1, 1 if shared_keys else nb, m), generator=generator)
+    q_valid = torch.ones(1, nb, c, dtype=torch.bool)
+    q_valid[0, -1, -1] = False
+    kv_valid = torch.rand(1, kv_pos.shape[1], m, generator=generator) > 0.2
+    pattern = patterns.and_masks(patterns.sliding_window_mask(window=6), lambda b_, h_, q_idx, kv_idx: h_ + q_idx != 3)
+    arguments = dict(mask_fn=pattern, batch=b, heads=torch.arange(h), q_pos=q_pos, kv_pos=kv_pos, q_valid=q_valid)
+    arguments["kv_valid"] = kv_valid
+    tensor = executor_blocked.evaluate_block_mask(**arguments)
+    function = executor_blocked.block_mask(**arguments)
+    kv_index = kv_pos[0].expand(nb, m)
+    results = []
+    for mask in (tensor, function):
+        out, lse = executor_blocked.attend_blocks(q, k, v, kv_index=kv_index, mask=mask, scale=0.4)
+        loss = (out * torch.linspace(-1, 1, d, dtype=torch.float64)).sum() + lse.masked_fill(lse.isinf(), 0).sum()
+        results.append([out, lse, *torch.autograd.grad(loss, (q, k, v))])
+    for from_tensor, from_function in zip(*results, strict=True):
+        torch.testing.assert_close(from_function, from_tensor, rtol=1e-10, atol=1e-10)
+
+    def step(mask):
+        out, _ = executor_blocked.attend_blocks(q, k, v, kv_index=kv_index, mask=mask, scale=0.4)
+        out.sum().backward()
+
+    _, saved_with_tensor = saved_tensor_bytes(lambda: step(tensor))
+    _, saved_with_function = saved_tensor_bytes(lambda: step(function))
+    assert saved_with_function <= saved_with_tensor - tensor.numel(), (saved_with_function, saved_with_tensor)

@@ -443,3 +443,94 @@ def test_forward_and_backward_workspaces_stay_within_their_budget():
     step()  # warm-up: first-call allocations of the profiler and autograd
     q_bytes = bases[0].numel() * bases[0].element_size()
     assert peak_tensor_bytes(step) < 8 * q_bytes
+
+
+@pytest.mark.parametrize("traceable", [False, True])
+@pytest.mark.parametrize("mask_as", ["tensor", "function", "none"])
+@pytest.mark.parametrize("weight_per", ["key", "block", "none"])
+def test_attend_blocks_own_keys_equal_them_gathered(traceable, mask_as, weight_per):
+    """`own_keys=s`: block i's first s keys are k[i·s : i·s + s], read in place and unweighted, then the gathered
+    ones (weighted per key or per block). Outputs, log-sum-exps and every gradient (q, k, v, the weights) equal the
+    same keys passed as one gathered index with weight 1 on the own block, for a mask given as a tensor, as a
+    function of the chunk, or none; grouped query heads, k and v as transposed views, chunks of one block."""
+    from longattn import executor_blocked
+
+    b, h, h_kv, nb, c, s, m, n, d = 2, 4, 2, 4, 3, 3, 5, 14, 4
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, nb, c, d, generator=generator, **DOUBLE).requires_grad_()
+    k, v = (
+        torch.randn(b, n, h_kv, d, generator=generator, **DOUBLE).transpose(1, 2).requires_grad_() for _ in range(2)
+    )
+    kv_index = torch.randint(0, n, (b, h_kv, nb, m), generator=generator)
+    weight = None
+    if weight_per != "none":
+        columns = m if weight_per == "key" else 1
+        weight = torch.rand(b, h_kv, nb, columns, generator=generator, **DOUBLE).requires_grad_()
+    mask = torch.rand(b, h, nb, c, s + m, generator=generator) > 0.3
+    mask[1, 2, 3, 1] = False  # a query that sees no key: zeros
+    own = torch.arange(nb * s).view(nb, s).expand(b, h_kv, nb, s)
+    full_index = torch.cat([own, kv_index], dim=-1)
+    full_weight = None
+    if weight is not None:
+        full_weight = torch.cat([torch.ones(b, h_kv, nb, s, **DOUBLE), weight.expand(b, h_kv, nb, m)], dim=-1)
+    given_mask = {"tensor": mask, "function": lambda start, stop: mask[:, :, start:stop], "none": None}[mask_as]
+    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    inputs = (q, k, v) if weight is None else (q, k, v, weight)
+    results = []
+    for index, kv_weight, own_keys in ((kv_index, weight, s), (full_index, full_weight, 0)):
+        out, lse = run(
+            q,
+            k,
+            v,
+            kv_index=index,
+            mask=given_mask if own_keys else (None if mask_as == "none" else mask),
+            scale=0.7,
+            dropout_p=0.0,
+            kv_weight=kv_weight,
+            own_keys=own_keys,
+        )
+        loss = (out * torch.linspace(-1, 1, d, **DOUBLE)).sum() + lse.masked_fill(lse.isinf(), 0).square().sum()
+        results.append([out, lse, *torch.autograd.grad(loss, inputs)])
+    for own_result, gathered_result in zip(*results, strict=True):
+        torch.testing.assert_close(own_result, gathered_result)
+
+
+def test_attend_blocks_refuses_own_keys_without_room_or_an_index():
+    from longattn.executor_blocked import attend_blocks
+
+    q, k = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 12, 8)
+    with pytest.raises(ValueError, match="own_keys"):
+        attend_blocks(q, k, k, kv_index=None, mask=None, scale=1.0, own_keys=4)
+    with pytest.raises(ValueError, match="own_keys"):
+        attend_blocks(q, k, k, kv_index=torch.zeros(3, 2, dtype=torch.long), mask=None, scale=1.0, own_keys=5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_and_causal_sinkhorn_keep_no_mask_for_backward(causal):
+    """Padded or causal Sinkhorn attention hands the executor its mask as a function of the chunk (own block and
+    sorted block visibility from the token mask, the sorted index and the empty rows of S), evaluated again in
+    backward: nothing of n x keys-per-query elements is saved. The causal mask passed as a tensor was
+    [b, h, B, s, 2s], 2s bools per query and head; now the largest saved integer or bool tensor is the sorted
+    index, one entry per query and head (or the sorting step's block x block tensors). Float tensors saved stay
+    O(n·d)."""
+    b, h, n, d, s = 1, 2, 1000, 8, 16
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, n, h, d, generator=generator).transpose(1, 2).requires_grad_() for _ in range(3))
+    sort_weight = torch.randn(d, d, generator=generator).requires_grad_()
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[:, -37:] = False
+    sizes = []
+
+    def pack(tensor):
+        sizes.append((tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.is_floating_point()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = sinkhorn_attention(
+            q, k, v, sort_weight, block_size=s, iterations=3, temperature=0.75, causal=causal, key_padding_mask=valid
+        )
+    out.sum().backward()
+    n_pad = -(-n // s) * s
+    blocks = n_pad // s  # the sorting step keeps [b, h, B, B] tensors (B = n / s blocks)
+    assert max(size for size, floating in sizes if not floating) <= b * h * max(n_pad, blocks * blocks)
+    assert max(size for size, floating in sizes if floating) <= b * h * max(n_pad * d, blocks * blocks)
