@@ -341,12 +341,10 @@ class AdaptiveSpanAttention(LongAttnAttention):
     """
 
     attention_type = "adaptive_span"
+    settings = (("max_span", "adaptive_span_max"), "ramp", "loss_coef")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.max_span = config.per_layer("adaptive_span_max", layer_idx)
-        self.ramp = config.adaptive_span_ramp
-        self.loss_coef = float(config.adaptive_span_loss_coef)
         self.span_fraction = nn.Parameter(torch.zeros(self.num_heads))
         self.reset_kind_parameters()
 

@@ -472,10 +472,10 @@ class BinaryPartitionAttention(LongAttnAttention):
     level and side; int or one per layer). Parameter besides q/k/v/o_proj: `relative_bias` `[h, edge types]`."""
 
     attention_type = "binary_partition"
+    settings = ("context",)
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.context = config.per_layer("binary_partition_context", layer_idx)
         self.relative_bias = nn.Parameter(torch.zeros(self.num_heads, num_edge_types(self.context)))
         self.reset_kind_parameters()
 

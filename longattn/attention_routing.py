@@ -735,16 +735,13 @@ class RoutingAttention(LongAttnAttention):
 
     attention_type = "routing"
     supports_packing = True
+    settings = ("num_clusters", "num_local_heads", "local_window", "causal_window", "ema_decay")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.num_clusters = config.per_layer("routing_num_clusters", layer_idx)
-        self.num_local_heads = config.per_layer("routing_num_local_heads", layer_idx)
         self.num_routing_heads = self.num_heads - self.num_local_heads
-        self.local_window = config.per_layer("routing_local_window", layer_idx)
-        window = config.per_layer("routing_causal_window", layer_idx)
-        self.causal_window = -(-config.max_position_embeddings // self.num_clusters) if window is None else window
-        self.ema_decay = config.routing_ema_decay
+        if self.causal_window is None:  # the balanced cluster size at full length
+            self.causal_window = -(-config.max_position_embeddings // self.num_clusters)
         self.register_buffer(
             "centroids", torch.empty(self.num_routing_heads, self.num_clusters, self.head_dim), persistent=True
         )
