@@ -262,22 +262,11 @@ def cluster_statistics(
 
 # ---------------------------------------------------------------------------------------------- executors
 def routing_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    centroids: Tensor,
-    *,
-    causal: bool,
-    causal_window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_statistics: bool = False,
-    backend: str = "auto",
-    dense: bool = False,
-    document_ids: Tensor | None = None,
-    relative_embedding: Tensor | None = None,
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, causal: bool, causal_window: int,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
+    return_statistics: bool = False, backend: str = "auto", dense: bool = False,
+    document_ids: Tensor | None = None, relative_embedding: Tensor | None = None,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:  # fmt: skip
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
     Args:
