@@ -318,19 +318,10 @@ def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropo
 
 
 def binary_partition_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    context: int,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    relative_bias: Tensor,
-    scale: float,
-    dropout_p: float = 0.0,
-    relative_embedding: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0, relative_embedding: Tensor | None = None,
     dense: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`); with
     `dense`, the dense form. Both share the checks and the pooled span nodes (`pool_spans`).
 
