@@ -74,20 +74,10 @@ def _support_and_softmax(scores: Tensor, soft: Tensor, visible: Tensor) -> Tenso
 
 
 def adaptive_span_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    span: Tensor,
-    max_span: int,
-    ramp: int,
-    causal: bool,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    block_size: int = _BLOCK_SIZE,
-    dense: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, *, span: Tensor, max_span: int, ramp: int, causal: bool,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
+    block_size: int = _BLOCK_SIZE, dense: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Soft-masked attention over the keys within each head's span, banded: O(n · (c + reach)) time and memory.
 
     Blocks of c consecutive queries gather their band of keys as strided windows of the (zero-padded) keys; the
@@ -341,12 +331,10 @@ class AdaptiveSpanAttention(LongAttnAttention):
     """
 
     attention_type = "adaptive_span"
+    settings = (("max_span", "adaptive_span_max"), "ramp", "loss_coef")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.max_span = config.per_layer("adaptive_span_max", layer_idx)
-        self.ramp = config.adaptive_span_ramp
-        self.loss_coef = float(config.adaptive_span_loss_coef)
         self.span_fraction = nn.Parameter(torch.zeros(self.num_heads))
         self.reset_kind_parameters()
 

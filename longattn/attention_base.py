@@ -5,6 +5,9 @@ Shape legend: b batch, h heads, n query length, m key length, d head dim, D hidd
 A kind subclasses `LongAttnAttention` and declares:
 - `attention_type`: its registry name, with a row in `attention_fields.KINDS` (its config fields with defaults,
   their checks and the back ends it runs on: `config_fields`, `validate_config`, `backends` come from there);
+- `settings`: which of those fields it reads, as the attributes that hold them (`("window", "dilation")` reads
+  `sliding_window` into `window` and `sliding_dilation` into `dilation`); the base's `__init__` sets them, this
+  layer's value of each, before the kind's own `__init__` goes on;
 - `attend`: the fast executor for a whole sequence (q, k, v -> out);
 - `pattern`: the mask predicate that defines which keys a query sees, used by the dense path (cached decoding, where
   queries are the last positions, and `output_attentions`) and by pictures of the pattern. Content-based kinds, whose
@@ -70,6 +73,13 @@ class LongAttnAttention(nn.Module):
     """Values of `attention_backend` this kind runs on (from its row of `attention_fields.KINDS`)."""
     supports_packing: ClassVar[bool] = False
     """The kind keeps packed documents apart (takes `document_ids`); False: packed batches raise `ValueError`."""
+    settings: ClassVar[tuple[str | tuple[str, str], ...]] = ()
+    """The kind's config fields its layers hold: an attribute name reads the field `<attention_type>_<name>`, an
+    (attribute, field) pair a field named otherwise. `__init__` sets each attribute to the layer's value of its field
+    (`attention_fields.Field.layer_value`: a per-layer field's entry for `layer_idx`, a per-head one as a list, a
+    number as a float)."""
+    setting_fields: ClassVar[dict[str, str]] = {}
+    """Attribute -> config field, as `settings` declares them (derived once per class)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A kind's fields, back ends and checks are declared once, in the static table the configuration reads.
@@ -81,6 +91,15 @@ class LongAttnAttention(nn.Module):
             )
         cls.config_fields = field_defaults(cls.attention_type)
         cls.backends = KINDS[cls.attention_type].backends
+        cls.setting_fields = dict(
+            item if isinstance(item, tuple) else (item, f"{cls.attention_type}_{item}") for item in cls.settings
+        )
+        unknown = sorted(set(cls.setting_fields.values()) - set(cls.config_fields))
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__}: `settings` reads {unknown}, which are not fields of `attention_type`="
+                f"{cls.attention_type!r}; expected some of {sorted(cls.config_fields)}."
+            )
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__()
@@ -104,6 +123,9 @@ class LongAttnAttention(nn.Module):
         ):
             max_distance = config.per_layer("relative_max_distance", layer_idx)
             self.relative_embedding = nn.Embedding(2 * max_distance + 1, self.head_dim)
+        fields = KINDS[self.attention_type].fields if self.setting_fields else {}
+        for attribute, name in self.setting_fields.items():
+            setattr(self, attribute, fields[name].layer_value(name, config, layer_idx))
 
     @property
     def relative_weight(self) -> Tensor | None:

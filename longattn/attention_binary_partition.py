@@ -318,19 +318,10 @@ def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropo
 
 
 def binary_partition_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    context: int,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    relative_bias: Tensor,
-    scale: float,
-    dropout_p: float = 0.0,
-    relative_embedding: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, context: int, causal: bool, key_padding_mask: Tensor | None,
+    relative_bias: Tensor, scale: float, dropout_p: float = 0.0, relative_embedding: Tensor | None = None,
     dense: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The fast executor: blocks of `QUERY_BLOCK` queries attend to their gathered nodes (`block_layout`); with
     `dense`, the dense form. Both share the checks and the pooled span nodes (`pool_spans`).
 
@@ -472,10 +463,10 @@ class BinaryPartitionAttention(LongAttnAttention):
     level and side; int or one per layer). Parameter besides q/k/v/o_proj: `relative_bias` `[h, edge types]`."""
 
     attention_type = "binary_partition"
+    settings = ("context",)
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.context = config.per_layer("binary_partition_context", layer_idx)
         self.relative_bias = nn.Parameter(torch.zeros(self.num_heads, num_edge_types(self.context)))
         self.reset_kind_parameters()
 

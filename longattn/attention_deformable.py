@@ -208,11 +208,10 @@ class DeformableAttention(LongAttnAttention):
     """
 
     attention_type = "deformable"
+    settings = ("levels", "points")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.levels = config.per_layer("deformable_levels", layer_idx)
-        self.points = config.per_layer("deformable_points", layer_idx)
         self.q_proj = self.k_proj = None  # no keys, no q·k: every parameter the kind owns is trained
         samples = self.num_heads * self.levels * self.points
         self.offset_proj = nn.Linear(config.hidden_size, samples)

@@ -11,8 +11,6 @@ decoders use its causal form (prefix sums over key chunks), so the kind works in
 
 from __future__ import annotations
 
-from typing import Any
-
 from .attention_base import LongAttnAttention
 from .ops_linear import efficient_attention, efficient_attention_weights
 from .patterns import DocumentRows
@@ -35,10 +33,7 @@ class EfficientAttention(LongAttnAttention):
     supports_packing = True
     """Packed documents: each moved to a row of its own (`patterns.DocumentRows`), so that its global context (its
     running state, causal) starts afresh, as for the document alone."""
-
-    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
-        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.normalization = config.efficient_normalization
+    settings = ("normalization",)
 
     def attend(self, q, k, v, *, key_padding_mask, global_mask, document_ids=None):
         if document_ids is not None:

@@ -198,6 +198,15 @@ class Field:
             raise ValueError(f"`{name}`={value!r} is unknown: expected one of {list(self.choices)}.")
         return value
 
+    def layer_value(self, name: str, config: Any, layer_idx: int) -> Any:
+        """What a layer `layer_idx` holds of `config.<name>` (checked by `check` when the config was built): a
+        per-layer field's entry for the layer, a per-head field's list (a copy) or its one value, a number as a
+        float, any other value as it is."""
+        value = getattr(config, name)
+        if isinstance(value, (list, tuple)):
+            return value[layer_idx] if self.per == "layer" else list(value)
+        return float(value) if self.type == "number" and value is not None else value
+
 
 Rule = Callable[[Any, int, bool], None]
 """A check between a kind's fields: `rule(config, layer_idx, is_causal)`, run after every field passed its own."""

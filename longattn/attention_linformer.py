@@ -61,11 +61,10 @@ class LinformerAttention(LongAttnAttention):
     """
 
     attention_type = "linformer"
+    settings = ("proj_len", "sharing")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.proj_len = config.per_layer("linformer_proj_len", layer_idx)
-        self.sharing = config.linformer_sharing
         self.max_len = config.max_position_embeddings
         heads = self.num_heads if self.sharing == "none" else 1
         owner = None

@@ -33,12 +33,7 @@ class LongformerAttention(LongAttnAttention):
     supports_packing = True
     context_parallel: ContextParallel | None = None
     """The group this layer's sequence is split across (set by `context_parallel.enable_context_parallel`)."""
-
-    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
-        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.window = config.per_layer("sliding_window", layer_idx)
-        dilation = config.sliding_dilation
-        self.dilation = list(dilation) if isinstance(dilation, (list, tuple)) else dilation
+    settings = ("window", "dilation")
 
     def _pattern_arguments(self, key_padding_mask, global_mask, document_ids=None) -> dict[str, Any]:
         """The settings the pattern and its executor (`sliding_window_attention`) share."""

@@ -56,21 +56,14 @@ class LSHAttention(LongAttnAttention):
 
     attention_type = "lsh"
     supports_packing = True
+    settings = ("num_hashes", "bucket_size", "num_buckets", "num_chunks_before", "num_chunks_after")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
         # Shared-QK: the key projection is q_proj; a separate k_proj would get no gradient.
         del self.k_proj
-        self.num_hashes = config.per_layer("lsh_num_hashes", layer_idx)
-        self.bucket_size = config.per_layer("lsh_bucket_size", layer_idx)
-        num_buckets = config.per_layer("lsh_num_buckets", layer_idx)
-        self.num_buckets = (
-            default_num_buckets(config.max_position_embeddings, self.bucket_size)
-            if num_buckets is None
-            else num_buckets
-        )
-        self.num_chunks_before = config.per_layer("lsh_num_chunks_before", layer_idx)
-        self.num_chunks_after = config.per_layer("lsh_num_chunks_after", layer_idx)
+        if self.num_buckets is None:
+            self.num_buckets = default_num_buckets(config.max_position_embeddings, self.bucket_size)
         self.seed = (
             None
             if config.lsh_seed is None
@@ -105,14 +98,8 @@ class LSHAttention(LongAttnAttention):
 
     def _draw_rotations(self, *, seed: int | None, device: torch.device | str) -> Tensor:
         """Rotations `[h, d, r, Σ factors/2]` of this layer's shape, from `seed` (None: torch's generator)."""
-        return lsh_rotations(
-            heads=self.num_heads,
-            head_dim=self.head_dim,
-            num_hashes=self.num_hashes,
-            num_buckets=self.num_buckets,
-            seed=seed,
-            device=device,
-        )
+        h, d, r = self.num_heads, self.head_dim, self.num_hashes
+        return lsh_rotations(heads=h, head_dim=d, num_hashes=r, num_buckets=self.num_buckets, seed=seed, device=device)
 
     def set_rotations(self, rotations: Tensor | None) -> None:
         """Use these rotations `[h or 1, d, r, Σ factors/2]` instead of seeded or random ones (None: back to those).

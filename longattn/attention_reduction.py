@@ -84,10 +84,10 @@ class ReductionAttention(LongAttnAttention):
     """
 
     attention_type = "reduction"
+    settings = ("ratio",)
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.ratio = config.per_layer("reduction_ratio", layer_idx)
         if self.ratio > 1:
             self.reduction_proj = nn.Linear(self.ratio * config.hidden_size, config.hidden_size)
             self.reduction_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)

@@ -262,22 +262,11 @@ def cluster_statistics(
 
 # ---------------------------------------------------------------------------------------------- executors
 def routing_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    centroids: Tensor,
-    *,
-    causal: bool,
-    causal_window: int,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    return_statistics: bool = False,
-    backend: str = "auto",
-    dense: bool = False,
-    document_ids: Tensor | None = None,
-    relative_embedding: Tensor | None = None,
-) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, causal: bool, causal_window: int,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
+    return_statistics: bool = False, backend: str = "auto", dense: bool = False,
+    document_ids: Tensor | None = None, relative_embedding: Tensor | None = None,
+) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]] | tuple[Tensor, Tensor]:  # fmt: skip
     """Routing attention of every head in q, k, v (see the module docstring); never builds an n x n score.
 
     Args:
@@ -735,16 +724,13 @@ class RoutingAttention(LongAttnAttention):
 
     attention_type = "routing"
     supports_packing = True
+    settings = ("num_clusters", "num_local_heads", "local_window", "causal_window", "ema_decay")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.num_clusters = config.per_layer("routing_num_clusters", layer_idx)
-        self.num_local_heads = config.per_layer("routing_num_local_heads", layer_idx)
         self.num_routing_heads = self.num_heads - self.num_local_heads
-        self.local_window = config.per_layer("routing_local_window", layer_idx)
-        window = config.per_layer("routing_causal_window", layer_idx)
-        self.causal_window = -(-config.max_position_embeddings // self.num_clusters) if window is None else window
-        self.ema_decay = config.routing_ema_decay
+        if self.causal_window is None:  # the balanced cluster size at full length
+            self.causal_window = -(-config.max_position_embeddings // self.num_clusters)
         self.register_buffer(
             "centroids", torch.empty(self.num_routing_heads, self.num_clusters, self.head_dim), persistent=True
         )

@@ -59,13 +59,11 @@ class SynthesizerAttention(LongAttnAttention):
     """
 
     attention_type = "synthesizer"
+    settings = ("mode", "mix", "factor_k")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.mode = config.synthesizer_mode
-        self.mix = bool(config.synthesizer_mix)
         self.max_len = config.max_position_embeddings
-        self.factor_k = config.synthesizer_factor_k
         hidden, heads, length = config.hidden_size, self.num_heads, self.max_len
         if not self.mix:
             self.q_proj = self.k_proj = None

@@ -1079,8 +1079,8 @@ def lsh_attention(
             qk,
             v,
             rotations=rotations,
-            bucket_size=c,
             num_buckets=num_buckets,
+            bucket_size=c,
             num_chunks_before=num_chunks_before,
             num_chunks_after=num_chunks_after,
             causal=causal,
@@ -1275,8 +1275,8 @@ def lsh_attention_dense(
     v: Tensor,
     *,
     rotations: Tensor,
-    bucket_size: int,
     num_buckets: Buckets | None = None,
+    bucket_size: int,
     num_chunks_before: int = 1,
     num_chunks_after: int = 0,
     causal: bool = False,
@@ -1296,9 +1296,10 @@ def lsh_attention_dense(
         q: Queries `[b, h, n, d]` (the shared vectors of the last n positions).
         k: Keys `[b, h, m, d]` (the shared vectors, not normalised).
         v: Values `[b, h, m, d_v]`.
-        rotations: `[h or 1, d, r, Σ factors/2]`, the rotations the fast path used.
-        bucket_size, num_buckets, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p,
-            document_ids, relative_embedding: As in `lsh_attention` (`document_ids` `[b, m]`).
+        rotations, num_buckets: The hashing the fast path used: its rotations `[h or 1, d, r, Σ factors/2]` and
+            bucket count (None: one hash of `2 · rotations.shape[-1]` buckets).
+        bucket_size, num_chunks_before, num_chunks_after, causal, key_padding_mask, dropout_p, document_ids,
+            relative_embedding: As in `lsh_attention` (`document_ids` `[b, m]`).
 
     Returns:
         `(out [b, h, n, d_v], weights [b, h, n, m])`, weights summed over the rounds.

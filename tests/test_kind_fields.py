@@ -60,6 +60,33 @@ def test_a_kind_without_a_row_in_the_table_is_refused():
         type("Unlisted", (LongAttnAttention,), {"attention_type": "unlisted"})
 
 
+def test_a_kind_declaring_a_setting_of_another_kind_is_refused():
+    with pytest.raises(TypeError, match=r"`settings` reads \['sliding_window'\], which are not fields of"):
+        type("Misread", (LongAttnAttention,), {"attention_type": "reduction", "settings": (("x", "sliding_window"),)})
+
+
+def test_declared_settings_hold_each_layers_value():
+    """A per-layer field gives each layer its entry, a per-head one a list, a number a float; the layer reads nothing
+    else of its kind's fields by hand."""
+    config = LongAttnConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        attention_type=["sliding", "adaptive_span"],
+        sliding_window=[3, 5],
+        sliding_dilation=(1, 2),
+        adaptive_span_max=[7, 9],
+        adaptive_span_loss_coef=1,
+    )
+    sliding = ATTENTION_CLASSES["sliding"](config, layer_idx=0, is_causal=False)
+    span = ATTENTION_CLASSES["adaptive_span"](config, layer_idx=1, is_causal=False)
+    assert sliding.setting_fields == {"window": "sliding_window", "dilation": "sliding_dilation"}
+    assert (sliding.window, sliding.dilation) == (3, [1, 2])
+    assert (span.max_span, span.ramp) == (9, 32) and type(span.loss_coef) is float and span.loss_coef == 1.0
+    for name, kind in ATTENTION_CLASSES.items():
+        assert set(kind.setting_fields.values()) <= set(KINDS[name].fields), name
+
+
 def test_per_layer_optional_fields_take_none_entries():
     config = LongAttnConfig(num_hidden_layers=2, attention_type="lsh", lsh_num_buckets=[None, 4])
     assert config.per_layer("lsh_num_buckets", 0) is None and config.per_layer("lsh_num_buckets", 1) == 4

@@ -62,16 +62,11 @@ def attention_pattern(
         raise ValueError(
             f"`layer_idx`={layer_idx} is out of range: the model has {model.config.num_hidden_layers} layers."
         )
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_attention_mask)
     was_training, dtype = model.training, model.dtype
     model.eval().double()
     try:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            output_attentions=True,
-            use_cache=False,
-        )
+        out = model(**inputs, output_attentions=True, use_cache=False)
     finally:
         model.to(dtype).train(was_training)
     return out.attentions[layer_idx][0] > 0
