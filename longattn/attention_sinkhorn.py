@@ -173,6 +173,11 @@ def sinkhorn_sort_matrix(
 
 
 # ---------------------------------------------------------------------------------------------- layout helpers
+def _sorting(settings: dict[str, Any]) -> dict[str, Any]:
+    """The Sinkhorn balancing settings (`sinkhorn_sort_matrix`'s keywords) out of a call's settings."""
+    return {name: settings[name] for name in ("iterations", "temperature", "causal", "noise")}
+
+
 def _left_aligned(valid: Tensor) -> Tensor:
     """Per row, the rotation `[b, n]` that moves the first real token to position 0 (left padding to the end)."""
     b, n = valid.shape
@@ -333,16 +338,7 @@ def sinkhorn_attention(
     q, k, v, valid, rotation = _prepare(q, k, v, key_padding_mask, s)
     blocks = q.shape[2] // s
     sort = sinkhorn_sort_matrix(
-        k,
-        valid,
-        sort_weight,
-        block_size=s,
-        iterations=iterations,
-        temperature=temperature,
-        causal=causal,
-        noise=noise,
-        padded=padded,
-        block_documents=_block_documents,
+        k, valid, sort_weight, block_size=s, padded=padded, block_documents=_block_documents, **_sorting(settings)
     )  # [b, h, B, B]
     own_keys = 0
     if sortcut:
@@ -538,8 +534,7 @@ def sinkhorn_attention_dense(
 def _dense_attention(q, k, v, sort_weight, key_padding_mask, *, block_size, sortcut, block_documents, **settings):
     """`sinkhorn_attention_dense` (the arguments of `sinkhorn_attention`, the key padding mask checked)."""
     s = block_size
-    iterations, temperature, causal = settings["iterations"], settings["temperature"], settings["causal"]
-    scale, noise, dropout_p = settings["scale"], settings["noise"], settings["dropout_p"]
+    causal, scale, dropout_p = settings["causal"], settings["scale"], settings["dropout_p"]
     relative_embedding = settings["relative_embedding"]
     b, h, n, d = q.shape
     m = k.shape[2]
@@ -559,15 +554,7 @@ def _dense_attention(q, k, v, sort_weight, key_padding_mask, *, block_size, sort
     k_l, v_l = k_l * keep, v_l * keep
     blocks = m_pad // s
     sort = sinkhorn_sort_matrix(
-        k_l,
-        valid_l,
-        sort_weight,
-        block_size=s,
-        iterations=iterations,
-        temperature=temperature,
-        causal=causal,
-        noise=noise,
-        block_documents=block_documents,
+        k_l, valid_l, sort_weight, block_size=s, block_documents=block_documents, **_sorting(settings)
     ).to(dtype)  # [b, h, B, B]
     layout = torch.empty_like(rotation).scatter_(1, rotation, torch.arange(m, device=q.device).expand_as(rotation))
     q_layout = layout[:, m - n :]  # [b, n], layout position of each query
@@ -671,13 +658,10 @@ class SinkhornAttention(LongAttnAttention):
 
     attention_type = "sinkhorn"
     supports_packing = True
+    settings = ("block_size", "iterations", "temperature", "sortcut")
 
     def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
         super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.block_size = config.per_layer("sinkhorn_block_size", layer_idx)
-        self.iterations = config.per_layer("sinkhorn_iterations", layer_idx)
-        self.temperature = config.sinkhorn_temperature
-        self.sortcut = config.per_layer("sinkhorn_sortcut", layer_idx)
         self.sort_proj = nn.Linear(self.head_dim, self.head_dim, bias=False)
 
     @classmethod

@@ -33,10 +33,7 @@ class StridedAttention(LongAttnAttention):
 
     attention_type = "strided"
     supports_packing = True
-
-    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
-        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.stride = config.per_layer("strided_stride", layer_idx)
+    settings = ("stride",)
 
     def _pattern_arguments(self, key_padding_mask, document_ids=None) -> dict[str, Any]:
         """The settings the pattern and its executor (`strided_attention`) share."""
@@ -58,12 +55,7 @@ class FixedAttention(LongAttnAttention):
 
     attention_type = "fixed"
     supports_packing = True
-
-    def __init__(self, config: Any, *, layer_idx: int, is_causal: bool):
-        super().__init__(config, layer_idx=layer_idx, is_causal=is_causal)
-        self.block_size = config.per_layer("fixed_block_size", layer_idx)
-        self.num_summary = config.per_layer("fixed_num_summary", layer_idx)
-        self.summary_per_head = config.fixed_summary_per_head
+    settings = ("block_size", "num_summary", "summary_per_head")
 
     @classmethod
     def length_multiple(cls, config, *, layer_idx):

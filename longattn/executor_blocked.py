@@ -1172,33 +1172,21 @@ def _attend_block_sets_traceable(q, k, v, block_sets, *, scale, dropout_p, bias_
 
 
 def block_mask(
-    mask_fn: MaskFn,
-    *,
-    batch: int,
-    heads: Tensor,
-    q_pos: Tensor,
-    kv_pos: Tensor,
-    q_valid: Tensor | None = None,
-    kv_valid: Tensor | None = None,
+    mask_fn: MaskFn, *, batch: int, heads: Tensor, **positions: Tensor | None
 ) -> Callable[[int, int], Tensor]:
     """`evaluate_block_mask` as a function of (start, stop) giving blocks start:stop: a `mask` for `attend_blocks`
     that is evaluated per chunk, in forward and again in backward, so that no n x m bool tensor is kept.
 
-    Args: as `evaluate_block_mask` (positions `[b or 1, nb, ·]`; keys `[b or 1, 1, m]` are shared by all blocks).
+    Args: as `evaluate_block_mask`; `positions` are its `q_pos`, `kv_pos`, `q_valid`, `kv_valid` (`[b or 1, nb, ·]`;
+    keys `[b or 1, 1, m]` are shared by all blocks and are not cut).
     """
 
     def blocks(start: int, stop: int) -> Tensor:
-        def keys_of(t: Tensor | None) -> Tensor | None:
+        def rows(t: Tensor | None) -> Tensor | None:
             return t if t is None or t.shape[1] == 1 else t[:, start:stop]
 
         return evaluate_block_mask(
-            mask_fn,
-            batch=batch,
-            heads=heads,
-            q_pos=q_pos[:, start:stop],
-            kv_pos=keys_of(kv_pos),
-            q_valid=None if q_valid is None else q_valid[:, start:stop],
-            kv_valid=keys_of(kv_valid),
+            mask_fn, batch=batch, heads=heads, **{name: rows(t) for name, t in positions.items()}
         )
 
     return blocks
