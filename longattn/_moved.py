@@ -5,6 +5,12 @@
 `longattn.tools`. `import longattn.hub` (or `python -m longattn.data ...`) still works and warns: the old name is the
 moved module itself (`longattn.hub is longattn.tools.hub`), so a monkeypatch through either name reaches the same
 functions. No file stands at an old path, so nothing else claims it.
+
+Names that moved out of a module that stays (the model-level half of `longattn.context_parallel`, now
+`longattn.train.context_parallel`) resolve through the staying module's `__getattr__` (`moved_names`): the new module
+is imported on first use of an old name, never when the staying module is imported, so a flat module that offers an
+old name still imports nothing above itself. This file imports nothing from longattn, so any flat module may use it
+(a Hub folder then carries it too).
 """
 
 from __future__ import annotations
@@ -24,6 +30,20 @@ MOVED = {
 }
 _OWN_SPECS: dict = {}  # new module name -> its own spec
 
+# module that stays -> (the module the names moved to, the names); removed in the release after 0.1
+MOVED_NAMES = {
+    "longattn.context_parallel": (
+        "longattn.train.context_parallel",
+        (
+            "check_context_parallel",
+            "context_parallel_paused",
+            "enable_context_parallel",
+            "reduce_gradients",
+            "shard_batch",
+        ),
+    ),
+}
+
 
 def _warn(old: str, stacklevel: int) -> None:
     warnings.warn(
@@ -32,6 +52,27 @@ def _warn(old: str, stacklevel: int) -> None:
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def moved_names(module: str):
+    """The module-level `__getattr__` (PEP 562) for `module`, which stays but lost the names `MOVED_NAMES[module]`:
+    an old name warns (pointing at the line that used it) and is the moved object itself; any other missing name
+    raises AttributeError as usual. A module not in `MOVED_NAMES` (the same file loaded under another name, as from a
+    Hub folder) gets the plain AttributeError for every name."""
+    new, names = MOVED_NAMES.get(module, ("", ()))
+
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"`{module}.{name}` moved to `{new}.{name}`: import it from there; the old path goes away in the next "
+            f"release.",
+            DeprecationWarning,
+            stacklevel=2,  # the caller of `__getattr__`: the `from ... import` or the attribute access
+        )
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -11,7 +11,7 @@ Unlike Longformer, global tokens reuse the layer's q/k/v projections instead of 
 parameter then receives a gradient whether or not a batch has global tokens (DDP with
 `find_unused_parameters=False` works), and a checkpoint keeps the parameter names of every other kind.
 
-With `context_parallel.enable_context_parallel`, a sequence split across processes attends through
+With `longattn.train.context_parallel.enable_context_parallel`, a sequence split across processes attends through
 `context_parallel.context_parallel_sliding_attention` (halo exchange, global tokens gathered).
 """
 
@@ -32,7 +32,8 @@ class LongformerAttention(LongAttnAttention):
     attention_type = "sliding"
     supports_packing = True
     context_parallel: ContextParallel | None = None
-    """The group this layer's sequence is split across (set by `context_parallel.enable_context_parallel`)."""
+    """The group this layer's sequence is split across (set by `enable_context_parallel`, which lives above the model
+    in `longattn.train.context_parallel`)."""
     settings = ("window", "dilation")
 
     def _pattern_arguments(self, key_padding_mask, global_mask, document_ids=None) -> dict[str, Any]:

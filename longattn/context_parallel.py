@@ -20,18 +20,12 @@ masks are gathered whole (`[b, N]` bools, the only O(N) state a rank keeps). Gra
 collective, so the backward of each rank's share of the loss leaves on each rank its share of every parameter's
 gradient: summed over the group (`reduce_gradients`) they are the single-process gradient.
 
-A training step with context parallelism:
-
-    cp = init_context_parallel(2)                           # a (dp, cp) device mesh over the launched processes
-    enable_context_parallel(model, cp)                      # the sliding layers attend across the cp group
-    batch = shard_batch(batch, cp, causal=True)             # every rank of a cp group starts from the same batch
-    loss = model(**batch, num_items_in_batch=global_count).loss   # normalised by the labelled tokens of all shards
-    loss.backward()
-    reduce_gradients(model)                                 # summed over every process (see its docstring)
-
-Positions: `enable_context_parallel` makes the base model fill in global `position_ids` (absolute and rotary alike)
-when none are passed. Causal LM labels are shifted before the split (`shard_batch`), since the target of a chunk's
-last token is the next chunk's first.
+This module is the attention level, which the sliding kind calls and a Hub folder carries: the group
+(`ContextParallel`, `init_context_parallel`), the chunks, and `context_parallel_sliding_attention`. Turning it on for
+a model (`enable_context_parallel`, which gives each sliding layer the group and the base model global
+`position_ids`), cutting a batch into chunks (`shard_batch`) and summing the gradients (`reduce_gradients`) sit above
+the model, in `longattn.train.context_parallel`, with an example of a training step. Their old names here still
+resolve for one release, with a DeprecationWarning.
 
 Full attention has no halo: each rank would need every key (ring attention). torch's
 `torch.distributed.tensor.experimental.context_parallel` does that for the CUDA SDPA kernels and FlexAttention, not on
@@ -40,9 +34,8 @@ CPU, and accelerate's context parallelism builds on it and needs FSDP2; other ki
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +44,9 @@ import torch.distributed as dist
 # Collectives that carry gradients back, on gloo as on NCCL (torch.distributed.nn.functional's are deprecated in
 # their favour in torch 2.13).
 import torch.distributed._functional_collectives as funcol
-from torch import Tensor, nn
+from torch import Tensor
 
+from ._moved import moved_names
 from .executor_blocked import (
     _not_global_key,
     attend_blocks,
@@ -67,15 +61,14 @@ from .patterns import MaskFn, and_masks, check_dilation, check_window, sliding_w
 __all__ = [
     "CONTEXT_PARALLEL_KINDS",
     "ContextParallel",
-    "check_context_parallel",
     "chunk_bounds",
-    "context_parallel_paused",
     "context_parallel_sliding_attention",
-    "enable_context_parallel",
     "init_context_parallel",
-    "reduce_gradients",
-    "shard_batch",
 ]
+
+# `enable_context_parallel`, `shard_batch`, ... moved up to `longattn.train.context_parallel`: looked up there on first
+# use (with a DeprecationWarning), never at import, so this module imports nothing above the attention.
+__getattr__ = moved_names(__name__)
 
 CONTEXT_PARALLEL_KINDS = ("sliding",)
 """Attention kinds that run context-parallel: those whose queries see a bounded band plus global tokens."""
@@ -133,159 +126,6 @@ def chunk_bounds(length: int, size: int) -> list[int]:
     the chunks of `torch.tensor_split`, the first `length % size` one token longer."""
     step, extra = divmod(length, size)
     return [r * step + min(r, extra) for r in range(size + 1)]
-
-
-# ------------------------------------------------------------------------------------------------ sharding a batch
-def shard_batch(batch: Mapping[str, Tensor], cp: ContextParallel, *, causal: bool) -> dict[str, Tensor]:
-    """This rank's chunk of every per-token tensor of `batch` (`[b, N, ...]`: ids, masks, labels, positions);
-    other entries (a classification label, `num_items_in_batch`) stay as they are.
-
-    With `causal`, `labels` become `shift_labels` before the split (the target of position i is token i + 1, which
-    may sit on the next rank), as transformers' padding-free collators pass them.
-
-    Raises:
-        ValueError: no `input_ids` / `inputs_embeds`, or fewer tokens than ranks.
-    """
-    ids = batch.get("input_ids", batch.get("inputs_embeds"))
-    if ids is None:
-        raise ValueError(f"shard_batch: the batch has no `input_ids` or `inputs_embeds` (keys: {sorted(batch)}).")
-    length = ids.shape[1]
-    if length < cp.size:
-        raise ValueError(f"shard_batch: a sequence of {length} tokens cannot be split across {cp.size} ranks.")
-    batch = dict(batch)
-    if causal and "labels" in batch:
-        labels = batch.pop("labels")
-        batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-    start, stop = chunk_bounds(length, cp.size)[cp.rank : cp.rank + 2]
-    return {
-        key: value[:, start:stop]
-        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length
-        else value
-        for key, value in batch.items()
-    }
-
-
-def reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Sum every parameter's gradient over `group` (default: every process).
-
-    Each rank's backward leaves its share of the gradient of the *sum* of the ranks' losses: within a
-    context-parallel group the shares add up to the single-process gradient. Across data-parallel ranks, a loss
-    normalised by the labelled tokens of every rank's batch (`num_items_in_batch` counted over all processes) makes
-    the sum the gradient of the mean over the global batch, as DDP's average of losses scaled by the number of
-    processes does. accelerate's prepared model cannot do this: its DDP averages over every process, dividing the
-    context-parallel sum by the group size.
-    """
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
-
-
-# ------------------------------------------------------------------------------------------------ the model hooks
-def check_context_parallel(model: nn.Module) -> None:
-    """Raise `ValueError` unless every attention layer of `model` can run context-parallel.
-
-    Raises:
-        ValueError: a layer whose kind is not in `CONTEXT_PARALLEL_KINDS` (naming it), an `attention_backend` other
-            than "auto" or "torch" (context parallelism has its own executor), or an encoder-decoder model.
-    """
-    from .attention_base import LongAttnAttention
-    from .modeling_longattn import LongAttnModel
-
-    if not any(isinstance(module, LongAttnModel) for module in model.modules()):
-        raise ValueError(
-            f"context parallelism: {type(model).__name__} is not a longattn model (LongAttnModel or a LongAttnFor* "
-            "head); stock transformers models running longattn's kinds are not supported."
-        )
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            "context parallelism: encoder-decoder models are not supported (the decoder's cross-attention sees the "
-            "whole encoder output)."
-        )
-    backend = getattr(config, "attention_backend", "auto")
-    if backend not in ("auto", "torch"):
-        raise ValueError(
-            f"context parallelism: `attention_backend`={backend!r} cannot run it; use 'auto' or 'torch' (the blocked "
-            "executor runs each shard)."
-        )
-    for name, module in model.named_modules():
-        if not isinstance(module, LongAttnAttention):
-            continue
-        if module.attention_type not in CONTEXT_PARALLEL_KINDS:
-            raise ValueError(
-                f"context parallelism: layer {name} has `attention_type`={module.attention_type!r}; only "
-                f"{list(CONTEXT_PARALLEL_KINDS)} can split a sequence across processes (a bounded window exchanges a "
-                "halo; full attention would need ring attention, see the `longattn.context_parallel` docstring)."
-            )
-        if getattr(module, "relative_embedding", None) is not None:
-            raise ValueError(
-                f"context parallelism: layer {name} has `relative_position_logits`, which the context-parallel "
-                "executor does not add; train it on one process per sequence."
-            )
-
-
-def enable_context_parallel(model: nn.Module, cp: ContextParallel | None) -> None:
-    """Make `model` (a longattn model) attend across `cp`: each sliding layer gets the group, and the base model
-    fills in global `position_ids` when none are given. `cp=None` turns it off again.
-
-    Raises:
-        ValueError: as `check_context_parallel`.
-    """
-    from .attention_base import LongAttnAttention
-    from .modeling_longattn import LongAttnModel
-
-    if cp is not None:
-        check_context_parallel(model)
-    for module in model.modules():
-        if isinstance(module, LongAttnAttention):
-            module.context_parallel = cp
-        if isinstance(module, LongAttnModel):
-            module.context_parallel = cp
-            if cp is not None and not hasattr(module, "_context_parallel_hook"):
-                module._context_parallel_hook = module.register_forward_pre_hook(_global_positions, with_kwargs=True)
-
-
-@contextlib.contextmanager
-def context_parallel_paused(model: nn.Module) -> Iterator[None]:
-    """Run `model` on whole sequences inside the block (evaluation, where every process takes its own batch), with
-    context parallelism as it was afterwards."""
-    from .modeling_longattn import LongAttnModel
-
-    cp = next((getattr(m, "context_parallel", None) for m in model.modules() if isinstance(m, LongAttnModel)), None)
-    if cp is None:
-        yield
-        return
-    enable_context_parallel(model, None)
-    try:
-        yield
-    finally:
-        enable_context_parallel(model, cp)
-
-
-def _global_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A forward pre-hook of `LongAttnModel` giving it the global `position_ids` of this rank's chunk: those of the
-    single-process model (counted over real tokens, as `modeling_longattn._position_ids`)."""
-    cp = getattr(module, "context_parallel", None)
-    if cp is None or kwargs.get("position_ids") is not None or len(args) > 1:
-        return args, kwargs
-    ids = args[0] if args else kwargs.get("input_ids")
-    ids = ids if ids is not None else kwargs["inputs_embeds"]
-    batch, length = ids.shape[:2]
-    mask = kwargs.get("attention_mask")
-    counts = torch.full((batch,), length, device=ids.device) if mask is None else mask.bool().sum(dim=1)
-    before = _gather_rows(counts[:, None].long(), cp)[:, : cp.rank].sum(dim=1, keepdim=True)  # [b, 1]
-    if mask is None:
-        positions = before + torch.arange(length, device=ids.device)
-    else:
-        positions = (before + mask.long().cumsum(-1) - 1).clamp(min=0)
-    return args, {**kwargs, "position_ids": positions}
-
-
-def _gather_rows(x: Tensor, cp: ContextParallel) -> Tensor:
-    """`[b, k]` from every rank of the group, side by side in rank order: `[b, P·k]` (no gradient)."""
-    parts = [torch.empty_like(x) for _ in range(cp.size)]
-    dist.all_gather(parts, x.contiguous(), group=cp.group)
-    return torch.cat(parts, dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ the attention

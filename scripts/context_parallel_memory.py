@@ -43,7 +43,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     from benchmark import _tensor_peak_mb
 
     from longattn import LongAttnConfig, LongAttnForMaskedLM
-    from longattn.context_parallel import enable_context_parallel, init_context_parallel, reduce_gradients, shard_batch
+    from longattn.train.context_parallel import (
+        enable_context_parallel,
+        init_context_parallel,
+        reduce_gradients,
+        shard_batch,
+    )
 
     torch.set_num_threads(1)
     config = LongAttnConfig(

@@ -28,7 +28,8 @@ from kind_configs import tiny_config
 from test_recipes import TINY, datasets_dir, recipe_args, run, skip_unless_selected  # noqa: F401 (a fixture)
 
 from longattn import LongAttnForCausalLM, LongAttnForMaskedLM
-from longattn.context_parallel import (
+from longattn.train import training
+from longattn.train.context_parallel import (
     check_context_parallel,
     chunk_bounds,
     enable_context_parallel,
@@ -36,7 +37,6 @@ from longattn.context_parallel import (
     reduce_gradients,
     shard_batch,
 )
-from longattn.train import training
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,9 @@ The wheel test builds from a copy of the sources, installs into a fresh venv and
 
 from __future__ import annotations
 
+import ast
 import importlib
+import json
 import os
 import shutil
 import site
@@ -21,10 +23,11 @@ import pytest
 import tomllib
 
 import longattn
-from longattn._moved import MOVED
+from longattn._moved import MOVED, MOVED_NAMES
 from longattn.tools import hub
 
 REPO = Path(__file__).resolve().parents[1]
+FLAT = sorted(path.stem for path in (REPO / "longattn").glob("*.py") if path.name != "__init__.py")
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -66,6 +69,93 @@ def test_old_command_path_still_runs_and_warns():
     assert done.returncode == 0, done.stderr
     assert "usage: longattn-hub" in done.stdout
     assert "DeprecationWarning: `longattn.hub` moved to `longattn.tools.hub`" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "name"), [(old, name) for old, (_, names) in sorted(MOVED_NAMES.items()) for name in names]
+)
+def test_moved_names_warn_where_used_and_are_the_moved_objects(old, name):
+    new = MOVED_NAMES[old][0]
+    with pytest.warns(DeprecationWarning, match=rf"`{old}.{name}` moved to `{new}.{name}`") as caught:
+        exec(f"from {old} import {name}", namespace := {})
+    assert caught[0].filename == "<string>"  # the line that named it, not the lookup machinery
+    assert namespace[name] is getattr(importlib.import_module(new), name)
+    with pytest.warns(DeprecationWarning):
+        assert getattr(importlib.import_module(old), name) is namespace[name]
+
+
+def test_moved_names_leave_other_missing_names_alone():
+    old = importlib.import_module("longattn.context_parallel")
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        old.not_a_name  # noqa: B018
+    assert not hasattr(old, "__path__")  # a plain module still, not taken for a package
+
+
+def _flat_imports(name: str) -> list[tuple[int, str]]:
+    """Every import statement of flat module `name`, inside functions too, as (relative level, module): level 0 for
+    an absolute import, 1 for a sibling, 2 for the package above."""
+    tree = ast.parse((REPO / "longattn" / f"{name}.py").read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found.extend(
+                [(node.level, node.module)]
+                if node.module
+                else [(node.level, alias.name) for alias in node.names]  # `from . import x`
+            )
+        elif isinstance(node, ast.Import):
+            found.extend((0, alias.name) for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("name", FLAT)
+def test_flat_modules_never_import_the_tooling(name):
+    """No flat module names `longattn.train` / `longattn.tools`, not even lazily inside a function: they sit above
+    the flat package, and a Hub folder carries the flat files without them."""
+    for level, module in _flat_imports(name):
+        assert level <= 1, f"{name}.py imports from the package above it ({'.' * level}{module})"
+        full = module if level == 0 else f"longattn.{module}"
+        assert full.split(".")[:2] not in (["longattn", "train"], ["longattn", "tools"]), f"{name}.py imports {full}"
+
+
+def test_flat_modules_import_each_other_without_a_cycle():
+    """The sibling imports of the flat modules, lazy ones inside functions included, form no cycle: every arrow
+    points down, so each module can be read (and loaded from a Hub folder) after the ones it imports."""
+    arrows = {name: {module.split(".")[0] for level, module in _flat_imports(name) if level == 1} for name in FLAT}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(name) :], name]))
+        if name not in done:
+            for below in sorted(arrows.get(name, ())):
+                visit(below, [*path, name])
+            done.add(name)
+
+    for name in FLAT:
+        visit(name, [])
+
+
+def test_importing_the_flat_modules_loads_no_tooling():
+    """Each flat module imported on its own, in a fresh process, loads nothing from `longattn.train` or
+    `longattn.tools` (the package's `__init__`, which does, is left out: the modules load as a Hub folder's do)."""
+    code = f"""
+import importlib, json, sys, types
+package = types.ModuleType("longattn")
+package.__path__ = [{str(REPO / "longattn")!r}]
+sys.modules["longattn"] = package  # the bare folder, without the package's __init__
+offenders = {{}}
+for name in {FLAT!r}:
+    before = set(sys.modules)
+    importlib.import_module("longattn." + name)
+    loaded = sorted(m for m in set(sys.modules) - before if m.startswith(("longattn.train", "longattn.tools")))
+    if loaded:
+        offenders[name] = loaded
+print(json.dumps(offenders))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {}
 
 
 @pytest.mark.packaging

@@ -69,11 +69,11 @@ from typing import Any
 import torch
 
 from .. import config_overrides
-from .. import context_parallel as cp_lib
 from ..attention_registry import attention_class
 from ..configuration_longattn import LongAttnConfig, check_override_fields
 from ..tokenization_longattn import byte_tokenizer
 from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from . import context_parallel as cp_lib
 from . import streaming
 from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
 from .streaming import is_empty
