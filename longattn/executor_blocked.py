@@ -1538,9 +1538,9 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # key/value heads, causal w = 512: 2**18 1.28x, 2**20 1.18x, 2**21 1.19x. The chunk workspaces, not the length, set
 # the memory above the O(n · d) tensors: one layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS
 # (scripts/benchmark.py, one run each): 2**18 53 MB at 4K / 163 MB at 16K, 2**20 73 / 186 MB, 2**21 97 / 204 MB.
-# This is the cap; `_band_chunks` also keeps a chunk within an eighth of k's elements (but at least 2 blocks): at 16K
+# This is the cap; `_band_chunks` also keeps a chunk within an eighth of q's elements (but at least 2 blocks): at 16K
 # tokens, 4 heads, tensor peak 167 MB (1.14x full attention's) at 2**20, 157 MB at 2**19 (3 blocks), time within the
-# noise (0.44 s vs 0.45 s for the attention alone); 8K, 16 heads on 4, causal 512: 0.87 s vs 0.86 s.
+# noise (0.44 s vs 0.45 s for the attention alone). Grouped heads (16 on 4 key/value heads) keep the cap.
 _BAND_CHUNK_ELEMENTS = 2**20
 
 
@@ -1703,7 +1703,7 @@ class _BandAttention(torch.autograd.Function):
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, k.shape[2] * h_kv * d):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
             n_blk = stop - start
             masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
@@ -1763,7 +1763,7 @@ class _BandAttention(torch.autograd.Function):
             batch_index, slot = ctx.rows
             keep.view(b, nb, h_kv, group, c)[batch_index, slot // c, :, :, slot % c] = False
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, k.shape[2] * h_kv * d):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
             n_blk = stop - start
             masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
@@ -1908,12 +1908,12 @@ def _global_query_backward(q, k, v, out, grad_out, grad_q, grad_k, grad_v, plan,
             grad_v[row, head].addmm_(probs[head].T, grad_rows[head])
 
 
-def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None, key_elements: int = 0):
+def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None, query_elements: int = 0):
     """`(start, stop)` of each chunk of blocks: at most `_BAND_CHUNK_ELEMENTS` key-gradient elements, and no more than
-    an eighth of `key_elements` (one batch row of k) unless that leaves fewer than 2 blocks; blocks that are plain in
-    every batch row never share a chunk with others (a chunk takes the shared mask only if all its blocks are
-    plain)."""
-    budget = min(_BAND_CHUNK_ELEMENTS, max(2 * per_block, key_elements // 8))
+    an eighth of `query_elements` (one batch row of q: the size of the output and of q's gradient, which exist anyway)
+    unless that leaves fewer than 2 blocks; blocks that are plain in every batch row never share a chunk with others (a
+    chunk takes the shared mask only if all its blocks are plain)."""
+    budget = min(_BAND_CHUNK_ELEMENTS, max(2 * per_block, query_elements // 8))
     step = max(1, min(nb, budget // max(1, per_block)))
     every_row = [False] * nb if plain is None else [all(column) for column in zip(*plain)]
     start = 0

@@ -766,15 +766,16 @@ def test_global_query_rows_replace_the_band_rows():
 
 
 def test_band_chunks_stay_within_an_eighth_of_the_keys():
-    """Chunks hold at most `_BAND_CHUNK_ELEMENTS` key-gradient elements and at most an eighth of k's (one batch row),
+    """Chunks hold at most `_BAND_CHUNK_ELEMENTS` key-gradient elements and at most an eighth of q's (one batch row),
     but never fewer than 2 blocks; plain and edge blocks never share a chunk."""
     from longattn.executor_blocked import _BAND_CHUNK_ELEMENTS, _band_chunks
 
-    def sizes(nb, per_block, key_elements, plain=None):
-        return [stop - start for start, stop in _band_chunks(nb, per_block, plain, key_elements)]
+    def sizes(nb, per_block, query_elements, plain=None):
+        return [stop - start for start, stop in _band_chunks(nb, per_block, plain, query_elements)]
 
     per_block = 4 * 576 * 64  # 4 key/value heads, w = 256 per side, blocks of 64, head dim 64
-    assert max(sizes(256, per_block, 16384 * 4 * 64)) == 3  # 16K keys: an eighth of k is 3.6 blocks
+    assert max(sizes(256, per_block, 16384 * 4 * 64)) == 3  # 16K queries on 4 heads: an eighth of q is 3.6 blocks
+    assert max(sizes(256, per_block, 16384 * 16 * 64)) == 7  # 16 query heads on 4 key/value heads: the cap
     assert max(sizes(64, 12 * 576 * 64, 4096 * 12 * 64)) == 2  # an eighth would be under 1 block: 2
     assert max(sizes(4096, per_block, 2**22 * 4 * 64)) == _BAND_CHUNK_ELEMENTS // per_block  # the cap
     chunks = list(_band_chunks(10, 100, [[False] + [True] * 8 + [False]], 1000))  # an eighth: 1.25 blocks
