@@ -1657,21 +1657,16 @@ def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspa
 
 
 class _ChunkMasks:
-    """The predicate masks of one chunk of blocks, evaluated on first use (plain blocks never ask for the band's)."""
+    """The band's predicate mask of one chunk of blocks, evaluated on first use (plain blocks never ask for it)."""
 
     def __init__(self, plan: _BandPlan, batch: int, start: int, stop: int):
         self.plan, self.batch, self.start, self.stop = plan, batch, start, stop
-        self._local = self._global = None
+        self._local = None
 
     def local(self) -> Tensor:
         if self._local is None:
             self._local = self.plan.local_bias(self.batch, self.start, self.stop)
         return self._local
-
-    def global_(self) -> Tensor:
-        if self._global is None:
-            self._global = self.plan.global_bias(self.batch, self.start, self.stop)
-        return self._global
 
 
 class _BandAttention(torch.autograd.Function):
@@ -1680,11 +1675,15 @@ class _BandAttention(torch.autograd.Function):
     q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`, v `[b, h_kv, n_k, d_v]` -> out `[b, h, n_q, d_v]`. Each block of c
     queries (with its group of query heads stacked as rows, `[n_blk, h_kv, group·c, d]`) attends to the m band keys
     of its key/value head, read as an overlapping strided view of k and v (`_band_keys`), and to its row's g global
-    keys in a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
-    output and the log-sum-exp (O(n · d)); the masks of blocks at the edges, next to padding or global keys are
-    evaluated again from the predicates, every other block takes the plan's one `band_bias`. Backward calls the
-    fused backward on both key sets with the MERGED output and log-sum-exp: it recomputes P = exp(S − lse) and
-    rowsum(dO ∘ O) from them, which are exactly the merged softmax's, so the two calls give the exact gradient.
+    keys by plain products (their mask built once per pass, `_global_additive`); the two partial attentions are merged
+    in place by their log-sum-exps. With `plan.global_queries`, the global tokens' own query rows are then replaced by
+    their dense rows over every key (`_global_query_forward`). Saved for backward: q, k, v, the output and the
+    log-sum-exp (O(n · d)) and the global queries' `[k, h|1, n_k]` bool mask; the masks of blocks at the edges, next to
+    padding or global keys are evaluated again from the predicates, every other block takes the plan's one
+    `band_bias`. Backward runs the fused backward on the band and the products on the global keys with the MERGED
+    output and log-sum-exp: it recomputes P = exp(S − lse) and rowsum(dO ∘ O) from them, which are exactly the merged
+    softmax's, so the two parts give the exact gradient; rows that saw nothing and the global queries' rows get no
+    band gradient, the latter get their dense rows' (`_global_query_backward`).
     Band key gradients `[n_blk, h_kv, m, d]` are added straight into the key/value gradients by ceil(m / c) strided
     additions. Nothing O(n · d) is allocated besides the output, its log-sum-exp and the gradients; plain blocks of
     one head per key/value head read their queries, output gradients and outputs as views, no copy.
@@ -1948,8 +1947,8 @@ def _global_backward(q_chunk, grad_out_chunk, out_chunk, row_lse, g_bias, glob, 
 
 def _global_additive(plan: _BandPlan, b: int, h_kv: int, group: int, dtype: torch.dtype) -> Tensor:
     """The additive mask of every block against its row's global keys, `[b, nb, h_kv|1, group·c, g]`, evaluated
-    from the predicate once per pass (per chunk, the predicate's dozens of small operations cost more than the
-    products: about a tenth of the band's time at 4K tokens, 12 heads, one global token)."""
+    from the predicate once per pass (per chunk, in forward and again in backward, the predicate's dozens of small
+    operations cost more than the products they mask)."""
     mask = plan.global_bias(b, 0, plan.layout.q_pos.shape[0])  # [b, h|1, nb, c, g]
     mask = mask.expand(b, *mask.shape[1:]).transpose(1, 2)  # [b, nb, h|1, c, g]
     n_blk, heads, c, g = mask.shape[1:]
