@@ -1477,6 +1477,8 @@ def banded_attention(
                 )
                 if exact_band
                 else None,
+                global_queries=global_index is not None and len(groups) == 1,
+                q_offset=q_offset,
             )
             group_outputs.append(_BandAttention.apply(q_g, k_g, v_g, plan))
             group_heads.extend(heads)
@@ -1502,7 +1504,7 @@ def banded_attention(
     out = group_outputs[0] if len(group_outputs) == 1 else torch.cat(group_outputs, dim=1)
     if len(group_outputs) > 1:
         out = out.index_select(1, torch.tensor(group_heads, device=device).argsort())
-    if global_index is not None:
+    if global_index is not None and not (len(groups) == 1 and fused):  # else `_BandAttention` wrote their rows
         out = _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn)
     return out
 
@@ -1694,6 +1696,9 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # key/value heads, causal w = 512: 2**18 1.28x, 2**20 1.18x, 2**21 1.19x. The chunk workspaces, not the length, set
 # the memory above the O(n · d) tensors: one layer of hidden 256, 4 heads, w = 256, forward + backward, peak RSS
 # (scripts/benchmark.py, one run each): 2**18 53 MB at 4K / 163 MB at 16K, 2**20 73 / 186 MB, 2**21 97 / 204 MB.
+# This is the cap; `_band_chunks` also keeps a chunk within an eighth of q's elements (but at least 2 blocks): at 16K
+# tokens, 4 heads, tensor peak 167 MB (1.14x full attention's) at 2**20, 157 MB at 2**19 (3 blocks), time within the
+# noise (0.44 s vs 0.45 s for the attention alone). Grouped heads (16 on 4 key/value heads) keep the cap.
 _BAND_CHUNK_ELEMENTS = 2**20
 
 
@@ -1717,6 +1722,10 @@ class _BandPlan:
     scale: float
     first_key: int  # position of block 0's first key: q_offset - window_left
     plain: list[list[bool]] | None = None  # [b][nb]
+    # Whether the global tokens' query rows (dense, over every key) are computed here too (`_global_query_rows`)
+    # instead of by `_global_queries` outside; q_offset is the position of the first query.
+    global_queries: bool = False
+    q_offset: int = 0
     _band_biases: dict = field(default_factory=dict)
 
     def local_bias(self, batch: int, start: int, stop: int) -> Tensor:
@@ -1806,21 +1815,16 @@ def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspa
 
 
 class _ChunkMasks:
-    """The predicate masks of one chunk of blocks, evaluated on first use (plain blocks never ask for the band's)."""
+    """The band's predicate mask of one chunk of blocks, evaluated on first use (plain blocks never ask for it)."""
 
     def __init__(self, plan: _BandPlan, batch: int, start: int, stop: int):
         self.plan, self.batch, self.start, self.stop = plan, batch, start, stop
-        self._local = self._global = None
+        self._local = None
 
     def local(self) -> Tensor:
         if self._local is None:
             self._local = self.plan.local_bias(self.batch, self.start, self.stop)
         return self._local
-
-    def global_(self) -> Tensor:
-        if self._global is None:
-            self._global = self.plan.global_bias(self.batch, self.start, self.stop)
-        return self._global
 
 
 class _BandAttention(torch.autograd.Function):
@@ -1829,11 +1833,15 @@ class _BandAttention(torch.autograd.Function):
     q `[b, h, n_q, d]`, k `[b, h_kv, n_k, d]`, v `[b, h_kv, n_k, d_v]` -> out `[b, h, n_q, d_v]`. Each block of c
     queries (with its group of query heads stacked as rows, `[n_blk, h_kv, group·c, d]`) attends to the m band keys
     of its key/value head, read as an overlapping strided view of k and v (`_band_keys`), and to its row's g global
-    keys in a second call; the two partial attentions are merged by their log-sum-exps. Saved for backward: q, k, v, the
-    output and the log-sum-exp (O(n · d)); the masks of blocks at the edges, next to padding or global keys are
-    evaluated again from the predicates, every other block takes the plan's one `band_bias`. Backward calls the
-    fused backward on both key sets with the MERGED output and log-sum-exp: it recomputes P = exp(S − lse) and
-    rowsum(dO ∘ O) from them, which are exactly the merged softmax's, so the two calls give the exact gradient.
+    keys by plain products (their mask built once per pass, `_global_additive`); the two partial attentions are merged
+    in place by their log-sum-exps. With `plan.global_queries`, the global tokens' own query rows are then replaced by
+    their dense rows over every key (`_global_query_forward`). Saved for backward: q, k, v, the output and the
+    log-sum-exp (O(n · d)) and the global queries' `[k, h|1, n_k]` bool mask; the masks of blocks at the edges, next to
+    padding or global keys are evaluated again from the predicates, every other block takes the plan's one
+    `band_bias`. Backward runs the fused backward on the band and the products on the global keys with the MERGED
+    output and log-sum-exp: it recomputes P = exp(S − lse) and rowsum(dO ∘ O) from them, which are exactly the merged
+    softmax's, so the two parts give the exact gradient; rows that saw nothing and the global queries' rows get no
+    band gradient, the latter get their dense rows' (`_global_query_backward`).
     Band key gradients `[n_blk, h_kv, m, d]` are added straight into the key/value gradients by ceil(m / c) strided
     additions. Nothing O(n · d) is allocated besides the output, its log-sum-exp and the gradients; plain blocks of
     one head per key/value head read their queries, output gradients and outputs as views, no copy.
@@ -1848,10 +1856,11 @@ class _BandAttention(torch.autograd.Function):
         m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
+        g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
             n_blk = stop - start
             masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
@@ -1866,25 +1875,30 @@ class _BandAttention(torch.autograd.Function):
                     bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
                 o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
                 if glob is not None:
-                    g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
-                    scores = _global_scores(q_chunk, glob[0][row], g_bias, plan.scale)
-                    lse_g = torch.logsumexp(scores, dim=-1)  # [n_blk, h_kv, group·c]
-                    o_g = torch.matmul(scores.sub_(lse_g.unsqueeze(-1)).exp_(), glob[1][row])
-                    o, row_lse = merge_attention([(o, row_lse), (o_g, lse_g)])
+                    # Merged by log-sum-exp in place: o ← o · exp(lse − L) + exp(S_g − L) V_g, L the merged lse.
+                    scores = _global_scores(q_chunk, glob[0][row], g_bias_all[row, start:stop], plan.scale)
+                    merged = torch.logaddexp(row_lse, torch.logsumexp(scores, dim=-1))  # [n_blk, h_kv, group·c]
+                    o.mul_((row_lse - merged).exp_().unsqueeze(-1))
+                    o.add_(torch.matmul(scores.sub_(merged.unsqueeze(-1)).exp_(), glob[1][row]))
+                    row_lse = merged
                 if not plain:
                     # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
                     # `attend_blocks`. (A plain block's queries all see their own key.)
                     o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
                 lse[row, start:stop] = row_lse
                 _scatter_queries(out, o, row, start, stop, c, group)
-        ctx.save_for_backward(q, k, v, out, lse)
+        rows = _global_query_rows(plan, q.shape[2], k.shape[2]) if plan.global_queries else None
+        if rows is not None:
+            _global_query_forward(q, k, v, out, plan, rows, dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if rows is None else (rows[2],)))
+        ctx.rows = None if rows is None else rows[:2]
         ctx.plan = plan
         result = out[:, :n_q].transpose(1, 2)  # [b, h, n_q, d_v]
         return result if result.dtype == q.dtype else result.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *saved_mask = ctx.saved_tensors
         plan = ctx.plan
         b, h, n_q, d = q.shape
         h_kv = v.shape[1]
@@ -1898,8 +1912,15 @@ class _BandAttention(torch.autograd.Function):
         # into the projections as views, no copy.
         grad_k, grad_v = (torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format) for t in (k, v))
         grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
+        g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)
+        # Rows of the band that get no gradient: those that saw no key (zeroed in forward) and the global queries
+        # (their dense rows replaced the band's). Only blocks that are not plain hold such rows.
+        keep = lse > HIDDEN_LOGIT / 2  # [b, nb, h_kv, group·c]
+        if ctx.rows is not None:
+            batch_index, slot = ctx.rows
+            keep.view(b, nb, h_kv, group, c)[batch_index, slot // c, :, :, slot % c] = False
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain):
+        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
             n_blk = stop - start
             masks = _ChunkMasks(plan, b, start, stop)
             for row in range(b):
@@ -1911,7 +1932,7 @@ class _BandAttention(torch.autograd.Function):
                 )
                 row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
                 if not plain:
-                    grad_out_chunk.mul_((row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1))  # zeroed rows get no gradient
+                    grad_out_chunk.mul_(keep[row, start:stop].unsqueeze(-1))
                 keys, values = (
                     _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
                 )
@@ -1932,13 +1953,12 @@ class _BandAttention(torch.autograd.Function):
                     scale=plan.scale,
                 )
                 if glob is not None:
-                    g_bias = _additive(masks.global_(), row, h_kv, group, workspace, "g_bias")
                     _global_backward(
                         q_chunk,
                         grad_out_chunk,
                         out_chunk,
                         row_lse,
-                        g_bias,
+                        g_bias_all[row, start:stop],
                         glob,
                         row,
                         plan.scale,
@@ -1952,15 +1972,106 @@ class _BandAttention(torch.autograd.Function):
             index = plan.global_index  # [b, g]; padding slots hold position 0 and got zero gradients
             for grad, grad_g in zip((grad_k, grad_v), grad_glob):
                 grad.scatter_add_(2, index[:, None, :, None].expand_as(grad_g), grad_g)
+        if ctx.rows is not None:
+            _global_query_backward(q, k, v, out, grad_out, grad_q, grad_k, grad_v, plan, (*ctx.rows, *saved_mask))
         grad_q = grad_q[:, :n_q].transpose(1, 2)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
 
 
-def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None):
-    """`(start, stop)` of each chunk of blocks: at most `_BAND_CHUNK_ELEMENTS` key-gradient elements, and blocks that
-    are plain in every batch row never share a chunk with others (a chunk takes the shared mask only if all its blocks
-    are plain)."""
-    step = max(1, min(nb, _BAND_CHUNK_ELEMENTS // max(1, per_block)))
+def _global_query_rows(plan: _BandPlan, n_q: int, n_k: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The global tokens that are queries here and what they see: `(batch_index, slot, mask)`, the first two long
+    `[k]` (batch row and query index of each of the k global queries), mask bool `[k, h|1, n_k]` from the predicate.
+    None when no global token is a query (e.g. all before q_offset, or only padding slots)."""
+    index, valid = plan.global_index, plan.global_valid  # [b, g]
+    b, g = index.shape
+    query_valid = valid & (index >= plan.q_offset)  # a global token before q_offset is a key only
+    batch_index, position = query_valid.nonzero(as_tuple=True)  # [k]: eager only (the fused path's condition)
+    if batch_index.numel() == 0:
+        return None
+    position = index[batch_index, position]  # [k]
+    mask = evaluate_block_mask(
+        plan.mask_fn,
+        batch=b,
+        heads=plan.heads,
+        q_pos=position.view(1, 1, -1),
+        kv_pos=torch.arange(n_k, device=index.device).view(1, 1, n_k),
+    )  # [b|1, h|1, 1, k, n_k]: every batch row asked; each query keeps its own row's
+    mask = mask[:, :, 0].transpose(1, 2)  # [b|1, k, h|1, n_k]
+    mask = mask[batch_index if mask.shape[0] > 1 else 0, torch.arange(batch_index.numel(), device=index.device)]
+    return batch_index, position - plan.q_offset, mask  # mask [k, h|1, n_k]
+
+
+def _head_products(a: Tensor, b: Tensor) -> Tensor:
+    """`[H, r, k] @ [H, k, c]` -> `[H, r, c]`, one matrix product per head: `bmm` copies an operand whose heads are
+    not whole matrices in memory (k and v in the `[b, n, h, d]` memory of projections, a full-size copy per call),
+    while each head alone is a strided matrix the product reads in place."""
+    return torch.stack([torch.mm(x, y) for x, y in zip(a, b, strict=True)])
+
+
+def _global_query_scores(q, k, plan, rows, dtype, row: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Queries `[h_kv, group·k_r, d]` of batch row `row`'s k_r global tokens, its keys `[h_kv, n_k, d]` in the compute
+    dtype, their masked probabilities over every key `[h_kv, group·k_r, n_k]` (zero rows where nothing is visible)
+    and which of `rows`' entries they are, long `[k_r]`."""
+    batch_index, slot, mask = rows
+    h, d = q.shape[1], q.shape[3]
+    h_kv, n_k = k.shape[1], k.shape[2]
+    group = h // h_kv
+    mine = (batch_index == row).nonzero().view(-1)  # [k_r]
+    # Indexing, not `index_select`, which first copies a strided q (a projection's view) whole.
+    q_rows = q[row][:, slot[mine]].to(dtype)  # [h, k_r, d]
+    q_rows = q_rows.view(h_kv, group * mine.numel(), d)
+    keys = k[row].to(dtype)
+    scores = _head_products(q_rows, keys.transpose(1, 2)).mul_(plan.scale)  # [h_kv, group·k_r, n_k]
+    visible = mask.index_select(0, mine).transpose(0, 1)  # [h|1, k_r, n_k]
+    visible = visible.unflatten(0, (h_kv, group)) if visible.shape[0] > 1 else visible.unsqueeze(0)
+    scores = scores.view(h_kv, group, mine.numel(), n_k).masked_fill_(~visible, HIDDEN_LOGIT)
+    probs = torch.softmax(scores, dim=-1).mul_(visible.any(dim=-1, keepdim=True))  # a row seeing nothing: zeros
+    return q_rows, keys, probs.view(h_kv, group * mine.numel(), n_k), mine
+
+
+def _global_query_forward(q, k, v, out, plan, rows, dtype) -> None:
+    """Write the global queries' dense rows (every key the predicate shows them) into `out` `[b, slots, h, d_v]`,
+    over the band's result. Plain products per batch row and head: with a handful of query rows the fused kernel's
+    full-size zero-filled key gradients and an out-of-place row write cost more than the work."""
+    batch_index, slot, _ = rows
+    h = q.shape[1]
+    for row in batch_index.unique().tolist():
+        _, _, probs, mine = _global_query_scores(q, k, plan, rows, dtype, row)
+        o = _head_products(probs, v[row].to(dtype))  # [h_kv, group·k_r, d_v]
+        out[row, slot[mine]] = o.view(h, mine.numel(), -1).transpose(0, 1)
+
+
+def _global_query_backward(q, k, v, out, grad_out, grad_q, grad_k, grad_v, plan, rows) -> None:
+    """Gradients of the global queries' dense rows: their query gradients written over the band's (which got a
+    zero output gradient there), their key and value gradients `dSᵀ Q · scale`, `Pᵀ dO` added in place to grad_k,
+    grad_v (one product per head into the gradient's own memory, no full-size temporary)."""
+    batch_index, slot, _ = rows
+    h, h_kv = q.shape[1], k.shape[1]
+    dtype = grad_q.dtype
+    for row in batch_index.unique().tolist():
+        q_rows, keys, probs, mine = _global_query_scores(q, k, plan, rows, dtype, row)
+        index = slot[mine]
+        values = v[row].to(dtype)
+        # [h_kv, group·k_r, d_v]
+        grad_rows, out_rows = (
+            t[:, index].to(dtype).view(h_kv, -1, t.shape[2]) for t in (grad_out[row], out[row].transpose(0, 1))
+        )
+        grad_scores = _head_products(grad_rows, values.transpose(1, 2))  # dP [h_kv, group·k_r, n_k]
+        grad_scores.sub_((grad_rows * out_rows).sum(dim=-1, keepdim=True)).mul_(probs)  # dS
+        grad_q_rows = _head_products(grad_scores, keys).mul_(plan.scale)
+        grad_q[row, index] = grad_q_rows.view(h, mine.numel(), -1).transpose(0, 1)
+        for head in range(h_kv):
+            grad_k[row, head].addmm_(grad_scores[head].T, q_rows[head], alpha=plan.scale)
+            grad_v[row, head].addmm_(probs[head].T, grad_rows[head])
+
+
+def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None, query_elements: int = 0):
+    """`(start, stop)` of each chunk of blocks: at most `_BAND_CHUNK_ELEMENTS` key-gradient elements, and no more than
+    an eighth of `query_elements` (one batch row of q: the size of the output and of q's gradient, which exist anyway)
+    unless that leaves fewer than 2 blocks; blocks that are plain in every batch row never share a chunk with others (a
+    chunk takes the shared mask only if all its blocks are plain)."""
+    budget = min(_BAND_CHUNK_ELEMENTS, max(2 * per_block, query_elements // 8))
+    step = max(1, min(nb, budget // max(1, per_block)))
     every_row = [False] * nb if plain is None else [all(column) for column in zip(*plain)]
     start = 0
     while start < nb:
@@ -1990,6 +2101,21 @@ def _global_backward(q_chunk, grad_out_chunk, out_chunk, row_lse, g_bias, glob, 
     grad_q_chunk.add_(torch.matmul(grad_scores, g_keys), alpha=scale)
     grad_glob[0][row] += torch.matmul(grad_scores.transpose(2, 3), q_chunk).sum(0).mul_(scale)
     grad_glob[1][row] += torch.matmul(probs.transpose(2, 3), grad_out_chunk).sum(0)
+
+
+def _global_additive(plan: _BandPlan, b: int, h_kv: int, group: int, dtype: torch.dtype) -> Tensor:
+    """The additive mask of every block against its row's global keys, `[b, nb, h_kv|1, group·c, g]`, evaluated
+    from the predicate once per pass (per chunk, in forward and again in backward, the predicate's dozens of small
+    operations cost more than the products they mask)."""
+    mask = plan.global_bias(b, 0, plan.layout.q_pos.shape[0])  # [b, h|1, nb, c, g]
+    mask = mask.expand(b, *mask.shape[1:]).transpose(1, 2)  # [b, nb, h|1, c, g]
+    n_blk, heads, c, g = mask.shape[1:]
+    if heads > 1:
+        mask = mask.unflatten(2, (h_kv, group))  # [b, nb, h_kv, group, c, g]
+    else:
+        mask = mask.unsqueeze(2).expand(b, n_blk, 1, group, c, g)
+    visible, hidden = (torch.tensor(value, dtype=dtype, device=mask.device) for value in (0.0, HIDDEN_LOGIT))
+    return torch.where(mask, visible, hidden).flatten(3, 4)
 
 
 def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:

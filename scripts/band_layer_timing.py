@@ -9,7 +9,8 @@ dense attention's work.
 Shapes (q, k, v are `[b, n, h, d]` projections seen as `[b, h, n, d]`, as a model passes them):
 - `roberta`: `[1, 12, 4096, 64]`, window 256 per side, global first token; ideal = dense SDPA x 512 / 4096.
 - `llama`: q `[1, 16, 8192, 64]`, k and v on 4 key/value heads, causal window 512; ideal = causal dense SDPA x
-  512 / 4096 (keys per query over causal dense's average).
+  512 / 4096 (keys per query over causal dense's average). `llama-16k`: the same at 16384 tokens (the model set's
+  length), ideal = causal dense SDPA x 512 / 8192.
 - `sliding-4k`, `sliding-16k`: scripts/benchmark.py's `sliding` kind core, `[1, 4, n, 64]`, window 256 per side, no
   global token (the "after vs before" of docs/benchmarks.md).
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(REPO))
 SHAPES = {
     "roberta": (12, 12, 4096, 256, False, True, 512 / 4096),
     "llama": (16, 4, 8192, 512, True, False, 512 / 4096),
+    "llama-16k": (16, 4, 16384, 512, True, False, 512 / 8192),
     "roberta-noglobal": (12, 12, 4096, 256, False, False, 512 / 4096),
     "sliding-4k": (4, 4, 4096, 256, False, False, 512 / 4096),
     "sliding-16k": (4, 4, 16384, 256, False, False, 512 / 16384),

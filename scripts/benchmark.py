@@ -30,7 +30,8 @@ Method (also written into the report):
   with the exported `longattn` package first on `sys.path` (`BENCHMARK_PACKAGE_ROOT`); the parent checks the
   `longattn.__file__` each worker reports. Peers are measured once. Each mode gains an "after vs before" table: time,
   peak RSS and tensor MB of this checkout over REV's, per kind and length, and the geometric mean of the time ratio.
-  A kind or config field that REV lacks is a row error, not a crash.
+  A kind or config field that REV lacks is a row error, not a crash. With `--models`, the set's `longattn` row gains
+  a row `longattn@REV` just before it (the stock model with REV's package), and the report its after-vs-before ratios.
 """
 
 from __future__ import annotations
@@ -808,7 +809,7 @@ def _stock_model(model_set: ModelSet, row: str, length: int):
     """The model of one row, in training mode (dropout 0) or eval mode for generation; random weights."""
     import transformers
 
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(PACKAGE_ROOT))  # this checkout, or the `--against` export for a `longattn@REV` row
     import longattn
 
     _register_floor()
@@ -860,9 +861,11 @@ def model_worker(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_set = MODEL_SETS[args.models]
-    model = _stock_model(model_set, args.impl, args.length)
+    row = args.impl.partition("@")[0]  # `longattn@REV`: the longattn row with the package of the `--against` export
+    model = _stock_model(model_set, row, args.length)
     input_ids = torch.randint(5, model.config.vocab_size, (1, args.length))
     result = {"impl": args.impl, "length": args.length, "mode": "fwdbwd", "threads": torch.get_num_threads()}
+    result["longattn_file"] = sys.modules["longattn"].__file__
     rss_before = _rss_mb()
     if args.impl.startswith("generate"):
         return {
@@ -872,7 +875,7 @@ def model_worker(args: argparse.Namespace) -> dict:
             "peak_rss_mb": _max_rss_mb() - rss_before,
         }
     kwargs = {}
-    if model_set.family == "roberta" and args.impl in ("longformer", "longattn"):
+    if model_set.family == "roberta" and row in ("longformer", "longattn"):
         kwargs["global_attention_mask"] = torch.zeros_like(input_ids).index_fill_(1, torch.tensor([0]), 1)
     grad = torch.randn(1, args.length, model.config.hidden_size)
 
@@ -957,6 +960,7 @@ def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
         str(args.threads),
     ]
     env = {**os.environ, **ALLOCATORS[args.allocator]}
+    env[PACKAGE_ROOT_VARIABLE] = str(args.against_tree if "@" in row else REPO)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -964,7 +968,11 @@ def run_model_row(args: argparse.Namespace, row: str, length: int) -> dict:
         lines = completed.stderr.strip().splitlines()
         reason = "killed (out of memory?)" if completed.returncode in (-9, 137) else (lines[-1] if lines else "failed")
         return {"impl": row, "length": length, "error": reason[:200]}
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    root, imported = Path(env[PACKAGE_ROOT_VARIABLE]).resolve(), result.get("longattn_file")
+    if "@" in row and not (imported and Path(imported).resolve().is_relative_to(root)):
+        return {"impl": row, "length": length, "error": f"imported longattn from {imported}, not from {root}"}
+    return result
 
 
 def _clock_name(args: argparse.Namespace) -> str:
@@ -1034,7 +1042,9 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
             lines.append(f"| {row} | {r['error']} | | | | | |")
             continue
         cost = r["time_s"] - floor["time_s"] if floor else None
-        ratio = cost / ideal if cost is not None and ideal and row in ("longattn", "longformer") else None
+        ratio = None
+        if cost is not None and ideal and row.partition("@")[0] in ("longattn", "longformer"):
+            ratio = cost / ideal
         longformer = by_row.get("longformer")
         speedup = longformer["time_s"] / r["time_s"] if longformer else None
         memory = r["peak_rss_mb"] / sdpa["peak_rss_mb"] if sdpa else None
@@ -1043,6 +1053,18 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
             f"{_format(ratio, '{:.2f}x')} | {_format(speedup, '{:.2f}x')} | {_format(memory, '{:.2f}')} |"
         )
     lines += ["", f"Ideal attention cost: {_format(ideal, '{:.2f}')} s."]
+    before, after = by_row.get(f"longattn@{getattr(args, 'against_hash', None)}"), by_row.get("longattn")
+    if before and after:
+        lines += [
+            "",
+            f"After vs before (`{args.against}` = {args.against_hash}): time {after['time_s'] / before['time_s']:.3f}, "
+            f"peak MB {after['peak_rss_mb'] / before['peak_rss_mb']:.3f}"
+            + (
+                f", attention cost {(after['time_s'] - floor['time_s']) / (before['time_s'] - floor['time_s']):.3f}."
+                if floor
+                else "."
+            ),
+        ]
     generated = [r for r in results if r["impl"].startswith("generate")]
     if generated:
         full = by_row.get("generate-sdpa")
@@ -1065,7 +1087,13 @@ def model_report(args: argparse.Namespace, results: list[dict], command: str) ->
                 f"| {r['impl']} | {r['prefill_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
                 f"{r['cache_bytes'] / 2**20:.1f} | {_format(cache, '{:.4f}')} | {_format(speed, '{:.2f}x')} |"
             )
-    lines += ["", "Rows:", ""] + [f"- `{r['impl']}`: {MODEL_ROWS[r['impl']]}" for r in results]
+    lines += ["", "Rows:", ""]
+    for r in results:
+        row, _, revision = r["impl"].partition("@")
+        described = MODEL_ROWS[row] + (
+            f", with the longattn package of `{args.against}` ({revision})" if revision else ""
+        )
+        lines.append(f"- `{r['impl']}`: {described}")
     return "\n".join(lines) + "\n"
 
 
@@ -1260,7 +1288,9 @@ def run_models(args: argparse.Namespace, argv: list[str] | None) -> None:
         return
     model_set = MODEL_SETS[args.models]
     length = args.model_length or model_set.length
-    rows = args.rows or model_set.rows
+    rows = list(args.rows or model_set.rows)
+    if args.against:  # the longattn row of the old revision, measured just before this checkout's
+        rows = [name for row in rows for name in ((f"{row}@{args.against_hash}", row) if row == "longattn" else (row,))]
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rounds = []
     for round_index in range(args.rounds):  # rows alternated round by round: slow spells of a shared machine hit all
@@ -1365,7 +1395,8 @@ def main(argv: list[str] | None = None) -> None:
         "--against",
         metavar="REV",
         help="also measure every longattn kind of --impls with the longattn package of git revision REV (exported "
-        "to a temporary folder), as rows IMPL@REV measured just before IMPL; the report adds after-vs-before ratios",
+        "to a temporary folder), as rows IMPL@REV measured just before IMPL; the report adds after-vs-before ratios. "
+        "With --models: a row longattn@REV just before row longattn",
     )
     parser.add_argument(
         "--no-tensor-memory",
@@ -1414,21 +1445,20 @@ def main(argv: list[str] | None = None) -> None:
             check_installed([args.impl] if args.worker else [*args.impls, args.baseline])
     except ValueError as error:
         parser.error(str(error))
-    if args.against and not args.worker and (args.models or not LONGATTN_IMPLS.intersection(args.impls)):
+    if args.against and not args.worker and not args.models and not LONGATTN_IMPLS.intersection(args.impls):
         parser.error(
             f"--against {args.against} compares longattn kinds of the per-layer table: give at least one of "
-            f"{', '.join(sorted(LONGATTN_IMPLS))} in --impls (and no --models)"
+            f"{', '.join(sorted(LONGATTN_IMPLS))} in --impls (or --models, whose longattn row it then adds)"
         )
+    if (
+        args.against
+        and args.models
+        and not args.worker
+        and "longattn" not in (args.rows or MODEL_SETS[args.models].rows)
+    ):
+        parser.error(f"--against {args.against} with --models adds a row before `longattn`: keep row longattn")
 
-    if args.models:
-        run_models(args, argv)
-        return
-    if args.worker:
-        args.mode = args.mode[0] if isinstance(args.mode, list) else args.mode
-        print(json.dumps(worker(args)))
-        return
-
-    if args.against:
+    if args.against and not args.worker:
         # Lives until main returns (or the interpreter exits after an error), then the folder is removed.
         export = tempfile.TemporaryDirectory(prefix="benchmark-against-")
         try:
@@ -1437,6 +1467,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(error))
         args.against_tree, args.after = Path(export.name), describe_checkout()
         print(f"before: {args.against} = {args.against_hash}, exported to {args.against_tree}; after: {args.after}")
+    if args.models:
+        run_models(args, argv)
+        return
+    if args.worker:
+        args.mode = args.mode[0] if isinstance(args.mode, list) else args.mode
+        print(json.dumps(worker(args)))
+        return
+
     max_length = {}
     for item in args.max_length:
         impl, _, value = item.partition("=")

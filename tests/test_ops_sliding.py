@@ -664,9 +664,9 @@ def test_a_wrong_shared_band_mask_is_detected(monkeypatch):
 
 
 def test_fused_path_runs_global_queries_on_the_fused_kernel(monkeypatch):
-    """On the fused path the global queries' dense rows go through SDPA (k and v read in place, grouped heads
-    without repeating them), not `attend_blocks`; outputs and gradients still equal the dense reference (float64,
-    padding, a fully padded row holding a global token, causal)."""
+    """On the fused path the global queries' dense rows are computed inside `_BandAttention` (products head by head,
+    k and v read in place, grouped heads without repeating them), not by `attend_blocks`; outputs and gradients still
+    equal the dense reference (float64, padding, a fully padded row holding a global token, causal)."""
     import longattn.executor_blocked as executor
 
     monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
@@ -695,3 +695,88 @@ def test_fused_plain_blocks_in_half_precision(monkeypatch):
         lambda q, k, v: _reference(q, k, v, **pattern), *(t.detach().double().requires_grad_() for t in (q, k, v))
     )
     assert_all_close([t.double() for t in actual], expected, atol=3e-2, rtol=3e-2)
+
+
+GLOBAL_QUERY_CASES = [
+    # (batch, heads, kv_heads, n_q, n_k, window, causal, padding, layout, global positions per row)
+    pytest.param(2, 2, 2, 203, 203, 9, False, False, "bnhd", [[0], [0, 1, 2, 101, 202]], id="n203-many-adjacent"),
+    pytest.param(3, 4, 2, 151, 151, 7, True, True, "bhnd", [[5], [0, 75, 150], [9]], id="n151-causal-pad-grouped"),
+    pytest.param(3, 6, 2, 97, 97, 12, False, True, "bnhd", [[], [0, 96], [40]], id="n97-pad-grouped-no-global-row"),
+    pytest.param(2, 4, 1, 60, 181, 8, True, True, "bhnd", [[3, 150], [170, 180]], id="queries-shorter-key-only"),
+    pytest.param(2, 2, 2, 181, 181, 8, False, False, "bhnd", [[], []], id="no-global-token-at-all"),
+]
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, n_q, n_k, window, causal, padding, layout, positions", GLOBAL_QUERY_CASES
+)
+def test_fused_path_computes_global_tokens_inside_the_band(
+    batch, heads, kv_heads, n_q, n_k, window, causal, padding, layout, positions, monkeypatch
+):
+    """With one head group the fused band path computes the global queries' dense rows itself (written over the band's
+    rows in its output, their key/value gradients added in place, the band's rows getting no gradient) instead of
+    `_global_queries` outside; the global keys' mask is evaluated once per pass. Outputs and gradients equal the dense
+    reference (float64): several global tokens per row (adjacent, at both ends), rows with none, padding and a fully
+    padded row holding a global token, causal and not, grouped heads, projection-layout q/k/v, global tokens before
+    the first query (keys only), and blocks of 8 in chunks of 2."""
+    import longattn.executor_blocked as executor
+
+    monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
+    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 2**11)
+    monkeypatch.setattr(executor, "_global_queries", lambda *args: pytest.fail("_global_queries was called"))
+    monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
+    generator = torch.Generator().manual_seed(n_k + heads)
+
+    def draw(h, n):
+        shape = (batch, h, n, 8) if layout == "bhnd" else (batch, n, h, 8)
+        t = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return (t if layout == "bhnd" else t.transpose(1, 2)).detach().requires_grad_()
+
+    q, k, v = draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+    key_padding_mask, _ = _token_masks(batch, n_k, padding=padding, global_tokens=False)
+    global_mask = torch.zeros(batch, n_k, dtype=torch.bool)
+    for row, row_positions in enumerate(positions):
+        global_mask[row, row_positions] = True
+    pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    groups = heads // kv_heads
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern),
+        q,
+        k,
+        v,
+    )
+    assert_all_close(actual, expected)
+
+
+def test_global_query_rows_replace_the_band_rows():
+    """A global query's row is its dense row over every key, not merged with the band's own result for that row:
+    checked directly (window 2 of 64 keys, where the band alone would differ), outputs and gradients."""
+    q, k, v = random_qkv(1, 2, 64, seed=12)
+    global_mask = torch.zeros(1, 64, dtype=torch.bool)
+    global_mask[0, 30] = True
+
+    def row_30(q, k, v):
+        return ops.sliding_window_attention(q, k, v, window=2, global_mask=global_mask)[:, :, 30:31]
+
+    def dense_row_30(q, k, v):
+        return torch.softmax(q[:, :, 30:31] @ k.transpose(2, 3) / math.sqrt(8), dim=-1) @ v  # [1, h, 1, d]
+
+    assert_all_close(outputs_and_grads(row_30, q, k, v), outputs_and_grads(dense_row_30, q, k, v))
+
+
+def test_band_chunks_stay_within_an_eighth_of_the_keys():
+    """Chunks hold at most `_BAND_CHUNK_ELEMENTS` key-gradient elements and at most an eighth of q's (one batch row),
+    but never fewer than 2 blocks; plain and edge blocks never share a chunk."""
+    from longattn.executor_blocked import _BAND_CHUNK_ELEMENTS, _band_chunks
+
+    def sizes(nb, per_block, query_elements, plain=None):
+        return [stop - start for start, stop in _band_chunks(nb, per_block, plain, query_elements)]
+
+    per_block = 4 * 576 * 64  # 4 key/value heads, w = 256 per side, blocks of 64, head dim 64
+    assert max(sizes(256, per_block, 16384 * 4 * 64)) == 3  # 16K queries on 4 heads: an eighth of q is 3.6 blocks
+    assert max(sizes(256, per_block, 16384 * 16 * 64)) == 7  # 16 query heads on 4 key/value heads: the cap
+    assert max(sizes(64, 12 * 576 * 64, 4096 * 12 * 64)) == 2  # an eighth would be under 1 block: 2
+    assert max(sizes(4096, per_block, 2**22 * 4 * 64)) == _BAND_CHUNK_ELEMENTS // per_block  # the cap
+    chunks = list(_band_chunks(10, 100, [[False] + [True] * 8 + [False]], 1000))  # an eighth: 1.25 blocks
+    assert chunks == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 9), (9, 10)]
