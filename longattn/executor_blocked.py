@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -457,15 +458,7 @@ def _chunk_mask(mask: MaskSource, start: int, stop: int) -> Tensor | None:
 
 
 def _chunks(
-    q_blocks: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_index: Tensor | None,
-    mask: MaskSource,
-    scale: float,
-    workspace: _Workspace,
-    kv_weight: Tensor | None = None,
-    own_keys: int = 0,
+    q_blocks, k, v, kv_index, mask: MaskSource, scale: float, workspace: _Workspace, kv_weight=None, own_keys=0
 ):
     """Yield a `_Chunk` per group of query blocks small enough for the workspace budget."""
     b, h, nb, c, d = q_blocks.shape
@@ -663,19 +656,10 @@ def attend_blocks(
 
 
 def _attend_blocks_traceable(
-    q_blocks: Tensor,
-    k: Tensor,
-    v: Tensor,
-    kv_index: Tensor | None,
-    mask: MaskSource,
-    scale: float,
-    dropout_p: float,
-    *,
-    kv_weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    own_keys: int = 0,
+    q_blocks, k, v, kv_index, mask, scale, dropout_p, *, kv_weight=None, bias=None, own_keys=0
 ) -> tuple[Tensor, Tensor]:
-    """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values).
+    """`attend_blocks` in plain differentiable ops, for `torch.compile` and `torch.export` (same shapes and values;
+    the arguments of `attend_blocks`, validated there).
 
     The eager kernel's chunk loop, reused workspaces and `out=` writes into strided views are host-side memory
     management: a compiler plans memory itself, and `out=` into strided views neither traces without graph breaks
@@ -1731,27 +1715,21 @@ class _BandPlan:
     def local_bias(self, batch: int, start: int, stop: int) -> Tensor:
         """Bool `[b|1, h|1, n_blk, c, m]` mask of blocks start:stop against their band keys."""
         layout = self.layout
-        return evaluate_block_mask(
-            self.local_fn,
-            batch=batch,
-            heads=self.heads,
-            q_pos=layout.q_pos[None, start:stop],
-            kv_pos=layout.kv_pos[None, start:stop],
-            q_valid=layout.q_valid[None, start:stop],
-            kv_valid=layout.kv_valid[None, start:stop],
-        )
+        keys = layout.kv_pos[None, start:stop], layout.kv_valid[None, start:stop]
+        return self._blocks_against(self.local_fn, batch, start, stop, *keys)
 
     def global_bias(self, batch: int, start: int, stop: int) -> Tensor:
         """Bool `[b, h|1, n_blk, c, g]` mask of blocks start:stop against their row's global keys."""
-        layout = self.layout
+        keys = self.global_index[:, None, :], self.global_valid[:, None, :]
+        return self._blocks_against(self.mask_fn, batch, start, stop, *keys)
+
+    def _blocks_against(
+        self, mask_fn: MaskFn, batch: int, start: int, stop: int, kv_pos: Tensor, kv_valid: Tensor
+    ) -> Tensor:
+        """`mask_fn` on the queries of blocks start:stop against keys at `kv_pos` `[b|1, n_blk|1, m]`."""
+        q_pos, q_valid = self.layout.q_pos[None, start:stop], self.layout.q_valid[None, start:stop]
         return evaluate_block_mask(
-            self.mask_fn,
-            batch=batch,
-            heads=self.heads,
-            q_pos=layout.q_pos[None, start:stop],
-            kv_pos=self.global_index[:, None, :],
-            q_valid=layout.q_valid[None, start:stop],
-            kv_valid=self.global_valid[:, None, :],
+            mask_fn, batch=batch, heads=self.heads, q_pos=q_pos, kv_pos=kv_pos, q_valid=q_valid, kv_valid=kv_valid
         )
 
     def is_plain(self, row: int, start: int, stop: int) -> bool:
@@ -1853,40 +1831,28 @@ class _BandAttention(torch.autograd.Function):
         h_kv, d_v = v.shape[1], v.shape[3]
         group = h // h_kv
         nb, c = plan.layout.q_pos.shape
-        m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
         g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
-            n_blk = stop - start
-            masks = _ChunkMasks(plan, b, start, stop)
-            for row in range(b):
-                plain = plan.is_plain(row, start, stop)
-                q_chunk = _chunk_queries(q, row, start, stop, c, group, workspace, "q", view=plain)
-                keys, values = (
-                    _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
-                )
-                if plain:
-                    bias = plan.band_bias(group, dtype)
-                else:
-                    bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
-                o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
-                if glob is not None:
-                    # Merged by log-sum-exp in place: o ← o · exp(lse − L) + exp(S_g − L) V_g, L the merged lse.
-                    scores = _global_scores(q_chunk, glob[0][row], g_bias_all[row, start:stop], plan.scale)
-                    merged = torch.logaddexp(row_lse, torch.logsumexp(scores, dim=-1))  # [n_blk, h_kv, group·c]
-                    o.mul_((row_lse - merged).exp_().unsqueeze(-1))
-                    o.add_(torch.matmul(scores.sub_(merged.unsqueeze(-1)).exp_(), glob[1][row]))
-                    row_lse = merged
-                if not plain:
-                    # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
-                    # `attend_blocks`. (A plain block's queries all see their own key.)
-                    o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
-                lse[row, start:stop] = row_lse
-                _scatter_queries(out, o, row, start, stop, c, group)
+        for step in _band_steps(q, k, v, plan, workspace, dtype):
+            start, stop, row, plain, q_chunk, keys, values, bias = step
+            o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
+            if glob is not None:
+                # Merged by log-sum-exp in place: o ← o · exp(lse − L) + exp(S_g − L) V_g, L the merged lse.
+                scores = _global_scores(q_chunk, glob[0][row], g_bias_all[row, start:stop], plan.scale)
+                merged = torch.logaddexp(row_lse, torch.logsumexp(scores, dim=-1))  # [n_blk, h_kv, group·c]
+                o.mul_((row_lse - merged).exp_().unsqueeze(-1))
+                o.add_(torch.matmul(scores.sub_(merged.unsqueeze(-1)).exp_(), glob[1][row]))
+                row_lse = merged
+            if not plain:
+                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
+                # `attend_blocks`. (A plain block's queries all see their own key.)
+                o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
+            lse[row, start:stop] = row_lse
+            _scatter_queries(out, o, row, start, stop, c, group)
         rows = _global_query_rows(plan, q.shape[2], k.shape[2]) if plan.global_queries else None
         if rows is not None:
             _global_query_forward(q, k, v, out, plan, rows, dtype)
@@ -1904,7 +1870,6 @@ class _BandAttention(torch.autograd.Function):
         h_kv = v.shape[1]
         group = h // h_kv
         nb, c = plan.layout.q_pos.shape
-        m = plan.layout.kv_pos.shape[1]
         dtype = compute_dtype(q.dtype)
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
         grad_q = torch.empty(b, nb * c, h, d, dtype=dtype, device=q.device)
@@ -1920,54 +1885,41 @@ class _BandAttention(torch.autograd.Function):
             batch_index, slot = ctx.rows
             keep.view(b, nb, h_kv, group, c)[batch_index, slot // c, :, :, slot % c] = False
         workspace = _Workspace(dtype, q.device)
-        for start, stop in _band_chunks(nb, h_kv * m * d, plan.plain, q.numel() // b):
-            n_blk = stop - start
-            masks = _ChunkMasks(plan, b, start, stop)
-            for row in range(b):
-                plain = plan.is_plain(row, start, stop)
-                q_chunk = _chunk_queries(q, row, start, stop, c, group, workspace, "q", view=plain)
-                grad_out_chunk = _chunk_queries(grad_out, row, start, stop, c, group, workspace, "grad_out", view=plain)
-                out_chunk = _chunk_queries(
-                    out, row, start, stop, c, group, workspace, "out", slots_first=True, view=plain
-                )
-                row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
-                if not plain:
-                    grad_out_chunk.mul_(keep[row, start:stop].unsqueeze(-1))
-                keys, values = (
-                    _band_keys(t, row, plan, start, n_blk, dtype, workspace, name) for t, name in ((k, "k"), (v, "v"))
-                )
-                if plain:
-                    bias = plan.band_bias(group, dtype)
-                else:
-                    bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
-                grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
-                    grad_out_chunk,
+        for step in _band_steps(q, k, v, plan, workspace, dtype):
+            start, stop, row, plain, q_chunk, keys, values, bias = step
+            grad_out_chunk = _chunk_queries(grad_out, row, start, stop, c, group, workspace, "grad_out", view=plain)
+            out_chunk = _chunk_queries(out, row, start, stop, c, group, workspace, "out", slots_first=True, view=plain)
+            row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
+            if not plain:
+                grad_out_chunk.mul_(keep[row, start:stop].unsqueeze(-1))
+            grad_q_chunk, grad_keys, grad_values = _FLASH_BACKWARD(
+                grad_out_chunk,
+                q_chunk,
+                keys,
+                values,
+                out_chunk,
+                row_lse,
+                0.0,
+                False,
+                attn_mask=bias,
+                scale=plan.scale,
+            )
+            if glob is not None:
+                _global_backward(
                     q_chunk,
-                    keys,
-                    values,
+                    grad_out_chunk,
                     out_chunk,
                     row_lse,
-                    0.0,
-                    False,
-                    attn_mask=bias,
-                    scale=plan.scale,
+                    g_bias_all[row, start:stop],
+                    glob,
+                    row,
+                    plan.scale,
+                    grad_q_chunk,
+                    grad_glob,
                 )
-                if glob is not None:
-                    _global_backward(
-                        q_chunk,
-                        grad_out_chunk,
-                        out_chunk,
-                        row_lse,
-                        g_bias_all[row, start:stop],
-                        glob,
-                        row,
-                        plan.scale,
-                        grad_q_chunk,
-                        grad_glob,
-                    )
-                _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
-                _add_band_grad(grad_k[row], grad_keys, plan, start, workspace, "grad_k")
-                _add_band_grad(grad_v[row], grad_values, plan, start, workspace, "grad_v")
+            _scatter_queries(grad_q, grad_q_chunk, row, start, stop, c, group)
+            _add_band_grad(grad_k[row], grad_keys, plan, start, workspace, "grad_k")
+            _add_band_grad(grad_v[row], grad_values, plan, start, workspace, "grad_v")
         if glob is not None:
             index = plan.global_index  # [b, g]; padding slots hold position 0 and got zero gradients
             for grad, grad_g in zip((grad_k, grad_v), grad_glob):
@@ -2063,6 +2015,43 @@ def _global_query_backward(q, k, v, out, grad_out, grad_q, grad_k, grad_v, plan,
         for head in range(h_kv):
             grad_k[row, head].addmm_(grad_scores[head].T, q_rows[head], alpha=plan.scale)
             grad_v[row, head].addmm_(probs[head].T, grad_rows[head])
+
+
+class _BandStep(NamedTuple):
+    """One step of `_BandAttention`'s passes: blocks start:stop of batch row `row`."""
+
+    start: int
+    stop: int
+    row: int
+    plain: bool  # every block of the step is plain: the shared band mask, queries read as a view
+    q: Tensor  # [n_blk·h_kv, group·c, d]
+    keys: Tensor  # [n_blk·h_kv, m, d]
+    values: Tensor  # [n_blk·h_kv, m, d_v]
+    bias: Tensor  # additive mask of the band keys
+
+
+def _band_steps(q: Tensor, k: Tensor, v: Tensor, plan: _BandPlan, workspace: _Workspace, dtype: torch.dtype):
+    """The steps both passes of `_BandAttention` take, in the same order: each chunk of query blocks (`_band_chunks`),
+    then each batch row of it, with the row's queries, band keys and values, and the additive band mask."""
+    b, h, _, d = q.shape
+    h_kv = k.shape[1]
+    group = h // h_kv
+    nb, c = plan.layout.q_pos.shape
+    per_block = h_kv * plan.layout.kv_pos.shape[1] * d
+    for start, stop in _band_chunks(nb, per_block, plan.plain, q.numel() // b):
+        masks = _ChunkMasks(plan, b, start, stop)
+        for row in range(b):
+            plain = plan.is_plain(row, start, stop)
+            q_chunk = _chunk_queries(q, row, start, stop, c, group, workspace, "q", view=plain)
+            keys, values = (
+                _band_keys(t, row, plan, start, stop - start, dtype, workspace, name)
+                for t, name in ((k, "k"), (v, "v"))
+            )
+            if plain:
+                bias = plan.band_bias(group, dtype)
+            else:
+                bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
+            yield _BandStep(start, stop, row, plain, q_chunk, keys, values, bias)
 
 
 def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None, query_elements: int = 0):
