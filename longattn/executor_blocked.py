@@ -35,7 +35,6 @@ The block masks are never written by hand: they come from evaluating the pattern
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -1541,9 +1540,7 @@ def band_block_attention(
         q_blocks = q.index_select(2, (layout.q_pos - q_offset).reshape(-1)).view(b, hg, nb, c, d)
     q_pos = layout.q_pos[None] + position_offset  # [1, nb, c]
     kv_pos = layout.kv_pos[None] + position_offset  # [1, nb, m]
-    # The masks are functions of the chunk (`block_mask`): evaluated per chunk in forward and again in backward, so
-    # no [nb, c, m] bool tensor is saved.
-    mask = block_mask(
+    mask = evaluate_block_mask(
         local_fn,
         batch=b,
         heads=heads,
@@ -1560,7 +1557,7 @@ def band_block_attention(
         global_index, global_pos, global_valid = global_keys
         g = global_index.shape[1]
         kv_index = torch.cat([kv_index.expand(b, nb, -1), global_index[:, None, :].expand(b, nb, g)], dim=2)
-        global_key_mask = block_mask(
+        global_key_mask = evaluate_block_mask(
             mask_fn,
             batch=b,
             heads=heads,
@@ -1568,8 +1565,11 @@ def band_block_attention(
             kv_pos=global_pos[:, None, :],
             q_valid=layout.q_valid[None],
             kv_valid=global_valid[:, None, :],
-        )
-        mask = functools.partial(_band_and_global_mask, mask, global_key_mask, b)
+        )  # [b, 1|hg, nb, c, g]
+        heads_dim = max(mask.shape[1], global_key_mask.shape[1])
+        mask = torch.cat(
+            [mask.expand(b, heads_dim, -1, -1, -1), global_key_mask.expand(b, heads_dim, -1, -1, -1)], dim=4
+        )  # [b, 1|hg, nb, c, m + g]
         if bias is not None:
             global_bias = block_bias(bias_fn, batch=b, heads=heads, q_pos=q_pos, kv_pos=global_pos[:, None, :])
             bias = torch.cat([bias, global_bias], dim=4)  # [b, hg, nb, c, m + g]
@@ -1578,14 +1578,6 @@ def band_block_attention(
     )  # [b, hg, nb, c, d_v]
     out = out_blocks.reshape(b, hg, nb * c, -1)  # [b, hg, slots, d_v]
     return out[:, :, :n_q] if layout.slot_of_query is None else out.index_select(2, layout.slot_of_query)
-
-
-def _band_and_global_mask(band: Callable, global_keys: Callable, batch: int, start: int, stop: int) -> Tensor:
-    """Bool `[b, 1|hg, n_blk, c, m + g]`: blocks start:stop against their band keys, then their row's global keys."""
-    band_part, global_part = band(start, stop), global_keys(start, stop)  # [b|1, 1|hg, n_blk, c, m], [b, ·, ·, c, g]
-    heads_dim = max(band_part.shape[1], global_part.shape[1])
-    shape = (batch, heads_dim, -1, -1, -1)
-    return torch.cat([band_part.expand(shape), global_part.expand(shape)], dim=4)
 
 
 def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:

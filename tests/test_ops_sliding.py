@@ -780,35 +780,3 @@ def test_band_chunks_stay_within_an_eighth_of_the_keys():
     assert max(sizes(4096, per_block, 2**22 * 4 * 64)) == _BAND_CHUNK_ELEMENTS // per_block  # the cap
     chunks = list(_band_chunks(10, 100, [[False] + [True] * 8 + [False]], 1000))  # an eighth: 1.25 blocks
     assert chunks == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 9), (9, 10)]
-
-
-@pytest.mark.parametrize("with_global", [False, True])
-def test_dilated_band_keeps_no_mask_for_backward(with_global):
-    """A dilated band (not the fused path) hands `attend_blocks` its band and global-key masks as functions of the
-    chunk, evaluated again in backward: no bool tensor of n x keys-per-query elements is saved (the band mask was
-    [1, h, nb, c, m], m = c + 2·w·d keys per block). The largest saved integer or bool tensor is then a block layout
-    ([nb, m] gathered key positions, or the global keys' index), and float tensors stay O(n·d)."""
-    b, h, n, d, window = 1, 2, 1000, 8, 16
-    generator = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(b, h, n, d, generator=generator, requires_grad=True) for _ in range(3))
-    padding = torch.ones(b, n, dtype=torch.bool)
-    padding[:, -29:] = False
-    global_mask = None
-    if with_global:
-        global_mask = torch.zeros(b, n, dtype=torch.bool)
-        global_mask[:, [0, 500]] = True
-    sizes = []
-
-    def pack(tensor):
-        sizes.append((tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.is_floating_point()))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = ops.sliding_window_attention(
-            q, k, v, window=window, dilation=[2, 3], key_padding_mask=padding, global_mask=global_mask, backend="torch"
-        )
-    out.sum().backward()
-    keys_per_block = 64 + 2 * window * 3 + 2  # the widest class's band keys plus the global keys, per block
-    masks_bytes = h * n * keys_per_block  # what one saved band mask would hold (bools)
-    assert max(size for size, floating in sizes if not floating) < masks_bytes // 4
-    assert max(size for size, floating in sizes if floating) <= 2 * b * h * n * d
