@@ -49,7 +49,9 @@ registered function (DeBERTa-v2), attentions that add a dense bias to the scores
 outside `SUPPORTED_ATTENTION_CLASSES`, the kinds `reduction` and `deformable` and the dense and factorized-dense
 synthesizer (they need the layer's hidden states, which the interface does not pass), `lsh` (shared queries and
 keys: a stock model has separate q and k projections), Linformer's `layerwise` sharing, a user's 4-D attention
-mask with a sparse kind, packed documents (restarting `position_ids`).
+mask with a sparse kind, packed documents (restarting `position_ids` or the varlen keywords, as
+`DataCollatorWithFlattening` produces) with a kind that cannot pack them (Linformer, synthesizer, adaptive span,
+BP-Transformer, SortCut; the other kinds attend within each document).
 """
 
 from __future__ import annotations
