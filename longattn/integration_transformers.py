@@ -15,7 +15,9 @@ holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
 
 The `longattn` dict holds the fields of `LongAttnConfig` that choose and shape the kinds: `attention_type` (one
 name or one per layer), `decoder_attention_type` (the causal self-attention of an encoder-decoder's decoder;
-default "full"), `attention_backend` and each kind's own fields (`sliding_window`, `sliding_dilation`, ...). They
+default "full"), `attention_backend`, each kind's own fields (`sliding_window`, `sliding_dilation`, ...) and the
+relative-position logits of every layer (`relative_position_logits`, `relative_max_distance`: a table r per layer,
+zero when attached, so the pretrained attention is unchanged until fine-tuning moves it). They
 are validated by building a `LongAttnConfig` from them with the model's geometry (heads, head dim, layers,
 `max_position_embeddings`), so they fail with the same `ValueError`s; an unknown field is a `ValueError` too.
 
@@ -69,6 +71,7 @@ from transformers.masking_utils import AttentionMaskInterface, prepare_padding_m
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
 
 from .attention_base import LongAttnAttention
+from .attention_fields import LAYER_FIELDS
 from .attention_registry import ATTENTION_CLASSES, attention_class
 from .configuration_longattn import LongAttnConfig, check_override_fields
 from .numerics import default_scale
@@ -108,13 +111,15 @@ REFUSED_KINDS = {
 }
 
 _GENERAL_FIELDS = ("attention_type", "decoder_attention_type", "attention_backend")
+# Fields of every layer whatever its kind, passed to the stack's `LongAttnConfig` with the kinds' own.
+_LAYER_FIELDS = tuple(LAYER_FIELDS)
 _KIND_MODULE_NAME = "longattn"
 
 
 def allowed_fields() -> list[str]:
     """The keys a `longattn` dict may hold: the general fields and every registered kind's own fields."""
     kind_fields = {field for kind in ATTENTION_CLASSES.values() for field in kind.config_fields}
-    return sorted(set(_GENERAL_FIELDS) | kind_fields)
+    return sorted(set(_GENERAL_FIELDS) | set(_LAYER_FIELDS) | kind_fields)
 
 
 # ------------------------------------------------------------------------------------------ config of the kinds
@@ -224,6 +229,9 @@ def _attach(module: nn.Module, fields: dict[str, Any] | None = None) -> None:
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if name in kind._modules:
             del kind._modules[name]
+    if kind.relative_embedding is not None:
+        # Zero logits: the pretrained attention is kept exactly until fine-tuning moves the table.
+        nn.init.zeros_(kind.relative_embedding.weight)
     reference = next(module.parameters(), None)
     if reference is not None and reference.device.type != "meta":
         kind.to(device=reference.device, dtype=reference.dtype)

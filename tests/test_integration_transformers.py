@@ -754,3 +754,68 @@ def test_grouped_query_sliding_reads_kv_heads_in_place_and_equals_repeated(globa
     repeated = outputs_and_grads("llama", model, batch, **kwargs)
     assert set(seen_heads) == {(4, 4, 4)}
     assert_same(grouped, repeated, atol=1e-10, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------ relative-position logits
+RELATIVE = {"relative_position_logits": True, "relative_max_distance": 6}
+
+
+def _random_relative_tables(model, seed: int = 3) -> None:
+    """Give every layer's relative table random values (`apply_longattn` starts them at zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("relative_embedding.weight"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_relative_logits_start_at_zero_and_keep_the_pretrained_attention(family):
+    """`relative_position_logits` in the `longattn` dict gives every self-attention layer its table r
+    `[2M + 1, head_dim]`, zero at first: the lengthened model computes what it computed without them."""
+    fields = {"attention_type": "sliding", "sliding_window": 5}
+    base = build(family)
+    plain = apply_longattn(copy.deepcopy(base), **fields)
+    relative = apply_longattn(copy.deepcopy(base), **fields, **RELATIVE)
+    tables = [p for name, p in relative.named_parameters() if name.endswith("relative_embedding.weight")]
+    head_dim = relative.config.hidden_size // relative.config.num_attention_heads
+    assert len(tables) == relative.config.num_hidden_layers
+    assert all(t.shape == (2 * RELATIVE["relative_max_distance"] + 1, head_dim) and not t.any() for t in tables)
+    batch = inputs(family)
+    for a, b in zip(real_outputs(family, plain, batch), real_outputs(family, relative, batch)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("roberta", {"attention_type": "sliding", "sliding_window": 5}),
+    ("llama", {"attention_type": "sliding", "sliding_window": 5, "sliding_dilation": [1, 1, 2, 2]}),
+    ("bert", {"attention_type": "strided", "strided_stride": 4}),
+])  # fmt: skip
+def test_relative_logits_equal_the_dense_reference(family, fields):
+    """With a trained (random) table, the fast executors equal the kind's dense form with the same logits, in
+    float64, outputs and gradients (the table's included), with padding; the logits change the output."""
+    base = build(family).double()
+    model = apply_longattn(copy.deepcopy(base), **fields, **RELATIVE, attention_backend="torch")
+    reference = apply_longattn(copy.deepcopy(base), **fields, **RELATIVE, attention_backend="reference")
+    _random_relative_tables(model)
+    _random_relative_tables(reference)
+    batch = inputs(family)
+    fast, dense = outputs_and_grads(family, model, batch), outputs_and_grads(family, reference, batch)
+    assert_same(fast, dense)
+    assert any(name.endswith("relative_embedding.weight") and grad.abs().sum() > 0 for name, grad in fast[1].items())
+    without = apply_longattn(copy.deepcopy(base), **fields, attention_backend="torch")
+    assert not torch.allclose(real_outputs(family, without, batch)[0], fast[0][0], atol=1e-4)
+
+
+def test_relative_logits_survive_save_reload_and_cached_generation(tmp_path):
+    """The tables are saved and reloaded (no missing or unexpected key), and cached greedy decoding equals
+    uncached with them."""
+    model = apply_longattn(build("llama"), attention_type="sliding", sliding_window=4, **RELATIVE)
+    _random_relative_tables(model)
+    model.save_pretrained(tmp_path)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    batch = inputs("llama", length=12)
+    torch.testing.assert_close(real_outputs("llama", model, batch), real_outputs("llama", reloaded.eval(), batch))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**batch, **kwargs), model.generate(**batch, **kwargs, use_cache=False))
