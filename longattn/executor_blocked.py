@@ -1618,14 +1618,14 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
         query_row = torch.nn.functional.pad(query_row, (0, pad))
         query_valid = torch.nn.functional.pad(query_valid, (0, pad))
     q_global = q.gather(2, query_row.view(b, 1, nb * c, 1).expand(b, h, nb * c, d)).view(b, h, nb, c, d)
-    mask = evaluate_block_mask(
-        mask_fn,
+    # Where the global queries and their keys are, for the mask and the relative logits.
+    positions = dict(
         batch=b,
         heads=torch.arange(h, device=q.device),
         q_pos=(query_row + q_offset).view(b, nb, c),
         kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
-        q_valid=query_valid.view(b, nb, c),
-    )  # [b, h|1, nb, c, n_k]
+    )
+    mask = evaluate_block_mask(mask_fn, **positions, q_valid=query_valid.view(b, nb, c))  # [b, h|1, nb, c, n_k]
     if sdpa:
         mask = mask[:, :, 0]  # [b, h|1, g, n_k]
         dtype = compute_dtype(q.dtype)
@@ -1646,15 +1646,7 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
         values = out_global.transpose(1, 2)[batch_index, slot]  # [k, h, d_v]
         return out.transpose(1, 2).index_put(rows, values).transpose(1, 2)
     else:
-        bias = None
-        if bias_fn is not None:
-            bias = block_bias(
-                bias_fn,
-                batch=b,
-                heads=torch.arange(h, device=q.device),
-                q_pos=(query_row + q_offset).view(b, nb, c),
-                kv_pos=torch.arange(n_k, device=q.device).view(1, 1, n_k),
-            )
+        bias = None if bias_fn is None else block_bias(bias_fn, **positions)
         out_global, _ = attend_blocks(
             q_global, k, v, kv_index=None, mask=mask, scale=scale, dropout_p=dropout_p, bias=bias
         )
