@@ -95,8 +95,9 @@ MAX_LEVELS = 32
 QUERY_BLOCK = 32
 """Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
 
-# Elements of one chunk's scores [b, h, blocks, c, m]: a few MB, like executor_blocked's chunks.
-_CHUNK_ELEMENTS = 2**20
+# Elements of one chunk's scores [b, h, blocks, c, m]: 1 MB in float32; its gathered keys and values (m x d per
+# block, about twice the c x m scores at d = 64) and their gradients take a few MB more, recomputed in backward.
+_CHUNK_ELEMENTS = 2**18
 
 
 def num_levels(n: int, context: int) -> int:
@@ -254,6 +255,33 @@ def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
     return result  # -2 would mark a token covered twice (never, checked by the tests)
 
 
+def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor]:
+    """The span nodes alone: each level's spans (levels 1 .. L-1) as the mean of their real tokens.
+
+    Args:
+        x: `[b, h, n, d]` token keys or values.
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+
+    Returns:
+        (spans `[b, h, N - n, d]` in x's dtype; counts `[b, N]`, real tokens per node, tokens included).
+    """
+    b, h, n, d = x.shape
+    dtype = compute_dtype(x.dtype)
+    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
+    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
+    span_sums, node_counts = [sums.new_zeros(b, h, 0, d)], [counts]
+    for _ in range(1, levels):
+        if sums.shape[2] % 2:
+            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
+        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
+        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
+        span_sums.append(sums)
+        node_counts.append(counts)
+    counts = torch.cat(node_counts, 1)  # [b, N]
+    spans = torch.cat(span_sums, 2) / counts[:, n:].clamp(min=1)[:, None, :, None]
+    return spans.to(x.dtype), counts
+
+
 def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """The node list: the tokens, then each level's spans as the mean of their real tokens.
 
@@ -265,22 +293,8 @@ def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple
         (nodes `[b, h, N, d]` in x's dtype; real `[b, N]` bool, False for spans without a real token; counts
         `[b, N]`, real tokens per node).
     """
-    b, _, n, _ = x.shape
-    dtype = compute_dtype(x.dtype)
-    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
-    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
-    node_sums, node_counts = [sums], [counts]
-    for _ in range(1, levels):
-        if sums.shape[2] % 2:
-            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
-        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
-        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
-        node_sums.append(sums)
-        node_counts.append(counts)
-    counts = torch.cat(node_counts, 1)  # [b, N]
-    means = torch.cat(node_sums, 2) / counts.clamp(min=1)[:, None, :, None]
-    means = torch.cat([x, means[:, :, n:].to(x.dtype)], 2)  # tokens kept exactly as they are
-    return means, counts > 0, counts
+    spans, counts = _pool_levels(x, key_padding_mask, levels)
+    return torch.cat([x, spans], 2), counts > 0, counts  # tokens kept exactly as they are
 
 
 def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
@@ -306,15 +320,191 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropout_p, table=None, q_pos=None) -> Tensor:
-    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]`, relative
-    table `[b, h, n, 2M + 1]` or None with query positions q_pos `[nb, c]` -> out `[b, h, nb, c, d]`."""
-    dtype = compute_dtype(q_blocks.dtype)
-    keys, values = nodes_k[:, :, nodes].to(dtype), nodes_v[:, :, nodes].to(dtype)  # [b, h, nb, m, d]
-    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2) + bias.to(dtype)  # [b, h, nb, c, m]
-    if table is not None:  # gathered here, so that backward recomputes it too
-        scores = scores + _token_edge_logits(table, q_pos[:, :, None], nodes[:, None, :], table.shape[2]).to(dtype)
-    return (_softmax_rows(scores, visible, dropout_p) @ values).to(q_blocks.dtype)
+def _level0_width(context: int, causal: bool, block: int = QUERY_BLOCK) -> int:
+    """Columns of `block_layout`'s node sets that are tokens (level 0): they come first, the span levels after."""
+    return block + 2 * (context + 1) * (1 if causal else 2) + 1
+
+
+def _gather(tokens: Tensor, spans: Tensor, nodes: Tensor, width0: int) -> Tensor:
+    """Node keys or values of the node sets `nodes` `[nb, m]` (the first `width0` columns tokens, the rest spans),
+    read from tokens `[b, h, n, d]` and spans `[b, h, N - n, d]` without building the `[b, h, N, d]` node list ->
+    `[b, h, nb, m, d]`."""
+    n = tokens.shape[2]
+    return torch.cat([tokens[:, :, nodes[:, :width0]], spans[:, :, nodes[:, width0:] - n]], 3)
+
+
+class _Chunk:
+    """One chunk of query blocks [start, stop) of the blocked executor: its slices of the layout, and its inputs
+    gathered from the O(n · d) tensors (queries, tokens, spans), so that forward and backward read the same."""
+
+    def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, width0: int):
+        self.start, self.stop, self.n, self.width0 = start, stop, n, width0
+        self.nodes, self.edges = nodes[start:stop], edges[start:stop]  # [nbc, m], [nbc, c, m]
+        self.c = edges.shape[1]
+        self.first, self.last = start * self.c, min(n, stop * self.c)  # the queries [first, last)
+
+    def blocks(self, x: Tensor) -> Tensor:
+        """Rows [first, last) of `[b, h, n, d]` as blocks `[b, h, nbc, c, d]`, the last block padded with zeros."""
+        x = x[:, :, self.first : self.last]
+        return F.pad(x, (0, 0, 0, (self.stop - self.start) * self.c - x.shape[2])).unflatten(2, (-1, self.c))
+
+    def visible(self, real: Tensor) -> Tensor:
+        """`[b, 1, nbc, c, m]`: the edges the queries have to real nodes (`real` `[b, N]`)."""
+        return ((self.edges >= 0) & real[:, self.nodes][:, :, None, :])[:, None]
+
+    def attend(self, q_blocks, keys, values, relative_bias, table_rows, visible, scale, dropout_p) -> Tensor:
+        """q_blocks `[b, h, nbc, c, d]`, keys and values `[b, h, nbc, m, d]`, relative_bias `[h, E]`, the relative
+        table's rows [first, last) `[b, h, q, 2M + 1]` or None -> out `[b, h, nbc, c, d]`."""
+        dtype = compute_dtype(q_blocks.dtype)
+        bias = relative_bias[:, self.edges.clamp(min=0)].to(dtype)  # [h, nbc, c, m]
+        scores = (q_blocks.to(dtype) * scale) @ keys.to(dtype).transpose(-1, -2) + bias  # [b, h, nbc, c, m]
+        if table_rows is not None:
+            q_pos = torch.arange(self.first, self.stop * self.c, device=q_blocks.device).view(-1, self.c)  # [nbc, c]
+            logits = _token_edge_logits(table_rows, q_pos[:, :, None], self.nodes[:, None, :], self.n, self.first)
+            scores = scores + logits.to(dtype)
+        return (_softmax_rows(scores, visible, dropout_p) @ values.to(dtype)).to(q_blocks.dtype)
+
+
+def _layout_chunks(n: int, b: int, h: int, context: int, causal: bool, device: torch.device) -> list[_Chunk]:
+    """The blocked layout of n queries cut into chunks of about `_CHUNK_ELEMENTS` scores."""
+    if torch.compiler.is_compiling():
+        nodes, edges = block_layout(n, context=context, causal=causal, device=device)  # [nb, m], [nb, c, m]
+    else:  # the layout depends on the length only: built once per length, not in every layer and step
+        nodes, edges = _cached_block_layout(n, context, causal, device)
+    blocks, c, m = edges.shape
+    step = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
+    width0 = _level0_width(context, causal, c)
+    return [_Chunk(start, min(blocks, start + step), n, nodes, edges, width0) for start in range(0, blocks, step)]
+
+
+def _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, recompute):
+    """The blocked executor's forward: spans pooled once, then chunk by chunk -> `[b, h, n, d]`. With `recompute`
+    each chunk runs under `torch.utils.checkpoint` (the path with attention dropout, whose masks it replays)."""
+    b, h, n, d = q.shape
+    levels = num_levels(n, context)
+    spans_k, counts = _pool_levels(k, key_padding_mask, levels)  # [b, h, N - n, d], [b, N]
+    spans_v = _pool_levels(v, key_padding_mask, levels)[0]
+    real = counts > 0
+    chunks = _layout_chunks(n, b, h, context, causal, q.device)
+
+    def run(chunk: _Chunk, q, k, v, spans_k, spans_v, relative_bias, table) -> Tensor:
+        keys, values = _gather(k, spans_k, chunk.nodes, chunk.width0), _gather(v, spans_v, chunk.nodes, chunk.width0)
+        table_rows = None if table is None else table[:, :, chunk.first : chunk.last]
+        out = chunk.attend(
+            chunk.blocks(q), keys, values, relative_bias, table_rows, chunk.visible(real), scale, dropout_p
+        )
+        return out.flatten(2, 3)[:, :, : chunk.last - chunk.first]
+
+    if not torch.is_grad_enabled():  # written into one output, no list of chunks and no concatenation
+        out = q.new_empty(b, h, n, d)
+        for chunk in chunks:
+            out[:, :, chunk.first : chunk.last] = run(chunk, q, k, v, spans_k, spans_v, relative_bias, table)
+        return out
+    args = (q, k, v, spans_k, spans_v, relative_bias, table)
+    if recompute:  # recomputed in backward: the gathered keys, values and scores are not kept
+        return torch.cat([checkpoint(run, chunk, *args, use_reentrant=False) for chunk in chunks], 2)
+    return torch.cat([run(chunk, *args) for chunk in chunks], 2)
+
+
+class _BlockedNodes(torch.autograd.Function):
+    """The blocked executor with its own backward: forward keeps only its inputs (q, k, v `[b, h, n, d]`, the bias
+    table and the relative table); backward pools the spans again and recomputes each chunk's gathered nodes,
+    scores and probabilities, one chunk at a time, adding the gradients of the gathered nodes into the tokens'
+    and spans' gradients by index. Nothing larger than O(n · d) outlives a chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, relative_bias, table, context, causal, scale):
+        ctx.save_for_backward(q, k, v, key_padding_mask, relative_bias, table)
+        ctx.settings = (context, causal, scale)
+        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, 0.0, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, key_padding_mask, relative_bias, table = ctx.saved_tensors
+        context, causal, scale = ctx.settings
+        b, h, n, d = q.shape
+        levels = num_levels(n, context)
+        spans_k, counts = _pool_levels(k, key_padding_mask, levels)
+        spans_v = _pool_levels(v, key_padding_mask, levels)[0]
+        real = counts > 0
+        dtype = compute_dtype(q.dtype)  # gradients gathered from many chunks add up in the compute dtype
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
+        grad_spans_k, grad_spans_v = (x.new_zeros(x.shape, dtype=dtype) for x in (spans_k, spans_v))
+        grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
+        grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
+        for chunk in _layout_chunks(n, b, h, context, causal, q.device):
+            w0 = chunk.width0
+            leaves = [
+                chunk.blocks(q),
+                _gather(k, spans_k, chunk.nodes, w0),
+                _gather(v, spans_v, chunk.nodes, w0),
+                relative_bias,
+            ]
+            if table is not None:
+                leaves.append(table[:, :, chunk.first : chunk.last])
+            leaves = [x.detach().requires_grad_() for x in leaves]
+            with torch.enable_grad():
+                out = chunk.attend(
+                    *leaves[:4], leaves[4] if table is not None else None, chunk.visible(real), scale, 0.0
+                )
+            grads = torch.autograd.grad(out, leaves, chunk.blocks(grad_out))
+            grad_q[:, :, chunk.first : chunk.last] = grads[0].flatten(2, 3)[:, :, : chunk.last - chunk.first]
+            for grad, tokens, spans in ((grads[1], grad_k, grad_spans_k), (grads[2], grad_v, grad_spans_v)):
+                tokens.index_add_(2, chunk.nodes[:, :w0].flatten(), grad[:, :, :, :w0].flatten(2, 3).to(dtype))
+                spans.index_add_(2, chunk.nodes[:, w0:].flatten() - n, grad[:, :, :, w0:].flatten(2, 3).to(dtype))
+            grad_bias += grads[3]
+            if table is not None:
+                grad_table[:, :, chunk.first : chunk.last] += grads[4]
+        del spans_k, spans_v, leaves, grads
+        # The spans are linear in the tokens: their gradients go back through the pooling (`_unpool`).
+        if levels > 1:
+            grad_k += _unpool(grad_spans_k, counts, n)
+            grad_v += _unpool(grad_spans_v, counts, n)
+        grad_table = None if table is None else grad_table.to(table.dtype)
+        return (
+            grad_q,
+            grad_k.to(k.dtype),
+            grad_v.to(v.dtype),
+            None,
+            grad_bias.to(relative_bias.dtype),
+            grad_table,
+            None,
+            None,
+            None,
+        )
+
+
+def _unpool(grad_spans: Tensor, counts: Tensor, n: int) -> Tensor:
+    """The adjoint of `_pool_levels`: the gradient of the spans `[b, h, N - n, d]` (overwritten), with the node
+    counts `[b, N]`, taken back to the tokens -> `[b, h, n, d]`.
+
+    A span is the sum of its real tokens over its count, so a real token receives the sum over its ancestor spans
+    of their gradient over their count; from the top level down, each level adds its parent's share (repeated
+    twice), and level 1's share goes to its two tokens: O(n · d), one level at a time."""
+    sizes, size = [], n
+    while sum(sizes) < grad_spans.shape[2]:
+        size = -(-size // 2)
+        sizes.append(size)
+    share = grad_spans.div_(counts[:, n:].clamp(min=1)[:, None, :, None]).split(sizes, 2)  # views, level 1 first
+    for level in range(len(sizes) - 2, -1, -1):
+        share[level].add_(share[level + 1].repeat_interleave(2, 2)[:, :, : sizes[level]])
+    return share[0].repeat_interleave(2, 2)[:, :, :n] * counts[:, None, :n, None]
+
+
+def _attend_gathered_nodes(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
+    """`binary_partition_attention`'s blocked executor on token q, k, v `[b, h, n, d]` (padding mask `[b, n]` or
+    None) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`.
+
+    In training it keeps for backward only O(n · d) tensors: `_BlockedNodes`, or, with attention dropout (whose
+    masks must be replayed), `torch.utils.checkpoint` around each chunk. `torch.compile` traces the plain chunks."""
+    tensors = (q, k, v, relative_bias) + (() if table is None else (table,))
+    training = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    if training and not torch.compiler.is_compiling():
+        if dropout_p == 0:
+            return _BlockedNodes.apply(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale)
+        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, True)
+    return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, False)
 
 
 def binary_partition_attention(
@@ -347,13 +537,13 @@ def binary_partition_attention(
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
     table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
+    if not dense:
+        return _attend_gathered_nodes(
+            q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p
+        )
     levels = num_levels(k.shape[2], context)
     nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
-    if not dense:
-        return _attend_gathered_nodes(
-            q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p
-        )
     n, m = q.shape[2], k.shape[2]
     edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
     dtype = compute_dtype(q.dtype)
@@ -374,42 +564,6 @@ def binary_partition_attention(
         index = offsets[level] + tokens // 2**level  # [m]
         weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
     return out, weights.to(q.dtype)
-
-
-def _attend_gathered_nodes(q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p):
-    """`binary_partition_attention`'s blocked executor on the pooled nodes `[b, h, N, d]` (`real` `[b, N]`, as
-    `pool_spans` gives them) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`."""
-    b, h, n, d = q.shape
-    if torch.compiler.is_compiling():
-        nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
-    else:  # the layout depends on the length only: built once per length, not in every layer and step
-        nodes, edges = _cached_block_layout(n, context, causal, q.device)
-    blocks, c, m = edges.shape
-    q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
-    q_pos = torch.arange(blocks * c, device=q.device).view(blocks, c)  # [nb, c]
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
-    outs = []
-    for start in range(0, blocks, chunk):
-        rows = slice(start, min(blocks, start + chunk))
-        visible = ((edges[rows] >= 0) & real[:, nodes[rows]][:, :, None, :])[:, None]  # [b, 1, nb, c, m]
-        args = (
-            q_blocks[:, :, rows],
-            nodes_k,
-            nodes_v,
-            nodes[rows],
-            relative_bias[:, edges[rows].clamp(min=0)],
-            visible,
-            scale,
-            dropout_p,
-            table,
-            q_pos[rows],
-        )
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Recomputed in backward: the gathered keys, values and scores are not kept.
-            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
-        else:
-            outs.append(_attend_chunk(*args))
-    return torch.cat(outs, 2).flatten(2, 3)[:, :, :n]
 
 
 def binary_partition_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:
