@@ -255,30 +255,36 @@ def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
     return result  # -2 would mark a token covered twice (never, checked by the tests)
 
 
-def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor]:
-    """The span nodes alone: each level's spans (levels 1 .. L-1) as the mean of their real tokens.
+def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int, first: int = 1) -> tuple[Tensor, Tensor]:
+    """The span nodes alone: the spans of levels first .. L-1 as the mean of their real tokens.
 
     Args:
         x: `[b, h, n, d]` token keys or values.
         key_padding_mask: `[b, n]` bool, True = real token; None = none.
+        first: The lowest level kept (>= 1); the blocked executor reads the levels below from the tokens.
 
     Returns:
-        (spans `[b, h, N - n, d]` in x's dtype; counts `[b, N]`, real tokens per node, tokens included).
+        (spans `[b, h, N - offsets[first], d]` in x's dtype, `level_offsets`' order; counts `[b, N]`, real tokens
+        per node, tokens included).
     """
     b, h, n, d = x.shape
     dtype = compute_dtype(x.dtype)
     real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
     sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
     span_sums, node_counts = [sums.new_zeros(b, h, 0, d)], [counts]
-    for _ in range(1, levels):
+    for level in range(1, levels):
         if sums.shape[2] % 2:
             sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
         sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
         counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
-        span_sums.append(sums)
+        if level >= first:
+            span_sums.append(sums)
         node_counts.append(counts)
     counts = torch.cat(node_counts, 1)  # [b, N]
-    spans = torch.cat(span_sums, 2) / counts[:, n:].clamp(min=1)[:, None, :, None]
+    spans = (
+        torch.cat(span_sums, 2)
+        / counts[:, level_offsets(n, levels)[min(first, levels)] :].clamp(min=1)[:, None, :, None]
+    )
     return spans.to(x.dtype), counts
 
 
@@ -320,28 +326,77 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _level0_width(context: int, causal: bool, block: int = QUERY_BLOCK) -> int:
-    """Columns of `block_layout`'s node sets that are tokens (level 0): they come first, the span levels after."""
-    return block + 2 * (context + 1) * (1 if causal else 2) + 1
+_TOKEN_LEVELS = 2
+"""Span levels 1 .. this one are read from the tokens by each chunk (a level-l node is the mean of its 2^l real
+tokens) instead of being pooled and kept: they hold 3/4 of the spans, and a block reads only about
+c + 2^l · (2(k+1)·2 + 1) of their tokens, so forward and backward keep n/4 span rows per tensor instead of n."""
 
 
-def _gather(tokens: Tensor, spans: Tensor, nodes: Tensor, width0: int) -> Tensor:
-    """Node keys or values of the node sets `nodes` `[nb, m]` (the first `width0` columns tokens, the rest spans),
-    read from tokens `[b, h, n, d]` and spans `[b, h, N - n, d]` without building the `[b, h, N, d]` node list ->
-    `[b, h, nb, m, d]`."""
-    n = tokens.shape[2]
-    return torch.cat([tokens[:, :, nodes[:, :width0]], spans[:, :, nodes[:, width0:] - n]], 3)
+def _level_widths(levels: int, context: int, causal: bool, block: int = QUERY_BLOCK) -> list[int]:
+    """Columns of each level in `block_layout`'s node sets, level 0 first (the same windows)."""
+    reach = 2 * (context + 1)
+    return [max(block // 2**level, 1) + reach * (1 if causal else 2) + 1 for level in range(levels)]
 
 
 class _Chunk:
     """One chunk of query blocks [start, stop) of the blocked executor: its slices of the layout, and its inputs
-    gathered from the O(n · d) tensors (queries, tokens, spans), so that forward and backward read the same."""
+    gathered from the O(n · d) tensors (queries, tokens, the kept spans), so that forward and backward read the
+    same. Node columns: level 0 (tokens), levels 1 .. G (`_TOKEN_LEVELS`, means of tokens), levels above (kept
+    spans)."""
 
-    def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, width0: int):
-        self.start, self.stop, self.n, self.width0 = start, stop, n, width0
+    def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, widths: list[int]):
+        self.start, self.stop, self.n = start, stop, n
         self.nodes, self.edges = nodes[start:stop], edges[start:stop]  # [nbc, m], [nbc, c, m]
         self.c = edges.shape[1]
         self.first, self.last = start * self.c, min(n, stop * self.c)  # the queries [first, last)
+        levels = len(widths)
+        offsets = level_offsets(n, levels)
+        self.low = min(_TOKEN_LEVELS, levels - 1)
+        columns = [0]
+        for width in widths:
+            columns.append(columns[-1] + width)
+        self.columns = columns  # level l in columns [columns[l], columns[l + 1])
+        self.span_base = offsets[self.low + 1]  # node index of the first kept span
+        self.tokens = {}  # level -> (node columns, token index [nbc, w, 2^l] unclamped)
+        for level in range(1, self.low + 1):
+            node = self.nodes[:, columns[level] : columns[level + 1]]  # [nbc, w]
+            size = 2**level
+            token = (node - offsets[level])[..., None] * size + torch.arange(size, device=node.device)
+            self.tokens[level] = (node, token)
+
+    def _token_weights(self, level: int, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """(token index `[nbc, w, 2^l]`, weights `[b, nbc, w, 2^l]`) of the level's nodes as means of their real
+        tokens (`counts` `[b, N]`, tokens first)."""
+        node, token = self.tokens[level]
+        index = token.clamp(max=self.n - 1)
+        weight = counts[:, index] * (token < self.n) / counts[:, node].clamp(min=1)[..., None]
+        return index, weight
+
+    def gather(self, tokens: Tensor, spans: Tensor, counts: Tensor) -> Tensor:
+        """The node keys or values of the chunk's blocks -> `[b, h, nbc, m, d]` (tokens `[b, h, n, d]`, kept spans
+        `[b, h, N - offsets[G + 1], d]`, counts `[b, N]`)."""
+        dtype = compute_dtype(tokens.dtype)
+        parts = [tokens[:, :, self.nodes[:, : self.columns[1]]]]
+        for level in range(1, self.low + 1):
+            index, weight = self._token_weights(level, counts)
+            mean = torch.einsum("bhnwrd,bnwr->bhnwd", tokens[:, :, index].to(dtype), weight.to(dtype))
+            parts.append(mean.to(tokens.dtype))
+        parts.append(spans[:, :, self.nodes[:, self.columns[self.low + 1] :] - self.span_base])
+        return torch.cat(parts, 3)
+
+    def scatter(self, grad: Tensor, grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor) -> None:
+        """Adds the gradient of `gather`'s output `[b, h, nbc, m, d]` into the tokens' and kept spans' gradients."""
+        dtype = grad_tokens.dtype
+        split = self.columns[1]
+        grad_tokens.index_add_(2, self.nodes[:, :split].flatten(), grad[:, :, :, :split].flatten(2, 3).to(dtype))
+        for level in range(1, self.low + 1):
+            index, weight = self._token_weights(level, counts)
+            part = grad[:, :, :, self.columns[level] : self.columns[level + 1]].to(dtype)  # [b, h, nbc, w, d]
+            shares = part[:, :, :, :, None, :] * weight[:, None, :, :, :, None].to(dtype)  # [b, h, nbc, w, 2^l, d]
+            grad_tokens.index_add_(2, index.flatten(), shares.flatten(2, 4))
+        split = self.columns[self.low + 1]
+        spans = (self.nodes[:, split:] - self.span_base).flatten()
+        grad_spans.index_add_(2, spans, grad[:, :, :, split:].flatten(2, 3).to(dtype))
 
     def blocks(self, x: Tensor) -> Tensor:
         """Rows [first, last) of `[b, h, n, d]` as blocks `[b, h, nbc, c, d]`, the last block padded with zeros."""
@@ -373,8 +428,8 @@ def _layout_chunks(n: int, b: int, h: int, context: int, causal: bool, device: t
         nodes, edges = _cached_block_layout(n, context, causal, device)
     blocks, c, m = edges.shape
     step = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
-    width0 = _level0_width(context, causal, c)
-    return [_Chunk(start, min(blocks, start + step), n, nodes, edges, width0) for start in range(0, blocks, step)]
+    widths = _level_widths(num_levels(n, context), context, causal, c)
+    return [_Chunk(start, min(blocks, start + step), n, nodes, edges, widths) for start in range(0, blocks, step)]
 
 
 def _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, recompute):
@@ -382,13 +437,13 @@ def _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, cau
     each chunk runs under `torch.utils.checkpoint` (the path with attention dropout, whose masks it replays)."""
     b, h, n, d = q.shape
     levels = num_levels(n, context)
-    spans_k, counts = _pool_levels(k, key_padding_mask, levels)  # [b, h, N - n, d], [b, N]
-    spans_v = _pool_levels(v, key_padding_mask, levels)[0]
+    spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)  # [b, h, N', d], [b, N]
+    spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
     real = counts > 0
     chunks = _layout_chunks(n, b, h, context, causal, q.device)
 
     def run(chunk: _Chunk, q, k, v, spans_k, spans_v, relative_bias, table) -> Tensor:
-        keys, values = _gather(k, spans_k, chunk.nodes, chunk.width0), _gather(v, spans_v, chunk.nodes, chunk.width0)
+        keys, values = chunk.gather(k, spans_k, counts), chunk.gather(v, spans_v, counts)
         table_rows = None if table is None else table[:, :, chunk.first : chunk.last]
         out = chunk.attend(
             chunk.blocks(q), keys, values, relative_bias, table_rows, chunk.visible(real), scale, dropout_p
@@ -424,8 +479,8 @@ class _BlockedNodes(torch.autograd.Function):
         context, causal, scale = ctx.settings
         b, h, n, d = q.shape
         levels = num_levels(n, context)
-        spans_k, counts = _pool_levels(k, key_padding_mask, levels)
-        spans_v = _pool_levels(v, key_padding_mask, levels)[0]
+        spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)
+        spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
         real = counts > 0
         dtype = compute_dtype(q.dtype)  # gradients gathered from many chunks add up in the compute dtype
         grad_q = torch.empty_like(q)
@@ -434,11 +489,10 @@ class _BlockedNodes(torch.autograd.Function):
         grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
         grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
         for chunk in _layout_chunks(n, b, h, context, causal, q.device):
-            w0 = chunk.width0
             leaves = [
                 chunk.blocks(q),
-                _gather(k, spans_k, chunk.nodes, w0),
-                _gather(v, spans_v, chunk.nodes, w0),
+                chunk.gather(k, spans_k, counts),
+                chunk.gather(v, spans_v, counts),
                 relative_bias,
             ]
             if table is not None:
@@ -450,17 +504,17 @@ class _BlockedNodes(torch.autograd.Function):
                 )
             grads = torch.autograd.grad(out, leaves, chunk.blocks(grad_out))
             grad_q[:, :, chunk.first : chunk.last] = grads[0].flatten(2, 3)[:, :, : chunk.last - chunk.first]
-            for grad, tokens, spans in ((grads[1], grad_k, grad_spans_k), (grads[2], grad_v, grad_spans_v)):
-                tokens.index_add_(2, chunk.nodes[:, :w0].flatten(), grad[:, :, :, :w0].flatten(2, 3).to(dtype))
-                spans.index_add_(2, chunk.nodes[:, w0:].flatten() - n, grad[:, :, :, w0:].flatten(2, 3).to(dtype))
+            chunk.scatter(grads[1], grad_k, grad_spans_k, counts)
+            chunk.scatter(grads[2], grad_v, grad_spans_v, counts)
             grad_bias += grads[3]
             if table is not None:
                 grad_table[:, :, chunk.first : chunk.last] += grads[4]
-        del spans_k, spans_v, leaves, grads
+            del leaves, out, grads  # before the next chunk's, not while it is built
+        del spans_k, spans_v
         # The spans are linear in the tokens: their gradients go back through the pooling (`_unpool`).
-        if levels > 1:
-            grad_k += _unpool(grad_spans_k, counts, n)
-            grad_v += _unpool(grad_spans_v, counts, n)
+        if grad_spans_k.shape[2]:
+            _unpool(grad_k, grad_spans_k, counts, levels, _TOKEN_LEVELS + 1)
+            _unpool(grad_v, grad_spans_v, counts, levels, _TOKEN_LEVELS + 1)
         grad_table = None if table is None else grad_table.to(table.dtype)
         return (
             grad_q,
@@ -475,21 +529,29 @@ class _BlockedNodes(torch.autograd.Function):
         )
 
 
-def _unpool(grad_spans: Tensor, counts: Tensor, n: int) -> Tensor:
-    """The adjoint of `_pool_levels`: the gradient of the spans `[b, h, N - n, d]` (overwritten), with the node
-    counts `[b, N]`, taken back to the tokens -> `[b, h, n, d]`.
+def _unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int, first: int) -> None:
+    """The adjoint of `_pool_levels(.., levels, first)`: adds the gradient of the kept spans `[b, h, N', d]`
+    (overwritten), with the node counts `[b, N]`, into the tokens' gradient `[b, h, n, d]` (in place: no temporary
+    of the tokens' size).
 
     A span is the sum of its real tokens over its count, so a real token receives the sum over its ancestor spans
-    of their gradient over their count; from the top level down, each level adds its parent's share (repeated
-    twice), and level 1's share goes to its two tokens: O(n · d), one level at a time."""
-    sizes, size = [], n
-    while sum(sizes) < grad_spans.shape[2]:
-        size = -(-size // 2)
-        sizes.append(size)
-    share = grad_spans.div_(counts[:, n:].clamp(min=1)[:, None, :, None]).split(sizes, 2)  # views, level 1 first
+    of their gradient over their count: each level's share over its count, then from the top level down each
+    level adds its parent's share (repeated twice), and level `first` gives its share to its 2^first tokens."""
+    b, h, n, d = grad_tokens.shape
+    sizes = [-(-n // 2**level) for level in range(first, levels)]
+    base = level_offsets(n, levels)[first]
+    share = grad_spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None]).split(
+        sizes, 2
+    )  # views, level `first` first
     for level in range(len(sizes) - 2, -1, -1):
         share[level].add_(share[level + 1].repeat_interleave(2, 2)[:, :, : sizes[level]])
-    return share[0].repeat_interleave(2, 2)[:, :, :n] * counts[:, None, :n, None]
+    size = 2**first
+    whole, real = n // size, counts[:, :n]
+    grad_tokens[:, :, : whole * size].view(b, h, whole, size, d).addcmul_(
+        share[0][:, :, :whole, None, :], real[:, : whole * size].view(b, 1, whole, size, 1)
+    )
+    if n > whole * size:  # the last span, cut at n
+        grad_tokens[:, :, whole * size :].addcmul_(share[0][:, :, whole:], real[:, None, whole * size :, None])
 
 
 def _attend_gathered_nodes(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
