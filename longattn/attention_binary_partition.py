@@ -50,11 +50,14 @@ gathers one set of node keys and values (indices into [token keys ; span keys]):
 its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
 and never an n x n tensor. The edge type of every (query, gathered node) pair comes from the same predicate as the
 dense table, gives the bias and hides the nodes a query does not see. It does not go through
-`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk of blocks is recomputed in
-backward (`torch.utils.checkpoint`), so gathered keys and scores are not kept. `binary_partition_reference` is the
-dense form: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries are the last positions of
-the cache, `output_attentions` with the span weights spread evenly over their real tokens, the "reference" back
-end, and the tests).
+`executor_blocked.attend_blocks`, which takes no additive bias. In training forward keeps only q, k, v (and the
+bias and relative tables) for backward, O(n · d): backward pools the spans again and recomputes each chunk's gathered
+nodes, scores and probabilities, adding the gathered nodes' gradients back by index (`_BlockedNodes`; with attention
+dropout, whose masks must be replayed, `torch.utils.checkpoint` around each chunk). Span levels 1 and 2, 3/4 of the
+span rows, are never kept: each chunk reads their nodes as means of the tokens (`_TOKEN_LEVELS`).
+`binary_partition_reference` is the dense form: an explicit `[n, N]` edge table over all nodes (cached decoding,
+where queries are the last positions of the cache, `output_attentions` with the span weights spread evenly over
+their real tokens, the "reference" back end, and the tests).
 """
 
 from __future__ import annotations

@@ -29,8 +29,11 @@ embedding (relative offsets around a reference point carry the position; learned
 the hidden states the offsets are read from).
 
 Cost: O(n · L · P · d) for the samples, plus the O(n · D · h · L · P) offset and weight projections; the fast
-path never builds an `[n, n]` tensor. The dense form (`output_attentions=True`, the "reference" back end) makes the
-linear map explicit, `[b, h, n, n]`, with the hat-function interpolation matrix and the pooling matrix of each level.
+path never builds an `[n, n]` tensor. In training it keeps only v, the offsets and the weights for backward
+(O(n · d) and O(n · h · L · P)); backward pools the levels again and recomputes the neighbours, interpolation
+weights and gathered cells one chunk of queries at a time (`_Sampling`).
+The dense form (`output_attentions=True`, the "reference" back end) makes the linear map explicit, `[b, h, n, n]`,
+with the hat-function interpolation matrix and the pooling matrix of each level.
 
 No causal form: a pooled cell averages later tokens, and interpolation reads cell floor(x) + 1, which may lie in the
 future. A decoder use is refused when the config is validated.
