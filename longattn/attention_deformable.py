@@ -238,7 +238,7 @@ class _Sampling(torch.autograd.Function):
             go = grad_out[:, :, rows]  # [b, h, q, d]
             # out = Σ_s coef_s · cell_s: the cells receive coef · grad, each coefficient cell · grad.
             grad_cells.index_add_(0, index.flatten(), (coef[..., None] * go[:, :, :, None, :]).flatten(0, 3))
-            grad_coef = (flat[index] @ go[..., None]).squeeze(-1).to(probs.dtype) * inside  # [b, h, q, S2]
+            grad_coef = flat[index].mul_(go[:, :, :, None, :]).sum(-1).to(probs.dtype) * inside  # [b, h, q, S2]
             grad_probs[:, :, rows] = (grad_coef * weight).unflatten(3, (*offsets.shape[3:], 2)).sum(-1)
             grad_weight = (grad_coef * p).unflatten(3, (*offsets.shape[3:], 2))  # [b, h, q, L, P, 2]
             grad_offsets[:, :, rows] = grad_weight[..., 1] - grad_weight[..., 0]  # weight = (1 - frac, frac)
