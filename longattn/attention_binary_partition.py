@@ -354,7 +354,7 @@ class _Chunk:
 
     def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, widths: list[int]):
         self.start, self.stop, self.n = start, stop, n
-        self.nodes, self.edges = nodes[start:stop].long(), edges[start:stop].long()  # [nbc, m], [nbc, c, m]
+        self._nodes, self._edges = nodes[start:stop], edges[start:stop]  # views of the (narrow) layout
         self.c = edges.shape[1]
         self.first, self.last = start * self.c, min(n, stop * self.c)  # the queries [first, last)
         levels = len(widths)
@@ -367,10 +367,20 @@ class _Chunk:
         self.span_base = offsets[self.low + 1]  # node index of the first kept span
         self.tokens = {}  # level -> (node columns, token index [nbc, w, 2^l] unclamped)
         for level in range(1, self.low + 1):
-            node = self.nodes[:, columns[level] : columns[level + 1]]  # [nbc, w]
+            node = self._nodes[:, columns[level] : columns[level + 1]].long()  # [nbc, w]
             size = 2**level
             token = (node - offsets[level])[..., None] * size + torch.arange(size, device=node.device)
             self.tokens[level] = (node, token)
+
+    @property
+    def nodes(self) -> Tensor:
+        """Long `[nbc, m]`, widened when used: the chunks of a whole pass exist at once, their int64 copies not."""
+        return self._nodes.long()
+
+    @property
+    def edges(self) -> Tensor:
+        """Long `[nbc, c, m]`, widened when used."""
+        return self._edges.long()
 
     def _token_weights(self, level: int, counts: Tensor) -> tuple[Tensor, Tensor]:
         """(token index `[nbc, w, 2^l]`, weights `[b, nbc, w, 2^l]`) of the level's nodes as means of their real
