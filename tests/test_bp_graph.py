@@ -271,3 +271,13 @@ def test_attention_dropout_path_runs_forward_and_backward():
     out = binary_partition_attention(q, k, v, dropout_p=0.3, **kwargs)
     grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
     assert all(torch.isfinite(g).all() for g in grads)
+    import longattn.attention_binary_partition as bp
+
+    recomputed = bp._attend_chunks(q, k, v, mask, bias, None, 2, False, 0.35, 0.0, True)  # the same path, p = 0
+    dense = binary_partition_reference(q, k, v, **kwargs)[0]
+    torch.testing.assert_close(recomputed, dense)
+    grad = torch.randn_like(dense)
+    for a, b in zip(
+        torch.autograd.grad(recomputed, (q, k, v, bias), grad), torch.autograd.grad(dense, (q, k, v, bias), grad)
+    ):
+        torch.testing.assert_close(a, b)
