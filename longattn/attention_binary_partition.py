@@ -50,11 +50,14 @@ gathers one set of node keys and values (indices into [token keys ; span keys]):
 its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
 and never an n x n tensor. The edge type of every (query, gathered node) pair comes from the same predicate as the
 dense table, gives the bias and hides the nodes a query does not see. It does not go through
-`executor_blocked.attend_blocks`, which takes no additive bias; in training each chunk of blocks is recomputed in
-backward (`torch.utils.checkpoint`), so gathered keys and scores are not kept. `binary_partition_reference` is the
-dense form: an explicit `[n, N]` edge table over all nodes (cached decoding, where queries are the last positions of
-the cache, `output_attentions` with the span weights spread evenly over their real tokens, the "reference" back
-end, and the tests).
+`executor_blocked.attend_blocks`, which takes no additive bias. In training forward keeps only q, k, v (and the
+bias and relative tables) for backward, O(n · d): backward pools the spans again and recomputes each chunk's gathered
+nodes, scores and probabilities, adding the gathered nodes' gradients back by index (`_BlockedNodes`; with attention
+dropout, whose masks must be replayed, `torch.utils.checkpoint` around each chunk). Span levels 1 and 2, 3/4 of the
+span rows, are never kept: each chunk reads their nodes as means of the tokens (`_TOKEN_LEVELS`).
+`binary_partition_reference` is the dense form: an explicit `[n, N]` edge table over all nodes (cached decoding,
+where queries are the last positions of the cache, `output_attentions` with the span weights spread evenly over
+their real tokens, the "reference" back end, and the tests).
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ MAX_LEVELS = 32
 QUERY_BLOCK = 32
 """Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
 
-# Elements of one chunk's scores [b, h, blocks, c, m]: a few MB, like executor_blocked's chunks.
-_CHUNK_ELEMENTS = 2**20
+# Elements of one chunk's scores [b, h, blocks, c, m]: 1 MB in float32; its gathered keys and values (m x d per
+# block, about twice the c x m scores at d = 64) and their gradients take a few MB more, recomputed in backward.
+_CHUNK_ELEMENTS = 2**18
 
 
 def num_levels(n: int, context: int) -> int:
@@ -254,6 +258,39 @@ def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
     return result  # -2 would mark a token covered twice (never, checked by the tests)
 
 
+def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int, first: int = 1) -> tuple[Tensor, Tensor]:
+    """The span nodes alone: the spans of levels first .. L-1 as the mean of their real tokens.
+
+    Args:
+        x: `[b, h, n, d]` token keys or values.
+        key_padding_mask: `[b, n]` bool, True = real token; None = none.
+        first: The lowest level kept (>= 1); the blocked executor reads the levels below from the tokens.
+
+    Returns:
+        (spans `[b, h, N - offsets[first], d]` in x's dtype, `level_offsets`' order; counts `[b, N]`, real tokens
+        per node, tokens included).
+    """
+    b, h, n, d = x.shape
+    dtype = compute_dtype(x.dtype)
+    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
+    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
+    span_sums, node_counts = [sums.new_zeros(b, h, 0, d)], [counts]
+    for level in range(1, levels):
+        if sums.shape[2] % 2:
+            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
+        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
+        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
+        if level >= first:
+            span_sums.append(sums)
+        node_counts.append(counts)
+    counts = torch.cat(node_counts, 1)  # [b, N]
+    spans = (
+        torch.cat(span_sums, 2)
+        / counts[:, level_offsets(n, levels)[min(first, levels)] :].clamp(min=1)[:, None, :, None]
+    )
+    return spans.to(x.dtype), counts
+
+
 def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """The node list: the tokens, then each level's spans as the mean of their real tokens.
 
@@ -265,22 +302,8 @@ def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple
         (nodes `[b, h, N, d]` in x's dtype; real `[b, N]` bool, False for spans without a real token; counts
         `[b, N]`, real tokens per node).
     """
-    b, _, n, _ = x.shape
-    dtype = compute_dtype(x.dtype)
-    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
-    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
-    node_sums, node_counts = [sums], [counts]
-    for _ in range(1, levels):
-        if sums.shape[2] % 2:
-            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
-        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
-        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
-        node_sums.append(sums)
-        node_counts.append(counts)
-    counts = torch.cat(node_counts, 1)  # [b, N]
-    means = torch.cat(node_sums, 2) / counts.clamp(min=1)[:, None, :, None]
-    means = torch.cat([x, means[:, :, n:].to(x.dtype)], 2)  # tokens kept exactly as they are
-    return means, counts > 0, counts
+    spans, counts = _pool_levels(x, key_padding_mask, levels)
+    return torch.cat([x, spans], 2), counts > 0, counts  # tokens kept exactly as they are
 
 
 def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
@@ -292,7 +315,12 @@ def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
 
 @lru_cache(maxsize=4)
 def _cached_block_layout(n: int, context: int, causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    return block_layout(n, context=context, causal=causal, device=device)
+    """`block_layout`, kept narrow: it stays in memory, and in int64 its edge table `[nb, c, m]` is 45 MB at 16K
+    tokens (k = 4); edge types fit int16 (at most `num_edge_types`, 1 + 64·(k+1)), node indices int32. Each chunk
+    widens its own slice back to int64."""
+    nodes, edges = block_layout(n, context=context, causal=causal, device=device)
+    narrow = torch.int16 if num_edge_types(context) < 2**15 else torch.int32
+    return nodes.to(torch.int32), edges.to(narrow)  # N < 2n nodes: int32 up to 2^30 tokens
 
 
 def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_offset: int = 0) -> Tensor:
@@ -306,15 +334,257 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _attend_chunk(q_blocks, nodes_k, nodes_v, nodes, bias, visible, scale, dropout_p, table=None, q_pos=None) -> Tensor:
-    """q_blocks `[b, h, nb, c, d]`, nodes `[nb, m]`, bias `[h, nb, c, m]`, visible `[b, 1, nb, c, m]`, relative
-    table `[b, h, n, 2M + 1]` or None with query positions q_pos `[nb, c]` -> out `[b, h, nb, c, d]`."""
-    dtype = compute_dtype(q_blocks.dtype)
-    keys, values = nodes_k[:, :, nodes].to(dtype), nodes_v[:, :, nodes].to(dtype)  # [b, h, nb, m, d]
-    scores = (q_blocks.to(dtype) * scale) @ keys.transpose(-1, -2) + bias.to(dtype)  # [b, h, nb, c, m]
-    if table is not None:  # gathered here, so that backward recomputes it too
-        scores = scores + _token_edge_logits(table, q_pos[:, :, None], nodes[:, None, :], table.shape[2]).to(dtype)
-    return (_softmax_rows(scores, visible, dropout_p) @ values).to(q_blocks.dtype)
+_TOKEN_LEVELS = 2
+"""Span levels 1 .. this one are read from the tokens by each chunk (a level-l node is the mean of its 2^l real
+tokens) instead of being pooled and kept: they hold 3/4 of the spans, and a block reads only about
+c + 2^l · (2(k+1)·2 + 1) of their tokens, so forward and backward keep n/4 span rows per tensor instead of n."""
+
+
+def _level_widths(levels: int, context: int, causal: bool, block: int = QUERY_BLOCK) -> list[int]:
+    """Columns of each level in `block_layout`'s node sets, level 0 first (the same windows)."""
+    reach = 2 * (context + 1)
+    return [max(block // 2**level, 1) + reach * (1 if causal else 2) + 1 for level in range(levels)]
+
+
+class _Chunk:
+    """One chunk of query blocks [start, stop) of the blocked executor: its slices of the layout, and its inputs
+    gathered from the O(n · d) tensors (queries, tokens, the kept spans), so that forward and backward read the
+    same. Node columns: level 0 (tokens), levels 1 .. G (`_TOKEN_LEVELS`, means of tokens), levels above (kept
+    spans)."""
+
+    def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, widths: list[int]):
+        self.start, self.stop, self.n = start, stop, n
+        self._nodes, self._edges = nodes[start:stop], edges[start:stop]  # views of the (narrow) layout
+        self.c = edges.shape[1]
+        self.first, self.last = start * self.c, min(n, stop * self.c)  # the queries [first, last)
+        levels = len(widths)
+        offsets = level_offsets(n, levels)
+        self.low = min(_TOKEN_LEVELS, levels - 1)
+        columns = [0]
+        for width in widths:
+            columns.append(columns[-1] + width)
+        self.columns = columns  # level l in columns [columns[l], columns[l + 1])
+        self.span_base = offsets[self.low + 1]  # node index of the first kept span
+        self.tokens = {}  # level -> (node columns, token index [nbc, w, 2^l] unclamped)
+        for level in range(1, self.low + 1):
+            node = self._nodes[:, columns[level] : columns[level + 1]].long()  # [nbc, w]
+            size = 2**level
+            token = (node - offsets[level])[..., None] * size + torch.arange(size, device=node.device)
+            self.tokens[level] = (node, token)
+
+    @property
+    def nodes(self) -> Tensor:
+        """Long `[nbc, m]`, widened when used: the chunks of a whole pass exist at once, their int64 copies not."""
+        return self._nodes.long()
+
+    @property
+    def edges(self) -> Tensor:
+        """Long `[nbc, c, m]`, widened when used."""
+        return self._edges.long()
+
+    def _token_weights(self, level: int, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """(token index `[nbc, w, 2^l]`, weights `[b, nbc, w, 2^l]`) of the level's nodes as means of their real
+        tokens (`counts` `[b, N]`, tokens first)."""
+        node, token = self.tokens[level]
+        index = token.clamp(max=self.n - 1)
+        weight = counts[:, index] * (token < self.n) / counts[:, node].clamp(min=1)[..., None]
+        return index, weight
+
+    def gather(self, tokens: Tensor, spans: Tensor, counts: Tensor) -> Tensor:
+        """The node keys or values of the chunk's blocks -> `[b, h, nbc, m, d]` (tokens `[b, h, n, d]`, kept spans
+        `[b, h, N - offsets[G + 1], d]`, counts `[b, N]`)."""
+        dtype = compute_dtype(tokens.dtype)
+        parts = [tokens[:, :, self.nodes[:, : self.columns[1]]]]
+        for level in range(1, self.low + 1):
+            index, weight = self._token_weights(level, counts)
+            mean = torch.einsum("bhnwrd,bnwr->bhnwd", tokens[:, :, index].to(dtype), weight.to(dtype))
+            parts.append(mean.to(tokens.dtype))
+        parts.append(spans[:, :, self.nodes[:, self.columns[self.low + 1] :] - self.span_base])
+        return torch.cat(parts, 3)
+
+    def scatter(self, grad: Tensor, grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor) -> None:
+        """Adds the gradient of `gather`'s output `[b, h, nbc, m, d]` into the tokens' and kept spans' gradients."""
+        dtype = grad_tokens.dtype
+        split = self.columns[1]
+        grad_tokens.index_add_(2, self.nodes[:, :split].flatten(), grad[:, :, :, :split].flatten(2, 3).to(dtype))
+        for level in range(1, self.low + 1):
+            index, weight = self._token_weights(level, counts)
+            part = grad[:, :, :, self.columns[level] : self.columns[level + 1]].to(dtype)  # [b, h, nbc, w, d]
+            shares = part[:, :, :, :, None, :] * weight[:, None, :, :, :, None].to(dtype)  # [b, h, nbc, w, 2^l, d]
+            grad_tokens.index_add_(2, index.flatten(), shares.flatten(2, 4))
+        split = self.columns[self.low + 1]
+        spans = (self.nodes[:, split:] - self.span_base).flatten()
+        grad_spans.index_add_(2, spans, grad[:, :, :, split:].flatten(2, 3).to(dtype))
+
+    def blocks(self, x: Tensor) -> Tensor:
+        """Rows [first, last) of `[b, h, n, d]` as blocks `[b, h, nbc, c, d]`, the last block padded with zeros."""
+        x = x[:, :, self.first : self.last]
+        return F.pad(x, (0, 0, 0, (self.stop - self.start) * self.c - x.shape[2])).unflatten(2, (-1, self.c))
+
+    def visible(self, real: Tensor) -> Tensor:
+        """`[b, 1, nbc, c, m]`: the edges the queries have to real nodes (`real` `[b, N]`)."""
+        return ((self.edges >= 0) & real[:, self.nodes][:, :, None, :])[:, None]
+
+    def attend(self, q_blocks, keys, values, relative_bias, table_rows, visible, scale, dropout_p) -> Tensor:
+        """q_blocks `[b, h, nbc, c, d]`, keys and values `[b, h, nbc, m, d]`, relative_bias `[h, E]`, the relative
+        table's rows [first, last) `[b, h, q, 2M + 1]` or None -> out `[b, h, nbc, c, d]`."""
+        dtype = compute_dtype(q_blocks.dtype)
+        bias = relative_bias[:, self.edges.clamp(min=0)].to(dtype)  # [h, nbc, c, m]
+        scores = (q_blocks.to(dtype) * scale) @ keys.to(dtype).transpose(-1, -2) + bias  # [b, h, nbc, c, m]
+        if table_rows is not None:
+            q_pos = torch.arange(self.first, self.stop * self.c, device=q_blocks.device).view(-1, self.c)  # [nbc, c]
+            logits = _token_edge_logits(table_rows, q_pos[:, :, None], self.nodes[:, None, :], self.n, self.first)
+            scores = scores + logits.to(dtype)
+        return (_softmax_rows(scores, visible, dropout_p) @ values.to(dtype)).to(q_blocks.dtype)
+
+
+def _layout_chunks(n: int, b: int, h: int, context: int, causal: bool, device: torch.device) -> list[_Chunk]:
+    """The blocked layout of n queries cut into chunks of about `_CHUNK_ELEMENTS` scores."""
+    if torch.compiler.is_compiling():
+        nodes, edges = block_layout(n, context=context, causal=causal, device=device)  # [nb, m], [nb, c, m]
+    else:  # the layout depends on the length only: built once per length, not in every layer and step
+        nodes, edges = _cached_block_layout(n, context, causal, device)
+    blocks, c, m = edges.shape
+    step = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
+    widths = _level_widths(num_levels(n, context), context, causal, c)
+    return [_Chunk(start, min(blocks, start + step), n, nodes, edges, widths) for start in range(0, blocks, step)]
+
+
+def _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, recompute):
+    """The blocked executor's forward: spans pooled once, then chunk by chunk -> `[b, h, n, d]`. With `recompute`
+    each chunk runs under `torch.utils.checkpoint` (the path with attention dropout, whose masks it replays)."""
+    b, h, n, d = q.shape
+    levels = num_levels(n, context)
+    spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)  # [b, h, N', d], [b, N]
+    spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
+    real = counts > 0
+    chunks = _layout_chunks(n, b, h, context, causal, q.device)
+
+    def run(chunk: _Chunk, q, k, v, spans_k, spans_v, relative_bias, table) -> Tensor:
+        keys, values = chunk.gather(k, spans_k, counts), chunk.gather(v, spans_v, counts)
+        table_rows = None if table is None else table[:, :, chunk.first : chunk.last]
+        out = chunk.attend(
+            chunk.blocks(q), keys, values, relative_bias, table_rows, chunk.visible(real), scale, dropout_p
+        )
+        return out.flatten(2, 3)[:, :, : chunk.last - chunk.first]
+
+    if not torch.is_grad_enabled():  # written into one output, no list of chunks and no concatenation
+        out = q.new_empty(b, h, n, d)
+        for chunk in chunks:
+            out[:, :, chunk.first : chunk.last] = run(chunk, q, k, v, spans_k, spans_v, relative_bias, table)
+        return out
+    args = (q, k, v, spans_k, spans_v, relative_bias, table)
+    if recompute:  # recomputed in backward: the gathered keys, values and scores are not kept
+        return torch.cat([checkpoint(run, chunk, *args, use_reentrant=False) for chunk in chunks], 2)
+    return torch.cat([run(chunk, *args) for chunk in chunks], 2)
+
+
+class _BlockedNodes(torch.autograd.Function):
+    """The blocked executor with its own backward: forward keeps only its inputs (q, k, v `[b, h, n, d]`, the bias
+    table and the relative table); backward pools the spans again and recomputes each chunk's gathered nodes,
+    scores and probabilities, one chunk at a time, adding the gradients of the gathered nodes into the tokens'
+    and spans' gradients by index. Nothing larger than O(n · d) outlives a chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, relative_bias, table, context, causal, scale):
+        ctx.save_for_backward(q, k, v, key_padding_mask, relative_bias, table)
+        ctx.settings = (context, causal, scale)
+        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, 0.0, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, key_padding_mask, relative_bias, table = ctx.saved_tensors
+        context, causal, scale = ctx.settings
+        b, h, n, d = q.shape
+        levels = num_levels(n, context)
+        spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)
+        spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
+        real = counts > 0
+        dtype = compute_dtype(q.dtype)  # gradients gathered from many chunks add up in the compute dtype
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
+        grad_spans_k, grad_spans_v = (x.new_zeros(x.shape, dtype=dtype) for x in (spans_k, spans_v))
+        grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
+        grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
+        for chunk in _layout_chunks(n, b, h, context, causal, q.device):
+            leaves = [
+                chunk.blocks(q),
+                chunk.gather(k, spans_k, counts),
+                chunk.gather(v, spans_v, counts),
+                relative_bias,
+            ]
+            if table is not None:
+                leaves.append(table[:, :, chunk.first : chunk.last])
+            leaves = [x.detach().requires_grad_() for x in leaves]
+            with torch.enable_grad():
+                out = chunk.attend(
+                    *leaves[:4], leaves[4] if table is not None else None, chunk.visible(real), scale, 0.0
+                )
+            grads = torch.autograd.grad(out, leaves, chunk.blocks(grad_out))
+            grad_q[:, :, chunk.first : chunk.last] = grads[0].flatten(2, 3)[:, :, : chunk.last - chunk.first]
+            chunk.scatter(grads[1], grad_k, grad_spans_k, counts)
+            chunk.scatter(grads[2], grad_v, grad_spans_v, counts)
+            grad_bias += grads[3]
+            if table is not None:
+                grad_table[:, :, chunk.first : chunk.last] += grads[4]
+            del leaves, out, grads  # before the next chunk's, not while it is built
+        del spans_k, spans_v
+        # The spans are linear in the tokens: their gradients go back through the pooling (`_unpool`).
+        if grad_spans_k.shape[2]:
+            _unpool(grad_k, grad_spans_k, counts, levels, _TOKEN_LEVELS + 1)
+            _unpool(grad_v, grad_spans_v, counts, levels, _TOKEN_LEVELS + 1)
+        grad_table = None if table is None else grad_table.to(table.dtype)
+        return (
+            grad_q,
+            grad_k.to(k.dtype),
+            grad_v.to(v.dtype),
+            None,
+            grad_bias.to(relative_bias.dtype),
+            grad_table,
+            None,
+            None,
+            None,
+        )
+
+
+def _unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int, first: int) -> None:
+    """The adjoint of `_pool_levels(.., levels, first)`: adds the gradient of the kept spans `[b, h, N', d]`
+    (overwritten), with the node counts `[b, N]`, into the tokens' gradient `[b, h, n, d]` (in place: no temporary
+    of the tokens' size).
+
+    A span is the sum of its real tokens over its count, so a real token receives the sum over its ancestor spans
+    of their gradient over their count: each level's share over its count, then from the top level down each
+    level adds its parent's share (repeated twice), and level `first` gives its share to its 2^first tokens."""
+    b, h, n, d = grad_tokens.shape
+    sizes = [-(-n // 2**level) for level in range(first, levels)]
+    base = level_offsets(n, levels)[first]
+    share = grad_spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None]).split(
+        sizes, 2
+    )  # views, level `first` first
+    for level in range(len(sizes) - 2, -1, -1):
+        share[level].add_(share[level + 1].repeat_interleave(2, 2)[:, :, : sizes[level]])
+    size = 2**first
+    whole, real = n // size, counts[:, :n]
+    grad_tokens[:, :, : whole * size].view(b, h, whole, size, d).addcmul_(
+        share[0][:, :, :whole, None, :], real[:, : whole * size].view(b, 1, whole, size, 1)
+    )
+    if n > whole * size:  # the last span, cut at n
+        grad_tokens[:, :, whole * size :].addcmul_(share[0][:, :, whole:], real[:, None, whole * size :, None])
+
+
+def _attend_gathered_nodes(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
+    """`binary_partition_attention`'s blocked executor on token q, k, v `[b, h, n, d]` (padding mask `[b, n]` or
+    None) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`.
+
+    In training it keeps for backward only O(n · d) tensors: `_BlockedNodes`, or, with attention dropout (whose
+    masks must be replayed), `torch.utils.checkpoint` around each chunk. `torch.compile` traces the plain chunks."""
+    tensors = (q, k, v, relative_bias) + (() if table is None else (table,))
+    training = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    if training and not torch.compiler.is_compiling():
+        if dropout_p == 0:
+            return _BlockedNodes.apply(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale)
+        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, True)
+    return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, False)
 
 
 def binary_partition_attention(
@@ -347,13 +617,13 @@ def binary_partition_attention(
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
     table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
+    if not dense:
+        return _attend_gathered_nodes(
+            q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p
+        )
     levels = num_levels(k.shape[2], context)
     nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]
-    if not dense:
-        return _attend_gathered_nodes(
-            q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p
-        )
     n, m = q.shape[2], k.shape[2]
     edges = binary_partition_edges(m, context=context, causal=causal, q_offset=m - n).to(q.device)  # [n, N]
     dtype = compute_dtype(q.dtype)
@@ -374,42 +644,6 @@ def binary_partition_attention(
         index = offsets[level] + tokens // 2**level  # [m]
         weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
     return out, weights.to(q.dtype)
-
-
-def _attend_gathered_nodes(q, nodes_k, nodes_v, real, relative_bias, table, context, causal, scale, dropout_p):
-    """`binary_partition_attention`'s blocked executor on the pooled nodes `[b, h, N, d]` (`real` `[b, N]`, as
-    `pool_spans` gives them) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`."""
-    b, h, n, d = q.shape
-    if torch.compiler.is_compiling():
-        nodes, edges = block_layout(n, context=context, causal=causal, device=q.device)  # [nb, m], [nb, c, m]
-    else:  # the layout depends on the length only: built once per length, not in every layer and step
-        nodes, edges = _cached_block_layout(n, context, causal, q.device)
-    blocks, c, m = edges.shape
-    q_blocks = F.pad(q, (0, 0, 0, blocks * c - n)).unflatten(2, (blocks, c))  # [b, h, nb, c, d]
-    q_pos = torch.arange(blocks * c, device=q.device).view(blocks, c)  # [nb, c]
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
-    outs = []
-    for start in range(0, blocks, chunk):
-        rows = slice(start, min(blocks, start + chunk))
-        visible = ((edges[rows] >= 0) & real[:, nodes[rows]][:, :, None, :])[:, None]  # [b, 1, nb, c, m]
-        args = (
-            q_blocks[:, :, rows],
-            nodes_k,
-            nodes_v,
-            nodes[rows],
-            relative_bias[:, edges[rows].clamp(min=0)],
-            visible,
-            scale,
-            dropout_p,
-            table,
-            q_pos[rows],
-        )
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # Recomputed in backward: the gathered keys, values and scores are not kept.
-            outs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
-        else:
-            outs.append(_attend_chunk(*args))
-    return torch.cat(outs, 2).flatten(2, 3)[:, :, :n]
 
 
 def binary_partition_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,11 @@ embedding (relative offsets around a reference point carry the position; learned
 the hidden states the offsets are read from).
 
 Cost: O(n · L · P · d) for the samples, plus the O(n · D · h · L · P) offset and weight projections; the fast
-path never builds an `[n, n]` tensor. The dense form (`output_attentions=True`, the "reference" back end) makes the
-linear map explicit, `[b, h, n, n]`, with the hat-function interpolation matrix and the pooling matrix of each level.
+path never builds an `[n, n]` tensor. In training it keeps only v, the offsets and the weights for backward
+(O(n · d) and O(n · h · L · P)); backward pools the levels again and recomputes the neighbours, interpolation
+weights and gathered cells one chunk of queries at a time (`_Sampling`).
+The dense form (`output_attentions=True`, the "reference" back end) makes the linear map explicit, `[b, h, n, n]`,
+with the hat-function interpolation matrix and the pooling matrix of each level.
 
 No causal form: a pooled cell averages later tokens, and interpolation reads cell floor(x) + 1, which may lie in the
 future. A decoder use is refused when the config is validated.
@@ -68,8 +71,23 @@ def token_positions(key_padding_mask: Tensor | None, batch: int, n: int, device:
     return (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _packed(v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """`[b, h, n, d]` with each row's real tokens packed to the front in order, zeros after (v itself if no mask)."""
+    if key_padding_mask is None:
+        return v
+    return pack_groups(v.transpose(1, 2), key_padding_mask, 1)[0][:, :, 0].transpose(1, 2)
+
+
+def _counts(length: Tensor, g: int, ratio: int) -> Tensor:
+    """Real tokens in each of the g cells of `ratio` tokens, `[b, g]` (a row's last cell may hold fewer)."""
+    return (length[:, None] - torch.arange(g, device=length.device) * ratio).clamp(0, ratio)
+
+
 def pool_levels(v: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, list[int]]:
     """The value pyramid: level l averages groups of 2^l real tokens, packed to the front of the row.
+
+    Built level from level (each level's sums are the pairwise sums of the one below), written into one tensor:
+    O(n · d) work and no per-level copy of the tokens.
 
     Args:
         v: `[b, h, n, d]` per-token values.
@@ -81,18 +99,40 @@ def pool_levels(v: Tensor, key_padding_mask: Tensor | None, levels: int) -> tupl
         sizes `[g_0, ..., g_{L-1}]`, g_l = ceil(n / 2^l).
     """
     b, h, n, d = v.shape
-    tokens = pack_groups(v.transpose(1, 2), key_padding_mask, 1)[0][:, :, 0]  # [b, n, h, d], real tokens first
+    tokens = _packed(v, key_padding_mask)  # [b, h, n, d], real tokens first, zeros after
     length = real_lengths(key_padding_mask, b, n, v.device)
-    pooled, sizes = [], []
-    for ratio in level_ratios(levels):
-        g = -(-n // ratio)
-        groups = nn.functional.pad(tokens, (0, 0, 0, 0, 0, g * ratio - n)).view(b, g, ratio, h, d)
+    sizes = [-(-n // ratio) for ratio in level_ratios(levels)]
+    cells = v.new_zeros(b, h, sum(sizes), d)
+    cells[:, :, :n] = tokens  # level 0: the tokens themselves
+    sums, start = tokens.to(compute_dtype(v.dtype)), n
+    for g, ratio in zip(sizes[1:], level_ratios(levels)[1:], strict=True):
+        if sums.shape[2] % 2:
+            sums = nn.functional.pad(sums, (0, 0, 0, 1))
+        sums = sums.unflatten(2, (sums.shape[2] // 2, 2)).sum(3)  # [b, h, g, d]
         # A group averages its real tokens only; a group without any (past the row's end) stays zero.
-        count = (length[:, None] - torch.arange(g, device=v.device) * ratio).clamp(0, ratio)  # [b, g]
-        mean = groups.sum(2) / count.clamp(min=1)[:, :, None, None].to(v.dtype)  # [b, g, h, d]
-        pooled.append(mean.transpose(1, 2))  # [b, h, g, d]
-        sizes.append(g)
-    return torch.cat(pooled, dim=2), sizes
+        cells[:, :, start : start + g] = sums / _counts(length, g, ratio).clamp(min=1)[:, None, :, None]
+        start += g
+    return cells, sizes
+
+
+def _unpool_levels(grad_cells: Tensor, key_padding_mask: Tensor | None, sizes: list[int]) -> Tensor:
+    """The adjoint of `pool_levels`: the gradient of the cells `[b, h, T, d]` (overwritten) taken back to the
+    values -> `[b, h, n, d]`. A cell is the sum of its packed tokens over its count, so a packed token receives the
+    sum over the cells above it of their gradient over their count: from the top level down, each level adds its
+    parent's share repeated twice; then the packed slots go back to their tokens (padding receives nothing)."""
+    b, h, _, d = grad_cells.shape
+    n = sizes[0]
+    length = real_lengths(key_padding_mask, b, n, grad_cells.device)
+    share = grad_cells.split(sizes, 2)  # views, level 0 first
+    for level in range(1, len(sizes)):  # every share over its own count first, then passed down
+        share[level].div_(_counts(length, sizes[level], 2**level).clamp(min=1)[:, None, :, None])
+    for level in range(len(sizes) - 1, 0, -1):
+        share[level - 1].add_(share[level].repeat_interleave(2, 2)[:, :, : sizes[level - 1]])
+    if key_padding_mask is None:
+        return share[0]
+    slot = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)  # [b, n]: the packed slot of each real token
+    grad = share[0].gather(2, slot[:, None, :, None].expand(b, h, n, d))
+    return grad * key_padding_mask[:, None, :, None]
 
 
 def sampling_positions(offsets: Tensor, query_positions: Tensor) -> Tensor:
@@ -115,8 +155,125 @@ def real_cells(key_padding_mask: Tensor | None, batch: int, n: int, levels: int,
     return torch.div(length[:, None] + ratios - 1, ratios, rounding_mode="floor")
 
 
+# Samples (rows x heads x queries x 2·L·P neighbours) per chunk of the training path: its gathered cells
+# `[samples, d]` and their gradients are about 4 MB each at d = 64, recomputed chunk by chunk in backward.
+_CHUNK_SAMPLES = 2**14
+
+
+def _neighbours(offsets: Tensor, probs: Tensor, positions: Tensor, limit: Tensor, sizes: list[int]):
+    """The two cells each sample reads and their coefficients, for a slice of the queries.
+
+    Args:
+        offsets, probs: `[b, h, q, L, P]` (compute dtype).
+        positions: Long `[b, q]`, the queries' positions counted over real tokens.
+        limit: Long `[b, L]`, each level's real cells (`real_cells`).
+        sizes: Cells of each level.
+
+    Returns:
+        (index `[b, h, q, L, P, 2]` into the levels' concatenated cells; weight `[b, h, q, L, P, 2]`, the
+        interpolation weights; inside `[b, h, q, L, P, 2]` bool, the neighbour is a real cell).
+    """
+    position = sampling_positions(offsets, positions)  # [b, h, q, L, P]
+    # Interpolation has kinks at integers: floor carries no gradient, the fraction carries it to the offsets.
+    left = position.detach().floor()
+    frac = position - left
+    neighbour = torch.stack((left, left + 1), dim=-1).long()  # [b, h, q, L, P, 2]
+    weight = torch.stack((1 - frac, frac), dim=-1)  # [b, h, q, L, P, 2]
+    # A neighbour outside the row's real cells reads zero: its weight is dropped, its index clamped into range.
+    inside = (neighbour >= 0) & (neighbour < limit[:, None, None, :, None, None])
+    size = torch.tensor(sizes, device=offsets.device)[:, None, None]  # [L, 1, 1]
+    start = size.cumsum(0) - size  # [L, 1, 1]: first cell of each level in the concatenation
+    return start + torch.minimum(neighbour.clamp(min=0), size - 1), weight, inside
+
+
+def _read(cells: Tensor, index: Tensor, coef: Tensor) -> Tensor:
+    """Σ over each query's 2·L·P neighbours of coef · cell: cells `[b, h, T, d]`, index and coef
+    `[b, h, q, L, P, 2]` -> `[b, h, q, d]`.
+
+    One weighted bag of cells per (row, head, query): embedding_bag sums them without materialising the
+    `[b, h, q, 2·L·P, d]` samples (several times faster than gather + matmul on CPU). Sizes spelled out, no -1: a
+    view of an empty tensor (batch or length 0) cannot infer one."""
+    b, h, total, d = cells.shape
+    q, s2 = index.shape[2], index.shape[3] * index.shape[4] * index.shape[5]
+    row = (torch.arange(b * h, device=cells.device) * total).view(b, h, 1, 1, 1, 1)  # first cell of each (row, head)
+    out = nn.functional.embedding_bag(
+        (index + row).reshape(b * h * q, s2),
+        cells.reshape(b * h * total, d),
+        per_sample_weights=coef.reshape(b * h * q, s2),
+        mode="sum",
+    )
+    return out.view(b, h, q, d)
+
+
+class _Sampling(torch.autograd.Function):
+    """`deformable_attention` in training: forward keeps only its inputs (v `[b, h, n, d]`, offsets and weights
+    `[b, h, n, L, P]`); backward pools the levels again and recomputes each chunk of queries' neighbours,
+    interpolation weights and gathered cells, so no per-sample tensor of all queries is ever kept."""
+
+    @staticmethod
+    def forward(ctx, v, offsets, probs, key_padding_mask):
+        ctx.save_for_backward(v, offsets, probs, key_padding_mask)
+        return _sample_chunks(v, offsets, probs, key_padding_mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        v, offsets, probs, key_padding_mask = ctx.saved_tensors
+        b, h, n, d = v.shape
+        levels = offsets.shape[3]
+        cells, sizes = pool_levels(v, key_padding_mask, levels)  # [b, h, T, d]
+        positions = token_positions(key_padding_mask, b, n, v.device)
+        limit = real_cells(key_padding_mask, b, n, levels, v.device)
+        grad_cells = torch.zeros_like(cells).view(b * h * sum(sizes), d)
+        grad_offsets, grad_probs = torch.zeros_like(offsets), torch.zeros_like(probs)
+        row = (torch.arange(b * h, device=v.device) * sum(sizes)).view(b, h, 1, 1, 1, 1)
+        flat = cells.view(b * h * sum(sizes), d)
+        for rows in _query_chunks(offsets):
+            index, weight, inside = _neighbours(
+                offsets[:, :, rows], probs[:, :, rows], positions[:, rows], limit, sizes
+            )
+            index = (index + row).flatten(3)  # [b, h, q, S2]: rows of the flattened cells
+            weight, inside = weight.flatten(3), inside.flatten(3)
+            p = probs[:, :, rows, :, :, None].expand(*offsets[:, :, rows].shape, 2).flatten(3)  # [b, h, q, S2]
+            coef = (p * weight * inside).to(v.dtype)
+            go = grad_out[:, :, rows]  # [b, h, q, d]
+            # out = Σ_s coef_s · cell_s: the cells receive coef · grad, each coefficient cell · grad.
+            grad_cells.index_add_(0, index.flatten(), (coef[..., None] * go[:, :, :, None, :]).flatten(0, 3))
+            grad_coef = flat[index].mul_(go[:, :, :, None, :]).sum(-1).to(probs.dtype) * inside  # [b, h, q, S2]
+            grad_probs[:, :, rows] = (grad_coef * weight).unflatten(3, (*offsets.shape[3:], 2)).sum(-1)
+            grad_weight = (grad_coef * p).unflatten(3, (*offsets.shape[3:], 2))  # [b, h, q, L, P, 2]
+            grad_offsets[:, :, rows] = grad_weight[..., 1] - grad_weight[..., 0]  # weight = (1 - frac, frac)
+        del cells, flat
+        grad_v = _unpool_levels(grad_cells.view(b, h, sum(sizes), d), key_padding_mask, sizes)
+        return grad_v, grad_offsets, grad_probs, None
+
+
+def _query_chunks(offsets: Tensor) -> list[slice]:
+    """Slices of the queries with about `_CHUNK_SAMPLES` neighbours each (offsets `[b, h, n, L, P]`)."""
+    b, h, n, levels, points = offsets.shape
+    step = max(1, _CHUNK_SAMPLES // max(1, b * h * 2 * levels * points))
+    return [slice(start, min(n, start + step)) for start in range(0, n, step)]
+
+
+def _sample_chunks(v: Tensor, offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """`deformable_attention` without autograd, chunk by chunk of queries into one output `[b, h, n, d]`."""
+    b, h, n, d = v.shape
+    levels = offsets.shape[3]
+    cells, sizes = pool_levels(v, key_padding_mask, levels)
+    positions = token_positions(key_padding_mask, b, n, v.device)
+    limit = real_cells(key_padding_mask, b, n, levels, v.device)
+    out = v.new_empty(b, h, n, d)
+    for rows in _query_chunks(offsets):
+        index, weight, inside = _neighbours(offsets[:, :, rows], probs[:, :, rows], positions[:, rows], limit, sizes)
+        coef = (probs[:, :, rows, :, :, None] * weight * inside).to(v.dtype)
+        out[:, :, rows] = _read(cells, index, coef)
+    return out
+
+
 def deformable_attention(v: Tensor, offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """The fast path: each query's L·P weighted samples, read by gathering two neighbouring cells per sample.
+
+    In training (`_Sampling`) only v, offsets and probs are kept for backward, all O(n · d); under `torch.compile`
+    autograd traces the plain computation.
 
     Args:
         v: `[b, h, n, d]` per-token values.
@@ -127,34 +284,18 @@ def deformable_attention(v: Tensor, offsets: Tensor, probs: Tensor, key_padding_
     Returns:
         `[b, h, n, d]`; never an `[n, n]` tensor, nor the `[b, h, n, 2·L·P, d]` samples.
     """
+    if not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (v, offsets, probs)):
+            return _Sampling.apply(v, offsets, probs, key_padding_mask)
+        return _sample_chunks(v, offsets, probs, key_padding_mask)
     b, h, n, d = v.shape
     levels = offsets.shape[3]
     cells, sizes = pool_levels(v, key_padding_mask, levels)  # [b, h, T, d]
-    position = sampling_positions(offsets, token_positions(key_padding_mask, b, n, v.device))  # [b, h, n, L, P]
-    # Interpolation has kinks at integers: floor carries no gradient, the fraction carries it to the offsets.
-    left = position.detach().floor()
-    frac = position - left
-    neighbour = torch.stack((left, left + 1), dim=-1).long()  # [b, h, n, L, P, 2]
-    weight = torch.stack((1 - frac, frac), dim=-1)  # [b, h, n, L, P, 2]
-    # A neighbour outside the row's real cells reads zero: its weight is dropped, its index clamped into range.
-    limit = real_cells(key_padding_mask, b, n, levels, v.device)[:, None, None, :, None, None]  # [b, 1, 1, L, 1, 1]
-    inside = (neighbour >= 0) & (neighbour < limit)
-    size = torch.tensor(sizes, device=v.device)[:, None, None]  # [L, 1, 1]
-    start = size.cumsum(0) - size  # [L, 1, 1]: first cell of each level in the concatenation
-    index = start + torch.minimum(neighbour.clamp(min=0), size - 1)  # [b, h, n, L, P, 2]
-    coef = (probs[..., None] * weight * inside).to(v.dtype)  # [b, h, n, L, P, 2]
-    # One weighted bag of 2·L·P cells per (row, head, query): embedding_bag sums them without materialising the
-    # `[b, h, n, 2·L·P, d]` samples (several times faster than gather + matmul on CPU). Sizes spelled out, no -1:
-    # a view of an empty tensor (batch or length 0) cannot infer one.
-    s2, total = 2 * offsets.shape[3] * offsets.shape[4], sum(sizes)
-    row = (torch.arange(b * h, device=v.device) * total).view(b, h, 1, 1, 1, 1)  # first cell of each (row, head)
-    out = nn.functional.embedding_bag(
-        (index + row).view(b * h * n, s2),
-        cells.reshape(b * h * total, d),
-        per_sample_weights=coef.view(b * h * n, s2),
-        mode="sum",
+    positions = token_positions(key_padding_mask, b, n, v.device)
+    index, weight, inside = _neighbours(
+        offsets, probs, positions, real_cells(key_padding_mask, b, n, levels, v.device), sizes
     )
-    return out.view(b, h, n, d)
+    return _read(cells, index, (probs[..., None] * weight * inside).to(v.dtype))
 
 
 def deformable_weights(offsets: Tensor, probs: Tensor, key_padding_mask: Tensor | None, n: int) -> Tensor:

@@ -207,3 +207,77 @@ def test_model_trains_a_step_reloads_and_generates(tmp_path):
 def test_context_below_one_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"`binary_partition_context`=0 is invalid"):
         _config(binary_partition_context=0)
+
+
+def _saved_bytes(fn, *tensors) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while `fn(*tensors)` runs."""
+    storages = {}
+
+    def pack(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn(*tensors)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_keeps_only_its_inputs_for_backward(causal):
+    """Forward keeps q, k, v, the bias and the relative table for backward, nothing per node, edge or chunk: the
+    spans (about n rows), gathered node blocks and per-block biases are recomputed in backward."""
+    n, h, d = 1027, 2, 16
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=generator, requires_grad=True) for _ in range(3))
+    bias = torch.zeros(h, num_edge_types(2), requires_grad=True)
+    embedding = torch.randn(9, d, generator=generator, requires_grad=True)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, -5:] = False
+    kwargs = dict(context=2, causal=causal, key_padding_mask=mask, relative_bias=bias, scale=0.25)
+    saved = _saved_bytes(lambda *x: binary_partition_attention(*x, relative_embedding=embedding, **kwargs), q, k, v)
+    # q, k, v, the relative table [b, h, n, 9] (and what builds it from q: q itself), bias, embedding and mask.
+    inputs = 3 * q.nbytes + h * n * 9 * 4 + bias.nbytes + embedding.nbytes + mask.nbytes
+    assert saved <= inputs + 4096, (saved, inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [97, 150])
+def test_chunked_backward_equals_the_dense_reference(n, causal, monkeypatch):
+    """Many chunks (one block each), more levels than the chunks read from the tokens, padding on both sides and
+    the relative-position logits: outputs and every gradient equal the dense form in float64."""
+    import longattn.attention_binary_partition as bp
+
+    monkeypatch.setattr(bp, "_CHUNK_ELEMENTS", 1)
+    q, k, v, mask, bias = _inputs(n)
+    embedding = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    kwargs = dict(context=1, causal=causal, key_padding_mask=mask, relative_bias=bias, scale=0.35)
+    kwargs["relative_embedding"] = embedding
+    assert num_levels(n, 1) > bp._TOKEN_LEVELS + 1  # some span levels are kept, some read from the tokens
+    fast = binary_partition_attention(q, k, v, **kwargs)
+    dense = binary_partition_reference(q, k, v, **kwargs)[0]
+    torch.testing.assert_close(fast, dense)
+    grad = torch.randn_like(fast)
+    leaves = (q, k, v, bias, embedding)
+    for name, a, b in zip("qkvbe", torch.autograd.grad(fast, leaves, grad), torch.autograd.grad(dense, leaves, grad)):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_attention_dropout_path_runs_forward_and_backward():
+    """With attention dropout the chunks are recomputed by `torch.utils.checkpoint` (which replays the masks):
+    finite gradients, and without dropout the same path equals the dense form."""
+    q, k, v, mask, bias = _inputs(45)
+    kwargs = dict(context=2, causal=False, key_padding_mask=mask, relative_bias=bias, scale=0.35)
+    torch.manual_seed(0)
+    out = binary_partition_attention(q, k, v, dropout_p=0.3, **kwargs)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    assert all(torch.isfinite(g).all() for g in grads)
+    import longattn.attention_binary_partition as bp
+
+    recomputed = bp._attend_chunks(q, k, v, mask, bias, None, 2, False, 0.35, 0.0, True)  # the same path, p = 0
+    dense = binary_partition_reference(q, k, v, **kwargs)[0]
+    torch.testing.assert_close(recomputed, dense)
+    grad = torch.randn_like(dense)
+    for a, b in zip(
+        torch.autograd.grad(recomputed, (q, k, v, bias), grad), torch.autograd.grad(dense, (q, k, v, bias), grad)
+    ):
+        torch.testing.assert_close(a, b)

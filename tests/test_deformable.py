@@ -281,3 +281,40 @@ def test_stock_transformers_models_refuse_the_kind():
     )
     with pytest.raises(ValueError, match="'deformable' cannot run in a stock transformers model.*hidden states"):
         longattn.apply_longattn(model, attention_type="deformable")
+
+
+def test_training_keeps_only_its_inputs_for_backward():
+    """Forward keeps v, offsets and weights for backward, nothing per sample: the pooled levels, neighbour indices,
+    interpolation weights and gathered cells are recomputed in backward."""
+    v, offsets, probs = inputs(b=2, h=2, n=1029, d=16, levels=4, points=4)
+    leaves = [t.float().requires_grad_() for t in (v, offsets, probs)]
+    mask = padding(1029)
+    storages = {}
+
+    def pack(x):
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        deformable_attention(*leaves, mask)
+    assert sum(storages.values()) <= sum(t.nbytes for t in leaves) + mask.nbytes + 4096, storages
+
+
+@pytest.mark.parametrize("n", [37, 50])
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_chunked_backward_equals_the_dense_reference(n, with_padding, monkeypatch):
+    """Many chunks of queries (two queries each), four levels: outputs and gradients equal the dense form."""
+    import longattn.attention_deformable as deformable
+
+    monkeypatch.setattr(deformable, "_CHUNK_SAMPLES", 2 * 2 * 2 * 2 * 4 * 3)
+    v, offsets, probs = inputs(n=n, levels=4, points=3, spread=5.0)
+    mask = padding(n) if with_padding else None
+    leaves = [t.clone().requires_grad_() for t in (v, offsets, probs)]
+    grad_out = torch.randn(v.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    fast = deformable_attention(*leaves, mask)
+    dense = deformable_weights(leaves[1], leaves[2], mask, n) @ leaves[0]
+    torch.testing.assert_close(fast, dense)
+    names = ("grad_v", "grad_offsets", "grad_probs")
+    pairs = zip(torch.autograd.grad(fast, leaves, grad_out), torch.autograd.grad(dense, leaves, grad_out), strict=True)
+    for name, (a, e) in zip(names, pairs, strict=True):
+        torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}")
