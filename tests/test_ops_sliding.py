@@ -550,6 +550,32 @@ PLAIN_CASES = [
 ]
 
 
+def _grouped_qkv(batch, heads, kv_heads, n_q, n_k, layout, generator):
+    """Float64 q `[b, heads, n_q, 8]`, k and v `[b, kv_heads, n_k, 8]`, leaves; with `layout="bnhd"` they are
+    transposed views of `[b, n, h, 8]` memory, as a projection's output is."""
+
+    def draw(h, n):
+        shape = (batch, h, n, 8) if layout == "bhnd" else (batch, n, h, 8)
+        t = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return (t if layout == "bhnd" else t.transpose(1, 2)).detach().requires_grad_()
+
+    return draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+
+
+def _assert_grouped_band_equals_reference(q, k, v, **pattern):
+    """`ops.sliding_window_attention` on grouped heads equals the dense reference on k, v repeated to every query
+    head: outputs and gradients."""
+    groups = q.shape[1] // k.shape[1]
+    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
+    expected = outputs_and_grads(
+        lambda q, k, v: _reference(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern),
+        q,
+        k,
+        v,
+    )
+    assert_all_close(actual, expected)
+
+
 @pytest.mark.parametrize(
     "batch, heads, kv_heads, n_q, n_k, window, causal, padding, global_tokens, layout", PLAIN_CASES
 )
@@ -568,24 +594,10 @@ def test_fused_plain_blocks_equal_reference(
     original = executor._plain_blocks
     monkeypatch.setattr(executor, "_plain_blocks", lambda *args: classified.append(original(*args)) or classified[-1])
     generator = torch.Generator().manual_seed(n_q + heads)
-
-    def draw(h, n):
-        shape = (batch, h, n, 8) if layout == "bhnd" else (batch, n, h, 8)
-        t = torch.randn(shape, generator=generator, dtype=torch.float64)
-        return (t if layout == "bhnd" else t.transpose(1, 2)).detach().requires_grad_()
-
-    q, k, v = draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+    q, k, v = _grouped_qkv(batch, heads, kv_heads, n_q, n_k, layout, generator)
     key_padding_mask, global_mask = _token_masks(batch, n_k, padding=padding, global_tokens=global_tokens)
     pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
-    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
-    groups = heads // kv_heads
-    expected = outputs_and_grads(
-        lambda q, k, v: _reference(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern),
-        q,
-        k,
-        v,
-    )
-    assert_all_close(actual, expected)
+    _assert_grouped_band_equals_reference(q, k, v, **pattern)
     (plain,) = classified
     flags = [flag for row in plain for flag in row]
     assert any(flags), "no block took the shared band mask"
@@ -726,27 +738,13 @@ def test_fused_path_computes_global_tokens_inside_the_band(
     monkeypatch.setattr(executor, "_global_queries", lambda *args: pytest.fail("_global_queries was called"))
     monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
     generator = torch.Generator().manual_seed(n_k + heads)
-
-    def draw(h, n):
-        shape = (batch, h, n, 8) if layout == "bhnd" else (batch, n, h, 8)
-        t = torch.randn(shape, generator=generator, dtype=torch.float64)
-        return (t if layout == "bhnd" else t.transpose(1, 2)).detach().requires_grad_()
-
-    q, k, v = draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+    q, k, v = _grouped_qkv(batch, heads, kv_heads, n_q, n_k, layout, generator)
     key_padding_mask, _ = _token_masks(batch, n_k, padding=padding, global_tokens=False)
     global_mask = torch.zeros(batch, n_k, dtype=torch.bool)
     for row, row_positions in enumerate(positions):
         global_mask[row, row_positions] = True
     pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
-    actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
-    groups = heads // kv_heads
-    expected = outputs_and_grads(
-        lambda q, k, v: _reference(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **pattern),
-        q,
-        k,
-        v,
-    )
-    assert_all_close(actual, expected)
+    _assert_grouped_band_equals_reference(q, k, v, **pattern)
 
 
 def test_global_query_rows_replace_the_band_rows():
