@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import child_processes
 import pytest
 from script_loading import load_script
 
@@ -57,9 +58,7 @@ def test_override_wins_over_the_registered_setting(benchmark):
 
 
 def test_bad_item_is_a_usage_error():
-    completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--impls", "fixed", "--set", "oops"], capture_output=True, text=True
-    )
+    completed = child_processes.run([sys.executable, str(SCRIPT), "--impls", "fixed", "--set", "oops"], timeout=120)
     assert completed.returncode == 2
     assert "FIELD=VALUE" in completed.stderr
 
@@ -106,7 +105,7 @@ def test_requested_peer_that_is_missing_is_a_one_line_error(benchmark, monkeypat
 
 
 def test_help_shows_defaults_and_how_to_install_the_peers():
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True)
+    completed = child_processes.run([sys.executable, str(SCRIPT), "--help"], timeout=120, check=True)
     text = " ".join(completed.stdout.split())  # argparse wraps lines
     assert "keys on each side of a query (default: 256)" in text
     assert "(default: hf-longformer)" in text and "(default: [1024, 4096, 16384])" in text

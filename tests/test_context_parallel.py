@@ -16,14 +16,12 @@ import contextlib
 import copy
 import datetime
 import json
-import os
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from child_processes import start_ranks
 from kind_configs import tiny_config
 from test_recipes import TINY, datasets_dir, recipe_args, run, skip_unless_selected  # noqa: F401 (a fixture)
 
@@ -39,12 +37,6 @@ from longattn.train.context_parallel import (
 )
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _mlm_case():
@@ -191,10 +183,12 @@ def _check_refusals(cp):
         model(**shard_batch(packed, cp, causal=False))
 
 
-def _worker(rank: int, world: int, port: int, cp_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, store: str, cp_size: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # A file store: no port that a parallel test could take between choosing it and binding it.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         cp = init_context_parallel(cp_size)
         if cp.dp_size == 1:
@@ -213,10 +207,9 @@ def _worker(rank: int, world: int, port: int, cp_size: int) -> None:
     [(2, 2), (3, 3), (4, 2)],
     ids=["2 ranks", "3 ranks", "dp 2 x cp 2"],
 )
-def test_context_parallel_equals_one_process(world, cp_size):
-    # Forked, not spawned: a spawned process imports torch, transformers and longattn again (about 5 s of CPU each,
-    # more than all its cases); a forked one starts with them, and sets one thread before any torch op.
-    mp.start_processes(_worker, args=(world, _free_port(), cp_size), nprocs=world, start_method="fork")
+def test_context_parallel_equals_one_process(world, cp_size, tmp_path):
+    # Each rank sets one thread before any torch op.
+    start_ranks(_worker, args=(world, str(tmp_path / "store"), cp_size), nprocs=world)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from child_processes import start_ranks
 from kind_configs import random_ids, tiny_config
 from transformers import AutoModelForMaskedLM
 
@@ -123,16 +123,9 @@ def _worker(rank: int, world: int, store: str, out: str, engine: str, mesh_shape
 
 
 def _run_ranks(tmp_path: Path, mesh_shape: tuple[int, ...], fields: dict, engine: str = "fsdp") -> list[dict]:
-    if "fork" not in mp.get_all_start_methods():
-        pytest.skip("forks its processes")
     world = int(torch.tensor(mesh_shape).prod())
-    # fork: the children share this process's imports; each sets its own thread count first.
-    mp.start_processes(
-        _worker,
-        args=(world, str(tmp_path / "store"), str(tmp_path), engine, mesh_shape, fields),
-        nprocs=world,
-        start_method="fork",
-    )
+    # Each rank sets its own thread count first.
+    start_ranks(_worker, args=(world, str(tmp_path / "store"), str(tmp_path), engine, mesh_shape, fields), nprocs=world)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 

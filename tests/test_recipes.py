@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import child_processes
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -155,7 +156,7 @@ def run(
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     if processes > 1:
         full_env["ACCELERATE_USE_CPU"] = "1"
-    return subprocess.run(command, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=600)
+    return child_processes.run(command, env=full_env, cwd=cwd or REPO, timeout=600)
 
 
 def check_run(recipe: str, done: subprocess.CompletedProcess, output_dir: Path, *, processes: int, steps: int) -> dict:
