@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface, prepare_padding_mask
 from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
@@ -260,10 +261,22 @@ def _stock_kind_class(kind_class: type[LongAttnAttention]) -> type[LongAttnAtten
         def set_initialized(self, value: bool) -> None:
             self.__dict__["_longattn_initialized"] = value
 
+        def reset_kind_parameters(self) -> None:
+            kind_class.reset_kind_parameters(self)
+            if self.relative_embedding is not None:
+                # Zero logits, as `_attach` starts them: the stock `_init_weights` would draw the table like a word
+                # embedding and change the pretrained attention. The flag keeps it from doing so afterwards.
+                init.zeros_(self.relative_embedding.weight)
+                self.relative_embedding._is_hf_initialized = True
+
         _STOCK_KIND_CLASSES[kind_class] = type(
             kind_class.__name__,
             (kind_class,),
-            {"_is_hf_initialized": property(get_initialized, set_initialized), "__module__": kind_class.__module__},
+            {
+                "_is_hf_initialized": property(get_initialized, set_initialized),
+                "reset_kind_parameters": reset_kind_parameters,
+                "__module__": kind_class.__module__,
+            },
         )
     return _STOCK_KIND_CLASSES[kind_class]
 

@@ -11,4 +11,5 @@ bash scripts/setup.sh
 ruff check .
 ruff format --check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
+# --durations: the log names the slowest tests, so a run that grows slower shows where.
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=15 "$@"

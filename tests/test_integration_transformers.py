@@ -807,6 +807,29 @@ def test_relative_logits_equal_the_dense_reference(family, fields):
     assert not torch.allclose(real_outputs(family, without, batch)[0], fast[0][0], atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_relative_tables_missing_from_a_stock_checkpoint_start_at_zero(family, tmp_path):
+    """`from_pretrained` of a stock checkpoint with `relative_position_logits` in the `longattn` dict: the tables are
+    reported MISSING and start at zero, as `apply_longattn` starts them (the stock `_init_weights` would draw them
+    like word embeddings), so the loaded model computes what the pretrained one does."""
+    from transformers import AutoConfig
+
+    fields = {"attention_type": "sliding", "sliding_window": 5}
+    base = build(family)
+    base.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.longattn = {**fields, **RELATIVE}
+    loaded, info = type(base).from_pretrained(
+        tmp_path, config=config, attn_implementation="longattn", output_loading_info=True
+    )
+    assert {key.rsplit(".", 2)[-2] for key in info["missing_keys"]} == {"relative_embedding"}
+    tables = [p for name, p in loaded.named_parameters() if name.endswith("relative_embedding.weight")]
+    assert len(tables) == base.config.num_hidden_layers and not any(t.any() for t in tables)
+    batch = inputs(family)
+    plain = apply_longattn(base, **fields)
+    torch.testing.assert_close(real_outputs(family, loaded.eval(), batch), real_outputs(family, plain, batch))
+
+
 def test_relative_logits_survive_save_reload_and_cached_generation(tmp_path):
     """The tables are saved and reloaded (no missing or unexpected key), and cached greedy decoding equals
     uncached with them."""
