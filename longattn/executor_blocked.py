@@ -182,6 +182,69 @@ def _hide(scores: Tensor, hidden: Tensor) -> None:
     scores.add_(hidden.view(torch.uint8), alpha=HIDDEN_LOGIT)
 
 
+class _RepeatedBlockMask:
+    """A block mask `[b|1, h|1, nb, c, m]` kept for backward as one template block per batch row and head (its most
+    common block), the blocks that see no key, and the few other blocks; rebuilt exactly chunk by chunk as a
+    `(start, stop) -> blocks` mask source of `attend_blocks`.
+
+    A band's interior blocks all see their keys in the same slots (the key set moves with the block); the blocks
+    inside a row's padding see none; only those at the sequence's edges, across a padding boundary or beside global
+    keys differ. 16K tokens under a dilated band of 2 x 256 keys then keep kilobytes per head group instead of
+    10 MB. Rebuilding costs a copy of the template per chunk, far less than evaluating the pattern predicate again
+    (which made a dilated layer 1.20-1.26x slower).
+    """
+
+    def __init__(self, template: Tensor, differs: Tensor, empty: Tensor, stored_blocks: Tensor):
+        self.template, self.differs, self.empty, self.stored_blocks = template, differs, empty, stored_blocks
+        stored = differs & ~empty
+        self.stored_row = (stored.flatten().cumsum(0) - 1).view(stored.shape)  # where each stored block sits
+        self.stored = stored
+        self.odd = differs.flatten(0, 1).any(0).tolist()  # per block: any batch row or head not the template
+
+    @staticmethod
+    def compress(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """`(template [b|1, h|1, c, m], differs [b|1, h|1, nb], empty [b|1, h|1, nb], stored_blocks [k, c, m])`:
+        each batch row's and head's most common block as its template, which blocks differ from it, which of those
+        see no key, and the k others themselves; None when more than half of the blocks must be stored (the mask is
+        then as cheap to keep)."""
+        b, h, nb, c, m = mask.shape
+        step = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))  # blocks per slice: bounded temporaries
+        slices = [slice(start, start + step) for start in range(0, nb, step)]
+        # The most common block, found by a fingerprint of three of its rows: integer weights below 2**20 summed in
+        # float64 are exact, so equal blocks get equal fingerprints. It only picks the template (a block unlike
+        # most would just store more blocks); the comparison below is exact. All rows: 40 ms at 16K, three: 0.2.
+        rows = torch.tensor(sorted({0, c // 2, c - 1}), device=mask.device)
+        generator = torch.Generator().manual_seed(0)
+        weights = torch.randint(0, 2**20, (len(rows) * m,), generator=generator).to(mask.device, torch.float64)
+        fingerprints = mask.index_select(3, rows).reshape(b, h, nb, -1).to(torch.float64) @ weights
+        most_common = fingerprints.mode(dim=2).indices  # [b, h]
+        template = mask[torch.arange(b)[:, None], torch.arange(h)[None, :], most_common]  # [b, h, c, m]
+        differs = torch.empty(b, h, nb, dtype=torch.bool, device=mask.device)
+        empty = torch.empty_like(differs)
+        # On the bytes: xor and max are 5x faster than `!=` and `any` on bools.
+        bytes_, template_bytes = mask.view(torch.uint8), template.unsqueeze(2).view(torch.uint8)
+        for part in slices:
+            torch.ne(
+                torch.bitwise_xor(bytes_[:, :, part], template_bytes).flatten(3).amax(-1), 0, out=differs[:, :, part]
+            )
+            torch.eq(bytes_[:, :, part].flatten(3).amax(-1), 0, out=empty[:, :, part])
+        stored = differs & ~empty
+        if 2 * int(stored.sum()) > stored.numel():
+            return None
+        return template, differs, empty, mask[stored]
+
+    def __call__(self, start: int, stop: int) -> Tensor:
+        b, h, c, m = self.template.shape
+        blocks = self.template.unsqueeze(2).expand(b, h, stop - start, c, m)
+        if not any(self.odd[start:stop]):
+            return blocks
+        blocks = blocks.clone()
+        blocks[self.empty[:, :, start:stop]] = False
+        stored = self.stored[:, :, start:stop]
+        blocks[stored] = self.stored_blocks[self.stored_row[:, :, start:stop][stored]]
+        return blocks
+
+
 class _BlockAttention(torch.autograd.Function):
     """Forward and hand-written backward of `attend_blocks` (see there for shapes).
 
@@ -238,8 +301,13 @@ class _BlockAttention(torch.autograd.Function):
             else:
                 torch.mul(chunk.view6(chunk_out), has_key6[:, :, :, start:stop], out=out6[:, :, :, start:stop])
 
+        # A mask tensor is kept as its repeated block and the blocks that differ (`_RepeatedBlockMask`) where that is
+        # smaller; a mask function is evaluated again in backward.
         saved_mask = mask if isinstance(mask, Tensor) else None
-        ctx.save_for_backward(q_blocks, k, v, kv_index, saved_mask, has_key, kv_weight, bias)
+        repeated = None if saved_mask is None else _RepeatedBlockMask.compress(saved_mask)
+        if repeated is not None:
+            saved_mask = None
+        ctx.save_for_backward(q_blocks, k, v, kv_index, saved_mask, has_key, kv_weight, bias, *(repeated or ()))
         ctx.mask_fn = None if isinstance(mask, Tensor) else mask
         ctx.scale, ctx.dropout_p, ctx.seed, ctx.own_keys = scale, dropout_p, seed, own_keys
         # An unused lse (the common case) then arrives as None in backward instead of a tensor of zeros.
@@ -248,8 +316,11 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias = ctx.saved_tensors
-        mask = ctx.mask_fn if mask is None else mask
+        q_blocks, k, v, kv_index, mask, has_key, kv_weight, bias, *repeated = ctx.saved_tensors
+        if repeated:
+            mask = _RepeatedBlockMask(*repeated)
+        elif mask is None:
+            mask = ctx.mask_fn
         scale, dropout_p, own_keys = ctx.scale, ctx.dropout_p, ctx.own_keys
         b, h, nb, c, d = q_blocks.shape
         h_kv, d_v = v.shape[1], v.shape[3]

@@ -123,7 +123,8 @@ def _longattn_kind(kind: str, **fields):
         from longattn import LongAttnConfig, available_attention_types
         from longattn.modeling_longattn import LongAttnLayer
 
-        settings = {"max_position_embeddings": max(args.length, 4096), **fields}  # Linformer sizes E/F by it
+        # Linformer sizes E/F by the length; no attention dropout unless `--set` asks for it.
+        settings = {"max_position_embeddings": max(args.length, 4096), "attention_probs_dropout_prob": 0.0, **fields}
         settings.update(config_overrides(args.set))  # `--set`: the user's settings win over the registry's
         # An older revision may lack the kind, or a field (the config would keep it as an unused attribute and the
         # row would silently measure another setting): say so instead.
@@ -136,7 +137,6 @@ def _longattn_kind(kind: str, **fields):
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
             attention_type=kind,
-            attention_probs_dropout_prob=0.0,
             **settings,
         )
         layer_kwargs = {"layer_idx": 0, "attention_type": kind, "is_causal": False, "has_cross_attention": False}

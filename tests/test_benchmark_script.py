@@ -57,6 +57,13 @@ def test_override_wins_over_the_registered_setting(benchmark):
     assert benchmark.IMPLS["fixed"].build(args).module.num_summary == 8
 
 
+def test_attention_dropout_is_off_unless_set(benchmark):
+    args = benchmark.argparse.Namespace(length=256, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    assert benchmark.IMPLS["sliding"].build(args).module.dropout_p == 0.0
+    args.set = ["attention_probs_dropout_prob=0.1"]  # was a TypeError: the field was also passed by the script
+    assert benchmark.IMPLS["sliding"].build(args).module.dropout_p == 0.1
+
+
 def test_bad_item_is_a_usage_error():
     completed = child_processes.run([sys.executable, str(SCRIPT), "--impls", "fixed", "--set", "oops"], timeout=120)
     assert completed.returncode == 2

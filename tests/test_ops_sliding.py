@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv
+from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, saved_tensor_bytes
 
 from longattn import ops, patterns
-from longattn.executor_blocked import attend_blocks, banded_attention, merge_attention
+from longattn.executor_blocked import attend_blocks, band_layout, banded_attention, merge_attention
 
 
 def _reference(q, k, v, **pattern):
@@ -778,3 +778,63 @@ def test_band_chunks_stay_within_an_eighth_of_the_keys():
     assert max(sizes(4096, per_block, 2**22 * 4 * 64)) == _BAND_CHUNK_ELEMENTS // per_block  # the cap
     chunks = list(_band_chunks(10, 100, [[False] + [True] * 8 + [False]], 1000))  # an eighth: 1.25 blocks
     assert chunks == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 9), (9, 10)]
+
+
+# ------------------------------------------------------------------------------------------ the saved block mask
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_dilated_band_keeps_one_block_of_its_mask_and_equals_the_reference(causal, monkeypatch):
+    from longattn.executor_blocked import _RepeatedBlockMask
+
+    """A dilated band (`attend_blocks` with a mask tensor) keeps, for backward, its repeated block and the blocks at
+    the edges, beside padding and beside global keys (`_RepeatedBlockMask`), not the [b, h, nb, c, m] mask; the
+    rebuilt mask gives the reference's outputs and gradients (float64, padding, global tokens, odd length)."""
+    batch, heads, length, window, block = 3, 2, 601, 5, 16
+    q, k, v = random_qkv(batch, heads, length, seed=11)
+    key_padding_mask, global_mask = _token_masks(batch, length, padding=True, global_tokens=True)
+    pattern = dict(window=window, dilation=2, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
+
+    def blocked(q, k, v):
+        return banded_attention(
+            q,
+            k,
+            v,
+            mask_fn=patterns.sliding_window_pattern(**pattern),
+            window_left=window,
+            window_right=0 if causal else window,
+            dilation=2,
+            global_mask=global_mask,
+            scale=q.shape[-1] ** -0.5,
+            block_size=block,
+        )
+
+    assert_all_close(
+        outputs_and_grads(blocked, q, k, v), outputs_and_grads(lambda q, k, v: _reference(q, k, v, **pattern), q, k, v)
+    )
+    _, kept = saved_tensor_bytes(lambda: blocked(q, k, v))
+    monkeypatch.setattr(_RepeatedBlockMask, "compress", staticmethod(lambda mask: None))
+    _, whole = saved_tensor_bytes(lambda: blocked(q, k, v))
+    layout = band_layout(
+        q_len=length, kv_len=length, window_left=window, window_right=0 if causal else window, dilation=2,
+        block_size=block,
+    )  # fmt: skip
+    mask_bytes = batch * layout.kv_pos.numel() * block + batch * layout.q_pos.numel() * 3  # band keys + 3 global slots
+    assert whole - kept > 2 / 3 * mask_bytes, (whole, kept, mask_bytes)
+
+
+def test_the_repeated_block_mask_rebuilds_every_chunk_exactly():
+    from longattn.executor_blocked import _RepeatedBlockMask
+
+    generator = torch.Generator().manual_seed(0)
+    band = torch.rand(2, 1, 1, 8, 12, generator=generator) > 0.5
+    mask = band.expand(2, 1, 40, 8, 12).clone()
+    mask[0, 0, [0, 1, 17]] = torch.rand(3, 8, 12, generator=generator) > 0.5  # edges, a padding boundary
+    mask[0, 0, 2:17] = False  # inside row 0's padding: no key
+    mask[1, 0, 39, 3] = ~mask[1, 0, 39, 3]
+    template, differs, empty, stored_blocks = _RepeatedBlockMask.compress(mask)
+    assert differs.flatten(0, 1).any(0).nonzero().flatten().tolist() == [*range(18), 39]
+    assert stored_blocks.shape == (4, 8, 12)  # the padded blocks are kept as a flag only
+    rebuilt = _RepeatedBlockMask(template, differs, empty, stored_blocks)
+    for start, stop in [(0, 40), (0, 1), (1, 18), (17, 18), (18, 39), (39, 40), (5, 9), (20, 30)]:
+        assert torch.equal(rebuilt(start, stop), mask[:, :, start:stop]), (start, stop)
+    # A mask whose blocks mostly differ is kept as it is.
+    assert _RepeatedBlockMask.compress(torch.rand(1, 1, 40, 8, 12, generator=generator) > 0.5) is None
