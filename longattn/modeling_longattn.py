@@ -494,8 +494,18 @@ SEQ2SEQ_V0_RENAMINGS = [
     _RenameOnLoad(source_patterns=r"^encoder\.encoder\.", target_patterns="encoder."),
     _RenameOnLoad(source_patterns=r"^encoder\.embeddings\.", target_patterns="embeddings."),
 ]
+# Until the sentence head became the `classifier` submodule (as in transformers' encoders, so that tools that look for
+# the head by that name find it: PEFT's sequence-classification task trains and saves `classifier` with the adapter),
+# `LongAttnForSequenceClassification` kept `dense.*` and `out_proj.*` at the top. No other class has top-level keys
+# of those names.
+CLASSIFIER_V0_RENAMINGS = [
+    _RenameOnLoad(source_patterns=r"^dense\.", target_patterns="classifier.dense."),
+    _RenameOnLoad(source_patterns=r"^out_proj\.", target_patterns="classifier.out_proj."),
+]
 # Registered for the model type (custom code gets only registered mappings); again by the copy a Hub folder carries.
-register_checkpoint_conversion_mapping(LongAttnConfig.model_type, SEQ2SEQ_V0_RENAMINGS, overwrite=True)
+register_checkpoint_conversion_mapping(
+    LongAttnConfig.model_type, SEQ2SEQ_V0_RENAMINGS + CLASSIFIER_V0_RENAMINGS, overwrite=True
+)
 
 
 def _run_backbone(
@@ -1021,6 +1031,19 @@ def _classifier_dropout(config: LongAttnConfig) -> float:
     return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
 
 
+class LongAttnClassificationHead(nn.Module):
+    """RoBERTa's sentence head, `[b, D] -> [b, num_labels]`: dropout, dense, tanh, dropout, projection to the labels."""
+
+    def __init__(self, config: LongAttnConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))
+
+
 class LongAttnForSequenceClassification(_LongAttnEncoderHead):
     """Classification from the first token's state, or the mean state of the real tokens with
     `config.classifier_pooling="mean"`. The first token is global unless `global_attention_mask` is given
@@ -1031,9 +1054,7 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
     def __init__(self, config: LongAttnConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(_classifier_dropout(config))
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = LongAttnClassificationHead(config)
         self.post_init()
 
     def _backbone_arguments(self, arguments, varlen, targets):
@@ -1066,7 +1087,7 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
             pooled = _mean_over_tokens(hidden_states, attention_mask)  # [b, D]
         else:
             pooled = hidden_states[:, 0]  # [b, D]
-        logits = self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))  # [b, num_labels]
+        logits = self.classifier(pooled)  # [b, num_labels]
         return logits, _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
 
 

@@ -95,7 +95,7 @@ def test_mean_pooling_reads_the_real_tokens_only():
         model = AutoModelForSequenceClassification.from_config(config).eval()
         hidden = model.longattn(input_ids=ids).last_hidden_state
         pooled = {"cls": hidden[:, 0], "mean": hidden.mean(dim=1)}[pooling]
-        expected = model.out_proj(torch.tanh(model.dense(pooled)))
+        expected = model.classifier.out_proj(torch.tanh(model.classifier.dense(pooled)))
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, expected)
             torch.testing.assert_close(model(input_ids=padded, attention_mask=mask).logits, expected)

@@ -1,0 +1,222 @@
+"""longattn models with transformers' pipelines and with PEFT, as a transformers model behaves with them.
+
+Pipelines (fill-mask, text-classification, token-classification, feature-extraction, text-generation) run on tiny
+models with the byte tokenizer, built in code or loaded from a saved folder through the Auto classes; each result is
+checked against the model's own forward. PEFT's LoRA trains only its adapters and, for sequence classification, the
+`classifier` head (PEFT's default for that task, as for BERT or RoBERTa); the adapter saves and reloads onto a fresh
+base, and merging gives the same outputs. Also on a stock model whose attention longattn replaced.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, pipeline
+
+from longattn import (
+    LongAttnConfig,
+    LongAttnForCausalLM,
+    LongAttnForMaskedLM,
+    LongAttnForSequenceClassification,
+    LongAttnForTokenClassification,
+    LongAttnModel,
+)
+from longattn.tokenization_longattn import byte_tokenizer
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TEXTS = ["a long document about nothing in particular", "short one", "a third text, of middling length"]
+
+
+def _config(**fields) -> LongAttnConfig:
+    base = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        attention_type="sliding",
+        sliding_window=4,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        id2label=LABELS,
+        label2id={v: k for k, v in LABELS.items()},
+    )
+    return LongAttnConfig(**{**base, **fields})
+
+
+def _model(model_class, seed: int = 0, **fields):
+    torch.manual_seed(seed)
+    return model_class(_config(**fields)).eval()
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+def test_fill_mask_pipeline_scores_are_the_models_probabilities():
+    tokenizer, model = byte_tokenizer(), _model(LongAttnForMaskedLM)
+    text = f"abc{tokenizer.mask_token}def"
+    results = pipeline("fill-mask", model=model, tokenizer=tokenizer, top_k=3)(text)
+    encoded = tokenizer(text, return_tensors="pt")
+    position = (encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero().item()
+    probabilities = model(**encoded).logits[0, position].softmax(-1)
+    top = probabilities.topk(3)
+    assert [r["token"] for r in results] == top.indices.tolist()
+    assert [r["score"] for r in results] == pytest.approx(top.values.tolist(), rel=1e-5)
+
+
+def test_text_classification_pipeline_batches_padded_rows_like_single_ones(tmp_path):
+    """Through the Auto classes from a saved folder; a batch of 3 (padded to the longest) gives the labels and
+    scores of the texts one by one, which are the model's own."""
+    tokenizer, model = byte_tokenizer(), _model(LongAttnForSequenceClassification, num_labels=3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    classify = pipeline("text-classification", model=str(tmp_path))
+    assert type(classify.model) is LongAttnForSequenceClassification
+    one_by_one = [classify(text)[0] for text in TEXTS]
+    batched = classify(TEXTS, batch_size=3)
+    for single, together, text in zip(one_by_one, batched, TEXTS, strict=True):
+        assert single["label"] == together["label"]
+        assert single["score"] == pytest.approx(together["score"], rel=1e-5)
+        probabilities = model(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1)
+        assert single["label"] == LABELS[int(probabilities.argmax())]
+        assert single["score"] == pytest.approx(float(probabilities.max()), rel=1e-5)
+
+
+def test_token_classification_pipeline_labels_every_byte():
+    tokenizer, model = byte_tokenizer(), _model(LongAttnForTokenClassification, num_labels=3)
+    text = "tokens, one per byte"
+    results = pipeline("token-classification", model=model, tokenizer=tokenizer)(text)
+    logits = model(**tokenizer(text, return_tensors="pt")).logits[0, 1:-1]  # without <s> and </s>
+    expected = [LABELS[int(i)] for i in logits.argmax(-1)]
+    # The pipeline drops tokens labelled with the "O" class only when the label is "O": none here.
+    assert [r["entity"] for r in results] == expected
+    assert [text[r["start"] : r["end"]] for r in results] == list(text)
+
+
+def test_feature_extraction_pipeline_returns_the_last_hidden_state():
+    tokenizer, model = byte_tokenizer(), _model(LongAttnModel)
+    features = pipeline("feature-extraction", model=model, tokenizer=tokenizer, return_tensors=True)(TEXTS[0])
+    expected = model(**tokenizer(TEXTS[0], return_tensors="pt")).last_hidden_state
+    torch.testing.assert_close(features, expected)
+
+
+def test_text_generation_pipeline_continues_as_generate_does():
+    tokenizer = byte_tokenizer(add_eos_token=False, padding_side="left")
+    model = _model(LongAttnForCausalLM, attention_type="sliding", sliding_window=6)
+    generate = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    result = generate("the beginning", max_new_tokens=12, do_sample=False, return_full_text=False)[0]
+    encoded = tokenizer("the beginning", return_tensors="pt")
+    ids = model.generate(**encoded, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert result["generated_text"] == tokenizer.decode(
+        ids[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+    )
+
+
+# ---------------------------------------------------------------------------------------------- PEFT
+peft = pytest.importorskip("peft")
+
+
+def _trained(model, steps: int = 3, **batch):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def _classification_batch():
+    tokenizer = byte_tokenizer()
+    batch = dict(tokenizer(TEXTS, padding=True, return_tensors="pt"))
+    return dict(batch, labels=torch.tensor([0, 1, 2]))
+
+
+def test_lora_for_sequence_classification_trains_and_saves_the_classifier(tmp_path):
+    """PEFT's SEQ_CLS task keeps the head named `classifier` trainable and saves it with the adapter: the pretrained
+    backbone loaded again (its head drawn anew) with the adapter computes what the trained model computed, and so
+    does the merged model."""
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+    _model(LongAttnModel).save_pretrained(tmp_path / "backbone")  # a pretrained model without the task's head
+    torch.manual_seed(0)
+    base = LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["q_proj", "v_proj"]))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in name for name in trainable)
+    assert any(".classifier." in name and name.endswith("out_proj.weight") for name in trainable)
+    assert not any("self_attn.q_proj.base_layer" in name or "embeddings" in name for name in trainable)
+    batch = _classification_batch()
+    untrained = model(**batch).logits.detach()
+    _trained(model, **batch)
+    logits = model(**batch).logits.detach()
+    assert not torch.allclose(logits, untrained, atol=1e-4)
+
+    model.save_pretrained(tmp_path / "adapter")
+    torch.manual_seed(1)  # another head
+    fresh = LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
+    assert not torch.equal(fresh.classifier.out_proj.weight, model.base_model.model.classifier.out_proj.weight)
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    torch.testing.assert_close(reloaded(**batch).logits, logits)
+    merged = model.merge_and_unload()
+    assert type(merged) is LongAttnForSequenceClassification
+    torch.testing.assert_close(merged(**batch).logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_classifier_of_the_earlier_layout_loads_into_the_classifier_module(tmp_path):
+    """A checkpoint with the sentence head at the top (`dense.*`, `out_proj.*`, before it became `classifier`)
+    loads with no missing or unexpected key and the same outputs; saving writes the current names."""
+    from safetensors.torch import load_file, save_file
+
+    model = _model(LongAttnForSequenceClassification, num_labels=3)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= set(weights)
+    old = {key.removeprefix("classifier."): value for key, value in weights.items()}
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = AutoModelForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    batch = _classification_batch()
+    torch.testing.assert_close(loaded.eval()(**batch).logits, model(**batch).logits)
+
+
+def test_lora_for_causal_lm_generates_as_the_merged_model():
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    tokenizer = byte_tokenizer(add_eos_token=False)
+    base = _model(LongAttnForCausalLM, attention_type=["sliding", "full"], sliding_window=6)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
+    batch = dict(tokenizer(TEXTS[:1], return_tensors="pt"))
+    _trained(model, **batch, labels=batch["input_ids"])
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with_adapter = model.generate(**batch, **kwargs)
+    merged = model.merge_and_unload()
+    assert torch.equal(merged.generate(**batch, **kwargs), with_adapter)
+    assert torch.equal(merged.generate(**batch, **kwargs, use_cache=False), with_adapter)
+
+
+def test_lora_on_a_stock_model_with_longattn_attention():
+    """A stock Llama whose attention longattn replaced (a sliding window): LoRA on its projections trains, and the
+    merged model gives the adapter model's logits."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longattn import apply_longattn
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    base = apply_longattn(LlamaForCausalLM(config).eval(), attention_type="sliding", sliding_window=5)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(2))
+    untrained = model(input_ids=ids).logits.detach()
+    _trained(model, input_ids=ids, labels=ids)
+    logits = model(input_ids=ids).logits.detach()
+    assert not torch.allclose(logits, untrained, atol=1e-4)
+    merged = model.merge_and_unload()
+    assert merged.config._attn_implementation == "longattn"
+    torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
