@@ -59,7 +59,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 folder, test_file = sys.argv[1], sys.argv[2]
-model = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True).eval()
+model, info = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+model.eval()
+# Every weight of the folder loads into the folder's own classes: a missing one would be drawn at random.
+problems = {key: sorted(info[key]) for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info[key]}
+if problems:
+    sys.exit(f"{folder} does not load whole: {problems}")
 tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 rows = [json.loads(line) for line in open(test_file)]
 correct = 0

@@ -143,6 +143,19 @@ def test_saved_folder_is_complete_and_leaves_the_classes_untouched(tmp_path):
     assert "python recipes/run_x.py --flag" in card.text and "tiny test data" in card.text
 
 
+def test_a_folder_written_again_gets_the_code_of_its_weights(tmp_path):
+    """Saving into a folder that holds modeling code from an earlier save (a resumed run, an older longattn)
+    replaces every module: stale code beside new weights would load them into other classes."""
+    folder = tmp_path / "again"
+    folder.mkdir()
+    for name in ("modeling_longattn.py", "attention_base.py", "configuration_longattn.py"):
+        (folder / name).write_text("# the code of an earlier version\n")
+    model = longattn.LongAttnForSequenceClassification(LongAttnConfig(**TINY, attention_type="sliding"))
+    _save(model, folder, task="classification")
+    for name in hub.code_closure():
+        assert (folder / name).read_bytes() == (hub.PACKAGE_DIR / name).read_bytes(), name
+
+
 def test_an_unknown_task_is_refused_naming_the_tasks():
     stock = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     stock.longattn = {"attention_type": "sliding"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import re
 import shlex
@@ -125,14 +126,13 @@ def code_closure(directory: Path = PACKAGE_DIR, entry_points: tuple[str, ...] = 
     return sorted(seen)
 
 
-def copy_code(folder: str | Path) -> list[str]:
-    """Copy every module of `code_closure()` that `save_pretrained` did not already put into `folder`."""
+def copy_code(folder: str | Path, source: Path = PACKAGE_DIR) -> list[str]:
+    """Copy every module of `code_closure(source)` from `source` into `folder`, replacing what is there: a folder
+    written again (a resumed run, a newer longattn) must not keep modeling code older than its weights."""
     folder = Path(folder)
-    copied = []
-    for name in code_closure():
-        if not (folder / name).is_file():
-            shutil.copyfile(PACKAGE_DIR / name, folder / name)
-            copied.append(name)
+    copied = code_closure(source)
+    for name in copied:
+        shutil.copyfile(source / name, folder / name)
     return copied
 
 
@@ -186,7 +186,9 @@ def save_hub_folder(model, tokenizer, folder: str | Path, *, card=None, state_di
         config.auto_map = previous_map
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    copy_code(folder)
+    # The code of the class that wrote the weights: this package, or the folder a remote-code model came from.
+    source = Path(inspect.getfile(type(model))).parent
+    copy_code(folder, source if (source / "modeling_longattn.py").is_file() else PACKAGE_DIR)
     if card is not None:
         card.save(folder / "README.md")
     return folder
