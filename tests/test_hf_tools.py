@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kind_configs import tiny_config
 from transformers import AutoModelForSequenceClassification, pipeline
 
 from longattn import (
@@ -28,19 +29,9 @@ TEXTS = ["a long document about nothing in particular", "short one", "a third te
 
 
 def _config(**fields) -> LongAttnConfig:
-    base = dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        attention_type="sliding",
-        sliding_window=4,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        id2label=LABELS,
-        label2id={v: k for k, v in LABELS.items()},
-    )
-    return LongAttnConfig(**{**base, **fields})
+    """The tiny config (tests/kind_configs.py) with the byte tokenizer's vocabulary and three named labels."""
+    labels = dict(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    return tiny_config(**{"attention_type": "sliding", "sliding_window": 4, "vocab_size": 260, **labels, **fields})
 
 
 def _model(model_class, seed: int = 0, **fields):
@@ -196,21 +187,11 @@ def test_lora_on_a_stock_model_with_longattn_attention():
     """A stock Llama whose attention longattn replaced (a sliding window): LoRA on its projections trains, and the
     merged model gives the adapter model's logits."""
     from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_integration_transformers import build
 
     from longattn import apply_longattn
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    base = apply_longattn(LlamaForCausalLM(config).eval(), attention_type="sliding", sliding_window=5)
+    base = apply_longattn(build("llama"), attention_type="sliding", sliding_window=5)  # 4 heads on 2 kv heads
     model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(2))
     untrained = model(input_ids=ids).logits.detach()
