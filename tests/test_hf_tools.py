@@ -184,15 +184,25 @@ def test_lora_for_causal_lm_generates_as_the_merged_model():
 
 
 def test_lora_on_a_stock_model_with_longattn_attention():
-    """A stock Llama whose attention longattn replaced (a sliding window): LoRA on its projections trains, and the
-    merged model gives the adapter model's logits."""
+    """A stock Llama whose attention longattn replaced (a sliding window with relative-position logits): LoRA on its
+    projections trains; the kinds' own tables, frozen with the rest of the base, train when named in
+    `modules_to_save`; the merged model gives the adapter model's logits and keeps the trained tables."""
     from peft import LoraConfig, TaskType, get_peft_model
     from test_integration_transformers import build
 
     from longattn import apply_longattn
 
-    base = apply_longattn(build("llama"), attention_type="sliding", sliding_window=5)  # 4 heads on 2 kv heads
-    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
+    base = apply_longattn(
+        build("llama"),
+        attention_type="sliding",
+        sliding_window=5,
+        relative_position_logits=True,
+        relative_max_distance=4,
+    )  # 4 heads on 2 key/value heads
+    lora = LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["relative_embedding"]
+    )
+    model = get_peft_model(base, lora)
     ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(2))
     untrained = model(input_ids=ids).logits.detach()
     _trained(model, input_ids=ids, labels=ids)
@@ -200,4 +210,6 @@ def test_lora_on_a_stock_model_with_longattn_attention():
     assert not torch.allclose(logits, untrained, atol=1e-4)
     merged = model.merge_and_unload()
     assert merged.config._attn_implementation == "longattn"
+    tables = [p for name, p in merged.named_parameters() if name.endswith("relative_embedding.weight")]
+    assert len(tables) == 2 and all(table.any() for table in tables)  # zero at the start, trained
     torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
