@@ -213,3 +213,43 @@ def test_lora_on_a_stock_model_with_longattn_attention():
     tables = [p for name, p in merged.named_parameters() if name.endswith("relative_embedding.weight")]
     assert len(tables) == 2 and all(table.any() for table in tables)  # zero at the start, trained
     torch.testing.assert_close(merged(input_ids=ids).logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
+    """Trainer on a PEFT model: the dataset's ragged `global_attention_mask` column survives
+    `remove_unused_columns` (the base model's `forward` names it), is padded by the collator and reaches the model;
+    the adapters and the classifier move, the frozen base does not."""
+    from datasets import Dataset
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from longattn.train.collators import DataCollatorWithGlobalAttention
+
+    tokenizer = byte_tokenizer()
+    texts = [*TEXTS, "a fourth"] * 2  # 8 rows: 2 steps of 2 micro-batches of 2
+    rows = [tokenizer(text) for text in texts]
+    data = Dataset.from_dict(
+        {
+            "input_ids": [row["input_ids"] for row in rows],
+            "global_attention_mask": [[1, 0, 1] + [0] * (len(row["input_ids"]) - 3) for row in rows],
+            "label": [0, 1, 2, 0, 2, 1, 0, 1],
+            "text": texts,  # a column the model does not take: dropped
+        }
+    )
+    base = _model(LongAttnForSequenceClassification, num_labels=3)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["q_proj", "v_proj"]))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    seen = []
+    base.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["global_attention_mask"]), with_kwargs=True
+    )
+    args = TrainingArguments(
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2,
+        report_to=[], save_strategy="no", use_cpu=True,
+    )  # fmt: skip
+    collator = DataCollatorWithGlobalAttention(tokenizer)
+    Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
+    assert len(seen) == 4 and all(mask[:, [0, 2]].all() and mask[:, 1].eq(0).all() for mask in seen)
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert any("lora_B" in name for name in moved) and any(".classifier." in name for name in moved)
+    assert not any("base_layer" in name or "embeddings" in name or "original_module" in name for name in moved)
