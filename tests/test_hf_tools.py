@@ -18,6 +18,7 @@ from longattn import (
     LongAttnConfig,
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
+    LongAttnForQuestionAnswering,
     LongAttnForSequenceClassification,
     LongAttnForTokenClassification,
     LongAttnModel,
@@ -253,3 +254,21 @@ def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
     moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     assert any("lora_B" in name for name in moved) and any(".classifier." in name for name in moved)
     assert not any("base_layer" in name or "embeddings" in name or "original_module" in name for name in moved)
+
+
+@pytest.mark.parametrize(
+    "task, model_class, head",
+    [
+        ("SEQ_CLS", LongAttnForSequenceClassification, "classifier"),
+        ("TOKEN_CLS", LongAttnForTokenClassification, "classifier"),
+        ("QUESTION_ANS", LongAttnForQuestionAnswering, "qa_outputs"),
+    ],
+)
+def test_peft_finds_each_task_head_by_its_transformers_name(task, model_class, head):
+    """PEFT's task classes keep the head trainable by its name in transformers' encoders; LoRA adds to no head."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = LoraConfig(task_type=getattr(TaskType, task), r=4, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(_model(model_class, num_labels=3), config)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any(f".{head}.modules_to_save." in name for name in trainable), sorted(trainable)
