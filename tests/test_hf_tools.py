@@ -272,3 +272,32 @@ def test_peft_finds_each_task_head_by_its_transformers_name(task, model_class, h
     model = get_peft_model(_model(model_class, num_labels=3), config)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any(f".{head}.modules_to_save." in name for name in trainable), sorted(trainable)
+
+
+def test_a_lengthened_stock_checkpoint_runs_in_a_pipeline(tmp_path):
+    """A RoBERTa classifier lengthened from 64 to 256 tokens (`lengthen` + `save_lengthened`, tokenizer included)
+    loads in a text-classification pipeline from its folder, keeps its longattn attention and its raised
+    `model_max_length`, and classifies a text longer than the pretrained limit as the model does, in a padded batch
+    too."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    from longattn import lengthen, save_lengthened
+
+    torch.manual_seed(0)
+    roberta = RobertaConfig(
+        vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66, pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
+    )  # fmt: skip
+    RobertaForSequenceClassification(roberta).save_pretrained(tmp_path / "pretrained")
+    tokenizer = byte_tokenizer(model_max_length=64)
+    model = lengthen(tmp_path / "pretrained", max_length=256, attention_type="sliding", sliding_window=8)
+    save_lengthened(model, tmp_path / "long", tokenizer=tokenizer)
+    classify = pipeline("text-classification", model=str(tmp_path / "long"))
+    assert classify.model.config._attn_implementation == "longattn" and classify.tokenizer.model_max_length == 256
+    text = "a text longer than the pretrained model's 64 tokens, " * 4
+    single, batched = classify(text)[0], classify([text, "short"], batch_size=2)[0]
+    probabilities = model.eval()(**classify.tokenizer(text, return_tensors="pt")).logits[0].softmax(-1)
+    assert single["label"] == batched["label"] == LABELS[int(probabilities.argmax())]
+    assert single["score"] == pytest.approx(batched["score"], rel=1e-5)
+    assert single["score"] == pytest.approx(float(probabilities.max()), rel=1e-5)
