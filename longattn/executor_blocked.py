@@ -251,10 +251,10 @@ class _BlockAttention(torch.autograd.Function):
     Saves q, k, v, the integer key sets and weights, and one bool per query row ("sees a key"); a mask given as a tensor
     is saved as its repeated block and the blocks that differ (`_RepeatedBlockMask`; as it is when most blocks differ),
     a mask given as a function of the chunk is evaluated again in backward (nothing n x keys is kept). Backward
-    recomputes the probabilities P chunk by chunk and applies dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)) + P
-    ∘ dlse, dQ = dS K · scale, dK = dSᵀ Q · scale; the gradients of gathered keys are scatter-added back to their
-    positions, those of the blocks' own keys (`own_keys`) added in place. The dlse term lets partial attentions merged
-    by `merge_attention` train.
+    recomputes the probabilities P chunk by chunk and applies dV = Pᵀ dO, dP = dO Vᵀ,
+    dS = P ∘ (dP − rowsum(dO ∘ O)) + P ∘ dlse, dQ = dS K · scale, dK = dSᵀ Q · scale; the gradients of gathered keys
+    are scatter-added back to their positions, those of the blocks' own keys (`own_keys`) added in place. The dlse
+    term lets partial attentions merged by `merge_attention` train.
 
     Layouts: k, v are read in place (see `_rows`), and the output and gradients are allocated in the layout of
     their counterparts, so the `[b, n, h, d]` views that multi-head layers pass in and get back cost no copies.
@@ -650,10 +650,10 @@ def attend_blocks(
             head (content-based layouts, e.g. Sinkhorn's sorted blocks). m = own_keys + m'. None: every block
             attends to all `n_k` keys (m = n_k) without gathering them.
         mask: Which keys each query may see, True = visible: a bool tensor `[b or 1, h or 1, nb, c, m]` (kept for
-            backward as its repeated block and the blocks that differ, see `_RepeatedBlockMask`), or a function `(start,
-            stop) -> ` that tensor's blocks start:stop, called per chunk in forward and again in backward, so that no n
-            x m tensor is kept (the function should read only O(n) tensors); None: every key is visible (no mask is read
-            or negated, and no row can be empty).
+            backward as its repeated block and the blocks that differ, see `_RepeatedBlockMask`), or a function
+            `(start, stop) -> ` that tensor's blocks start:stop, called per chunk in forward and again in backward,
+            so that no n x m tensor is kept (the function should read only O(n) tensors); None: every key is visible
+            (no mask is read or negated, and no row can be empty).
         scale: Multiplier of q·k (usually 1/sqrt(d)).
         dropout_p: Dropout on the attention probabilities (0 at evaluation).
         kv_weight: Optional float `[b, h_kv, nb, m']` or `[b, h_kv, nb, 1]` (needs `kv_index`): gathered key j of
