@@ -19,6 +19,7 @@ from longattn import (
     LongAttnForCausalLM,
     LongAttnForMaskedLM,
     LongAttnForQuestionAnswering,
+    LongAttnForSeq2SeqLM,
     LongAttnForSequenceClassification,
     LongAttnForTokenClassification,
     LongAttnModel,
@@ -182,6 +183,20 @@ def test_lora_for_causal_lm_generates_as_the_merged_model():
     merged = model.merge_and_unload()
     assert torch.equal(merged.generate(**batch, **kwargs), with_adapter)
     assert torch.equal(merged.generate(**batch, **kwargs, use_cache=False), with_adapter)
+
+
+def test_lora_for_seq2seq_generates_as_the_merged_model():
+    """LoRA on the encoder's, the decoder's and the cross-attention's projections of the encoder-decoder model."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    base = _model(LongAttnForSeq2SeqLM)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(4, 260, (2, 30), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(4, 260, (2, 7), generator=torch.Generator().manual_seed(4))
+    _trained(model, input_ids=ids, labels=labels)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    with_adapter = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(model.merge_and_unload().generate(input_ids=ids, **kwargs), with_adapter)
 
 
 def test_lora_on_a_stock_model_with_longattn_attention():
