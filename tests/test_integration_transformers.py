@@ -842,3 +842,31 @@ def test_relative_logits_survive_save_reload_and_cached_generation(tmp_path):
     torch.testing.assert_close(real_outputs("llama", model, batch), real_outputs("llama", reloaded.eval(), batch))
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(**batch, **kwargs), model.generate(**batch, **kwargs, use_cache=False))
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("family, fields", [
+    ("llama", {"attention_type": "sliding", "sliding_window": 5}),
+    ("roberta", {"attention_type": "sliding", "sliding_window": 5, "sliding_dilation": [1, 2, 1, 2]}),
+    ("bert", {"attention_type": "fixed", "fixed_block_size": 5, "fixed_num_summary": 1}),
+])  # fmt: skip
+def test_torch_compile_traces_a_stock_model_without_a_graph_break(family, fields):
+    """A stock model running longattn's kinds compiles with `fullgraph=True` (the first graph break raises), with
+    padding and global tokens, and gives the eager model's outputs and gradients."""
+    model = apply_longattn(build(family), **fields)
+    batch = inputs(family)
+    global_mask = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    global_mask[:, 12] = True
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+
+    def step(forward) -> tuple[list[torch.Tensor], dict]:
+        model.zero_grad()
+        outs = real_outputs(family, forward, batch, global_attention_mask=global_mask)
+        generator = torch.Generator().manual_seed(2)
+        sum((out * torch.randn(out.shape, generator=generator)).sum() for out in outs).backward()
+        return [out.detach() for out in outs], {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    assert_same(step(compiled), step(model))
