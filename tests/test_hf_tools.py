@@ -42,6 +42,7 @@ def _model(model_class, seed: int = 0, **fields):
 
 
 # ---------------------------------------------------------------------------------------------- pipelines
+@torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_fill_mask_pipeline_scores_are_the_models_probabilities():
     tokenizer, model = byte_tokenizer(), _model(LongAttnForMaskedLM)
     text = f"abc{tokenizer.mask_token}def"
@@ -54,6 +55,7 @@ def test_fill_mask_pipeline_scores_are_the_models_probabilities():
     assert [r["score"] for r in results] == pytest.approx(top.values.tolist(), rel=1e-5)
 
 
+@torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_text_classification_pipeline_batches_padded_rows_like_single_ones(tmp_path):
     """Through the Auto classes from a saved folder; a batch of 3 (padded to the longest) gives the labels and
     scores of the texts one by one, which are the model's own."""
@@ -72,6 +74,7 @@ def test_text_classification_pipeline_batches_padded_rows_like_single_ones(tmp_p
         assert single["score"] == pytest.approx(float(probabilities.max()), rel=1e-5)
 
 
+@torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_token_classification_pipeline_labels_every_byte():
     tokenizer, model = byte_tokenizer(), _model(LongAttnForTokenClassification, num_labels=3)
     text = "tokens, one per byte"
@@ -83,6 +86,7 @@ def test_token_classification_pipeline_labels_every_byte():
     assert [text[r["start"] : r["end"]] for r in results] == list(text)
 
 
+@torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_feature_extraction_pipeline_returns_the_last_hidden_state():
     tokenizer, model = byte_tokenizer(), _model(LongAttnModel)
     features = pipeline("feature-extraction", model=model, tokenizer=tokenizer, return_tensors=True)(TEXTS[0])
@@ -289,6 +293,7 @@ def test_peft_finds_each_task_head_by_its_transformers_name(task, model_class, h
     assert any(f".{head}.modules_to_save." in name for name in trainable), sorted(trainable)
 
 
+@torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_a_lengthened_stock_checkpoint_runs_in_a_pipeline(tmp_path):
     """A RoBERTa classifier lengthened from 64 to 256 tokens (`lengthen` + `save_lengthened`, tokenizer included)
     loads in a text-classification pipeline from its folder, keeps its longattn attention and its raised
