@@ -26,8 +26,11 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # A killed process that its (dead) parent never reaped lingers as a zombie until init reaps it.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rpartition(")")[2].split()[0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:  # reaped meanwhile
+        return False
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
