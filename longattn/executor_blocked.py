@@ -213,12 +213,13 @@ class _RepeatedBlockMask:
         # The most common block, found by a fingerprint of three of its rows: integer weights below 2**20 summed in
         # float64 are exact, so equal blocks get equal fingerprints. It only picks the template (a block unlike
         # most would just store more blocks); the comparison below is exact. All rows: 40 ms at 16K, three: 0.2.
-        rows = torch.tensor(sorted({0, c // 2, c - 1}), device=mask.device)
+        sampled = torch.tensor(sorted({0, c // 2, c - 1}), device=mask.device)
         generator = torch.Generator().manual_seed(0)
-        weights = torch.randint(0, 2**20, (len(rows) * m,), generator=generator).to(mask.device, torch.float64)
-        fingerprints = mask.index_select(3, rows).reshape(b, h, nb, -1).to(torch.float64) @ weights
+        weights = torch.randint(0, 2**20, (len(sampled) * m,), generator=generator).to(mask.device, torch.float64)
+        fingerprints = mask.index_select(3, sampled).reshape(b, h, nb, -1).to(torch.float64) @ weights
         most_common = fingerprints.mode(dim=2).indices  # [b, h]
-        template = mask[torch.arange(b)[:, None], torch.arange(h)[None, :], most_common]  # [b, h, c, m]
+        rows_b, rows_h = torch.arange(b, device=mask.device), torch.arange(h, device=mask.device)
+        template = mask[rows_b[:, None], rows_h[None, :], most_common]  # [b, h, c, m]
         differs = torch.empty(b, h, nb, dtype=torch.bool, device=mask.device)
         empty = torch.empty_like(differs)
         # On the bytes: xor and max are 5x faster than `!=` and `any` on bools.
