@@ -14,23 +14,14 @@ import torch
 from kind_configs import tiny_config
 from transformers import AutoModelForSequenceClassification, pipeline
 
-from longattn import (
-    LongAttnConfig,
-    LongAttnForCausalLM,
-    LongAttnForMaskedLM,
-    LongAttnForQuestionAnswering,
-    LongAttnForSeq2SeqLM,
-    LongAttnForSequenceClassification,
-    LongAttnForTokenClassification,
-    LongAttnModel,
-)
+import longattn
 from longattn.tokenization_longattn import byte_tokenizer
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = ["a long document about nothing in particular", "short one", "a third text, of middling length"]
 
 
-def _config(**fields) -> LongAttnConfig:
+def _config(**fields) -> longattn.LongAttnConfig:
     """The tiny config (tests/kind_configs.py) with the byte tokenizer's vocabulary and three named labels."""
     labels = dict(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
     return tiny_config(**{"attention_type": "sliding", "sliding_window": 4, "vocab_size": 260, **labels, **fields})
@@ -44,7 +35,7 @@ def _model(model_class, seed: int = 0, **fields):
 # ---------------------------------------------------------------------------------------------- pipelines
 @torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_fill_mask_pipeline_scores_are_the_models_probabilities():
-    tokenizer, model = byte_tokenizer(), _model(LongAttnForMaskedLM)
+    tokenizer, model = byte_tokenizer(), _model(longattn.LongAttnForMaskedLM)
     text = f"abc{tokenizer.mask_token}def"
     results = pipeline("fill-mask", model=model, tokenizer=tokenizer, top_k=3)(text)
     encoded = tokenizer(text, return_tensors="pt")
@@ -59,11 +50,11 @@ def test_fill_mask_pipeline_scores_are_the_models_probabilities():
 def test_text_classification_pipeline_batches_padded_rows_like_single_ones(tmp_path):
     """Through the Auto classes from a saved folder; a batch of 3 (padded to the longest) gives the labels and
     scores of the texts one by one, which are the model's own."""
-    tokenizer, model = byte_tokenizer(), _model(LongAttnForSequenceClassification, num_labels=3)
+    tokenizer, model = byte_tokenizer(), _model(longattn.LongAttnForSequenceClassification, num_labels=3)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     classify = pipeline("text-classification", model=str(tmp_path))
-    assert type(classify.model) is LongAttnForSequenceClassification
+    assert type(classify.model) is longattn.LongAttnForSequenceClassification
     one_by_one = [classify(text)[0] for text in TEXTS]
     batched = classify(TEXTS, batch_size=3)
     for single, together, text in zip(one_by_one, batched, TEXTS, strict=True):
@@ -76,7 +67,7 @@ def test_text_classification_pipeline_batches_padded_rows_like_single_ones(tmp_p
 
 @torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_token_classification_pipeline_labels_every_byte():
-    tokenizer, model = byte_tokenizer(), _model(LongAttnForTokenClassification, num_labels=3)
+    tokenizer, model = byte_tokenizer(), _model(longattn.LongAttnForTokenClassification, num_labels=3)
     text = "tokens, one per byte"
     results = pipeline("token-classification", model=model, tokenizer=tokenizer)(text)
     logits = model(**tokenizer(text, return_tensors="pt")).logits[0, 1:-1]  # without <s> and </s>
@@ -88,7 +79,7 @@ def test_token_classification_pipeline_labels_every_byte():
 
 @torch.no_grad()  # the references are forward passes, as the pipeline's
 def test_feature_extraction_pipeline_returns_the_last_hidden_state():
-    tokenizer, model = byte_tokenizer(), _model(LongAttnModel)
+    tokenizer, model = byte_tokenizer(), _model(longattn.LongAttnModel)
     features = pipeline("feature-extraction", model=model, tokenizer=tokenizer, return_tensors=True)(TEXTS[0])
     expected = model(**tokenizer(TEXTS[0], return_tensors="pt")).last_hidden_state
     torch.testing.assert_close(features, expected)
@@ -96,7 +87,7 @@ def test_feature_extraction_pipeline_returns_the_last_hidden_state():
 
 def test_text_generation_pipeline_continues_as_generate_does():
     tokenizer = byte_tokenizer(add_eos_token=False, padding_side="left")
-    model = _model(LongAttnForCausalLM, attention_type="sliding", sliding_window=6)
+    model = _model(longattn.LongAttnForCausalLM, attention_type="sliding", sliding_window=6)
     generate = pipeline("text-generation", model=model, tokenizer=tokenizer)
     result = generate("the beginning", max_new_tokens=12, do_sample=False, return_full_text=False)[0]
     encoded = tokenizer("the beginning", return_tensors="pt")
@@ -132,9 +123,9 @@ def test_lora_for_sequence_classification_trains_and_saves_the_classifier(tmp_pa
     does the merged model."""
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
-    _model(LongAttnModel).save_pretrained(tmp_path / "backbone")  # a pretrained model without the task's head
+    _model(longattn.LongAttnModel).save_pretrained(tmp_path / "backbone")  # a pretrained model without the task's head
     torch.manual_seed(0)
-    base = LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
+    base = longattn.LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
     model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["q_proj", "v_proj"]))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any("lora_A" in name for name in trainable)
@@ -148,12 +139,12 @@ def test_lora_for_sequence_classification_trains_and_saves_the_classifier(tmp_pa
 
     model.save_pretrained(tmp_path / "adapter")
     torch.manual_seed(1)  # another head
-    fresh = LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
+    fresh = longattn.LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
     assert not torch.equal(fresh.classifier.out_proj.weight, model.base_model.model.classifier.out_proj.weight)
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     torch.testing.assert_close(reloaded(**batch).logits, logits)
     merged = model.merge_and_unload()
-    assert type(merged) is LongAttnForSequenceClassification
+    assert type(merged) is longattn.LongAttnForSequenceClassification
     torch.testing.assert_close(merged(**batch).logits, logits, atol=1e-5, rtol=1e-5)
 
 
@@ -162,7 +153,7 @@ def test_classifier_of_the_earlier_layout_loads_into_the_classifier_module(tmp_p
     loads with no missing or unexpected key and the same outputs; saving writes the current names."""
     from safetensors.torch import load_file, save_file
 
-    model = _model(LongAttnForSequenceClassification, num_labels=3)
+    model = _model(longattn.LongAttnForSequenceClassification, num_labels=3)
     model.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
     assert {"classifier.dense.weight", "classifier.out_proj.weight"} <= set(weights)
@@ -178,7 +169,7 @@ def test_lora_for_causal_lm_generates_as_the_merged_model():
     from peft import LoraConfig, TaskType, get_peft_model
 
     tokenizer = byte_tokenizer(add_eos_token=False)
-    base = _model(LongAttnForCausalLM, attention_type=["sliding", "full"], sliding_window=6)
+    base = _model(longattn.LongAttnForCausalLM, attention_type=["sliding", "full"], sliding_window=6)
     model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
     batch = dict(tokenizer(TEXTS[:1], return_tensors="pt"))
     _trained(model, **batch, labels=batch["input_ids"])
@@ -193,7 +184,7 @@ def test_lora_for_seq2seq_generates_as_the_merged_model():
     """LoRA on the encoder's, the decoder's and the cross-attention's projections of the encoder-decoder model."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    base = _model(LongAttnForSeq2SeqLM)
+    base = _model(longattn.LongAttnForSeq2SeqLM)
     model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=4, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(4, 260, (2, 30), generator=torch.Generator().manual_seed(3))
     labels = torch.randint(4, 260, (2, 7), generator=torch.Generator().manual_seed(4))
@@ -256,7 +247,7 @@ def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
             "text": texts,  # a column the model does not take: dropped
         }
     )
-    base = _model(LongAttnForSequenceClassification, num_labels=3)
+    base = _model(longattn.LongAttnForSequenceClassification, num_labels=3)
     model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["q_proj", "v_proj"]))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     seen = []
@@ -278,9 +269,9 @@ def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
 @pytest.mark.parametrize(
     "task, model_class, head",
     [
-        ("SEQ_CLS", LongAttnForSequenceClassification, "classifier"),
-        ("TOKEN_CLS", LongAttnForTokenClassification, "classifier"),
-        ("QUESTION_ANS", LongAttnForQuestionAnswering, "qa_outputs"),
+        ("SEQ_CLS", longattn.LongAttnForSequenceClassification, "classifier"),
+        ("TOKEN_CLS", longattn.LongAttnForTokenClassification, "classifier"),
+        ("QUESTION_ANS", longattn.LongAttnForQuestionAnswering, "qa_outputs"),
     ],
 )
 def test_peft_finds_each_task_head_by_its_transformers_name(task, model_class, head):
