@@ -195,10 +195,9 @@ class _RepeatedBlockMask:
     """
 
     def __init__(self, template: Tensor, differs: Tensor, empty: Tensor, stored_blocks: Tensor):
-        self.template, self.differs, self.empty, self.stored_blocks = template, differs, empty, stored_blocks
-        stored = differs & ~empty
-        self.stored_row = (stored.flatten().cumsum(0) - 1).view(stored.shape)  # where each stored block sits
-        self.stored = stored
+        self.template, self.empty, self.stored_blocks = template, empty, stored_blocks
+        self.stored = differs & ~empty
+        self.stored_row = (self.stored.flatten().cumsum(0) - 1).view(self.stored.shape)  # where each stored block sits
         self.odd = differs.flatten(0, 1).any(0).tolist()  # per block: any batch row or head not the template
 
     @staticmethod

@@ -11,11 +11,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from datasets import Dataset
 from kind_configs import tiny_config
-from transformers import AutoModelForSequenceClassification, pipeline
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from safetensors.torch import load_file, save_file
+from test_integration_transformers import build
+from transformers import (
+    AutoModelForSequenceClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+    pipeline,
+)
 
 import longattn
+from longattn import apply_longattn, lengthen, save_lengthened
 from longattn.tokenization_longattn import byte_tokenizer
+from longattn.train.collators import DataCollatorWithGlobalAttention
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = ["a long document about nothing in particular", "short one", "a third text, of middling length"]
@@ -98,9 +111,6 @@ def test_text_generation_pipeline_continues_as_generate_does():
 
 
 # ---------------------------------------------------------------------------------------------- PEFT
-peft = pytest.importorskip("peft")
-
-
 def _trained(model, steps: int = 3, **batch):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
@@ -121,8 +131,6 @@ def test_lora_for_sequence_classification_trains_and_saves_the_classifier(tmp_pa
     """PEFT's SEQ_CLS task keeps the head named `classifier` trainable and saves it with the adapter: the pretrained
     backbone loaded again (its head drawn anew) with the adapter computes what the trained model computed, and so
     does the merged model."""
-    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-
     _model(longattn.LongAttnModel).save_pretrained(tmp_path / "backbone")  # a pretrained model without the task's head
     torch.manual_seed(0)
     base = longattn.LongAttnForSequenceClassification.from_pretrained(tmp_path / "backbone")
@@ -151,8 +159,6 @@ def test_lora_for_sequence_classification_trains_and_saves_the_classifier(tmp_pa
 def test_classifier_of_the_earlier_layout_loads_into_the_classifier_module(tmp_path):
     """A checkpoint with the sentence head at the top (`dense.*`, `out_proj.*`, before it became `classifier`)
     loads with no missing or unexpected key and the same outputs; saving writes the current names."""
-    from safetensors.torch import load_file, save_file
-
     model = _model(longattn.LongAttnForSequenceClassification, num_labels=3)
     model.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
@@ -166,8 +172,6 @@ def test_classifier_of_the_earlier_layout_loads_into_the_classifier_module(tmp_p
 
 
 def test_lora_for_causal_lm_generates_as_the_merged_model():
-    from peft import LoraConfig, TaskType, get_peft_model
-
     tokenizer = byte_tokenizer(add_eos_token=False)
     base = _model(longattn.LongAttnForCausalLM, attention_type=["sliding", "full"], sliding_window=6)
     model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "v_proj"]))
@@ -182,8 +186,6 @@ def test_lora_for_causal_lm_generates_as_the_merged_model():
 
 def test_lora_for_seq2seq_generates_as_the_merged_model():
     """LoRA on the encoder's, the decoder's and the cross-attention's projections of the encoder-decoder model."""
-    from peft import LoraConfig, TaskType, get_peft_model
-
     base = _model(longattn.LongAttnForSeq2SeqLM)
     model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=4, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(4, 260, (2, 30), generator=torch.Generator().manual_seed(3))
@@ -198,11 +200,6 @@ def test_lora_on_a_stock_model_with_longattn_attention():
     """A stock Llama whose attention longattn replaced (a sliding window with relative-position logits): LoRA on its
     projections trains; the kinds' own tables, frozen with the rest of the base, train when named in
     `modules_to_save`; the merged model gives the adapter model's logits and keeps the trained tables."""
-    from peft import LoraConfig, TaskType, get_peft_model
-    from test_integration_transformers import build
-
-    from longattn import apply_longattn
-
     base = apply_longattn(
         build("llama"),
         attention_type="sliding",
@@ -230,12 +227,6 @@ def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
     """Trainer on a PEFT model: the dataset's ragged `global_attention_mask` column survives
     `remove_unused_columns` (the base model's `forward` names it), is padded by the collator and reaches the model;
     the adapters and the classifier move, the frozen base does not."""
-    from datasets import Dataset
-    from peft import LoraConfig, TaskType, get_peft_model
-    from transformers import Trainer, TrainingArguments
-
-    from longattn.train.collators import DataCollatorWithGlobalAttention
-
     tokenizer = byte_tokenizer()
     texts = [*TEXTS, "a fourth"] * 2  # 8 rows: 2 steps of 2 micro-batches of 2
     rows = [tokenizer(text) for text in texts]
@@ -276,8 +267,6 @@ def test_trainer_trains_a_lora_classifier_with_global_tokens(tmp_path):
 )
 def test_peft_finds_each_task_head_by_its_transformers_name(task, model_class, head):
     """PEFT's task classes keep the head trainable by its name in transformers' encoders; LoRA adds to no head."""
-    from peft import LoraConfig, TaskType, get_peft_model
-
     config = LoraConfig(task_type=getattr(TaskType, task), r=4, target_modules=["q_proj", "v_proj"])
     model = get_peft_model(_model(model_class, num_labels=3), config)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -290,10 +279,6 @@ def test_a_lengthened_stock_checkpoint_runs_in_a_pipeline(tmp_path):
     loads in a text-classification pipeline from its folder, keeps its longattn attention and its raised
     `model_max_length`, and classifies a text longer than the pretrained limit as the model does, in a padded batch
     too."""
-    from transformers import RobertaConfig, RobertaForSequenceClassification
-
-    from longattn import lengthen, save_lengthened
-
     torch.manual_seed(0)
     roberta = RobertaConfig(
         vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,

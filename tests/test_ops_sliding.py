@@ -13,7 +13,13 @@ import torch
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, saved_tensor_bytes
 
 from longattn import ops, patterns
-from longattn.executor_blocked import attend_blocks, band_layout, banded_attention, merge_attention
+from longattn.executor_blocked import (
+    _RepeatedBlockMask,
+    attend_blocks,
+    band_layout,
+    banded_attention,
+    merge_attention,
+)
 
 
 def _reference(q, k, v, **pattern):
@@ -783,8 +789,6 @@ def test_band_chunks_stay_within_an_eighth_of_the_keys():
 # ------------------------------------------------------------------------------------------ the saved block mask
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_dilated_band_keeps_one_block_of_its_mask_and_equals_the_reference(causal, monkeypatch):
-    from longattn.executor_blocked import _RepeatedBlockMask
-
     """A dilated band (`attend_blocks` with a mask tensor) keeps, for backward, its repeated block and the blocks at
     the edges, beside padding and beside global keys (`_RepeatedBlockMask`), not the [b, h, nb, c, m] mask; the
     rebuilt mask gives the reference's outputs and gradients (float64, padding, global tokens, odd length)."""
@@ -822,8 +826,6 @@ def test_a_dilated_band_keeps_one_block_of_its_mask_and_equals_the_reference(cau
 
 
 def test_the_repeated_block_mask_rebuilds_every_chunk_exactly():
-    from longattn.executor_blocked import _RepeatedBlockMask
-
     generator = torch.Generator().manual_seed(0)
     band = torch.rand(2, 1, 1, 8, 12, generator=generator) > 0.5
     mask = band.expand(2, 1, 40, 8, 12).clone()
