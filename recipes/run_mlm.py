@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="whole texts (truncated) joined into rows of --max_seq_length, attention kept within each text "
         "(position_ids restart per text): no padding, and no attention across texts",
     )
+    parser.add_argument(
+        "--global_first_token",
+        action="store_true",
+        help="make the first token of every row global (`global_attention_mask`), as Longformer's <s>; for models "
+        "whose attention takes global tokens (the sliding kind)",
+    )
     args = training.parse_args(parser, argv)
     training.check_packing(args)
     if not 0 < args.mlm_probability < 1:
@@ -78,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     vocab_size = model.config.vocab_size
 
     def mask(batch, draws):
+        if args.global_first_token:
+            batch["global_attention_mask"] = torch.zeros_like(batch["input_ids"])
+            batch["global_attention_mask"][:, 0] = 1
         batch["input_ids"], batch["labels"] = training.mask_tokens(
             batch["input_ids"],
             batch["attention_mask"],

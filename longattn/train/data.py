@@ -19,10 +19,13 @@ Every generator is a pure function of its arguments and a seed, and writes `trai
 - `needles` (sequence to sequence): `{"source": "...3...9...1...", "target": "1 3 9"}`: 1..`max_needles` digits
   hidden in a haystack; the target lists them in increasing order (order-free, so the decoder's cross-attention
   needs no absolute positions). A long-document "summarisation" in miniature, evaluated by generation.
+- `stdlib` (language modelling, `longattn.train.corpus`): the Python standard library's source, one document per
+  file, split by a hash of each file's path; a real corpus every machine has.
 
 CLI (see `--help`):
 
     longattn-data needle --output_dir data/generated/needle --num_train 4000
+    longattn-data stdlib --output_dir data/stdlib
     longattn-data listops --lra --output_dir data/generated/listops-lra \\
         --tokenizer_dir data/generated/listops-lra-tokenizer
 """
@@ -419,12 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokenizer_dir", help="also save the word-level ListOps tokenizer (AutoTokenizer) here")
         if task == "needles":
             p.add_argument("--max_needles", type=int, default=3)
+    stdlib_help = "the Python standard library's source, one document per file, split by file (a real corpus)."
+    p = sub.add_parser("stdlib", help=stdlib_help, description=stdlib_help)
+    p.add_argument("--output_dir", default="data/stdlib", help="where the jsonl files go")
+    p.add_argument("--validation_percent", type=int, default=5, help="share of files held out for validation")
+    p.add_argument("--test_percent", type=int, default=5, help="share of files held out for test")
+    p.add_argument("--include_tests", action="store_true", help="keep the stdlib's test suites (excluded by default)")
+    p.add_argument("--root", help="another source tree instead of this interpreter's standard library")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.task == "stdlib":
+        return _write_stdlib(parser, args)
     sizes = LISTOPS_LRA_SIZES if getattr(args, "lra", False) else DEFAULT_SIZES
     for name, default in sizes.items():  # an explicit size wins over --lra's
         if getattr(args, name) is None:
@@ -456,6 +468,27 @@ def main(argv: list[str] | None = None) -> int:
         # The longest expression (max_length - 1 tokens) with <s> and </s>.
         listops_tokenizer(model_max_length=args.max_length + 1).save_pretrained(tokenizer_dir)
         print(f"tokenizer: {tokenizer_dir}")
+    return 0
+
+
+def _write_stdlib(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import corpus
+
+    try:
+        paths = corpus.write_stdlib_corpus(
+            args.output_dir,
+            root=args.root,
+            validation_percent=args.validation_percent,
+            test_percent=args.test_percent,
+            include_tests=args.include_tests,
+        )
+    except ValueError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    info = json.loads((Path(args.output_dir) / "info.json").read_text())
+    for split, path in paths.items():
+        print(f"{split}: {path} ({info['files'][split]} files, {info['bytes'][split]:,} bytes)")
+    print(f"Python {info['python_version']}")
     return 0
 
 

@@ -1084,6 +1084,16 @@ def is_longattn(model_or_config) -> bool:
     return getattr(config, "model_type", None) == LongAttnConfig.model_type
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (`getrusage`; 0 where the platform does not report it)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
 # ---------------------------------------------------------------------------------------------- the training state
 # The fields of `TrainState` that `trainer_state.json` holds: the position in the run and its running loss, with the
 # batch geometry a resumed run must share to repeat it.
@@ -1096,6 +1106,8 @@ _POSITION_FIELDS = (
     "last_loss",
     "global_batch_size",
     "num_processes",
+    "train_cpu_seconds",
+    "peak_rss_mb",
 )
 
 
@@ -1138,6 +1150,15 @@ class TrainState:
     stream_examples: list[int] | None = None  # with `streaming`, in a checkpoint: `examples_in_epoch` per process
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # of the last evaluation (`eval_*`)
     last_eval_step: int | None = None
+    # The compute a run cost, summed over its resumed parts: this process's CPU seconds inside optimizer steps (all
+    # its threads; with one thread, what `scripts/benchmark.py --clock cpu` measures) and its peak resident memory.
+    train_cpu_seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+    def count_compute(self, cpu_seconds: float) -> None:
+        """Add one step's CPU seconds and take the process's peak resident memory so far."""
+        self.train_cpu_seconds += cpu_seconds
+        self.peak_rss_mb = max(self.peak_rss_mb, peak_rss_mb())
 
     def position(self) -> dict[str, Any]:
         """What `trainer_state.json` records (with the run's settings, when recorded)."""
@@ -1659,7 +1680,8 @@ def run_evaluation(
     with torch.no_grad(), cp_lib.context_parallel_paused(state.model):
         result = {f"eval_{k}": v for k, v in evaluate(state.model, state.eval_dataloader).items()}
     state.model.train()
-    _log(accelerator, Path(args.output_dir) / LOG_FILE, {"step": state.completed_steps, **result}, args)
+    compute = {"train_cpu_seconds": round(state.train_cpu_seconds, 2), "peak_rss_mb": round(state.peak_rss_mb, 1)}
+    _log(accelerator, Path(args.output_dir) / LOG_FILE, {"step": state.completed_steps, **result, **compute}, args)
     logger.info("step %d: %s", state.completed_steps, _fmt(result))
     state.metrics, state.last_eval_step = result, state.completed_steps
     return result
@@ -1688,9 +1710,11 @@ def train_epoch(
     # One optimizer step per group of --gradient_accumulation_steps batches (the last group of an epoch may be
     # shorter), gathered first so that the loss is normalised by the labelled tokens of the whole step.
     while group := _next_group(args, accelerator, state, loader):
+        started = time.process_time()
         step_loss = train_step(
             args, accelerator, state, group, epoch=epoch, first_batch=batch_index, prepare_batch=prepare_batch
         )
+        state.count_compute(time.process_time() - started)
         batch_index += len(group)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}")
@@ -1771,6 +1795,8 @@ def summarize(
         "train_loss": state.loss_sum / max(state.loss_count, 1),
         "train_last_loss": state.last_loss,
         "train_runtime": round(runtime, 2),
+        "train_cpu_seconds": round(state.train_cpu_seconds, 2),
+        "peak_rss_mb": round(state.peak_rss_mb, 1),
         "train_steps": state.completed_steps,
         # a stream's passes: those finished, and the current one if started
         "epochs": state.epoch + (state.batch_in_epoch > 0) if state.streaming else state.num_epochs,

@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""Quality, measured: the lengthening study and every kind trained side by side, on the standard library's source.
+
+Two studies, each a sequence of resumable steps (a step whose folder is finished is skipped; a training step
+interrupted anywhere continues from its last checkpoint when the command is run again):
+
+`lengthening` (Longformer's Table 5, Beltagy et al. 2020, at small scale):
+  1. pretrain a stock `RobertaForMaskedLM` (built by transformers; bytes; full attention) at 512 tokens;
+  2. lengthen it to 4,096 tokens with `longattn.lengthen` (sliding window of 256 per side, first token global), once
+     with the copied position table and once with the new rows drawn at random; and once with a window of 512 per
+     side, which covers every 512-token window (the check that lengthening itself changes nothing);
+  3. continue training the lengthened model at 4,096 tokens, and the 512 model at 512 tokens for the same steps and
+     tokens per step (the control);
+  4. evaluate every folder with `longattn-eval` (bits per byte of a fixed, seeded 15% mask on the test split, at
+     512 and 4,096 tokens).
+
+`kinds`: every kind at the same size, data and token budget, from scratch at 2,048 tokens with the same
+hyper-parameters (chosen on full attention): causal LM for the kinds with a decoder form, masked LM for the
+encoder-only ones (with a full-attention masked-LM control). Training CPU seconds are the training process's CPU time
+inside optimizer steps with one thread (`train_cpu_seconds` of the recipes), peak memory its peak resident set.
+
+`report` writes docs/quality.md from the results (`--doc`), with the table, the plots and the commands.
+
+    python scripts/quality_study.py lengthening --output_dir runs/quality
+    python scripts/quality_study.py kinds --output_dir runs/quality
+    python scripts/quality_study.py report --output_dir runs/quality --doc docs/quality.md
+
+Every subprocess runs with one intra-op thread (`OMP_NUM_THREADS=1`), so CPU seconds compare across kinds and
+machines load does not change them much; two studies can run at once on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+
+# --------------------------------------------------------------------------------------------- the lengthening study
+ROBERTA = {  # a small byte-level RoBERTa: 4 layers of 256, 4 heads of 64
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 1024,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "type_vocab_size": 1,
+}
+SHORT, LONG, WINDOW = 512, 4096, 256
+PRETRAIN = {"steps": int(os.environ.get("QS_PRETRAIN_STEPS", 400)), "batch": 16, "learning_rate": 1e-3, "warmup": 40}
+CONTINUE = {"steps": 100, "learning_rate": 3e-4, "warmup": 10}  # tokens per step as in pretraining
+
+# --------------------------------------------------------------------------------------------- the kinds study
+EVAL_DURING_TRAINING_BYTES = 160_000
+KINDS_LENGTH = 2048
+KINDS_MODEL = "hidden_size=128,num_hidden_layers=4,num_attention_heads=4,intermediate_size=512,hidden_dropout_prob=0.0"
+KINDS_TRAIN = {"steps": 150, "batch": 4, "learning_rate": 1e-3, "warmup": 15, "eval_every": 50}
+# (run name, recipe, kind, the kind's own settings): each kind at its defaults except where 2,048 tokens ask otherwise.
+KINDS = [
+    ("clm-full", "clm", "full", ""),
+    ("clm-sliding", "clm", "sliding", "sliding_window=256"),
+    ("clm-strided", "clm", "strided", ""),
+    ("clm-fixed", "clm", "fixed", ""),
+    ("clm-lsh", "clm", "lsh", ""),
+    ("clm-routing", "clm", "routing", ""),
+    ("clm-sinkhorn", "clm", "sinkhorn", ""),
+    ("clm-efficient", "clm", "efficient", ""),
+    ("clm-adaptive_span", "clm", "adaptive_span", ""),
+    ("clm-binary_partition", "clm", "binary_partition", ""),
+    ("clm-synthesizer", "clm", "synthesizer", ""),
+    ("mlm-full", "mlm", "full", ""),
+    ("mlm-sliding", "mlm", "sliding", "sliding_window=256"),
+    ("mlm-linformer", "mlm", "linformer", ""),
+    ("mlm-reduction", "mlm", "reduction", ""),
+    ("mlm-deformable", "mlm", "deformable", ""),
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return env
+
+
+def _run(command: list[str], log: Path, *, stop_on_failure: bool = True) -> bool:
+    """Run one step, its output appended to `log`; a failure stops the study with the log's tail (or, without
+    `stop_on_failure`, is reported and the study goes on)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("+", " ".join(command), flush=True)
+    with log.open("a") as f:
+        result = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+    if result.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        if stop_on_failure:
+            sys.exit(f"step failed ({result.returncode}); the end of {log}:\n{tail}")
+        print(f"step failed ({result.returncode}); the end of {log}:\n{tail}", flush=True)
+    return result.returncode == 0
+
+
+def _finished(folder: Path) -> bool:
+    return (folder / "all_results.json").is_file()
+
+
+def _corpus(data: Path) -> Path:
+    if not (data / "info.json").is_file():
+        _run([sys.executable, "-m", "longattn.train.data", "stdlib", "--output_dir", str(data)], data / "data.log")
+    head = data / "validation_head.jsonl"
+    if not head.is_file():  # the evaluations during training: the first validation files, about 160 KB
+        rows, size = [], 0
+        for line in (data / "validation.jsonl").read_text().splitlines():
+            rows.append(line)
+            size += len(json.loads(line)["text"].encode("utf-8"))
+            if size >= EVAL_DURING_TRAINING_BYTES:
+                break
+        head.write_text("\n".join(rows) + "\n")
+    return data
+
+
+def _train(
+    recipe: str,
+    output: Path,
+    data: Path,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    warmup: int,
+    length: int,
+    eval_every: int,
+    source: list[str],
+    extra: list[str] = (),
+    stop_on_failure: bool = True,
+) -> None:
+    if _finished(output):
+        print(f"{output}: done", flush=True)
+        return
+    command = [
+        sys.executable, str(RECIPES / f"run_{recipe}.py"), *source,
+        "--train_file", str(data / "train.jsonl"), "--validation_file", str(data / "validation_head.jsonl"),
+        "--max_seq_length", str(length), "--per_device_train_batch_size", str(batch),
+        "--per_device_eval_batch_size", str(batch), "--learning_rate", str(lr), "--num_warmup_steps", str(warmup),
+        "--max_train_steps", str(steps), "--eval_steps", str(eval_every), "--checkpointing_steps", str(eval_every),
+        "--checkpoints_total_limit", "1", "--resume_from_checkpoint", "latest", "--logging_steps", "10",
+        "--seed", "0", "--output_dir", str(output), *extra,
+    ]  # fmt: skip
+    _run(command, output.parent / f"{output.name}.log", stop_on_failure=stop_on_failure)
+
+
+def _evaluate(folders: list[Path], output: Path, data: Path, *, lengths: list[int], extra: list[str] = ()) -> None:
+    if (output / "results.json").is_file():
+        print(f"{output}: done", flush=True)
+        return
+    command = [
+        sys.executable, "-m", "longattn.tools.evaluate", *map(str, folders), "--corpus", str(data / "test.jsonl"),
+        "--lengths", *map(str, lengths), "--output_dir", str(output), *extra,
+    ]  # fmt: skip
+    _run(command, output.parent / f"{output.name}.log")
+
+
+def lengthening(root: Path, data: Path) -> None:
+    import torch
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    import longattn
+    from longattn.tokenization_longattn import byte_tokenizer
+
+    study = root / "lengthening"
+    init = study / "roberta-512-init"
+    if not (init / "config.json").is_file():
+        tokenizer = byte_tokenizer(model_max_length=SHORT)
+        config = RobertaConfig(
+            vocab_size=len(tokenizer),
+            max_position_embeddings=SHORT + tokenizer.pad_token_id + 1,  # RoBERTa counts positions after padding_idx
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **ROBERTA,
+        )
+        torch.manual_seed(0)
+        model = RobertaForMaskedLM(config)
+        # longattn's `full` kind: dense attention as sdpa computes it, and the folder trains with the recipes
+        longattn.apply_longattn(model, attention_type="full")
+        model.save_pretrained(init)
+        tokenizer.save_pretrained(init)
+    base = study / "roberta-512"
+    p = PRETRAIN
+    _train("mlm", base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
+           length=SHORT, eval_every=100, source=["--model_name_or_path", str(init)])  # fmt: skip
+
+    lengthened = {
+        "roberta-4096-copied": {"sliding_window": WINDOW, "copy": True},
+        "roberta-4096-random": {"sliding_window": WINDOW, "copy": False},
+        "roberta-4096-w512": {"sliding_window": SHORT, "copy": True},
+    }
+    for name, spec in lengthened.items():
+        folder = study / name
+        if (folder / "config.json").is_file():
+            continue
+        model = longattn.lengthen(str(base), max_length=LONG, attention_type="sliding",
+                                  sliding_window=spec["sliding_window"])  # fmt: skip
+        if not spec["copy"]:  # the new rows drawn as RoBERTa draws embeddings, the pretrained rows kept
+            positions = model.roberta.embeddings.position_embeddings.weight
+            generator = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                new = torch.randn(positions[SHORT + 1 :].shape, generator=generator) * model.config.initializer_range
+                positions[SHORT + 1 :] = new
+        tokenizer = byte_tokenizer(model_max_length=LONG)
+        longattn.save_lengthened(model, folder, tokenizer=tokenizer)
+
+    c = CONTINUE
+    tokens = p["batch"] * SHORT
+    _train("mlm", study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
+           lr=c["learning_rate"], warmup=c["warmup"], length=LONG, eval_every=50,
+           source=["--model_name_or_path", str(study / "roberta-4096-copied")],
+           extra=["--global_first_token"])  # fmt: skip
+    _train("mlm", study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
+           lr=c["learning_rate"], warmup=c["warmup"], length=SHORT, eval_every=50,
+           source=["--model_name_or_path", str(base)])  # fmt: skip
+
+    _evaluate([base, study / "roberta-512-continued"], study / "eval-512", data, lengths=[SHORT])
+    _evaluate(
+        [study / name for name in ("roberta-4096-w512", "roberta-4096-copied", "roberta-4096-random",
+                                   "roberta-4096-continued")],
+        study / "eval-4096", data, lengths=[SHORT, LONG], extra=["--global_first_token"],
+    )  # fmt: skip
+
+
+def kinds(root: Path, data: Path, only: list[str] | None) -> None:
+    study = root / "kinds"
+    t = KINDS_TRAIN
+    for name, recipe, kind, settings in KINDS:
+        if only and name not in only:
+            continue
+        overrides = ",".join(filter(None, [f"attention_type={kind}", KINDS_MODEL, settings,
+                                           f"max_position_embeddings={KINDS_LENGTH}"]))  # fmt: skip
+        _train(recipe, study / name, data, steps=t["steps"], batch=t["batch"], lr=t["learning_rate"],
+               warmup=t["warmup"], length=KINDS_LENGTH, eval_every=t["eval_every"],
+               source=["--config_overrides", overrides], stop_on_failure=False)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # fmt: skip
+    parser.add_argument("study", choices=["lengthening", "kinds", "report"])
+    parser.add_argument("--output_dir", default="runs/quality", help="where the runs go")
+    parser.add_argument("--data_dir", default="data/stdlib", help="the stdlib corpus (written when absent)")
+    parser.add_argument("--only", nargs="*", help="kinds: only these runs (names as in the table)")
+    parser.add_argument("--doc", default="docs/quality.md", help="report: the page to write")
+    args = parser.parse_args(argv)
+    root, data = Path(args.output_dir), _corpus(Path(args.data_dir))
+    if args.study == "lengthening":
+        lengthening(root, data)
+    elif args.study == "kinds":
+        kinds(root, data, args.only)
+    else:
+        from quality_report import write_report  # scripts/quality_report.py
+
+        write_report(root, Path(args.doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
