@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 TEST_FOLDERS = frozenset({"test", "tests", "idle_test"})
+SPLITS = ("train", "validation", "test")
 THIRD_PARTY_FOLDERS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
@@ -87,7 +88,7 @@ def write_stdlib_corpus(
         if not isinstance(value, int) or not 1 <= value <= 49:
             raise ValueError(f"{name}={value!r} must be an integer in [1, 49].")
     documents = stdlib_documents(None if root is None else Path(root), include_tests=include_tests)
-    splits: dict[str, list[dict[str, str]]] = {"train": [], "validation": [], "test": []}
+    splits: dict[str, list[dict[str, str]]] = {name: [] for name in SPLITS}
     for relative, text in documents:
         split = split_of(relative, validation_percent=validation_percent, test_percent=test_percent)
         splits[split].append({"text": text, "path": relative})

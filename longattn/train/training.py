@@ -1723,7 +1723,13 @@ def train_epoch(
             _log(
                 accelerator,
                 Path(args.output_dir) / LOG_FILE,
-                {"step": step, "loss": step_loss, "lr": state.lr_scheduler.get_last_lr()[0], "epoch": epoch},
+                {
+                    "step": step,
+                    "loss": step_loss,
+                    "lr": state.lr_scheduler.get_last_lr()[0],
+                    "epoch": epoch,
+                    "train_cpu_seconds": round(state.train_cpu_seconds, 2),
+                },
                 args,
             )
         if (every := _checkpoint_every(args)) and step % every == 0:
