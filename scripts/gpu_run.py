@@ -253,6 +253,7 @@ PACKAGES = {
     "deepspeed": "the DeepSpeed ZeRO-2 and ZeRO-3 steps",
     "pytest": "the tests part",
     "pytest-timeout": "nothing (the tests then run without a per-test time limit)",
+    "pytest-xdist": "nothing (the tests then run in one process, slower)",
 }
 
 
@@ -333,10 +334,15 @@ def part_environment(results: Results) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ part 2
-TEST_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+TEST_LINE = re.compile(rf"^(tests/\S+::\S+) ({OUTCOMES})\b")
+XDIST_TEST_LINE = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({OUTCOMES}) (tests/\S+::\S+)")
 SHORT_SUMMARY = re.compile(r"^(FAILED|ERROR) (tests/\S+)(?: - (.*))?$")
 SKIP_SUMMARY = re.compile(r"^SKIPPED \[(\d+)\] (\S+): (.*)$")
 FINAL_LINE = re.compile(r"^=+ (.*\d+ \w+.* in [\d.]+s.*) =+$")
+
+
+TEST_WORKERS = 4
 
 
 def gpu_test_files() -> list[str]:
@@ -353,6 +359,8 @@ def parse_pytest_line(line: str) -> tuple[str, dict] | None:
     line = line.rstrip()
     if match := TEST_LINE.match(line):
         return "test", {"id": match[1], "outcome": match[2]}
+    if match := XDIST_TEST_LINE.match(line):
+        return "test", {"id": match[2], "outcome": match[1]}
     if match := SHORT_SUMMARY.match(line):
         return "test-failure", {"id": match[2], "message": (match[3] or "")[:300]}
     if match := SKIP_SUMMARY.match(line):
@@ -376,6 +384,8 @@ def part_tests(results: Results) -> None:
             continue
         command = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-o", "timeout=100"]
         command += ["-o", "session_timeout=" + str(int(left)), *selection]
+        if package_versions()["pytest-xdist"]:  # compiling kernels takes the CPU: four at a time on the GPU machine
+            command += ["-n", str(TEST_WORKERS)]
         print("$ " + " ".join(command[1:]), flush=True)
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         process = subprocess.Popen(
@@ -416,6 +426,8 @@ TARGETS = (
 )
 TARGET_BACKENDS = ("triton", "flex", "xformers", "torch")
 TARGET_LENGTH, TARGET_HEADS, TARGET_HEAD_DIM = 65536, 16, 64
+MATMUL_SIZE = 8192
+DEVICE = "cuda"  # tests/test_gpu_run.py runs the targets part on "cpu" at a small length (its code, not its figures)
 
 
 def visible_pairs(n: int, window: int, dilations, *, padded_keys: int = 0, global_tokens: int = 0) -> int:
@@ -485,41 +497,58 @@ def verdicts(rows: dict[str, dict]) -> list[dict]:
     ]
 
 
-def _cell_time(step, *, warmup: int, repeats: int, budget: float) -> tuple[float, float, int]:
-    """Median CUDA-event milliseconds of `step()` over up to `repeats` runs after `warmup` (compilation included
-    there), fewer where `budget` seconds run out; the peak MB allocated above what was before; the runs timed."""
+def _synchronize() -> None:
     import torch  # noqa: PLC0415
 
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cell_time(step, *, warmup: int, repeats: int, budget: float) -> tuple[float, float, int]:
+    """Median milliseconds of `step()` over up to `repeats` runs after `warmup` (compilation included there), fewer
+    where `budget` seconds run out (CUDA events; wall clock off CUDA); the peak MB allocated above what was before
+    (nan off CUDA); the number of runs timed."""
+    import torch  # noqa: PLC0415
+
+    cuda = DEVICE == "cuda"
     start_wall = time.monotonic()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    _synchronize()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     times = []
     while len(times) < repeats and (not times or time.monotonic() - start_wall < budget):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20, len(times)
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - began) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else math.nan
+    return statistics.median(times), peak, len(times)
 
 
 def matmul_tflops() -> float:
-    """The device's dense bf16 matmul rate: 8192^3 products, mean of 10 after 3 warm-ups."""
+    """The device's dense bf16 matmul rate: `MATMUL_SIZE`^3 products, mean of 10 after 3 warm-ups."""
     import torch  # noqa: PLC0415
 
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    size = MATMUL_SIZE
+    a, b = (torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     for _ in range(10):
         a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * 10 / (time.perf_counter() - start) / 1e12
+    _synchronize()
+    return 2 * size**3 * 10 / (time.perf_counter() - start) / 1e12
 
 
 def part_targets(results: Results) -> None:
@@ -530,11 +559,11 @@ def part_targets(results: Results) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check  # noqa: PLC0415
 
-    gpu_check.DEVICE = "cuda"
+    gpu_check.DEVICE = DEVICE
     gpu_check.raise_recompile_limit()
     rate = matmul_tflops()
-    print(f"dense bf16 matmul: {rate:.0f} TFLOP/s", flush=True)
-    results.add("matmul", tflops=round(rate, 1))
+    print(f"dense bf16 matmul: {rate:.4g} TFLOP/s", flush=True)
+    results.add("matmul", tflops=round(rate, 4))
     n, heads, d = TARGET_LENGTH, TARGET_HEADS, TARGET_HEAD_DIM
     rows, cases = {}, {}
     for target in TARGETS:
@@ -568,14 +597,15 @@ def part_targets(results: Results) -> None:
         for target in TARGETS:
             torch.manual_seed(0)
             q, k, v = (
-                torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+                torch.randn(1, heads, n, d, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
             )
             for backend in backends:
                 ms = _time_target(results, cases[target.name], backend, q, k, v)
                 if ms is not None:
                     rows[target.name]["ms"][backend] = ms
             del q, k, v
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     for verdict in verdicts(rows):
         results.add("verdict", **verdict)
         print(f"target: {verdict['target']}: {verdict['measured']} -> {verdict['met']}", flush=True)
@@ -603,8 +633,10 @@ def _time_target(results: Results, case, backend: str, q, k, v) -> float | None:
         return None
     finally:
         q.grad = k.grad = v.grad = None
-        torch.cuda.empty_cache()
-    results.add("timing", target=case.name, backend=backend, ms=round(ms, 3), peak_mb=round(mb), runs=timed)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    peak = round(mb) if math.isfinite(mb) else None
+    results.add("timing", target=case.name, backend=backend, ms=round(ms, 3), peak_mb=peak, runs=timed)
     print(f"{case.name} on {backend}: {ms:.2f} ms ({mb:.0f} MB, {timed} runs)", flush=True)
     return ms
 
@@ -892,14 +924,15 @@ def render(records: list[dict]) -> str:
                 lines.append(f"- {record['outcome']} `{record['id']}`: {failures.get(record['id'], '')}")
     if of.get("timing") or of.get("target-row"):
         rate = (of.get("matmul") or [{}])[-1].get("tflops")
+        shape = (of.get("target-row") or [{}])[0]
+        n, heads, d = (shape.get(key, "?") for key in ("n", "heads", "head_dim"))
         lines += [
             "",
-            f"#### Targets at {TARGET_LENGTH // 1024}K tokens (bf16, {TARGET_HEADS} heads of "
-            f"{TARGET_HEAD_DIM}, forward + backward)",
+            f"#### Targets at {n} tokens (bf16, {heads} heads of {d}, forward + backward)",
             "",
-            f"Milliseconds (median of up to 5 runs after 2 warm-ups, CUDA events). ideal = the visible pairs' "
-            f"FLOPs (forward 4·d a pair, backward 2.5x the forward) at the measured dense bf16 matmul rate, "
-            f"{_fmt(rate, 0)} TFLOP/s.",
+            "Milliseconds (median of up to 5 runs after 2 warm-ups, CUDA events; peak MB above the inputs). "
+            "ideal = the visible pairs' FLOPs (forward 4·d a pair, backward 2.5x the forward) at the measured dense "
+            f"bf16 matmul rate, {_fmt(rate, 0)} TFLOP/s.",
             "",
         ]
         header = "| pattern | ideal ms | " + " | ".join(f"{b} ms" for b in TARGET_BACKENDS)
@@ -909,7 +942,11 @@ def render(records: list[dict]) -> str:
         ]
         cells = {}
         for record in of.get("timing", []):
-            cell = f"{record['ms']:.2f}" if "ms" in record else f"error: {record['error'][:60]}"
+            if "ms" in record:
+                peak = record.get("peak_mb")
+                cell = f"{record['ms']:.2f}" + (f" ({peak} MB)" if peak is not None else "")
+            else:
+                cell = f"error: {record['error'][:60]}"
             cells[(record["target"], record["backend"])] = (cell, record.get("ms"))
         ideals = {r["target"]: r["ideal_ms"] for r in of.get("target-row", [])}
         for target in TARGETS:
