@@ -130,6 +130,15 @@ def kill_tree(pid: int) -> None:
                 pass
 
 
+RUNNING: list[int] = []  # the pid of the part running now (the orchestrator's SIGTERM handler ends its tree)
+
+
+def _end_running_part(signum, frame):
+    for pid in RUNNING:
+        kill_tree(pid)
+    raise SystemExit(128 + signum)
+
+
 def run_part(name: str, command: list[str], *, limit: float, log, results: Results, env: dict | None = None) -> dict:
     """Run `command` as part `name` for at most `limit` seconds, its output printed and logged line by line as it
     comes; past the limit it is ended with every process it started. Records and returns the part's outcome."""
@@ -157,6 +166,7 @@ def run_part(name: str, command: list[str], *, limit: float, log, results: Resul
 
     reader = threading.Thread(target=copy_output, daemon=True)
     reader.start()
+    RUNNING[:] = [process.pid]
     try:
         returncode = process.wait(timeout=limit)
         status = "ok" if returncode == 0 else f"failed (exit status {returncode})"
@@ -164,6 +174,7 @@ def run_part(name: str, command: list[str], *, limit: float, log, results: Resul
         kill_tree(process.pid)
         process.wait()
         status = f"timed out after {limit:.0f} s"
+    RUNNING.clear()
     reader.join(timeout=5)
     seconds = time.monotonic() - start
     print(f"=== part {name}: {status}, {seconds:.1f} s", flush=True)
@@ -201,6 +212,7 @@ def orchestrate(args) -> int:
         f"gpu_run: parts {', '.join(f'{n} ({lim:.0f} s)' for n, lim in limits.items())}; whole run {args.total:.0f} s"
     )
     cuda = None
+    signal.signal(signal.SIGTERM, _end_running_part)  # the backstop `timeout` of gpu_run.sh
     with (out / "run.log").open("a") as log:
         for part in parts:
             limit = min(limits[part.name], deadline - time.monotonic())
@@ -301,15 +313,17 @@ def part_environment(results: Results) -> None:
     for name, version in versions.items():
         if version is None and name != "torch":
             results.skip(name, f"not installed, and nothing is installed here: skips {PACKAGES[name]}")
+    results.add("environment", **info)  # first: the orchestrator reads `cuda` from it, whatever fails below
     if not cuda:
-        results.add("environment", **info)
         results.skip("the GPU parts", "no CUDA device (torch.cuda.is_available() is False)")
         return
+    found = {}
     if versions["xformers"]:
         try:
             import xformers.ops  # noqa: F401, PLC0415
         except Exception as error:  # noqa: BLE001 - a broken install is a finding
-            info["xformers_import"] = f"{type(error).__name__}: {error}"[:300]
+            found["xformers_import"] = f"{type(error).__name__}: {error}"[:300]
+            print(f"xformers import: {found['xformers_import']}")
     from longattn import backends  # noqa: PLC0415
 
     request = backends.AttentionRequest(
@@ -323,14 +337,14 @@ def part_environment(results: Results) -> None:
         heads=16,
         requires_grad=True,
     )
-    info["auto"] = backends.select_backend("auto", request)
-    info["backends"] = {}
+    found["backends"] = {}
     for name in ("torch", "flex", "xformers", "triton"):
         reasons = backends.backend_reasons(name, request)
-        info["backends"][name] = "; ".join(reasons) if reasons else "usable"
-        print(f"back end {name}: {info['backends'][name]}")
-    print(f"auto for a bf16 sliding window with gradients: {info['auto']}")
-    results.add("environment", **info)
+        found["backends"][name] = "; ".join(reasons) if reasons else "usable"
+        print(f"back end {name}: {found['backends'][name]}")
+    found["auto"] = backends.select_backend("auto", request)
+    print(f"auto for a bf16 sliding window with gradients: {found['auto']}")
+    results.add("backends", **found)
 
 
 # ------------------------------------------------------------------------------------------------ part 2
@@ -898,12 +912,13 @@ def render(records: list[dict]) -> str:
             f"- torch {env.get('torch')} (CUDA {env.get('cuda_version')}), Python {env.get('python')}, "
             + ", ".join(f"{n} {v or 'not installed'}" for n, v in versions.items() if n != "torch")
         )
-        if "auto" in env:
-            lines.append(f"- `auto` for a bf16 sliding window with gradients at 64K: `{env['auto']}`")
-        for name, why in env.get("backends", {}).items():
-            lines.append(f"- {name}: {why}")
-        if "xformers_import" in env:
-            lines.append(f"- xformers import: {env['xformers_import']}")
+    found = (of.get("backends") or [{}])[-1]
+    if "auto" in found:
+        lines.append(f"- `auto` for a bf16 sliding window with gradients at 64K: `{found['auto']}`")
+    for name, why in found.get("backends", {}).items():
+        lines.append(f"- {name}: {why}")
+    if "xformers_import" in found:
+        lines.append(f"- xformers import: {found['xformers_import']}")
     lines += ["", "| part | limit s | took s | status |", "|---|---|---|---|"]
     lines += [
         f"| {r['name']} | {_fmt(r['limit'], 0)} | {_fmt(r['seconds'], 1)} | {r['status']} |" for r in of.get("part", [])

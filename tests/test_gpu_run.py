@@ -216,8 +216,8 @@ def test_report_and_doc_converter(gpu_run, tmp_path):
     records = [
         {"kind": "run", "command": "scripts/gpu_run.sh --out o", "started": "2026-01-01T00:00:00", "total_limit": 420},
         {"kind": "environment", "cuda": True, "gpu": "NVIDIA H200", "gpu_memory_gib": 140, "capability": "9.0",
-         "torch": "2.11.0", "cuda_version": "13.0", "python": "3.12.3", "versions": {"triton": "3.6.0"},
-         "auto": "flex", "backends": {"triton": "usable"}},
+         "torch": "2.11.0", "cuda_version": "13.0", "python": "3.12.3", "versions": {"triton": "3.6.0"}},
+        {"kind": "backends", "auto": "flex", "backends": {"triton": "usable"}},
         {"kind": "part", "name": "targets", "limit": 130, "seconds": 131.0, "status": "timed out after 130 s"},
         {"kind": "test", "id": "tests/test_a.py::test_b", "outcome": "FAILED"},
         {"kind": "test-failure", "id": "tests/test_a.py::test_b", "message": "AssertionError: grad_q"},
@@ -230,6 +230,7 @@ def test_report_and_doc_converter(gpu_run, tmp_path):
     ]  # fmt: skip
     report = gpu_run.render(records)
     assert "- GPU: NVIDIA H200, 140 GiB, compute capability 9.0" in report
+    assert "- `auto` for a bf16 sliding window with gradients at 64K: `flex`\n- triton: usable" in report
     assert "| targets | 130 | 131.0 | timed out after 130 s |" in report
     assert "- FAILED `tests/test_a.py::test_b`: AssertionError: grad_q" in report
     assert f"| {plain} | 1.000 | 1.50 (648 MB) | 3.00 | error: OutOfMemoryError: no | n/a | 1.50 | 2.00 | — |" in report
