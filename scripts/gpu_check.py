@@ -568,6 +568,16 @@ def environment() -> list[str]:
     return lines
 
 
+def raise_recompile_limit() -> None:
+    """Every (pattern, length, mode) compiles FlexAttention again: stay clear of dynamo's recompile limit, past which
+    it would silently run the dense eager form."""
+    import torch._dynamo  # noqa: PLC0415
+
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
@@ -601,13 +611,7 @@ def main(argv=None) -> int:
 
     global DEVICE
     DEVICE = args.device
-    # Every (pattern, length, mode) compiles FlexAttention again; stay clear of dynamo's recompile limit, past which
-    # it would silently run the dense eager form.
-    import torch._dynamo  # noqa: PLC0415
-
-    for limit in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, limit):
-            setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
+    raise_recompile_limit()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_check: no CUDA device here (torch.cuda.is_available() is False): nothing to check. "

@@ -297,6 +297,7 @@ def test_dispatcher_keeps_xformers_off_documents_it_cannot_map():
     assert not any("packed documents" in reason for reason in BACKENDS["xformers"].reasons_not_supported(causal))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels and xformers need CUDA")
 @pytest.mark.parametrize("backend", ["flex", "xformers"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
