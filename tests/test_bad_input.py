@@ -7,15 +7,23 @@ backward with gradients of the inputs' shapes. Never another exception type, nev
 
 from __future__ import annotations
 
+import argparse
+import ast
 import functools
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from script_loading import load_script
 
 import longattn
 from longattn import ops
+from longattn.tools import hub
+from longattn.tools.command_line import CommandLineParser, is_secret_flag
+from longattn.train import data, training
 
 B, H, N, D = 2, 2, 6, 4
 
@@ -612,3 +620,124 @@ def test_seq2seq_decoder_longer_than_its_encoder_input():
         attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]),
     ).logits
     assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CODE = [*sorted((REPO / "longattn").rglob("*.py")), *sorted((REPO / "recipes").glob("*.py"))]
+SHIPPED_CODE += sorted((REPO / "scripts").glob("*.py"))
+FAKE_SECRET = "hf_SecretThatMustNeverBeWritten42"
+RECIPES = ("mlm", "classification", "clm", "seq2seq")
+
+
+def test_every_parser_the_project_ships_takes_no_abbreviation():
+    """argparse accepts any unambiguous prefix of a flag (`--hub_tok` for `--hub_token`); every parser of the
+    recipes, the `longattn-*` commands and the scripts turns that off (`CommandLineParser` does, and refuses to
+    turn it on)."""
+    unguarded = []
+    for path in SHIPPED_CODE:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name != "ArgumentParser":
+                continue
+            keywords = {k.arg: k.value for k in node.keywords}
+            value = keywords.get("allow_abbrev")
+            if not (isinstance(value, ast.Constant) and value.value is False):
+                unguarded.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not unguarded, unguarded
+    for parser in (data.build_parser(), CommandLineParser()):
+        assert parser.allow_abbrev is False
+    with pytest.raises(ValueError, match="allow_abbrev"):
+        CommandLineParser(allow_abbrev=True)
+
+
+def _recipe_parser(recipe: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser `recipes/run_<recipe>.py` builds (caught at its `training.parse_args` call)."""
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, argv=None):
+        raise Caught(parser)
+
+    module = load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "parse_args", catch)
+        with pytest.raises(Caught) as caught:
+            module.main([])
+    return caught.value.args[0]
+
+
+def _secret_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        flag
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and (is_secret_flag(action.dest) or is_secret_flag(flag))
+    ]
+
+
+def _no_secret_under(folder: Path) -> None:
+    for path in folder.rglob("*") if folder.exists() else []:
+        if path.is_file():
+            assert FAKE_SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_secret_flags_only_as_spelled_and_never_recorded(recipe, tmp_path, monkeypatch, capsys):
+    """Every prefix of every secret-bearing option, in both `--flag value` and `--flag=value` forms, stops the
+    recipe with a usage error that does not repeat the value, and writes nothing; the full spelling is recorded
+    redacted. The output folder is searched byte by byte."""
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text(json.dumps({"text": "a b c", "label": 0, "source": "a", "target": "b"}) + "\n")
+    output_dir = tmp_path / "out"
+    base = [
+        "--train_file",
+        str(train_file),
+        "--output_dir",
+        str(output_dir),
+        "--config_overrides",
+        "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,sliding_window=4",
+        "--max_train_steps",
+        "1",
+    ]
+    parser = _recipe_parser(recipe, monkeypatch)
+    options = _secret_options(parser)
+    assert "--hub_token" in options
+    args = training.parse_args(parser, [*base, "--hub_token", FAKE_SECRET])
+    assert args.hub_token == FAKE_SECRET and FAKE_SECRET not in args.command
+    module = load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
+    for option in options:
+        for end in range(3, len(option)):
+            for form in ([f"{option[:end]}={FAKE_SECRET}"], [option[:end], FAKE_SECRET]):
+                with pytest.raises(SystemExit) as exit_info:
+                    training.run_recipe(module.main, [*base, *form])
+                assert exit_info.value.code == 2, form
+                printed = capsys.readouterr()
+                assert FAKE_SECRET not in printed.out + printed.err, form
+                _no_secret_under(output_dir)
+
+
+def test_recipe_redacts_a_secret_destination_whatever_its_flag(tmp_path):
+    """Redaction by the parsed destination: a secret set through a flag whose spelling does not look secret."""
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text(json.dumps({"text": "a"}) + "\n")
+    parser = training.recipe_parser(None, task="mlm")
+    parser.add_argument("--hf-auth", dest="hub_auth_token")
+    argv = ["--train_file", str(train_file), "--output_dir", str(tmp_path / "out"), f"--hf-auth={FAKE_SECRET}"]
+    args = training.parse_args(parser, argv)
+    assert args.hub_auth_token == FAKE_SECRET
+    assert FAKE_SECRET not in args.command and "--hf-auth=REDACTED" in args.command
+    assert FAKE_SECRET not in json.dumps(training.recorded_args(args))
+
+
+def test_longattn_hub_secret_flag_only_as_spelled(tmp_path, capsys):
+    """`longattn-hub push --token`: a prefix is a usage error that does not repeat the value."""
+    for form in (["--tok", FAKE_SECRET], [f"--to={FAKE_SECRET}"], ["--t", FAKE_SECRET]):
+        with pytest.raises(SystemExit) as exit_info:
+            hub.main(["push", str(tmp_path), "someone/model", *form])
+        assert exit_info.value.code == 2, form
+        printed = capsys.readouterr()
+        assert FAKE_SECRET not in printed.out + printed.err, form
