@@ -41,6 +41,7 @@ from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
 from .numerics import rotary_inverse_frequencies
+from .ops_checks import check_input_mask, check_tensor_on
 from .packing import packed_document_ids
 from .patterns import document_starts
 
@@ -260,45 +261,6 @@ class LongAttnStack(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-def _as_bool_mask(
-    mask: torch.Tensor | None, *, name: str, batch: int, length: int, device: torch.device
-) -> torch.Tensor | None:
-    """Check a `[b, length]` mask of 1 (keep) and 0 (padding), bool, integer or float as in transformers, and return
-    it as bool (None stays None).
-
-    Raises:
-        ValueError: not a tensor on `device` (the inputs' device), another shape (a 4-D `[b, 1, n, m]` mask
-            included: which keys a query sees is the attention kind's pattern, which such a mask cannot express), or
-            a float mask with values other than 0 and 1 (an additive mask, 0 keep / -inf drop, would be read the
-            other way round).
-    """
-    if mask is None:
-        return None
-    _check_tensor_on(name, mask, device)
-    if mask.dim() == 4:
-        raise ValueError(
-            f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
-            "set by each layer's `attention_type` (a sparse pattern such a mask cannot express, causality included). "
-            f"Pass the [batch, length] = [{batch}, {length}] padding mask: 1 = token, 0 = padding."
-        )
-    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
-        raise ValueError(f"`{name}` has shape {list(mask.shape)}: expected [batch, length] = [{batch}, {length}].")
-    if mask.is_floating_point() and not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(
-            f"`{name}` is a float mask with values other than 0 and 1: expected 1 = token, 0 = padding (as "
-            "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
-        )
-    return mask.bool()
-
-
-def _check_tensor_on(name: str, value: Any, device: torch.device) -> None:
-    """Raise `ValueError` unless `value` is a tensor on `device` (the device of the token inputs)."""
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}.")
-    if value.device != device:
-        raise ValueError(f"`{name}` is on {value.device} but the token inputs are on {device}: move it there.")
-
-
 def _is_integer(tensor: torch.Tensor) -> bool:
     return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
 
@@ -377,7 +339,7 @@ def _check_position_ids(
     """
     if position_ids is None:
         return
-    _check_tensor_on("position_ids", position_ids, device)
+    check_tensor_on("position_ids", position_ids, device)
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
         raise ValueError(
             f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
@@ -545,14 +507,14 @@ def _run_backbone(
             f"sequence length {past + length} exceeds `max_position_embeddings`={config.max_position_embeddings}: "
             f"pass at most {config.max_position_embeddings} tokens or build the model with a larger limit."
         )
-    attention_mask = _as_bool_mask(
+    attention_mask = check_input_mask(
         attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length, device=device
     )
-    global_attention_mask = _as_bool_mask(
+    global_attention_mask = check_input_mask(
         global_attention_mask, name="global_attention_mask", batch=batch, length=past + length, device=device
     )
     if encoder_hidden_states is not None:
-        encoder_attention_mask = _as_bool_mask(
+        encoder_attention_mask = check_input_mask(
             encoder_attention_mask,
             name="encoder_attention_mask",
             batch=batch,

@@ -741,3 +741,61 @@ def test_longattn_hub_secret_flag_only_as_spelled(tmp_path, capsys):
         assert exit_info.value.code == 2, form
         printed = capsys.readouterr()
         assert FAKE_SECRET not in printed.out + printed.err, form
+
+
+# ---------------------------------------------------------------------------------------------- stock models
+def _stock_bert(attention_type: str):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return longattn.apply_longattn(BertModel(config), attention_type=attention_type, sliding_window=2).eval()
+
+
+def _bad_global_masks(b: int, n: int) -> list:
+    ones = torch.ones(b, n)
+    return [
+        torch.ones(b, n - 3, dtype=torch.bool),  # another length
+        torch.ones(b, n + 2, dtype=torch.bool),
+        torch.ones(b + 1, n, dtype=torch.bool),  # another batch
+        torch.ones(n, dtype=torch.bool),  # no batch dimension
+        torch.tensor(1),  # 0-d
+        torch.ones(b, 1, n, n, dtype=torch.bool),  # 4-D
+        "all",  # not a tensor
+        [[1] * n] * b,
+        ones * 0.5,  # a float mask of values other than 0 / 1
+        ones.masked_fill(ones.bool(), float("nan")),
+    ]
+
+
+@pytest.mark.parametrize("attention_type", ["sliding", "full"])
+def test_stock_model_global_attention_mask_checked_as_longattn_models_check_it(attention_type):
+    """A stock model running longattn's kinds checks `global_attention_mask` with the check `LongAttnModel` makes
+    (`ops_checks.check_input_mask`): `ValueError` naming the argument and its expected shape, both models alike."""
+    b, n = 2, 9
+    stock = _stock_bert(attention_type)
+    own = _tiny_models(attention_type)[0]
+    input_ids = torch.ones(b, n, dtype=torch.long)
+    for mask in _bad_global_masks(b, n):
+        messages = []
+        for model in (stock, own):
+            with pytest.raises(ValueError, match=r"`global_attention_mask`") as error:
+                model(input_ids=input_ids, global_attention_mask=mask)
+            messages.append(str(error.value))
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() != 2
+            or isinstance(mask, torch.Tensor)
+            and mask.shape != (b, n)
+        ):
+            assert all(f"[{b}, {n}]" in message for message in messages), messages
+        assert messages[0] == messages[1], messages
+    good = torch.zeros(b, n, dtype=torch.long)
+    good[:, 0] = 1
+    assert stock(input_ids=input_ids, global_attention_mask=good).last_hidden_state.isfinite().all()
