@@ -351,11 +351,22 @@ def _check_position_ids(
         _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
 
 
+IGNORE_INDEX = -100  # a label position the loss skips (PyTorch's cross-entropy default, transformers' convention)
+
+
 def _check_labels(
-    name: str, labels: torch.Tensor | None, shapes: list[tuple[int, ...]], *, integer: bool = True
+    name: str,
+    labels: torch.Tensor | None,
+    shapes: list[tuple[int, ...]],
+    *,
+    integer: bool = True,
+    classes: int | None = None,
+    what: str = "num_labels",
 ) -> None:
     """Raise `ValueError` unless `labels` (when given) is a tensor of one of `shapes`, of an integer dtype when
-    `integer` (class ids; -100 = ignored)."""
+    `integer`, holding class ids in [0, `classes`) or -100 (ignored) when `classes` is given (`what` names that
+    limit). The range is read once per forward, as token ids are, and not while `torch.compile` traces (see
+    `_check_range`)."""
     if labels is None:
         return
     if not isinstance(labels, torch.Tensor):
@@ -365,6 +376,16 @@ def _check_labels(
         raise ValueError(f"`{name}` has shape {list(labels.shape)}: expected {expected}.")
     if integer and not _is_integer(labels):
         raise ValueError(f"`{name}` has dtype {labels.dtype}: expected integer class ids (torch.long; -100 = ignored).")
+    if classes is None or labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    counted = labels.masked_fill(labels == IGNORE_INDEX, 0)  # an ignored position is in range
+    low, high = (int(value) for value in torch.aminmax(counted))
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"`{name}` holds {bad}: expected class ids in [0, {classes}) ({what}={classes}) or {IGNORE_INDEX} "
+            "(ignored)."
+        )
 
 
 def _position_ids(attention_mask: torch.Tensor | None, *, batch: int, past: int, length: int, device) -> torch.Tensor:
@@ -601,7 +622,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             to mark packed documents over the flattened batch.
         cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an
         `EncoderDecoderCache` in seq2seq).
-        decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq).
+        decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq;
+            without them the decoder reads `input_ids` shifted right, as in BART's `BartModel`).
         encoder_outputs: the encoder's output, computed once by `generate()` (seq2seq).
 
     Returns:
@@ -721,6 +743,12 @@ class LongAttnModel(LongAttnPreTrainedModel):
                 return encoder_outputs
         elif not isinstance(encoder_outputs, ModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
+        if decoder_input_ids is None and decoder_inputs_embeds is None and isinstance(input_ids, torch.Tensor):
+            # BART's contract (`BartModel`): without decoder inputs, the decoder reads `input_ids` shifted right
+            # (the encoder has checked them above, unless `encoder_outputs` was given).
+            decoder_input_ids = shift_tokens_right(
+                input_ids, self.config.pad_token_id, self.config.decoder_start_token_id
+            )
         return self._decode(
             encoder_outputs,
             attention_mask=attention_mask,
@@ -983,7 +1011,7 @@ def _masked_lm_loss(
 ) -> torch.Tensor | None:
     """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
     labels."""
-    _check_labels("labels", labels, [logits.shape[:2]])
+    _check_labels("labels", labels, [logits.shape[:2]], classes=vocab_size, what="vocab_size")
     if labels is None:
         return None
     return ForMaskedLMLoss(logits, labels.contiguous(), vocab_size, num_items_in_batch=num_items_in_batch)
@@ -1087,7 +1115,7 @@ def _classification_loss(
             config.problem_type = "multi_label_classification"
     batch, num_labels = logits.shape
     if config.problem_type == "single_label_classification":
-        _check_labels("labels", labels, [(batch,), (batch, 1)])
+        _check_labels("labels", labels, [(batch,), (batch, 1)], classes=num_labels)
     elif config.problem_type == "regression":
         _check_labels("labels", labels, [(batch, num_labels)] + ([(batch,)] if num_labels == 1 else []), integer=False)
     else:
@@ -1116,7 +1144,7 @@ class LongAttnForTokenClassification(_LongAttnEncoderHead):
 
     def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
         logits = self.classifier(self.dropout(hidden_states))  # [b, n, num_labels]
-        _check_labels("labels", labels, [logits.shape[:2]])
+        _check_labels("labels", labels, [logits.shape[:2]], classes=self.num_labels)
         loss = None
         if labels is not None:
             loss = fixed_cross_entropy(
@@ -1221,8 +1249,9 @@ class LongAttnForCausalLM(_LongAttnHead, GenerationMixin):
 
     def _task(self, outputs, *, num_items_in_batch, attention_mask, labels, shift_labels, logits_to_keep):
         hidden_states = outputs.last_hidden_state
-        _check_labels("labels", labels, [hidden_states.shape[:2]])
-        _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
+        vocab = dict(classes=self.config.vocab_size, what="vocab_size")
+        _check_labels("labels", labels, [hidden_states.shape[:2]], **vocab)
+        _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]], **vocab)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)  # [b, n, V]
@@ -1265,7 +1294,17 @@ class LongAttnDecoder(nn.Module):
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """Decoder inputs from labels `[b, n]`: start token, then labels[:-1], with -100 replaced by padding."""
+    """Decoder inputs from labels (or input ids) `[b, n]`: start token, then labels[:-1], with -100 replaced by
+    padding (BART's `shift_tokens_right`).
+
+    Raises:
+        ValueError: `pad_token_id` or `decoder_start_token_id` is None (nothing to fill with).
+    """
+    for name, value in (("pad_token_id", pad_token_id), ("decoder_start_token_id", decoder_start_token_id)):
+        if value is None:
+            raise ValueError(
+                f"`config.{name}` is None: set it to derive the decoder inputs, or pass `decoder_input_ids`."
+            )
     shifted = labels.new_full(labels.shape, pad_token_id)
     shifted[:, 1:] = labels[:, :-1]
     shifted[:, 0] = decoder_start_token_id

@@ -799,3 +799,53 @@ def test_stock_model_global_attention_mask_checked_as_longattn_models_check_it(a
     good = torch.zeros(b, n, dtype=torch.long)
     good[:, 0] = 1
     assert stock(input_ids=input_ids, global_attention_mask=good).last_hidden_state.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------- config and labels
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_attention_heads", 0),
+        ("hidden_size", "32"),
+        ("num_attention_heads", "2"),
+        ("vocab_size", "64"),
+        ("intermediate_size", "64"),
+        ("num_hidden_layers", "2"),
+        ("pad_token_id", "0"),
+        ("eos_token_id", ["2"]),
+    ],
+)
+def test_config_fields_get_longattns_own_value_error(field, value):
+    """Checked before transformers' own validators (which divide by the head count and compare token ids with the
+    vocabulary): the message names the field, the value and what is allowed."""
+    with pytest.raises(ValueError, match=rf"`{field}`={re.escape(repr(value))} is invalid: expected"):
+        longattn.LongAttnConfig(**{"hidden_size": 32, "num_attention_heads": 2, field: value})
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_labels_out_of_range_are_refused_naming_the_limit(kind):
+    """Class ids outside [0, num_labels) (token ids outside [0, vocab_size) for the LM heads) raise `ValueError`,
+    not an `IndexError` deep in the loss; -100 stays the ignored label."""
+    b, n = 2, 6
+    input_ids = torch.ones(b, n, dtype=torch.long)
+    for model in _tiny_models(kind):
+        if isinstance(model, longattn.LongAttnForSequenceClassification):
+            limit, shape, what = model.config.num_labels, (b,), "num_labels"
+        elif isinstance(model, longattn.LongAttnForTokenClassification):
+            limit, shape, what = model.config.num_labels, (b, n), "num_labels"
+        elif isinstance(model, (longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM)):
+            limit, shape, what = VOCAB, (b, n), "vocab_size"
+        elif isinstance(model, longattn.LongAttnForSeq2SeqLM):
+            limit, shape, what = VOCAB, (b, n), "vocab_size"
+        else:
+            continue
+        for bad in (limit, -1, 10**6):
+            labels = torch.zeros(shape, dtype=torch.long)
+            labels.view(-1)[-1] = bad
+            with pytest.raises(
+                ValueError, match=rf"`labels` holds {bad}: expected class ids in \[0, {limit}\) \({what}"
+            ):
+                model(input_ids=input_ids, labels=labels)
+        labels = torch.full(shape, -100, dtype=torch.long)
+        labels.view(-1)[-1] = limit - 1  # the last position: the one a causal LM predicts too
+        assert torch.isfinite(model(input_ids=input_ids, labels=labels).loss)
