@@ -447,7 +447,8 @@ def _bad_model_inputs(model, b: int = 2, n: int = 8) -> list[tuple[str, dict]]:
     cases = [(name, {**decoder, **arguments}) for name, arguments in cases]
     if seq2seq:
         cases += [
-            ("decoder_input_ids", {"input_ids": ids}),  # neither decoder inputs nor labels
+            # neither decoder inputs nor labels nor input_ids to shift right (BART's contract)
+            ("decoder_input_ids", {"inputs_embeds": torch.randn(b, n, HIDDEN)}),
             ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5].float()}),
             ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5] + VOCAB}),
             ("decoder_inputs_embeds", {"input_ids": ids, "decoder_inputs_embeds": torch.randn(b, 5, HIDDEN - 1)}),
