@@ -27,6 +27,7 @@ __all__ = [
     "check_tensor_on",
     "check_token_mask",
     "empty_attention",
+    "inert_padding",
     "is_empty",
 ]
 
@@ -296,3 +297,17 @@ def check_flag(name: str, value: bool) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
     return value
+
+
+def inert_padding(padding: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """`tensors` (keys `[b, h, n_k, d]`, values `[b, h, n_k, d_v]`, ...) with every padded position zeroed.
+
+    Padding may hold anything, NaN and inf included. Masking the logits keeps a padded key's weight at 0, but
+    0 · inf is NaN, and a NaN key makes a whole q·kᵀ block NaN before any mask applies: zeroing the keys and values
+    themselves is what keeps padding from reaching a real output or its gradient. `padding`: bool `[b, n_k]`, True =
+    real token; None = no padding (the tensors come back unchanged).
+    """
+    if padding is None:
+        return tensors
+    padded = ~padding[:, None, :, None]  # [b, 1, n_k, 1]
+    return tuple(t.masked_fill(padded, 0.0) for t in tensors)

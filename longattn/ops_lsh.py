@@ -78,6 +78,7 @@ from .ops_checks import (
     check_qkv,
     check_token_mask,
     empty_attention,
+    inert_padding,
     is_empty,
 )
 from .patterns import document_index
@@ -1060,6 +1061,9 @@ def lsh_attention(
     relative_embedding = check_relative_embedding(relative_embedding, qk)
     if is_empty(qk, qk):
         return empty_attention(qk, qk, v)
+    # Padding may hold anything: zeroed, it hashes to a fixed bucket and its value adds nothing. A query whose
+    # whole row is padding then attends to its own (zero) value only: zeros, the rule of every op.
+    qk, v = inert_padding(key_padding_mask, qk, v)
     d_v = v.shape[-1]
     c = bucket_size
     device = qk.device

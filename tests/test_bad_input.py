@@ -850,3 +850,53 @@ def test_labels_out_of_range_are_refused_naming_the_limit(kind):
         labels = torch.full(shape, -100, dtype=torch.long)
         labels.view(-1)[-1] = limit - 1  # the last position: the one a causal LM predicts too
         assert torch.isfinite(model(input_ids=input_ids, labels=labels).loss)
+
+
+# ---------------------------------------------------------------------------------------------- ops: d_v, padding
+PATTERN_OPS = {
+    "full": lambda q, k, v, **a: ops.full_attention(q, k, v, **a),
+    "sliding": lambda q, k, v, **a: ops.sliding_window_attention(q, k, v, window=2, **a),
+    "sliding_global": lambda q, k, v, **a: ops.sliding_window_attention(
+        q, k, v, window=2, global_mask=torch.arange(k.shape[2]).expand(k.shape[0], -1) == 3, **a
+    ),
+    "dilated": lambda q, k, v, **a: ops.sliding_window_attention(q, k, v, window=2, dilation=2, **a),
+    "strided": lambda q, k, v, **a: ops.strided_attention(q, k, v, stride=3, **a),
+    "fixed": lambda q, k, v, **a: ops.fixed_attention(q, k, v, block_size=4, num_summary=1, **a),
+    "efficient": lambda q, k, v, **a: ops.efficient_attention(q, k, v, **a),
+    # shared-QK: the keys are the queries
+    "lsh": lambda q, k, v, **a: ops.lsh_attention(k, v, num_hashes=2, bucket_size=4, seed=0, **a),
+}
+
+
+def _padded_inputs(d_v: int, n: int = 11):
+    generator = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, H, n, D, generator=generator), torch.randn(2, H, n, D, generator=generator)
+    v = torch.randn(2, H, n, d_v, generator=generator)
+    padding = torch.ones(2, n, dtype=torch.bool)
+    padding[0, -3:] = False  # right padding
+    padding[1, :2] = False  # left padding
+    return q, k, v, padding
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("d_v", [D, 3, D + 3])
+@pytest.mark.parametrize("op", list(PATTERN_OPS))
+def test_ops_take_any_value_width_and_padding_that_holds_anything(op, d_v, backend):
+    """Every op, every back end on CPU: values of another width than q and k give `[b, h, n, d_v]` equal to the
+    reference; NaN / inf written into padded keys and values change no real output; a fully padded row gives
+    zeros (the one rule: a query that sees no key returns 0)."""
+    run = PATTERN_OPS[op]
+    q, k, v, padding = _padded_inputs(d_v)
+    clean = run(q, k, v, key_padding_mask=padding, backend=backend)
+    assert clean.shape == (2, H, 11, d_v)
+    torch.testing.assert_close(clean, run(q, k, v, key_padding_mask=padding, backend="reference"))
+    padded = ~padding[:, None, :, None]
+    dirty_k = k.masked_fill(padded, float("nan"))
+    dirty_v = v.masked_fill(padded, float("inf"))
+    dirty = run(q, dirty_k, dirty_v, key_padding_mask=padding, backend=backend)
+    real = padding[:, None, :, None].expand_as(dirty)
+    torch.testing.assert_close(dirty[real], clean[real])
+    none_real = padding.clone()
+    none_real[0] = False
+    out = run(q, dirty_k, dirty_v, key_padding_mask=none_real, backend=backend)
+    assert torch.equal(out[0], torch.zeros_like(out[0])), out[0]
