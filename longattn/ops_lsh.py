@@ -1095,8 +1095,12 @@ def lsh_attention(
         )
         return out
     r = rotations.shape[2]
-    before, after = num_chunks_before, 0 if causal else num_chunks_after
+    # Sizes beyond the sequence change nothing (one chunk then holds a whole round, and a window never reaches past
+    # its round), so they are clamped to what the sequence needs instead of being allocated. The bucket count above
+    # was taken from the size as given, so every token hashes as the reference hashes it.
+    c = min(c, n)
     n_chunks = -(-n // c)
+    before, after = min(num_chunks_before, n_chunks - 1), 0 if causal else min(num_chunks_after, n_chunks - 1)
     n_pad = n_chunks * c
     valid = torch.ones(b, n, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.bool()
 

@@ -900,3 +900,17 @@ def test_ops_take_any_value_width_and_padding_that_holds_anything(op, d_v, backe
     none_real[0] = False
     out = run(q, dirty_k, dirty_v, key_padding_mask=none_real, backend=backend)
     assert torch.equal(out[0], torch.zeros_like(out[0])), out[0]
+
+
+def test_lsh_sizes_beyond_the_sequence_are_clamped_not_allocated():
+    """A bucket size or chunk neighbourhood far beyond an 11-token input runs at once (nothing is allocated by the
+    configured size) and equals the sizes the sequence needs."""
+    q, _, v, padding = _padded_inputs(D)
+    common = dict(num_hashes=2, num_buckets=4, seed=0, key_padding_mask=padding, backend="torch")
+    needed = ops.lsh_attention(q, v, bucket_size=11, num_chunks_before=0, num_chunks_after=0, **common)
+    huge = ops.lsh_attention(q, v, bucket_size=2**40, num_chunks_before=2**40, num_chunks_after=2**40, **common)
+    torch.testing.assert_close(huge, needed)
+    chunks = ops.lsh_attention(q, v, bucket_size=4, num_chunks_before=2, num_chunks_after=2, **common)
+    torch.testing.assert_close(
+        ops.lsh_attention(q, v, bucket_size=4, num_chunks_before=2**40, num_chunks_after=2**40, **common), chunks
+    )
