@@ -154,6 +154,16 @@ class LongAttnConfig(PreTrainedConfig):
         # Every registered kind's own fields, with their defaults, so any kind works from its name alone.
         for field, default in field_defaults().items():
             setattr(self, field, kwargs.pop(field, default))
+        # transformers' own validators (run by the base class below) divide by `num_attention_heads` and compare
+        # token ids with `vocab_size`: check those fields first, so that a bad value gets longattn's message.
+        self._validate_sizes()
+        for field, value in (
+            ("pad_token_id", pad_token_id),
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("decoder_start_token_id", decoder_start_token_id),
+        ):
+            _check_token_id(field, value, vocab_size)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -217,8 +227,8 @@ class LongAttnConfig(PreTrainedConfig):
         return value[layer_idx] if isinstance(value, (list, tuple)) else value
 
     # ------------------------------------------------------------------ validation
-    def validate_longattn(self) -> None:
-        """Check every field; raise `ValueError` naming the field, the value and what is allowed."""
+    def _validate_sizes(self) -> None:
+        """The integer sizes, each >= 1 (an integer given as a string included), and heads dividing the width."""
         for field in (
             "vocab_size",
             "hidden_size",
@@ -235,6 +245,10 @@ class LongAttnConfig(PreTrainedConfig):
             raise ValueError(
                 f"`num_attention_heads`={self.num_attention_heads} must divide `hidden_size`={self.hidden_size}."
             )
+
+    def validate_longattn(self) -> None:
+        """Check every field; raise `ValueError` naming the field, the value and what is allowed."""
+        self._validate_sizes()
         for field in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             check_number(
                 field,

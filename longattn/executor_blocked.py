@@ -1506,7 +1506,7 @@ def banded_attention(
             q_g, k_g, v_g = (t.index_select(1, heads_t) for t in (q, k, v))
         hg = len(heads)
         class_len = -(-n_k // d)
-        fused = bias_fn is None and _fused_band_applies(q_g, d, dropout_p)
+        fused = bias_fn is None and _fused_band_applies(q_g, v_g, d, dropout_p)
         c = block_size or (_fused_block_size(hg // k_g.shape[1]) if fused else 128)
         # Beyond the length of a residue class the band holds no key; clipping keeps "window >= length" cheap.
         layout = band_layout(
@@ -1654,10 +1654,17 @@ def band_block_attention(
     return out[:, :, :n_q] if layout.slot_of_query is None else out.index_select(2, layout.slot_of_query)
 
 
-def _fused_band_applies(q: Tensor, dilation: int, dropout_p: float) -> bool:
+def _fused_band_applies(q: Tensor, v: Tensor, dilation: int, dropout_p: float) -> bool:
     """Whether a head group runs `_BandAttention`: eager CPU code (the fused kernel is torch's CPU one; compilers
-    trace `attend_blocks`' plain-op form), no dropout (the kernel has none), a plain band (dilation 1)."""
-    return q.device.type == "cpu" and dropout_p == 0 and dilation == 1 and not torch.compiler.is_compiling()
+    trace `attend_blocks`' plain-op form), no dropout (the kernel has none), a plain band (dilation 1), and values as
+    wide as the queries (the kernel takes one head size; `attend_blocks` takes any d_v)."""
+    return (
+        q.device.type == "cpu"
+        and dropout_p == 0
+        and dilation == 1
+        and v.shape[-1] == q.shape[-1]
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _fused_block_size(group: int) -> int:
@@ -1684,7 +1691,7 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
     # A global token before q_offset is a key only (cached decoding): it has no query row here.
     query_valid = global_valid & (global_index >= q_offset)  # [b, g]
     query_row = (global_index - q_offset).clamp(min=0)  # [b, g]
-    sdpa = bias_fn is None and _fused_band_applies(q, 1, dropout_p)
+    sdpa = bias_fn is None and _fused_band_applies(q, v, 1, dropout_p)
     c = g if sdpa else min(g, 64)
     nb = -(-g // c)
     pad = nb * c - g

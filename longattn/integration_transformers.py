@@ -77,6 +77,7 @@ from .attention_registry import ATTENTION_CLASSES, attention_class
 from .configuration_longattn import LongAttnConfig, check_override_fields
 from .numerics import default_scale
 from .ops import full_attention
+from .ops_checks import check_input_mask
 from .packing import packed_document_ids
 
 logger = logging.getLogger(__name__)
@@ -490,21 +491,35 @@ def _accept_global_attention_mask_in_generate() -> None:
 
     `generate` refuses model kwargs that neither `prepare_inputs_for_generation` nor `forward` name, although a
     stock forward hands its `**kwargs` to the attention function, where the kinds read `global_attention_mask`;
-    `prepare_inputs_for_generation` then passes it to every step unchanged (`[b, prompt length]`), and the
-    attention treats the generated tokens (keys past its end) as not global. Other models still refuse it.
+    `prepare_inputs_for_generation` passes it to every step unchanged. After each step it grows by one 0 (not
+    global) per generated token, as `attention_mask` grows by ones, so that it always covers every key `[b, m]` and
+    is checked like any other input. Other models still refuse it.
     """
-    original = GenerationMixin._validate_model_kwargs
-    if getattr(original, "_longattn_hook", False):
+    validate = GenerationMixin._validate_model_kwargs
+    if getattr(validate, "_longattn_hook", False):
         return
+    update = GenerationMixin._update_model_kwargs_for_generation
 
-    @functools.wraps(original)
+    @functools.wraps(validate)
     def _validate_model_kwargs(self, model_kwargs):
         if _runs_longattn(self.config) and "global_attention_mask" in model_kwargs:
             model_kwargs = {key: value for key, value in model_kwargs.items() if key != "global_attention_mask"}
-        return original(self, model_kwargs)
+        return validate(self, model_kwargs)
+
+    @functools.wraps(update)
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        model_kwargs = update(self, outputs, model_kwargs, *args, **kwargs)
+        global_mask = model_kwargs.get("global_attention_mask")
+        if isinstance(global_mask, torch.Tensor) and global_mask.dim() == 2 and _runs_longattn(self.config):
+            new_tokens = kwargs.get("num_new_tokens", args[1] if len(args) > 1 else 1)
+            model_kwargs["global_attention_mask"] = torch.cat(
+                [global_mask, global_mask.new_zeros((global_mask.shape[0], new_tokens))], dim=-1
+            )
+        return model_kwargs
 
     _validate_model_kwargs._longattn_hook = True
     GenerationMixin._validate_model_kwargs = _validate_model_kwargs
+    GenerationMixin._update_model_kwargs_for_generation = _update_model_kwargs_for_generation
 
 
 # ------------------------------------------------------------------------------------------ build hook
@@ -664,11 +679,10 @@ def longattn_attention_forward(
                 f"the last {module.config.sliding_window} keys (a plain sliding window); generate without "
                 "`global_attention_mask`, or use a dilated window (full cache layers)."
             )
-        global_mask = global_mask.bool()
-        if global_mask.shape[-1] < m:  # tokens generated since the prompt are not global
-            global_mask = torch.nn.functional.pad(global_mask, (0, m - global_mask.shape[-1]))
-        elif global_mask.shape[-1] != m:
-            raise ValueError(f"`global_attention_mask` covers {global_mask.shape[-1]} tokens, the layer has {m} keys.")
+        # The check longattn's own models make: one entry per key (`generate` grows it with the tokens it adds).
+        global_mask = check_input_mask(
+            global_mask, name="global_attention_mask", batch=query.shape[0], length=m, device=query.device
+        )
     documents = {}
     if n == m and n > 1:  # packing is a layout of whole rows: a cache continues one document
         position_ids = kwargs.get("position_ids")

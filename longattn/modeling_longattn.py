@@ -41,6 +41,7 @@ from .attention_full import CrossAttention
 from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
 from .numerics import rotary_inverse_frequencies
+from .ops_checks import check_input_mask, check_tensor_on
 from .packing import packed_document_ids
 from .patterns import document_starts
 
@@ -260,45 +261,6 @@ class LongAttnStack(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-def _as_bool_mask(
-    mask: torch.Tensor | None, *, name: str, batch: int, length: int, device: torch.device
-) -> torch.Tensor | None:
-    """Check a `[b, length]` mask of 1 (keep) and 0 (padding), bool, integer or float as in transformers, and return
-    it as bool (None stays None).
-
-    Raises:
-        ValueError: not a tensor on `device` (the inputs' device), another shape (a 4-D `[b, 1, n, m]` mask
-            included: which keys a query sees is the attention kind's pattern, which such a mask cannot express), or
-            a float mask with values other than 0 and 1 (an additive mask, 0 keep / -inf drop, would be read the
-            other way round).
-    """
-    if mask is None:
-        return None
-    _check_tensor_on(name, mask, device)
-    if mask.dim() == 4:
-        raise ValueError(
-            f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
-            "set by each layer's `attention_type` (a sparse pattern such a mask cannot express, causality included). "
-            f"Pass the [batch, length] = [{batch}, {length}] padding mask: 1 = token, 0 = padding."
-        )
-    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
-        raise ValueError(f"`{name}` has shape {list(mask.shape)}: expected [batch, length] = [{batch}, {length}].")
-    if mask.is_floating_point() and not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(
-            f"`{name}` is a float mask with values other than 0 and 1: expected 1 = token, 0 = padding (as "
-            "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
-        )
-    return mask.bool()
-
-
-def _check_tensor_on(name: str, value: Any, device: torch.device) -> None:
-    """Raise `ValueError` unless `value` is a tensor on `device` (the device of the token inputs)."""
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}.")
-    if value.device != device:
-        raise ValueError(f"`{name}` is on {value.device} but the token inputs are on {device}: move it there.")
-
-
 def _is_integer(tensor: torch.Tensor) -> bool:
     return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
 
@@ -377,7 +339,7 @@ def _check_position_ids(
     """
     if position_ids is None:
         return
-    _check_tensor_on("position_ids", position_ids, device)
+    check_tensor_on("position_ids", position_ids, device)
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
         raise ValueError(
             f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
@@ -389,11 +351,22 @@ def _check_position_ids(
         _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
 
 
+IGNORE_INDEX = -100  # a label position the loss skips (PyTorch's cross-entropy default, transformers' convention)
+
+
 def _check_labels(
-    name: str, labels: torch.Tensor | None, shapes: list[tuple[int, ...]], *, integer: bool = True
+    name: str,
+    labels: torch.Tensor | None,
+    shapes: list[tuple[int, ...]],
+    *,
+    integer: bool = True,
+    classes: int | None = None,
+    what: str = "num_labels",
 ) -> None:
     """Raise `ValueError` unless `labels` (when given) is a tensor of one of `shapes`, of an integer dtype when
-    `integer` (class ids; -100 = ignored)."""
+    `integer`, holding class ids in [0, `classes`) or -100 (ignored) when `classes` is given (`what` names that
+    limit). The range is read once per forward, as token ids are, and not while `torch.compile` traces (see
+    `_check_range`)."""
     if labels is None:
         return
     if not isinstance(labels, torch.Tensor):
@@ -403,6 +376,16 @@ def _check_labels(
         raise ValueError(f"`{name}` has shape {list(labels.shape)}: expected {expected}.")
     if integer and not _is_integer(labels):
         raise ValueError(f"`{name}` has dtype {labels.dtype}: expected integer class ids (torch.long; -100 = ignored).")
+    if classes is None or labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    counted = labels.masked_fill(labels == IGNORE_INDEX, 0)  # an ignored position is in range
+    low, high = (int(value) for value in torch.aminmax(counted))
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"`{name}` holds {bad}: expected class ids in [0, {classes}) ({what}={classes}) or {IGNORE_INDEX} "
+            "(ignored)."
+        )
 
 
 def _position_ids(attention_mask: torch.Tensor | None, *, batch: int, past: int, length: int, device) -> torch.Tensor:
@@ -545,14 +528,14 @@ def _run_backbone(
             f"sequence length {past + length} exceeds `max_position_embeddings`={config.max_position_embeddings}: "
             f"pass at most {config.max_position_embeddings} tokens or build the model with a larger limit."
         )
-    attention_mask = _as_bool_mask(
+    attention_mask = check_input_mask(
         attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length, device=device
     )
-    global_attention_mask = _as_bool_mask(
+    global_attention_mask = check_input_mask(
         global_attention_mask, name="global_attention_mask", batch=batch, length=past + length, device=device
     )
     if encoder_hidden_states is not None:
-        encoder_attention_mask = _as_bool_mask(
+        encoder_attention_mask = check_input_mask(
             encoder_attention_mask,
             name="encoder_attention_mask",
             batch=batch,
@@ -639,7 +622,8 @@ class LongAttnModel(LongAttnPreTrainedModel):
             to mark packed documents over the flattened batch.
         cache (or `past_key_values`, its older name) / use_cache: the KV cache of a causal decoder (an
         `EncoderDecoderCache` in seq2seq).
-        decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq).
+        decoder_input_ids / decoder_inputs_embeds / decoder_attention_mask: the decoder's inputs `[b, t]` (seq2seq;
+            without them the decoder reads `input_ids` shifted right, as in BART's `BartModel`).
         encoder_outputs: the encoder's output, computed once by `generate()` (seq2seq).
 
     Returns:
@@ -759,6 +743,12 @@ class LongAttnModel(LongAttnPreTrainedModel):
                 return encoder_outputs
         elif not isinstance(encoder_outputs, ModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)  # a tuple from `return_dict=False`
+        if decoder_input_ids is None and decoder_inputs_embeds is None and isinstance(input_ids, torch.Tensor):
+            # BART's contract (`BartModel`): without decoder inputs, the decoder reads `input_ids` shifted right
+            # (the encoder has checked them above, unless `encoder_outputs` was given).
+            decoder_input_ids = shift_tokens_right(
+                input_ids, self.config.pad_token_id, self.config.decoder_start_token_id
+            )
         return self._decode(
             encoder_outputs,
             attention_mask=attention_mask,
@@ -1021,7 +1011,7 @@ def _masked_lm_loss(
 ) -> torch.Tensor | None:
     """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
     labels."""
-    _check_labels("labels", labels, [logits.shape[:2]])
+    _check_labels("labels", labels, [logits.shape[:2]], classes=vocab_size, what="vocab_size")
     if labels is None:
         return None
     return ForMaskedLMLoss(logits, labels.contiguous(), vocab_size, num_items_in_batch=num_items_in_batch)
@@ -1125,7 +1115,7 @@ def _classification_loss(
             config.problem_type = "multi_label_classification"
     batch, num_labels = logits.shape
     if config.problem_type == "single_label_classification":
-        _check_labels("labels", labels, [(batch,), (batch, 1)])
+        _check_labels("labels", labels, [(batch,), (batch, 1)], classes=num_labels)
     elif config.problem_type == "regression":
         _check_labels("labels", labels, [(batch, num_labels)] + ([(batch,)] if num_labels == 1 else []), integer=False)
     else:
@@ -1154,7 +1144,7 @@ class LongAttnForTokenClassification(_LongAttnEncoderHead):
 
     def _head(self, hidden_states, labels, num_items_in_batch, attention_mask=None):
         logits = self.classifier(self.dropout(hidden_states))  # [b, n, num_labels]
-        _check_labels("labels", labels, [logits.shape[:2]])
+        _check_labels("labels", labels, [logits.shape[:2]], classes=self.num_labels)
         loss = None
         if labels is not None:
             loss = fixed_cross_entropy(
@@ -1259,8 +1249,9 @@ class LongAttnForCausalLM(_LongAttnHead, GenerationMixin):
 
     def _task(self, outputs, *, num_items_in_batch, attention_mask, labels, shift_labels, logits_to_keep):
         hidden_states = outputs.last_hidden_state
-        _check_labels("labels", labels, [hidden_states.shape[:2]])
-        _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]])
+        vocab = dict(classes=self.config.vocab_size, what="vocab_size")
+        _check_labels("labels", labels, [hidden_states.shape[:2]], **vocab)
+        _check_labels("shift_labels", shift_labels, [hidden_states.shape[:2]], **vocab)
         if logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         logits = self.lm_head(hidden_states)  # [b, n, V]
@@ -1303,7 +1294,17 @@ class LongAttnDecoder(nn.Module):
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """Decoder inputs from labels `[b, n]`: start token, then labels[:-1], with -100 replaced by padding."""
+    """Decoder inputs from labels (or input ids) `[b, n]`: start token, then labels[:-1], with -100 replaced by
+    padding (BART's `shift_tokens_right`).
+
+    Raises:
+        ValueError: `pad_token_id` or `decoder_start_token_id` is None (nothing to fill with).
+    """
+    for name, value in (("pad_token_id", pad_token_id), ("decoder_start_token_id", decoder_start_token_id)):
+        if value is None:
+            raise ValueError(
+                f"`config.{name}` is None: set it to derive the decoder inputs, or pass `decoder_input_ids`."
+            )
     shifted = labels.new_full(labels.shape, pad_token_id)
     shifted[:, 1:] = labels[:, :-1]
     shifted[:, 0] = decoder_start_token_id

@@ -64,6 +64,7 @@ from .ops_checks import (
     check_scale,
     check_token_mask,
     empty_attention,
+    inert_padding,
     is_empty,
 )
 from .ops_linear import efficient_attention
@@ -153,6 +154,10 @@ class _Call(NamedTuple):
             bias_fn=self.bias_fn,
         )
 
+    def inert(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k and v with every padded position zeroed: padding may hold anything (`ops_checks.inert_padding`)."""
+        return inert_padding(self.padding, k, v)
+
     def executor_arguments(self, *, bias: bool) -> dict:
         """The scale and dropout of the call (`bias`: and its relative logits), as an executor's keywords."""
         return dict(scale=self.scale, dropout_p=self.dropout_p, **({"bias_fn": self.bias_fn} if bias else {}))
@@ -240,6 +245,7 @@ def full_attention(q, k, v, *, causal: bool = False, global_mask: Tensor | None 
     call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    k, v = call.inert(k, v)
     choice = call.select(q, k, v, pattern="full", causal=causal)
     if choice == "xformers" and call.documents is not None:
         return xformers_document_attention(
@@ -318,6 +324,7 @@ def sliding_window_attention(
     call = shared.check(q, k, global_mask=global_mask)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    k, v = call.inert(k, v)
     band = dict(window=window, dilation=dilation, causal=causal)
     masks = dict(global_mask=call.global_tokens, key_padding_mask=call.padding)
     choice = call.select(q, k, v, pattern="sliding", causal=causal, dilation=dilation)
@@ -382,6 +389,7 @@ def strided_attention(q, k, v, *, stride: int, causal: bool = True, shared: _Sha
     call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    k, v = call.inert(k, v)
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding, document_ids=call.documents)
     choice = call.select(q, k, v, pattern="strided", causal=causal)
     if choice == "xformers":
@@ -430,6 +438,7 @@ def fixed_attention(
     call = shared.check(q, k)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    k, v = call.inert(k, v)
     padding = call.padding
     blocks = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal)
     mask_fn = fixed_pattern(**blocks, key_padding_mask=padding, document_ids=call.documents)

@@ -20,11 +20,14 @@ __all__ = [
     "check_bool_mask",
     "check_dropout",
     "check_flag",
+    "check_input_mask",
     "check_positive_int",
     "check_qkv",
     "check_scale",
+    "check_tensor_on",
     "check_token_mask",
     "empty_attention",
+    "inert_padding",
     "is_empty",
 ]
 
@@ -168,6 +171,51 @@ def check_token_mask(
     return mask
 
 
+def check_tensor_on(name: str, value, device: torch.device) -> None:
+    """Raise `ValueError` unless `value` is a tensor on `device` (the device of a model's token inputs)."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}.")
+    if value.device != device:
+        raise ValueError(f"`{name}` is on {value.device} but the token inputs are on {device}: move it there.")
+
+
+def check_input_mask(mask: Tensor | None, *, name: str, batch: int, length: int, device: torch.device) -> Tensor | None:
+    """A model input mask `[b, length]` of 1 (keep / global) and 0, bool, integer or float as in transformers, as
+    bool (None stays None): the one check of `attention_mask`, `global_attention_mask`, ... that longattn's models
+    and the stock-model integration share.
+
+    Args:
+        mask: The mask as given.
+        name: The argument's name, for the messages.
+        batch, length: The expected shape `[batch, length]`.
+        device: The token inputs' device.
+
+    Raises:
+        ValueError: not a tensor on `device`, another shape (a 4-D `[b, 1, n, m]` mask included: which keys a query
+            sees is the attention kind's pattern, which such a mask cannot express), or a float mask with values
+            other than 0 and 1 (NaN included: an additive mask, 0 keep / -inf drop, would be read the other way
+            round).
+    """
+    if mask is None:
+        return None
+    check_tensor_on(name, mask, device)
+    expected = f"[batch, length] = [{batch}, {length}]"
+    if mask.dim() == 4:
+        raise ValueError(
+            f"`{name}` has shape {list(mask.shape)}: a 4-D mask is not supported, because which keys a query sees is "
+            "set by each layer's `attention_type` (a sparse pattern such a mask cannot express, causality included). "
+            f"Pass the {expected} mask: 1 = token, 0 = padding."
+        )
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] != length:
+        raise ValueError(f"`{name}` has shape {list(mask.shape)}: expected {expected}.")
+    if mask.is_complex() or (mask.is_floating_point() and not ((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            f"`{name}` is a float mask with values other than 0 and 1: expected 1 = token, 0 = padding (as "
+            "transformers' attention masks), bool or integer; an additive mask (0 keep, -inf drop) is not accepted."
+        )
+    return mask.bool()
+
+
 def check_document_ids(document_ids: Tensor | None, batch: int, length: int, *, device=None) -> Tensor | None:
     """The document of each key in packed rows, integer `[batch, length]`, unchanged (None stays None).
 
@@ -249,3 +297,17 @@ def check_flag(name: str, value: bool) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
     return value
+
+
+def inert_padding(padding: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """`tensors` (keys `[b, h, n_k, d]`, values `[b, h, n_k, d_v]`, ...) with every padded position zeroed.
+
+    Padding may hold anything, NaN and inf included. Masking the logits keeps a padded key's weight at 0, but
+    0 · inf is NaN, and a NaN key makes a whole q·kᵀ block NaN before any mask applies: zeroing the keys and values
+    themselves is what keeps padding from reaching a real output or its gradient. `padding`: bool `[b, n_k]`, True =
+    real token; None = no padding (the tensors come back unchanged).
+    """
+    if padding is None:
+        return tensors
+    padded = ~padding[:, None, :, None]  # [b, 1, n_k, 1]
+    return tuple(t.masked_fill(padded, 0.0) for t in tensors)

@@ -26,7 +26,15 @@ from torch import Tensor
 
 from .attention_fields import EFFICIENT_NORMALIZATIONS
 from .numerics import compute_dtype, hidden_logit_for
-from .ops_checks import check_backend_support, check_flag, check_qkv, check_token_mask, empty_attention, is_empty
+from .ops_checks import (
+    check_backend_support,
+    check_flag,
+    check_qkv,
+    check_token_mask,
+    empty_attention,
+    inert_padding,
+    is_empty,
+)
 
 __all__ = ["efficient_attention", "efficient_attention_weights", "EFFICIENT_NORMALIZATIONS"]
 
@@ -110,6 +118,7 @@ def efficient_attention(
     backend = _check_backend(backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
+    k, v = inert_padding(padding, k, v)
     if backend == "reference":
         weights = efficient_attention_weights(
             q, k, normalization=normalization, causal=causal, key_padding_mask=padding

@@ -78,6 +78,7 @@ from .ops_checks import (
     check_qkv,
     check_token_mask,
     empty_attention,
+    inert_padding,
     is_empty,
 )
 from .patterns import document_index
@@ -1060,6 +1061,9 @@ def lsh_attention(
     relative_embedding = check_relative_embedding(relative_embedding, qk)
     if is_empty(qk, qk):
         return empty_attention(qk, qk, v)
+    # Padding may hold anything: zeroed, it hashes to a fixed bucket and its value adds nothing. A query whose
+    # whole row is padding then attends to its own (zero) value only: zeros, the rule of every op.
+    qk, v = inert_padding(key_padding_mask, qk, v)
     d_v = v.shape[-1]
     c = bucket_size
     device = qk.device
@@ -1091,8 +1095,12 @@ def lsh_attention(
         )
         return out
     r = rotations.shape[2]
-    before, after = num_chunks_before, 0 if causal else num_chunks_after
+    # Sizes beyond the sequence change nothing (one chunk then holds a whole round, and a window never reaches past
+    # its round), so they are clamped to what the sequence needs instead of being allocated. The bucket count above
+    # was taken from the size as given, so every token hashes as the reference hashes it.
+    c = min(c, n)
     n_chunks = -(-n // c)
+    before, after = min(num_chunks_before, n_chunks - 1), 0 if causal else min(num_chunks_after, n_chunks - 1)
     n_pad = n_chunks * c
     valid = torch.ones(b, n, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.bool()
 

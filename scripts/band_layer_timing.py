@@ -107,7 +107,7 @@ def timed(step) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["roberta", "llama"])
     parser.add_argument("--against", nargs="*", default=[], help="git revisions to time side by side (main, f007ca9)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each path's best round is reported")

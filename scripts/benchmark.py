@@ -1315,6 +1315,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def main(argv: list[str] | None = None) -> None:
     peers = sorted(impl for impl in IMPLS if IMPLS[impl].package)
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
         formatter_class=_HelpFormatter,
         epilog=f"Peers from other packages ({', '.join(peers)}) are not installed by scripts/setup.sh; install them "

@@ -112,7 +112,9 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=256)

@@ -40,7 +40,7 @@ def draw_binary_partition(path: str, length: int, context: int = 2) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        allow_abbrev=False, description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--output_dir", default="docs/patterns", help="folder of the PNGs")
     parser.add_argument("--length", type=int, default=64, help="tokens of the random input")

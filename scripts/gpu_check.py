@@ -579,7 +579,7 @@ def raise_recompile_limit() -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--check-length", type=int, default=1000, help="length of the correctness checks")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 65536, 131072])

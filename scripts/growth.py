@@ -190,7 +190,7 @@ def report(args: argparse.Namespace, times: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
     parser.add_argument("--lengths", nargs=2, type=int, default=[8192, 32768], metavar=("SMALL", "LARGE"))
     parser.add_argument("--runs", type=int, default=5, help="alternated runs (the protocol asks for at least 5)")

@@ -221,7 +221,9 @@ def report(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds of work in this call")
     parser.add_argument("--report", action="store_true", help="evaluate finished runs on the test split, write the doc")
     parser.add_argument("--steps", type=int, default=5000, help="classification steps (LRA: 5,000)")

@@ -291,6 +291,7 @@ def run_set(name: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         description=__doc__.splitlines()[0],
         epilog=f"figure sets: {', '.join(FIGURE_SETS)}",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -7,15 +7,23 @@ backward with gradients of the inputs' shapes. Never another exception type, nev
 
 from __future__ import annotations
 
+import argparse
+import ast
 import functools
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from script_loading import load_script
 
 import longattn
 from longattn import ops
+from longattn.tools import hub
+from longattn.tools.command_line import CommandLineParser, is_secret_flag
+from longattn.train import data, training
 
 B, H, N, D = 2, 2, 6, 4
 
@@ -439,7 +447,8 @@ def _bad_model_inputs(model, b: int = 2, n: int = 8) -> list[tuple[str, dict]]:
     cases = [(name, {**decoder, **arguments}) for name, arguments in cases]
     if seq2seq:
         cases += [
-            ("decoder_input_ids", {"input_ids": ids}),  # neither decoder inputs nor labels
+            # neither decoder inputs nor labels nor input_ids to shift right (BART's contract)
+            ("decoder_input_ids", {"inputs_embeds": torch.randn(b, n, HIDDEN)}),
             ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5].float()}),
             ("decoder_input_ids", {"input_ids": ids, "decoder_input_ids": ids[:, :5] + VOCAB}),
             ("decoder_inputs_embeds", {"input_ids": ids, "decoder_inputs_embeds": torch.randn(b, 5, HIDDEN - 1)}),
@@ -612,3 +621,296 @@ def test_seq2seq_decoder_longer_than_its_encoder_input():
         attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]),
     ).logits
     assert logits.shape == (2, 9, VOCAB) and torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CODE = [*sorted((REPO / "longattn").rglob("*.py")), *sorted((REPO / "recipes").glob("*.py"))]
+SHIPPED_CODE += sorted((REPO / "scripts").glob("*.py"))
+FAKE_SECRET = "hf_SecretThatMustNeverBeWritten42"
+RECIPES = ("mlm", "classification", "clm", "seq2seq")
+
+
+def test_every_parser_the_project_ships_takes_no_abbreviation():
+    """argparse accepts any unambiguous prefix of a flag (`--hub_tok` for `--hub_token`); every parser of the
+    recipes, the `longattn-*` commands and the scripts turns that off (`CommandLineParser` does, and refuses to
+    turn it on)."""
+    unguarded = []
+    for path in SHIPPED_CODE:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name != "ArgumentParser":
+                continue
+            keywords = {k.arg: k.value for k in node.keywords}
+            value = keywords.get("allow_abbrev")
+            if not (isinstance(value, ast.Constant) and value.value is False):
+                unguarded.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not unguarded, unguarded
+    for parser in (data.build_parser(), CommandLineParser()):
+        assert parser.allow_abbrev is False
+    with pytest.raises(ValueError, match="allow_abbrev"):
+        CommandLineParser(allow_abbrev=True)
+
+
+def _recipe_parser(recipe: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser `recipes/run_<recipe>.py` builds (caught at its `training.parse_args` call)."""
+
+    class Caught(Exception):
+        pass
+
+    def catch(parser, argv=None):
+        raise Caught(parser)
+
+    module = load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "parse_args", catch)
+        with pytest.raises(Caught) as caught:
+            module.main([])
+    return caught.value.args[0]
+
+
+def _secret_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [
+        flag
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and (is_secret_flag(action.dest) or is_secret_flag(flag))
+    ]
+
+
+def _no_secret_under(folder: Path) -> None:
+    for path in folder.rglob("*") if folder.exists() else []:
+        if path.is_file():
+            assert FAKE_SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_secret_flags_only_as_spelled_and_never_recorded(recipe, tmp_path, monkeypatch, capsys):
+    """Every prefix of every secret-bearing option, in both `--flag value` and `--flag=value` forms, stops the
+    recipe with a usage error that does not repeat the value, and writes nothing; the full spelling is recorded
+    redacted. The output folder is searched byte by byte."""
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text(json.dumps({"text": "a b c", "label": 0, "source": "a", "target": "b"}) + "\n")
+    output_dir = tmp_path / "out"
+    base = [
+        "--train_file",
+        str(train_file),
+        "--output_dir",
+        str(output_dir),
+        "--config_overrides",
+        "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,sliding_window=4",
+        "--max_train_steps",
+        "1",
+    ]
+    parser = _recipe_parser(recipe, monkeypatch)
+    options = _secret_options(parser)
+    assert "--hub_token" in options
+    args = training.parse_args(parser, [*base, "--hub_token", FAKE_SECRET])
+    assert args.hub_token == FAKE_SECRET and FAKE_SECRET not in args.command
+    module = load_script(f"recipes/run_{recipe}.py", f"recipe_{recipe}")
+    for option in options:
+        for end in range(3, len(option)):
+            for form in ([f"{option[:end]}={FAKE_SECRET}"], [option[:end], FAKE_SECRET]):
+                with pytest.raises(SystemExit) as exit_info:
+                    training.run_recipe(module.main, [*base, *form])
+                assert exit_info.value.code == 2, form
+                printed = capsys.readouterr()
+                assert FAKE_SECRET not in printed.out + printed.err, form
+                _no_secret_under(output_dir)
+
+
+def test_recipe_redacts_a_secret_destination_whatever_its_flag(tmp_path):
+    """Redaction by the parsed destination: a secret set through a flag whose spelling does not look secret."""
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text(json.dumps({"text": "a"}) + "\n")
+    parser = training.recipe_parser(None, task="mlm")
+    parser.add_argument("--hf-auth", dest="hub_auth_token")
+    argv = ["--train_file", str(train_file), "--output_dir", str(tmp_path / "out"), f"--hf-auth={FAKE_SECRET}"]
+    args = training.parse_args(parser, argv)
+    assert args.hub_auth_token == FAKE_SECRET
+    assert FAKE_SECRET not in args.command and "--hf-auth=REDACTED" in args.command
+    assert FAKE_SECRET not in json.dumps(training.recorded_args(args))
+
+
+def test_longattn_hub_secret_flag_only_as_spelled(tmp_path, capsys):
+    """`longattn-hub push --token`: a prefix is a usage error that does not repeat the value."""
+    for form in (["--tok", FAKE_SECRET], [f"--to={FAKE_SECRET}"], ["--t", FAKE_SECRET]):
+        with pytest.raises(SystemExit) as exit_info:
+            hub.main(["push", str(tmp_path), "someone/model", *form])
+        assert exit_info.value.code == 2, form
+        printed = capsys.readouterr()
+        assert FAKE_SECRET not in printed.out + printed.err, form
+
+
+# ---------------------------------------------------------------------------------------------- stock models
+def _stock_bert(attention_type: str):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return longattn.apply_longattn(BertModel(config), attention_type=attention_type, sliding_window=2).eval()
+
+
+def _bad_global_masks(b: int, n: int) -> list:
+    ones = torch.ones(b, n)
+    return [
+        torch.ones(b, n - 3, dtype=torch.bool),  # another length
+        torch.ones(b, n + 2, dtype=torch.bool),
+        torch.ones(b + 1, n, dtype=torch.bool),  # another batch
+        torch.ones(n, dtype=torch.bool),  # no batch dimension
+        torch.tensor(1),  # 0-d
+        torch.ones(b, 1, n, n, dtype=torch.bool),  # 4-D
+        "all",  # not a tensor
+        [[1] * n] * b,
+        ones * 0.5,  # a float mask of values other than 0 / 1
+        ones.masked_fill(ones.bool(), float("nan")),
+    ]
+
+
+@pytest.mark.parametrize("attention_type", ["sliding", "full"])
+def test_stock_model_global_attention_mask_checked_as_longattn_models_check_it(attention_type):
+    """A stock model running longattn's kinds checks `global_attention_mask` with the check `LongAttnModel` makes
+    (`ops_checks.check_input_mask`): `ValueError` naming the argument and its expected shape, both models alike."""
+    b, n = 2, 9
+    stock = _stock_bert(attention_type)
+    own = _tiny_models(attention_type)[0]
+    input_ids = torch.ones(b, n, dtype=torch.long)
+    for mask in _bad_global_masks(b, n):
+        messages = []
+        for model in (stock, own):
+            with pytest.raises(ValueError, match=r"`global_attention_mask`") as error:
+                model(input_ids=input_ids, global_attention_mask=mask)
+            messages.append(str(error.value))
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() != 2
+            or isinstance(mask, torch.Tensor)
+            and mask.shape != (b, n)
+        ):
+            assert all(f"[{b}, {n}]" in message for message in messages), messages
+        assert messages[0] == messages[1], messages
+    good = torch.zeros(b, n, dtype=torch.long)
+    good[:, 0] = 1
+    assert stock(input_ids=input_ids, global_attention_mask=good).last_hidden_state.isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------- config and labels
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_attention_heads", 0),
+        ("hidden_size", "32"),
+        ("num_attention_heads", "2"),
+        ("vocab_size", "64"),
+        ("intermediate_size", "64"),
+        ("num_hidden_layers", "2"),
+        ("pad_token_id", "0"),
+        ("eos_token_id", ["2"]),
+    ],
+)
+def test_config_fields_get_longattns_own_value_error(field, value):
+    """Checked before transformers' own validators (which divide by the head count and compare token ids with the
+    vocabulary): the message names the field, the value and what is allowed."""
+    with pytest.raises(ValueError, match=rf"`{field}`={re.escape(repr(value))} is invalid: expected"):
+        longattn.LongAttnConfig(**{"hidden_size": 32, "num_attention_heads": 2, field: value})
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_labels_out_of_range_are_refused_naming_the_limit(kind):
+    """Class ids outside [0, num_labels) (token ids outside [0, vocab_size) for the LM heads) raise `ValueError`,
+    not an `IndexError` deep in the loss; -100 stays the ignored label."""
+    b, n = 2, 6
+    input_ids = torch.ones(b, n, dtype=torch.long)
+    for model in _tiny_models(kind):
+        if isinstance(model, longattn.LongAttnForSequenceClassification):
+            limit, shape, what = model.config.num_labels, (b,), "num_labels"
+        elif isinstance(model, longattn.LongAttnForTokenClassification):
+            limit, shape, what = model.config.num_labels, (b, n), "num_labels"
+        elif isinstance(model, (longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM)):
+            limit, shape, what = VOCAB, (b, n), "vocab_size"
+        elif isinstance(model, longattn.LongAttnForSeq2SeqLM):
+            limit, shape, what = VOCAB, (b, n), "vocab_size"
+        else:
+            continue
+        for bad in (limit, -1, 10**6):
+            labels = torch.zeros(shape, dtype=torch.long)
+            labels.view(-1)[-1] = bad
+            with pytest.raises(
+                ValueError, match=rf"`labels` holds {bad}: expected class ids in \[0, {limit}\) \({what}"
+            ):
+                model(input_ids=input_ids, labels=labels)
+        labels = torch.full(shape, -100, dtype=torch.long)
+        labels.view(-1)[-1] = limit - 1  # the last position: the one a causal LM predicts too
+        assert torch.isfinite(model(input_ids=input_ids, labels=labels).loss)
+
+
+# ---------------------------------------------------------------------------------------------- ops: d_v, padding
+PATTERN_OPS = {
+    "full": lambda q, k, v, **a: ops.full_attention(q, k, v, **a),
+    "sliding": lambda q, k, v, **a: ops.sliding_window_attention(q, k, v, window=2, **a),
+    "sliding_global": lambda q, k, v, **a: ops.sliding_window_attention(
+        q, k, v, window=2, global_mask=torch.arange(k.shape[2]).expand(k.shape[0], -1) == 3, **a
+    ),
+    "dilated": lambda q, k, v, **a: ops.sliding_window_attention(q, k, v, window=2, dilation=2, **a),
+    "strided": lambda q, k, v, **a: ops.strided_attention(q, k, v, stride=3, **a),
+    "fixed": lambda q, k, v, **a: ops.fixed_attention(q, k, v, block_size=4, num_summary=1, **a),
+    "efficient": lambda q, k, v, **a: ops.efficient_attention(q, k, v, **a),
+    # shared-QK: the keys are the queries
+    "lsh": lambda q, k, v, **a: ops.lsh_attention(k, v, num_hashes=2, bucket_size=4, seed=0, **a),
+}
+
+
+def _padded_inputs(d_v: int, n: int = 11):
+    generator = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, H, n, D, generator=generator), torch.randn(2, H, n, D, generator=generator)
+    v = torch.randn(2, H, n, d_v, generator=generator)
+    padding = torch.ones(2, n, dtype=torch.bool)
+    padding[0, -3:] = False  # right padding
+    padding[1, :2] = False  # left padding
+    return q, k, v, padding
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("d_v", [D, 3, D + 3])
+@pytest.mark.parametrize("op", list(PATTERN_OPS))
+def test_ops_take_any_value_width_and_padding_that_holds_anything(op, d_v, backend):
+    """Every op, every back end on CPU: values of another width than q and k give `[b, h, n, d_v]` equal to the
+    reference; NaN / inf written into padded keys and values change no real output; a fully padded row gives
+    zeros (the one rule: a query that sees no key returns 0)."""
+    run = PATTERN_OPS[op]
+    q, k, v, padding = _padded_inputs(d_v)
+    clean = run(q, k, v, key_padding_mask=padding, backend=backend)
+    assert clean.shape == (2, H, 11, d_v)
+    torch.testing.assert_close(clean, run(q, k, v, key_padding_mask=padding, backend="reference"))
+    padded = ~padding[:, None, :, None]
+    dirty_k = k.masked_fill(padded, float("nan"))
+    dirty_v = v.masked_fill(padded, float("inf"))
+    dirty = run(q, dirty_k, dirty_v, key_padding_mask=padding, backend=backend)
+    real = padding[:, None, :, None].expand_as(dirty)
+    torch.testing.assert_close(dirty[real], clean[real])
+    none_real = padding.clone()
+    none_real[0] = False
+    out = run(q, dirty_k, dirty_v, key_padding_mask=none_real, backend=backend)
+    assert torch.equal(out[0], torch.zeros_like(out[0])), out[0]
+
+
+def test_lsh_sizes_beyond_the_sequence_are_clamped_not_allocated():
+    """A bucket size or chunk neighbourhood far beyond an 11-token input runs at once (nothing is allocated by the
+    configured size) and equals the sizes the sequence needs."""
+    q, _, v, padding = _padded_inputs(D)
+    common = dict(num_hashes=2, num_buckets=4, seed=0, key_padding_mask=padding, backend="torch")
+    needed = ops.lsh_attention(q, v, bucket_size=11, num_chunks_before=0, num_chunks_after=0, **common)
+    huge = ops.lsh_attention(q, v, bucket_size=2**40, num_chunks_before=2**40, num_chunks_after=2**40, **common)
+    torch.testing.assert_close(huge, needed)
+    chunks = ops.lsh_attention(q, v, bucket_size=4, num_chunks_before=2, num_chunks_after=2, **common)
+    torch.testing.assert_close(
+        ops.lsh_attention(q, v, bucket_size=4, num_chunks_before=2**40, num_chunks_after=2**40, **common), chunks
+    )

@@ -330,7 +330,7 @@ def _load_recipe(recipe: str):
         ("classification", {"--config_overrides": TINY + ",hiden_size=8"}, "'hiden_size' (did you mean hidden_size"),
         ("mlm", {"--checkpointing_steps": "often"}, "--checkpointing_steps"),
         ("clm", {"--resume_from_checkpoint": "nowhere"}, "not a complete checkpoint"),
-        ("classification", {"--max_target_length": "8"}, "unrecognized arguments: --max_target_length 8"),
+        ("classification", {"--max_target_length": "8"}, "unrecognized arguments: --max_target_length (and 1 value(s)"),
         ("mlm", {"--lr_scheduler_type": "sawtooth"}, "invalid choice: 'sawtooth'"),
         ("classification", {"--packing": None}, "--packing is not supported for classification"),
         ("clm", {"--packing": None, "--line_by_line": None}, "--packing and --line_by_line are exclusive"),

@@ -26,7 +26,7 @@ from transformers import AutoConfig
 
 from longattn import LongAttnForCausalLM
 from longattn.tokenization_longattn import byte_tokenizer
-from longattn.tools import hub
+from longattn.tools import command_line, hub
 from longattn.train import data, training
 
 FAKE_TOKEN = "hf_FakeTokenThatMustNeverBeWritten0123"
@@ -192,7 +192,7 @@ def test_redaction_of_secret_flags():
         "--seed",
         "1",
     ]
-    assert hub.redact_argv(argv) == [
+    assert command_line.redact_argv(argv) == [
         "--hub_token",
         "REDACTED",
         "--db-password=REDACTED",

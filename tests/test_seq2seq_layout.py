@@ -228,3 +228,43 @@ def test_seq2seq_encoder_takes_its_inputs_by_position_or_name_and_ignores_other_
         encoder(source, mask, attention_mask=mask)
     with pytest.raises(TypeError, match="at most 8 positional"):
         encoder(*[None] * 9)
+
+
+@pytest.mark.parametrize("head", ["base", "lm"])
+def test_input_ids_alone_follow_bart_decoder_inputs_shifted_right(head):
+    """`BartModel(input_ids=x)` (and `BartForConditionalGeneration` without labels) decode `x` shifted right; the
+    longattn model given the same call does the same, with BART's own `shift_tokens_right`."""
+    from transformers import BartConfig, BartForConditionalGeneration, BartModel
+    from transformers.models.bart.modeling_bart import shift_tokens_right as bart_shift
+
+    torch.manual_seed(0)
+    config = tiny(is_encoder_decoder=True)
+    model = (longattn.LongAttnModel if head == "base" else longattn.LongAttnForSeq2SeqLM)(config).eval()
+    bart_config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+    )
+    bart = (BartModel if head == "base" else BartForConditionalGeneration)(bart_config).eval()
+    source = ids(2, 9, seed=3)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        ours = model(input_ids=source, attention_mask=mask)
+        theirs = bart(input_ids=source, attention_mask=mask)
+        shifted = bart_shift(source, config.pad_token_id, config.decoder_start_token_id)
+        explicit = model(input_ids=source, attention_mask=mask, decoder_input_ids=shifted)
+    main = "last_hidden_state" if head == "base" else "logits"
+    assert ours[main].shape[:2] == theirs[main].shape[:2] == source.shape
+    torch.testing.assert_close(ours[main], explicit[main], rtol=0, atol=0)
+    torch.testing.assert_close(ours.encoder_last_hidden_state, explicit.encoder_last_hidden_state, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="decoder_input_ids"):  # nothing to shift, as in BART
+        model(inputs_embeds=torch.randn(2, 9, 32))

@@ -18,16 +18,15 @@ lists what a folder lacks, `longattn-hub push FOLDER REPO_ID` uploads one.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import json
-import re
-import shlex
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from .command_line import CommandLineParser, redact_command
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the flat package the model files live in
 CODE_ENTRY_POINTS = ("configuration_longattn.py", "modeling_longattn.py")
@@ -54,47 +53,6 @@ TASKS = {
     "seq2seq": ("text2text-generation", "sequence-to-sequence generation", "AutoModelForSeq2SeqLM"),
 }
 UPLOAD_IGNORE = ["checkpoints/**", "*.partial/**"]
-REDACTED = "REDACTED"
-# Flags whose value is a secret: --hub_token, --token, --use_auth_token, --db_password, --wandb_api_key, ... but
-# not --tokenizer_name or --global_tokens (a plural count, not a credential).
-_SECRET_FLAG = re.compile(r"password|passwd|secret|api_?key|credential|(?:^|_)token$")
-
-
-# ---------------------------------------------------------------------------------------------- secrets
-def is_secret_flag(flag: str) -> bool:
-    """Whether a command-line flag (`--hub_token`, `hub-token`, `HUB_TOKEN`) carries a secret value."""
-    return bool(_SECRET_FLAG.search(flag.lstrip("-").lower().replace("-", "_")))
-
-
-def redact_argv(argv: list[str], recorded_value=None) -> list[str]:
-    """`argv` with the value of every secret flag replaced by `REDACTED`, in both `--flag value` and `--flag=value`
-    forms; `recorded_value(flag, value)` may rewrite the other values (e.g. paths)."""
-    out: list[str] = []
-    flag = None  # the flag whose value the next word may be
-    for word in argv:
-        if word.startswith("--"):
-            name, sep, value = word.partition("=")
-            flag = None if sep else name
-            if sep:
-                word = f"{name}={_recorded(name, value, recorded_value)}"
-        elif flag is not None:
-            word, flag = _recorded(flag, word, recorded_value), None
-        out.append(word)
-    return out
-
-
-def _recorded(flag: str, value: str, recorded_value) -> str:
-    if is_secret_flag(flag):
-        return REDACTED
-    return recorded_value(flag, value) if recorded_value is not None else value
-
-
-def redact_command(command: str) -> str:
-    """A shell command line with the values of its secret flags replaced by `REDACTED`."""
-    try:
-        return shlex.join(redact_argv(shlex.split(command)))
-    except ValueError:  # unbalanced quotes: not a command line we can parse, so keep none of it
-        return REDACTED
 
 
 # ---------------------------------------------------------------------------------------------- code files
@@ -487,7 +445,7 @@ def push_folder(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="longattn-hub", description="Check or push a Hub-ready folder.")
+    parser = CommandLineParser(prog="longattn-hub", description="Check or push a Hub-ready folder.")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="list what keeps a folder from loading anywhere")
     check.add_argument("folder")

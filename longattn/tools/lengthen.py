@@ -19,12 +19,13 @@ from ..config_overrides import parse_config_overrides
 from ..configuration_longattn import check_override_fields, max_tokens
 from ..integration_transformers import allowed_fields
 from ..lengthen import ROPE_TYPES, lengthen
+from .command_line import CommandLineParser
 from .hub import is_stock_longattn, save_hub_folder, stock_model_card
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     """The tool's own flags and the `longattn` fields (`--field value` or `--field=value`; lists in brackets)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="longattn-lengthen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("src", help="a pretrained model: folder or Hub id")

@@ -19,6 +19,7 @@ import torch
 from ..config_overrides import format_config_overrides, parse_config_overrides
 from ..configuration_longattn import LongAttnConfig
 from ..modeling_longattn import LongAttnModel
+from .command_line import CommandLineParser
 
 # Each kind's settings for a picture, under the user's overrides: small enough that its structure shows at the
 # default 64 tokens (the config defaults, e.g. a window of 256 keys each side, would cover the whole picture).
@@ -123,7 +124,7 @@ def picture_config(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="longattn-visualize",
         description="Draw the attention pattern of a configured layer as a PNG.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -44,6 +44,8 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
+from ..tools.command_line import CommandLineParser
+
 # ---------------------------------------------------------------------------------------------- ListOps
 LISTOPS_OPERATORS = ("MAX", "MIN", "MED", "SM")
 LISTOPS_OPERATOR_PROBABILITY = 0.25  # LRA: a node below the depth limit is an operator with this probability
@@ -390,7 +392,7 @@ COLUMNS = {"listops": ["text", "label"], "needle": ["text", "label"], "needles":
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="longattn-data",
         description="Generate offline long-range tasks as train/validation/test jsonl files.",
     )

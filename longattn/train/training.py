@@ -72,7 +72,15 @@ from .. import config_overrides
 from ..attention_registry import attention_class
 from ..configuration_longattn import LongAttnConfig, check_override_fields
 from ..tokenization_longattn import byte_tokenizer
-from ..tools.hub import REDACTED, is_secret_flag, is_stock_longattn, redact_argv
+from ..tools.command_line import (
+    REDACTED,
+    CommandLineParser,
+    is_secret_flag,
+    redact_argv,
+    redact_values,
+    secret_values,
+)
+from ..tools.hub import is_stock_longattn
 from . import context_parallel as cp_lib
 from . import streaming
 from .collators import DataCollatorWithGlobalAttention, PadCollator, mask_tokens, pad_token_id
@@ -138,8 +146,9 @@ class RecipeError(Exception):
     """A user error (a flag, a file, a column): the recipe stops with this one-line message, before training."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (`prog: error: ... (see --help)`) like every other recipe error."""
+class _OneLineParser(CommandLineParser):
+    """`CommandLineParser` (no abbreviations), and a usage error is one line (`prog: error: ... (see --help)`) like
+    every other recipe error."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see --help)\n")
@@ -269,10 +278,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     args = parser.parse_args(argv)
     script = Path(sys.argv[0])
     script = Path(script.parent.name, script.name) if script.parent.name == "recipes" else Path(script.name)
-    # What the output folder records of this command: no secret, no absolute path (see `recorded_value`).
-    args.command = shlex.join(
-        [str(script), *redact_argv(sys.argv[1:] if argv is None else list(argv), recorded_value(args.output_dir))]
-    )
+    # What the output folder records of this command: no secret, no absolute path (see `recorded_value`). Secrets
+    # are redacted by flag and, whatever spelling set them, by the values their destinations received.
+    words = redact_argv(sys.argv[1:] if argv is None else list(argv), recorded_value(args.output_dir))
+    args.command = shlex.join([str(script), *redact_values(words, secret_values(parser, args))])
     if args.dataset_name is None and args.train_file is None:
         raise RecipeError("give --train_file (json, jsonl, csv, txt) or --dataset_name.")
     if args.dataset_name is not None and (args.train_file or args.validation_file):
