@@ -17,6 +17,8 @@ Evaluation reports loss, perplexity and next-token accuracy.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -36,6 +38,40 @@ def tokenize_texts(tokenizer, texts: list[str], *, max_length: int | None = None
 
 
 def main(argv: list[str] | None = None) -> dict:
+    args = training.parse_args(build_parser(), argv)
+    training.check_packing(args)
+    config = training.load_config(args, task="clm")
+    tokenizer = training.load_tokenizer(args, config)
+    max_length = training.resolve_max_seq_length(args, config, tokenizer)
+    accelerator = training.make_accelerator(args)
+
+    raw = training.load_raw_datasets(args, {"text_column": args.text_column})
+    with accelerator.main_process_first():
+        processed = training.tokenize_splits(raw, partial(tokenize, args, tokenizer, max_length), args)
+        processed = training.arrange_rows(processed, args, max_length)
+    training.check_rows_exist(processed, max_length)
+
+    model = training.load_model(args, config, tokenizer, AutoModelForCausalLM)
+    collator = training.PadCollator(
+        pad_token_id=training.pad_token_id(tokenizer),
+        pad_to_multiple_of=training.length_multiple(model.config),
+        max_length=max_length if args.pad_to_max_length else None,
+        align_labels=True,
+    )
+    results = training.train(
+        args,
+        accelerator,
+        model,
+        processed["train"],
+        processed["validation"],
+        collator,
+        evaluate=partial(evaluate, accelerator),
+    )
+    training.finish(args, accelerator, model, tokenizer, results, task="clm")
+    return results
+
+
+def build_parser():
     parser = training.recipe_parser(__doc__, task="clm")
     parser.add_argument("--text_column", default="text")
     parser.add_argument(
@@ -47,55 +83,25 @@ def main(argv: list[str] | None = None) -> dict:
         help="whole texts (truncated) joined into rows of --max_seq_length, attention kept within each text "
         "(position_ids restart per text): no padding, and no attention across texts",
     )
-    args = training.parse_args(parser, argv)
-    training.check_packing(args)
-    config = training.load_config(args, task="clm")
-    tokenizer = training.load_tokenizer(args, config)
-    max_length = training.resolve_max_seq_length(args, config, tokenizer)
-    accelerator = training.make_accelerator(args)
+    return parser
 
-    raw = training.load_raw_datasets(args, {"text_column": args.text_column})
 
-    def tokenize(examples):
-        ids = tokenize_texts(
-            tokenizer,
-            examples[args.text_column],
-            max_length=max_length if args.line_by_line or args.packing else None,
-        )
-        return {"input_ids": ids, "labels": [list(row) for row in ids]}
-
-    with accelerator.main_process_first():
-        processed = raw.map(
-            tokenize,
-            batched=True,
-            remove_columns=raw["train"].column_names,
-            num_proc=args.preprocessing_num_workers,
-            desc="tokenize",
-        )
-        processed = training.arrange_rows(processed, args, max_length)
-    training.check_rows_exist(processed, max_length)
-
-    model = training.load_model(args, config, tokenizer, AutoModelForCausalLM)
-    collator = training.PadCollator(
-        pad_token_id=training.pad_token_id(tokenizer),
-        pad_to_multiple_of=training.length_multiple(model.config),
-        max_length=max_length if args.pad_to_max_length else None,
-        align_labels=True,
+def tokenize(args, tokenizer, max_length: int, examples):
+    ids = tokenize_texts(
+        tokenizer,
+        examples[args.text_column],
+        max_length=max_length if args.line_by_line or args.packing else None,
     )
+    return {"input_ids": ids, "labels": [list(row) for row in ids]}
 
-    def evaluate(model, dataloader) -> dict[str, float]:
-        rows = []
-        for batch in training.progress_bar(dataloader, accelerator, "eval"):
-            logits = model(**batch).logits
-            stats = training.token_stats(logits[:, :-1], batch["labels"][:, 1:])  # position t predicts t + 1
-            rows.append(accelerator.gather_for_metrics(stats).cpu())
-        return training.summarize_token_stats(torch.cat(rows))
 
-    results = training.train(
-        args, accelerator, model, processed["train"], processed["validation"], collator, evaluate=evaluate
-    )
-    training.finish(args, accelerator, model, tokenizer, results, task="clm")
-    return results
+def evaluate(accelerator, model, dataloader) -> dict[str, float]:
+    rows = []
+    for batch in training.progress_bar(dataloader, accelerator, "eval"):
+        logits = model(**batch).logits
+        stats = training.token_stats(logits[:, :-1], batch["labels"][:, 1:])  # position t predicts t + 1
+        rows.append(accelerator.gather_for_metrics(stats).cpu())
+    return training.summarize_token_stats(torch.cat(rows))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ The encoder holds the configured attention (`attention_type`, long inputs), the 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
@@ -42,44 +44,20 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = training.recipe_parser(__doc__, task="seq2seq")
-    parser.add_argument("--source_column", default="source")
-    parser.add_argument("--target_column", default="target")
-    parser.add_argument("--max_target_length", type=int, default=128, help="longest target in tokens")
-    parser.add_argument(
-        "--generation_max_length", type=int, help="most new tokens at evaluation (default: --max_target_length)"
-    )
-    parser.add_argument("--num_beams", type=int, default=1)
-    args = training.parse_args(parser, argv)
+    args = training.parse_args(build_parser(), argv)
     if args.num_beams < 1 or args.max_target_length < 1:
         raise training.RecipeError("--num_beams and --max_target_length must be >= 1.")
     config = training.load_config(args, task="seq2seq")
     tokenizer = training.load_tokenizer(args, config)
     max_length = training.resolve_max_seq_length(args, config, tokenizer)
     max_target_length = training.resolve_max_seq_length(args, config, tokenizer, flag="max_target_length")
-    generation_max_length = args.generation_max_length or max_target_length
     accelerator = training.make_accelerator(args)
 
     raw = training.load_raw_datasets(args, {"source_column": args.source_column, "target_column": args.target_column})
     start_id = config.decoder_start_token_id
-
-    def preprocess(examples):
-        encoded = tokenizer(examples[args.source_column], truncation=True, max_length=max_length)
-        labels = tokenizer(text_target=examples[args.target_column], truncation=True, max_length=max_target_length + 1)[
-            "input_ids"
-        ]
-        # The decoder input starts with decoder_start_token_id; a tokenizer that also prepends it (the byte
-        # tokenizer's <s>) would make the model learn to repeat it.
-        labels = [ids[1:] if ids and ids[0] == start_id else ids[:max_target_length] for ids in labels]
-        return {"input_ids": encoded["input_ids"], "labels": labels}
-
     with accelerator.main_process_first():
-        processed = raw.map(
-            preprocess,
-            batched=True,
-            remove_columns=raw["train"].column_names,
-            num_proc=args.preprocessing_num_workers,
-            desc="tokenize",
+        processed = training.tokenize_splits(
+            raw, partial(preprocess, args, tokenizer, start_id, max_length, max_target_length), args
         )
 
     model = training.load_model(args, config, tokenizer, AutoModelForSeq2SeqLM)
@@ -90,41 +68,74 @@ def main(argv: list[str] | None = None) -> dict:
         labels_multiple=training.length_multiple(model.config, decoder=True),
         max_length=max_length if args.pad_to_max_length else None,
     )
-
-    def evaluate(model, dataloader) -> dict[str, float]:
-        rows, predictions, references = [], [], []
-        generator = accelerator.unwrap_model(model)
-        for batch in training.progress_bar(dataloader, accelerator, "eval (generate)"):
-            logits = model(**batch).logits
-            rows.append(accelerator.gather_for_metrics(training.token_stats(logits, batch["labels"])).cpu())
-            generated = generator.generate(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                max_new_tokens=generation_max_length,
-                num_beams=args.num_beams,
-                do_sample=False,
-                decoder_start_token_id=start_id,
-                pad_token_id=pad_id,
-                synced_gpus=training.shards_parameters(accelerator),  # sharded weights: every forward is collective
-            )
-            generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad_id)
-            labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
-            generated, labels = accelerator.gather_for_metrics((generated, labels))
-            labels = labels.masked_fill(labels == -100, pad_id)
-            predictions += tokenizer.batch_decode(generated, skip_special_tokens=True)
-            references += tokenizer.batch_decode(labels, skip_special_tokens=True)
-        pairs = [(p.strip(), r.strip()) for p, r in zip(predictions, references)]
-        metrics = training.summarize_token_stats(torch.cat(rows))
-        metrics["token_accuracy"] = metrics.pop("accuracy")  # teacher-forced, next target token
-        metrics["exact_match"] = sum(p == r for p, r in pairs) / max(len(pairs), 1)
-        metrics["rougeL"] = sum(rouge_l(p, r) for p, r in pairs) / max(len(pairs), 1)
-        return metrics
-
+    generation = dict(
+        max_new_tokens=args.generation_max_length or max_target_length,
+        num_beams=args.num_beams,
+        do_sample=False,
+        decoder_start_token_id=start_id,
+        pad_token_id=pad_id,
+        synced_gpus=training.shards_parameters(accelerator),  # sharded weights: every forward is collective
+    )
     results = training.train(
-        args, accelerator, model, processed["train"], processed["validation"], collator, evaluate=evaluate
+        args,
+        accelerator,
+        model,
+        processed["train"],
+        processed["validation"],
+        collator,
+        evaluate=partial(evaluate, accelerator, tokenizer, generation),
     )
     training.finish(args, accelerator, model, tokenizer, results, task="seq2seq")
     return results
+
+
+def build_parser():
+    parser = training.recipe_parser(__doc__, task="seq2seq")
+    parser.add_argument("--source_column", default="source")
+    parser.add_argument("--target_column", default="target")
+    parser.add_argument("--max_target_length", type=int, default=128, help="longest target in tokens")
+    parser.add_argument(
+        "--generation_max_length", type=int, help="most new tokens at evaluation (default: --max_target_length)"
+    )
+    parser.add_argument("--num_beams", type=int, default=1)
+    return parser
+
+
+def preprocess(args, tokenizer, start_id: int, max_length: int, max_target_length: int, examples):
+    encoded = tokenizer(examples[args.source_column], truncation=True, max_length=max_length)
+    labels = tokenizer(text_target=examples[args.target_column], truncation=True, max_length=max_target_length + 1)[
+        "input_ids"
+    ]
+    # The decoder input starts with decoder_start_token_id; a tokenizer that also prepends it (the byte
+    # tokenizer's <s>) would make the model learn to repeat it.
+    labels = [ids[1:] if ids and ids[0] == start_id else ids[:max_target_length] for ids in labels]
+    return {"input_ids": encoded["input_ids"], "labels": labels}
+
+
+def evaluate(accelerator, tokenizer, generation: dict, model, dataloader) -> dict[str, float]:
+    """Teacher-forced loss and token accuracy, and exact match and ROUGE-L of generated targets (`generation`: the
+    keyword arguments of `generate`)."""
+    rows, predictions, references = [], [], []
+    generator = accelerator.unwrap_model(model)
+    pad_id = generation["pad_token_id"]
+    for batch in training.progress_bar(dataloader, accelerator, "eval (generate)"):
+        logits = model(**batch).logits
+        rows.append(accelerator.gather_for_metrics(training.token_stats(logits, batch["labels"])).cpu())
+        generated = generator.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **generation
+        )
+        generated = accelerator.pad_across_processes(generated, dim=1, pad_index=pad_id)
+        labels = accelerator.pad_across_processes(batch["labels"], dim=1, pad_index=-100)
+        generated, labels = accelerator.gather_for_metrics((generated, labels))
+        labels = labels.masked_fill(labels == -100, pad_id)
+        predictions += tokenizer.batch_decode(generated, skip_special_tokens=True)
+        references += tokenizer.batch_decode(labels, skip_special_tokens=True)
+    pairs = [(p.strip(), r.strip()) for p, r in zip(predictions, references)]
+    metrics = training.summarize_token_stats(torch.cat(rows))
+    metrics["token_accuracy"] = metrics.pop("accuracy")  # teacher-forced, next target token
+    metrics["exact_match"] = sum(p == r for p, r in pairs) / max(len(pairs), 1)
+    metrics["rougeL"] = sum(rouge_l(p, r) for p, r in pairs) / max(len(pairs), 1)
+    return metrics
 
 
 if __name__ == "__main__":

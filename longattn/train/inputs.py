@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,17 @@ def check_packing(args: argparse.Namespace) -> None:
             "processes (documents would be cut and attend across the cut); use one of them."
         )
 
+
+def tokenize_splits(raw, tokenize: Callable[[dict[str, list]], dict[str, list]], args: argparse.Namespace):
+    """`tokenize` mapped over every split in batches, its columns in place of the raw ones; run it under
+    `accelerator.main_process_first()` (the map's cache)."""
+    return raw.map(
+        tokenize,
+        batched=True,
+        remove_columns=raw["train"].column_names,
+        num_proc=args.preprocessing_num_workers,
+        desc="tokenize",
+    )
 
 def arrange_rows(processed, args, max_length: int):
     """The tokenized splits of a language-model recipe as training rows: whole documents packed into rows of

@@ -89,6 +89,7 @@ from .inputs import (
     pack_documents,
     progress_bar,
     require_columns,
+    tokenize_splits,
 )
 from .launch import (
     TqdmLoggingHandler,
@@ -131,6 +132,7 @@ __all__ = [
     "group_texts",
     "is_empty",
     "arrange_rows",
+    "tokenize_splits",
     "check_rows_exist",
     "PadCollator",
     "DataCollatorWithGlobalAttention",
