@@ -25,6 +25,10 @@ with those reasons when an explicitly requested back end cannot run, and for `"a
 of request. One measured exception: an undilated sliding window without global tokens or padding goes to
 FlexAttention, which ran it faster than xformers' FlashAttention-2 band on an H100 (`docs/benchmarks_gpu.md`).
 On CPU `"auto"` is always the PyTorch executor.
+
+Each back end also declares, per pattern family, the executor it runs (`Backend.executors`, functions of
+`executor_families` of one signature); `select_executor` returns the chosen back end's executor, which the pattern
+functions of `ops` call without knowing its name.
 """
 
 from __future__ import annotations
@@ -40,6 +44,20 @@ from torch import Tensor
 
 # The back-end names are checked by the configuration too, which imports no executor: they live in its table.
 from .attention_fields import BACKEND_NAMES, check_backend_name
+from .executor_families import (
+    Executor,
+    flex_executor,
+    reference_executor,
+    torch_fixed,
+    torch_full,
+    torch_sliding,
+    torch_strided,
+    triton_sliding,
+    xformers_fixed,
+    xformers_full,
+    xformers_sliding,
+    xformers_strided,
+)
 from .executor_flex import unavailable_reasons as flex_unavailable_reasons
 from .executor_xformers import documents_supported as xformers_documents_supported
 from .executor_xformers import needs_tensor_bias
@@ -57,6 +75,7 @@ __all__ = [
     "check_backend_name",
     "backend_reasons",
     "select_backend",
+    "select_executor",
     "select_named_backend",
 ]
 
@@ -153,15 +172,19 @@ class AttentionRequest:
 
 
 class Backend:
-    """A back end: what it supports, and the reasons it cannot serve a request.
+    """A back end: what it supports, the executor it runs for each pattern family, and the reasons it cannot serve
+    a request.
 
-    Subclasses set `name`, `patterns` (the pattern families it computes) and `devices`, and extend
+    Subclasses set `name`, `patterns` (the pattern families it computes), `executors` (the executor of each family
+    the pattern functions of `ops` dispatch, `executor_families`; the families whose kinds run their own steps,
+    blocks, windows and Sinkhorn's, ask for a name with `select_named_backend`) and `devices`, and extend
     `reasons_not_supported`. `auto_reasons` adds reasons that keep `"auto"` away without forbidding an explicit
     request (e.g. FlexAttention on CPU runs, but densely).
     """
 
     name: ClassVar[str] = ""
     patterns: ClassVar[tuple[str, ...]] = PATTERN_FAMILIES
+    executors: ClassVar[dict[str, Executor]] = {}
     devices: ClassVar[tuple[str, ...] | None] = None  # None: every device
     summary: ClassVar[str] = ""
 
@@ -178,10 +201,23 @@ class Backend:
         """Extra reasons for `"auto"` to pass this back end over (it would run, but not fast)."""
         return []
 
+    def executor(self, pattern: str) -> Executor:
+        """The executor this back end runs for `pattern`.
+
+        Raises:
+            ValueError: If the family has no executor here (a kind's own family: see `select_named_backend`).
+        """
+        if pattern not in self.executors:
+            raise ValueError(
+                f"back end {self.name!r} has no executor for pattern {pattern!r}: {sorted(self.executors)}"
+            )
+        return self.executors[pattern]
+
 
 class ReferenceBackend(Backend):
     name = "reference"
     summary = "dense softmax under the materialised mask; every device, dtype and mode; O(n_q · n_k) memory"
+    executors = {family: reference_executor for family in ("full", "sliding", "strided", "fixed")}
 
     def auto_reasons(self, request):
         return ["the dense reference is for tests and short sequences"]
@@ -190,6 +226,7 @@ class ReferenceBackend(Backend):
 class TorchBackend(Backend):
     name = "torch"
     summary = "PyTorch executors (blocked/banded with hand-written backward, SDPA for dense); every device and mode"
+    executors = {"full": torch_full, "sliding": torch_sliding, "strided": torch_strided, "fixed": torch_fixed}
 
 
 class FlexBackend(Backend):
@@ -197,6 +234,7 @@ class FlexBackend(Backend):
     patterns = ("full", "sliding", "strided", "fixed")
     devices = ("cuda", "cpu")
     summary = "FlexAttention with a block mask from the pattern predicate; compiled on CUDA; CPU forward only"
+    executors = {family: flex_executor for family in patterns}
 
     def reasons_not_supported(self, request):
         reasons = super().reasons_not_supported(request)
@@ -225,6 +263,12 @@ class XformersBackend(Backend):
         "xformers memory-efficient kernels: local / block-diagonal biases, residue-class permutations, "
         "log-sum-exp merges; CUDA only"
     )
+    executors = {
+        "full": xformers_full,
+        "sliding": xformers_sliding,
+        "strided": xformers_strided,
+        "fixed": xformers_fixed,
+    }
 
     def reasons_not_supported(self, request):
         reasons = super().reasons_not_supported(request)
@@ -306,6 +350,7 @@ class TritonBackend(Backend):
         "Triton band kernels: per-head dilation by strided class addressing, grouped-query heads in place, global "
         "tokens merged by log-sum-exp; CUDA, or CPU under TRITON_INTERPRET=1 (tests)"
     )
+    executors = {"sliding": triton_sliding}
 
     def reasons_not_supported(self, request):
         reasons = super().reasons_not_supported(request)
@@ -395,6 +440,15 @@ def select_backend(name: str, request: AttentionRequest) -> str:
             return candidate
         passed_over.append(f"{candidate}: " + "; ".join(reasons))
     raise AssertionError("the 'torch' back end serves every request")  # pragma: no cover
+
+
+def select_executor(name: str, request: AttentionRequest) -> Executor:
+    """The executor that computes `request`: that of the back end `select_backend` chooses, for its pattern family.
+
+    Raises:
+        ValueError: As `select_backend`.
+    """
+    return BACKENDS[select_backend(name, request)].executor(request.pattern)
 
 
 def select_named_backend(name: str, q: Tensor, k: Tensor, v: Tensor, **request: Any) -> str:

@@ -40,22 +40,11 @@ import inspect
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import AttentionRequest, check_backend_name, select_backend
-from .executor_blocked import banded_attention
-from .executor_flex import flex_pattern_attention
-from .executor_reference import reference_attention, reference_pattern_attention
-from .executor_sparse import fixed_blocked_attention, strided_blocked_attention
-from .executor_xformers import (
-    xformers_document_attention,
-    xformers_fixed_attention,
-    xformers_full_attention,
-    xformers_sliding_window_attention,
-    xformers_strided_attention,
-)
+from .backends import AttentionRequest, check_backend_name, select_executor
+from .executor_families import PatternCall
+from .executor_reference import reference_attention
 from .ops_checks import (
     check_document_ids,
     check_dropout,
@@ -77,16 +66,13 @@ from .patterns import (
     check_fixed_sizes,
     check_stride,
     check_window,
-    document_layout,
-    first_real_token,
     fixed_pattern,
     key_padding_predicate,
-    materialize_mask,
     same_document_mask,
     sliding_window_pattern,
     strided_pattern,
 )
-from .relative_logits import BiasFn, check_relative_embedding, materialize_bias, relative_bias
+from .relative_logits import BiasFn, check_relative_embedding, relative_bias
 
 __all__ = [
     "reference_attention",
@@ -111,14 +97,20 @@ class _Call(NamedTuple):
     embedding: Tensor | None  # the relative-position embedding `[2M + 1, d]`
     bias_fn: BiasFn | None  # relative-position logits of the kept pairs
 
-    def shared(self, **changes) -> dict:
-        """These arguments as a pattern function's shared keywords, `changes` applied (one pattern function
-        handing its call to another)."""
-        given = _SharedArguments(self.padding, self.documents, self.scale, self.dropout_p, self.backend, self.embedding)
-        return given._replace(**changes)._asdict()
+    def run(
+        self, q: Tensor, k: Tensor, v: Tensor, *, pattern: str, causal: bool, mask_fn: MaskFn,
+        per_head: bool = False, geometry: dict | None = None, **fields,
+    ) -> Tensor:  # fmt: skip
+        """Run the call on the executor of the back end that serves it (`backends.select_executor` on its request).
 
-    def select(self, q: Tensor, k: Tensor, v: Tensor, *, pattern: str, causal: bool, **fields) -> str:
-        """The back end that runs this call (`backends.select_backend` on its request)."""
+        Args:
+            pattern: The pattern family.
+            causal: A query sees only keys at or before its position.
+            mask_fn: The pattern predicate (padding and documents included).
+            per_head: The predicate reads the head index.
+            geometry: The family's own arguments, as its executors take them.
+            **fields: Other `AttentionRequest` fields (`dilation`).
+        """
         request = AttentionRequest.for_inputs(
             q,
             k,
@@ -132,35 +124,13 @@ class _Call(NamedTuple):
             relative_logits=self.bias_fn is not None,
             **fields,
         )
-        return select_backend(self.backend, request)
-
-    def run_pattern(self, backend: str, q: Tensor, k: Tensor, v: Tensor, *, mask_fn: MaskFn, per_head: bool) -> Tensor:
-        """The back ends that evaluate the pattern predicate itself: `"flex"` (a block mask) and `"reference"`."""
-        if backend == "reference":
-            return reference_pattern_attention(
-                q, k, v, mask_fn=mask_fn, per_head=per_head, **self.executor_arguments(bias=True)
-            )
-        # A predicate that reads no tensor is named after its parameters, so its block mask is cached by name.
-        per_batch = self.padding is not None or self.global_tokens is not None or self.documents is not None
-        return flex_pattern_attention(
-            q,
-            k,
-            v,
-            mask_fn=mask_fn,
-            scale=self.scale,
-            per_batch=per_batch,
-            per_head=per_head,
-            cache_key=None if per_batch else mask_fn.__name__,
-            bias_fn=self.bias_fn,
-        )
+        executor = select_executor(self.backend, request)
+        call = PatternCall(pattern, mask_fn, per_head, causal, geometry or {}, *self)
+        return executor(q, k, v, call)
 
     def inert(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """k and v with every padded position zeroed: padding may hold anything (`ops_checks.inert_padding`)."""
         return inert_padding(self.padding, k, v)
-
-    def executor_arguments(self, *, bias: bool) -> dict:
-        """The scale and dropout of the call (`bias`: and its relative logits), as an executor's keywords."""
-        return dict(scale=self.scale, dropout_p=self.dropout_p, **({"bias_fn": self.bias_fn} if bias else {}))
 
 
 class _SharedArguments(NamedTuple):
@@ -246,44 +216,12 @@ def full_attention(q, k, v, *, causal: bool = False, global_mask: Tensor | None 
     if is_empty(q, k):
         return empty_attention(q, k, v)
     k, v = call.inert(k, v)
-    choice = call.select(q, k, v, pattern="full", causal=causal)
-    if choice == "xformers" and call.documents is not None:
-        return xformers_document_attention(
-            q, k, v, document_ids=call.documents, causal=causal, **call.executor_arguments(bias=False)
-        )
-    if choice == "xformers":
-        return xformers_full_attention(
-            q, k, v, causal=causal, key_padding_mask=call.padding, **call.executor_arguments(bias=False)
-        )
-    if (
-        choice == "torch"
-        and call.padding is None
-        and call.documents is None
-        and call.bias_fn is None
-        and (not causal or n_q == n_k)
-    ):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, is_causal=causal, scale=call.scale)
     parts = [causal_mask()] if causal else []
     if call.padding is not None:
         parts.append(key_padding_predicate(call.padding))
     if call.documents is not None:
         parts.append(same_document_mask(call.documents))
-    if choice != "torch":
-        return call.run_pattern(choice, q, k, v, mask_fn=and_masks(*parts), per_head=False)
-    mask = materialize_mask(
-        and_masks(*parts), batch=b, heads=1, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
-    )  # [b, 1, n_q, n_k]; n_q > n_k only without causality (cross-attention), where query positions do not matter
-    # SDPA's softmax over a row of -inf is NaN; give such rows any key and zero their output afterwards.
-    sees_a_key = mask.any(dim=-1, keepdim=True)  # [b, 1, n_q, 1]
-    attn_mask = mask | ~sees_a_key
-    if call.bias_fn is not None:
-        # Dense attention computes every pair anyway: the relative logits enter as SDPA's additive float mask.
-        bias = materialize_bias(
-            call.bias_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
-        )  # [b, h, n_q, n_k]
-        attn_mask = bias.to(q.dtype).masked_fill(~attn_mask, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale)
-    return out.masked_fill(~sees_a_key, 0.0)
+    return call.run(q, k, v, pattern="full", causal=causal, mask_fn=and_masks(*parts))
 
 
 @_pattern_function
@@ -325,40 +263,24 @@ def sliding_window_attention(
     if is_empty(q, k):
         return empty_attention(q, k, v)
     k, v = call.inert(k, v)
-    band = dict(window=window, dilation=dilation, causal=causal)
-    masks = dict(global_mask=call.global_tokens, key_padding_mask=call.padding)
-    choice = call.select(q, k, v, pattern="sliding", causal=causal, dilation=dilation)
-    if choice == "triton":
-        from .executor_triton import triton_sliding_window_attention  # noqa: PLC0415  (triton is optional)
-
-        return triton_sliding_window_attention(q, k, v, **band, **masks, scale=call.scale)
-    if k.shape[1] != h and (choice != "torch" or (dilation == 1 and window >= n_k - 1)):
-        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))  # the blocked executor reads groups
-    if choice == "xformers" and call.documents is not None:
-        return xformers_document_attention(
-            q, k, v, document_ids=call.documents, causal=causal, window=window, **call.executor_arguments(bias=False)
-        )
-    if choice == "xformers":
-        return xformers_sliding_window_attention(q, k, v, **band, **masks, **call.executor_arguments(bias=False))
-    mask_fn = sliding_window_pattern(**band, **masks, document_ids=call.documents)
-    if choice != "torch":
-        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=not isinstance(dilation, int))
-    if dilation == 1 and window >= n_k - 1:
-        # The window reaches every key, so the pattern is exactly (causal) full attention: global tokens add no
-        # key. SDPA computes it without the blocked executor's per-block overhead, which dominates short inputs.
-        return full_attention(q, k, v, causal=causal, **call.shared(backend="torch"))
-    return banded_attention(
+    mask_fn = sliding_window_pattern(
+        window=window,
+        dilation=dilation,
+        causal=causal,
+        global_mask=call.global_tokens,
+        key_padding_mask=call.padding,
+        document_ids=call.documents,
+    )
+    return call.run(
         q,
         k,
         v,
+        pattern="sliding",
+        causal=causal,
         mask_fn=mask_fn,
-        window_left=window,
-        window_right=0 if causal else window,
+        per_head=not isinstance(dilation, int),
+        geometry=dict(window=window, dilation=dilation),
         dilation=dilation,
-        global_mask=call.global_tokens,
-        exact_band=call.documents is None,  # the same-document test is not the band's geometry
-        key_padding_mask=call.padding,
-        **call.executor_arguments(bias=True),
     )
 
 
@@ -391,17 +313,7 @@ def strided_attention(q, k, v, *, stride: int, causal: bool = True, shared: _Sha
         return empty_attention(q, k, v)
     k, v = call.inert(k, v)
     mask_fn = strided_pattern(stride=stride, causal=causal, key_padding_mask=call.padding, document_ids=call.documents)
-    choice = call.select(q, k, v, pattern="strided", causal=causal)
-    if choice == "xformers":
-        # The dispatcher admits xformers without dropout and with n_q == n_k only (its layout's requirements).
-        return xformers_strided_attention(
-            q, k, v, stride=stride, causal=causal, key_padding_mask=call.padding, scale=call.scale
-        )
-    if choice != "torch":
-        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=False)
-    return strided_blocked_attention(
-        q, k, v, mask_fn=mask_fn, stride=stride, causal=causal, **call.executor_arguments(bias=True)
-    )
+    return call.run(q, k, v, pattern="strided", causal=causal, mask_fn=mask_fn, geometry=dict(stride=stride))
 
 
 @_pattern_function
@@ -431,7 +343,7 @@ def fixed_attention(
         ValueError: For a block size below 1, `num_summary` outside [1, block_size], a non-bool flag, or a shared
             argument that is invalid (module docstring).
     """
-    n_k = check_qkv(q, k, v)[3]
+    check_qkv(q, k, v)
     block_size, num_summary = check_fixed_sizes(block_size, num_summary)
     causal = check_flag("causal", causal)
     summary_per_head = check_flag("summary_per_head", summary_per_head)
@@ -439,133 +351,8 @@ def fixed_attention(
     if is_empty(q, k):
         return empty_attention(q, k, v)
     k, v = call.inert(k, v)
-    padding = call.padding
-    blocks = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal)
-    mask_fn = fixed_pattern(**blocks, key_padding_mask=padding, document_ids=call.documents)
-    choice = call.select(q, k, v, pattern="fixed", causal=causal)
-    if choice in ("flex", "reference"):
-        return call.run_pattern(choice, q, k, v, mask_fn=mask_fn, per_head=summary_per_head)
-    if call.documents is not None:
-        # The executor's blocks start at multiples of l; each document's blocks start at its first token. Lay the
-        # documents out so that each begins at a multiple of l, run the same predicate there, and gather back.
-        def execute_laid_out(q: Tensor, k: Tensor, v: Tensor, position: Tensor, real: Tensor) -> Tensor:
-            arguments = call.executor_arguments(bias=True)
-            if call.bias_fn is not None:  # the same relative logits, read at the original positions of the slots
-                arguments["bias_fn"] = _on_slot_positions(call.bias_fn, position)
-            slot_mask_fn = _on_slot_positions(mask_fn, position, real)
-            return fixed_blocked_attention(q, k, v, mask_fn=slot_mask_fn, **blocks, **arguments)
-
-        return _run_documents_aligned(execute_laid_out, q, k, v, call.documents, block_size)
-    first = None if padding is None else first_real_token(padding)  # [b]
-    if choice == "xformers":
-        # The dispatcher admits xformers without dropout, with n_q == n_k, and without causality under padding: in
-        # rolled rows (below) a wrapped padding query would see later keys. Bidirectional, every rolled slot s is
-        # tested as position s, real or wrapped padding, which is what the layout's blocks from 0 compute.
-        def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
-            rolled_padding = padding if rolled_index is None else padding.gather(1, rolled_index)
-            return xformers_fixed_attention(q, k, v, **blocks, key_padding_mask=rolled_padding, scale=call.scale)
-    else:
-
-        def execute(q: Tensor, k: Tensor, v: Tensor, rolled_index: Tensor | None) -> Tensor:
-            # In rolled rows, the SAME predicate (and bias) evaluated on the original positions of the slots.
-            rolled_mask_fn = mask_fn if rolled_index is None else _on_rolled_positions(mask_fn, first, n_k)
-            arguments = call.executor_arguments(bias=True)
-            if call.bias_fn is not None and rolled_index is not None:
-                arguments["bias_fn"] = _on_rolled_positions(call.bias_fn, first, n_k)
-            return fixed_blocked_attention(q, k, v, mask_fn=rolled_mask_fn, **blocks, **arguments)
-
-    # Rolling by 0 is the identity: skip it when no row is left-padded. That test reads a tensor on the host, which
-    # would break a `torch.compile` graph, so compiled code always rolls.
-    if first is None or (not torch.compiler.is_compiling() and not bool(first.any())):
-        return execute(q, k, v, None)
-    # The pattern's blocks start at each row's first real token; the executors' blocks start at 0.
-    return _run_rolled(execute, q, k, v, first)
-
-
-def _on_rolled_positions(mask_fn, first: Tensor, length: int):
-    """`mask_fn` for rows rolled left by `first` `[b]`: slot s of row b is original position (s + first[b]) mod n."""
-
-    def rolled_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        row_first = first[bi]
-        return mask_fn(bi, hi, (q_idx + row_first) % length, (kv_idx + row_first) % length)
-
-    if hasattr(mask_fn, "tensors"):  # a bias function: the tensors it reads (`relative_logits.BiasFn`)
-        rolled_mask_fn.tensors = mask_fn.tensors
-    return rolled_mask_fn
-
-
-def _run_rolled(execute, q: Tensor, k: Tensor, v: Tensor, first: Tensor) -> Tensor:
-    """`execute(q, k, v, rolled_index)` on every row rolled left by its first real token, rolled back.
-
-    Left padding wraps to the end of the row, so blocks counted from 0 in the rolled rows are blocks counted from
-    the first real token in the original ones.
-
-    Args:
-        execute: Runs attention on rolled q `[b, h, n_k, d]`, k, v; `rolled_index` `[b, n_k]` is the original
-            position of each rolled slot (to roll masks alike).
-        q: Queries `[b, h, n_q, d]`, the last n_q positions.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
-        first: Long `[b]`, the first real token of each row.
-
-    Returns:
-        Output `[b, h, n_q, d_v]` in the original order.
-    """
-    b, h, n_q, _ = q.shape
-    n_k = k.shape[2]
-    if n_q < n_k:  # rolled queries are no longer a suffix: run every position and keep the last n_q
-        q = F.pad(q, (0, 0, n_k - n_q, 0))
-    rolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) + first.view(b, 1)) % n_k  # [b, n_k]
-
-    def rolled(x: Tensor) -> Tensor:
-        return x.gather(2, rolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, x.shape[3]))
-
-    out = execute(rolled(q), rolled(k), rolled(v), rolled_index)
-    unrolled_index = (torch.arange(n_k, device=q.device).view(1, n_k) - first.view(b, 1)) % n_k  # [b, n_k]
-    out = out.gather(2, unrolled_index.view(b, 1, n_k, 1).expand(b, h, n_k, out.shape[3]))
-    return out[:, :, n_k - n_q :]
-
-
-def _on_slot_positions(mask_fn, position: Tensor, real: Tensor | None = None):
-    """`mask_fn` (a predicate, or a `BiasFn`) for rows laid out in slots: slot s of row b holds original position
-    `position[b, s]`, and only the slots where `real[b, s]` hold a token (the others are gaps that no query sees;
-    a predicate is given `real`, a bias is not: the predicate already drops the gaps)."""
-
-    def slot_mask_fn(bi: Tensor, hi: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        at_positions = mask_fn(bi, hi, position[bi, q_idx], position[bi, kv_idx])
-        return at_positions if real is None else real[bi, kv_idx] & at_positions
-
-    if hasattr(mask_fn, "tensors"):  # a bias function: the tensors it reads (`relative_logits.BiasFn`)
-        slot_mask_fn.tensors = mask_fn.tensors
-    return slot_mask_fn
-
-
-def _run_documents_aligned(execute, q: Tensor, k: Tensor, v: Tensor, documents: Tensor, multiple: int) -> Tensor:
-    """`execute(q, k, v, position, real)` on rows laid out so that every document starts at a multiple of
-    `multiple` (`patterns.document_layout`), the output gathered back.
-
-    Args:
-        execute: Runs attention on laid-out q `[b, h, s, d]`, k, v; `position` `[b, s]` is the original position of
-            each slot and `real` `[b, s]` says which slots hold a token (to lay masks out alike).
-        q: Queries `[b, h, n_q, d]`, the last n_q positions.
-        k: Keys `[b, h, n_k, d]`.
-        v: Values `[b, h, n_k, d_v]`.
-        documents: Integer `[b, n_k]`, contiguous runs of one id per document.
-        multiple: Slots every document start is aligned to.
-
-    Returns:
-        Output `[b, h, n_q, d_v]` in the original order.
-    """
-    b, h, n_q, _ = q.shape
-    n_k = k.shape[2]
-    if n_q < n_k:  # queries of the laid-out rows are no longer a suffix: run every position and keep the last n_q
-        q = F.pad(q, (0, 0, n_k - n_q, 0))
-    position, real, slot = document_layout(documents, multiple)
-    out = execute(*(take_positions(x, position) for x in (q, k, v)), position, real)  # [b, h, s, d_v]
-    return take_positions(out, slot)[:, :, n_k - n_q :]
-
-
-def take_positions(x: Tensor, index: Tensor) -> Tensor:
-    """`x [b, h, n, d]` at positions `index [b, m]` (the same for every head): `[b, h, m, d]`."""
-    b, m = index.shape
-    return x.gather(2, index.view(b, 1, m, 1).expand(b, x.shape[1], m, x.shape[3]))
+    geometry = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head)
+    mask_fn = fixed_pattern(**geometry, causal=causal, key_padding_mask=call.padding, document_ids=call.documents)
+    return call.run(
+        q, k, v, pattern="fixed", causal=causal, mask_fn=mask_fn, per_head=summary_per_head, geometry=geometry
+    )

@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .backends import check_backend_name
+from .attention_fields import check_backend_name
 from .numerics import default_scale
 
 __all__ = [

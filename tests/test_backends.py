@@ -1062,3 +1062,19 @@ def test_executor_names_do_not_clash_with_the_ops():
     padding = torch.tensor([[True, False, True]])
     mask = patterns.materialize_mask(patterns.key_padding_predicate(padding), batch=1, heads=1, q_len=2, kv_len=3)
     assert mask.tolist() == [[[[True, False, True]] * 2]]
+
+
+@pytest.mark.parametrize("name", ["reference", "torch", "flex", "xformers", "triton"])
+def test_each_back_end_declares_an_executor_per_op_family_and_dispatch_returns_it(name):
+    """The pattern functions of `ops` get the executor from the dispatch: the chosen back end's, for the family."""
+    backend = backends.BACKENDS[name]
+    assert set(backend.executors) <= set(backend.patterns) and backend.executors
+    for pattern, executor in backend.executors.items():
+        assert callable(executor) and backend.executor(pattern) is executor
+    with pytest.raises(ValueError, match="no executor"):
+        backend.executor("windows")
+    request = _request(pattern="sliding")
+    assert backends.select_executor("torch", request) is backends.BACKENDS["torch"].executors["sliding"]
+    assert backends.select_executor("auto", request) is backends.BACKENDS[select_backend("auto", request)].executor(
+        "sliding"
+    )

@@ -714,7 +714,7 @@ def test_sparse_kinds_never_build_an_n_by_n_mask(kind, monkeypatch):
         raise AssertionError("a dense [n, m] mask was built")
 
     for target in (
-        "longattn.ops.materialize_mask",
+        "longattn.executor_families.materialize_mask",
         "longattn.attention_base.materialize_mask",
         "longattn.executor_reference.materialize_mask",
         "longattn.executor_reference.reference_attention",

@@ -16,7 +16,7 @@ import torch
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
 from kind_configs import tiny_config
 
-from longattn import backends, executor_xformers, ops, ops_linear, ops_lsh, patterns
+from longattn import backends, executor_families, executor_xformers, ops, ops_linear, ops_lsh, patterns
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, D = 3, 4, 8
@@ -72,8 +72,9 @@ def _spy(monkeypatch, targets) -> list[str]:
 
 @pytest.fixture
 def executed(monkeypatch):
-    """The names (values of `EXECUTORS`) of the executors `longattn.ops` ran, in order; clear it before a call."""
-    return _spy(monkeypatch, [(ops, name) for name in EXECUTORS.values()])
+    """The names (values of `EXECUTORS`) of the executors the ops' dispatch ran (`longattn.executor_families`), in
+    order; clear it before a call."""
+    return _spy(monkeypatch, [(executor_families, name) for name in EXECUTORS.values()])
 
 
 # ---------------------------------------------------------------------------------------------- strided and fixed

@@ -247,6 +247,7 @@ def tokenize_splits(raw, tokenize: Callable[[dict[str, list]], dict[str, list]],
         desc="tokenize",
     )
 
+
 def arrange_rows(processed, args, max_length: int):
     """The tokenized splits of a language-model recipe as training rows: whole documents packed into rows of
     `max_length` with `--packing`, texts joined into blocks of `max_length` by default, one text a row with
