@@ -6,7 +6,25 @@ from __future__ import annotations
 import torch
 
 import longattn
-from longattn import ops, patterns
+from longattn import LongAttnConfig, ops, patterns
+
+# The tiny model the kinds' model-level checks build: 60 tokens, hidden 32, 2 heads, 2 layers, 64 positions.
+TINY_MODEL = dict(
+    vocab_size=60,
+    hidden_size=32,
+    num_attention_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+
+# Every stack a kind can serve in: encoder (masked LM), decoder (causal LM), encoder-decoder.
+EVERY_STACK = [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
+
+
+def tiny_config(attention_type, **fields) -> LongAttnConfig:
+    """The `TINY_MODEL` config with `attention_type`, `fields` over it."""
+    return LongAttnConfig(**{**TINY_MODEL, "attention_type": attention_type, **fields})
 
 
 def dense_reference(mask_fn, q, k, v, **kwargs):
@@ -75,6 +93,33 @@ def assert_no_future_leak(model, ids, changed, t, *, seed=None):
     before, after = logits
     torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1])
     assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :]), "the test must be able to see a change"
+
+
+def check_causal_model_leaks_nothing(config, t, *, seed=None, modes=(False,)):
+    """The causal LM of `config` (seed 0) on 2 x 40 random tokens and on the same tokens changed after position t:
+    `assert_no_future_leak` in each training mode of `modes` (False: eval), reseeded with `seed` before each run."""
+    torch.manual_seed(0)
+    model = longattn.LongAttnForCausalLM(config)
+    ids = torch.randint(4, 60, (2, 40))
+    changed = ids.clone()
+    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
+    for train in modes:
+        model.train(train)
+        assert_no_future_leak(model, ids, changed, t, seed=seed)
+
+
+def check_mixes_with_sliding_layers(model_class, kind, **fields):
+    """`assert_mixed_stack_trains` for a tiny model whose encoder alternates sliding and `kind` layers and whose
+    decoder (if any) has a `kind` layer then a full one; `fields`: the kind's settings."""
+    config = tiny_config(
+        ["sliding", kind, "sliding", kind],
+        num_hidden_layers=4,
+        num_decoder_layers=2,
+        decoder_attention_type=[kind, "full"],
+        sliding_window=3,
+        **fields,
+    )
+    assert_mixed_stack_trains(model_class, config)
 
 
 def three_padded_rows(length, *, left=True):

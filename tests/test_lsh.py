@@ -7,7 +7,13 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, lengths_mask
+from attention_checks import (
+    EVERY_STACK,
+    check_causal_model_leaks_nothing,
+    check_mixes_with_sliding_layers,
+    lengths_mask,
+    tiny_config,
+)
 from transformers import ReformerConfig
 from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
@@ -383,25 +389,8 @@ def test_sort_then_chunk_with_a_position_mask_does_leak():
 
 @pytest.mark.parametrize("t", [9, 23])
 def test_causal_lsh_model_leaks_nothing(t):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type="lsh",
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_num_hashes=2,
-        lsh_seed=0,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = longattn.LongAttnForCausalLM(config).eval()
-    ids = torch.randint(4, 60, (2, 40))
-    changed = ids.clone()
-    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
-    assert_no_future_leak(model, ids, changed, t)
+    fields = dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_num_hashes=2, lsh_seed=0)
+    check_causal_model_leaks_nothing(tiny_config("lsh", **fields), t)
 
 
 # ---------------------------------------------------------------------------------------------- transformers parity
@@ -477,26 +466,9 @@ def test_config_validation_names_the_field(fields, message):
         LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, attention_type="lsh", **fields)
 
 
-@pytest.mark.parametrize(
-    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
-)
+@pytest.mark.parametrize("model_class", EVERY_STACK)
 def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=4,
-        num_decoder_layers=2,
-        intermediate_size=64,
-        attention_type=["sliding", "lsh", "sliding", "lsh"],
-        decoder_attention_type=["lsh", "full"],
-        sliding_window=3,
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_seed=0,
-        max_position_embeddings=64,
-    )
-    assert_mixed_stack_trains(model_class, config)
+    check_mixes_with_sliding_layers(model_class, "lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)
 
 
 # ---------------------------------------------------------------------------------------------- the window kernel

@@ -8,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_checks import (
-    assert_mixed_stack_trains,
-    assert_no_future_leak,
+    EVERY_STACK,
     assert_same_on_kept_rows,
+    check_causal_model_leaks_nothing,
+    check_mixes_with_sliding_layers,
     lengths_mask,
     random_qkv,
+    tiny_config,
 )
 from transformers import AutoModelForMaskedLM
 
@@ -226,23 +228,7 @@ def test_balancing_over_the_whole_sequence_would_leak():
 
 @pytest.mark.parametrize("t", [11, 25])
 def test_causal_routing_model_leaks_nothing(t):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type="routing",
-        routing_num_clusters=3,
-        routing_causal_window=5,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = longattn.LongAttnForCausalLM(config).eval()
-    ids = torch.randint(4, 60, (2, 40))
-    changed = ids.clone()
-    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
-    assert_no_future_leak(model, ids, changed, t)
+    check_causal_model_leaks_nothing(tiny_config("routing", routing_num_clusters=3, routing_causal_window=5), t)
 
 
 # ---------------------------------------------------------------------------------------------- centroids
@@ -436,25 +422,9 @@ def test_config_validation_names_the_field(fields, message):
         LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, attention_type="routing", **fields)
 
 
-@pytest.mark.parametrize(
-    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
-)
+@pytest.mark.parametrize("model_class", EVERY_STACK)
 def test_routing_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=4,
-        num_decoder_layers=2,
-        intermediate_size=64,
-        attention_type=["sliding", "routing", "sliding", "routing"],
-        decoder_attention_type=["routing", "full"],
-        sliding_window=3,
-        routing_num_clusters=3,
-        routing_causal_window=5,
-        max_position_embeddings=64,
-    )
-    assert_mixed_stack_trains(model_class, config)
+    check_mixes_with_sliding_layers(model_class, "routing", routing_num_clusters=3, routing_causal_window=5)
 
 
 @pytest.mark.parametrize("causal", [False, True])

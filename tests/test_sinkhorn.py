@@ -6,11 +6,17 @@ import math
 
 import pytest
 import torch
-from attention_checks import assert_mixed_stack_trains, assert_no_future_leak, assert_same_on_kept_rows, lengths_mask
+from attention_checks import (
+    EVERY_STACK,
+    assert_same_on_kept_rows,
+    check_causal_model_leaks_nothing,
+    check_mixes_with_sliding_layers,
+    lengths_mask,
+    tiny_config,
+)
 from transformers import AutoModelForMaskedLM
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_sinkhorn import (
     log_sinkhorn,
     sinkhorn_attention,
@@ -185,41 +191,14 @@ def test_causal_sinkhorn_leaks_nothing_at_op_level(t):
 
 @pytest.mark.parametrize("t", [9, 22])
 def test_causal_sinkhorn_model_leaks_nothing_even_with_noise(t):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type="sinkhorn",
-        sinkhorn_block_size=4,
-        hidden_dropout_prob=0.0,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = longattn.LongAttnForCausalLM(config)
-    ids = torch.randint(4, 60, (2, 40))
-    changed = ids.clone()
-    changed[:, t + 1 :] = torch.randint(4, 60, (2, 40 - t - 1))
-    for train in (False, True):  # training adds Gumbel noise to the sorting: the same draw for both runs
-        model.train(train)
-        assert_no_future_leak(model, ids, changed, t, seed=1)
+    # training adds Gumbel noise to the sorting: the same draw for both runs
+    config = tiny_config("sinkhorn", sinkhorn_block_size=4, hidden_dropout_prob=0.0)
+    check_causal_model_leaks_nothing(config, t, seed=1, modes=(False, True))
 
 
 # ---------------------------------------------------------------------------------------------- the module
 def _config(**fields):
-    base = dict(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type="sinkhorn",
-        sinkhorn_block_size=4,
-        max_position_embeddings=64,
-    )
-    base.update(fields)
-    return LongAttnConfig(**base)
+    return tiny_config(**{"attention_type": "sinkhorn", "sinkhorn_block_size": 4, **fields})
 
 
 def test_noise_only_in_training_and_the_sorting_network_learns():
@@ -264,18 +243,9 @@ def test_config_validation_names_the_field(fields, message):
         _config(**fields)
 
 
-@pytest.mark.parametrize(
-    "model_class", [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
-)
+@pytest.mark.parametrize("model_class", EVERY_STACK)
 def test_sinkhorn_mixes_with_sliding_layers_in_every_stack(model_class):
-    config = _config(
-        num_hidden_layers=4,
-        num_decoder_layers=2,
-        attention_type=["sliding", "sinkhorn"] * 2,
-        decoder_attention_type=["sinkhorn", "full"],
-        sliding_window=3,
-    )
-    assert_mixed_stack_trains(model_class, config)
+    check_mixes_with_sliding_layers(model_class, "sinkhorn", sinkhorn_block_size=4)
 
 
 @pytest.mark.parametrize("padded", [False, True])
