@@ -271,19 +271,8 @@ def test_each_layer_has_its_own_eval_rotations_derived_from_the_seed(seed):
 def test_seq2seq_decoder_layers_hash_apart_from_the_encoder_layers():
     from longattn.attention_lsh import LSHAttention
 
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        num_decoder_layers=2,
-        intermediate_size=64,
-        attention_type="lsh",
-        decoder_attention_type="lsh",
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_seed=7,
-        max_position_embeddings=64,
+    config = tiny_config(
+        "lsh", num_decoder_layers=2, decoder_attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=7
     )
     layers = [m for m in longattn.LongAttnForSeq2SeqLM(config).modules() if isinstance(m, LSHAttention)]
     seeds = sorted(layer.seed for layer in layers)
