@@ -20,7 +20,8 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from . import _moved, modeling_longattn, ops, patterns
+# modeling_stock: every save of a stock model running the kinds writes a folder that loads with trust_remote_code.
+from . import _moved, modeling_longattn, modeling_stock, ops, patterns  # noqa: F401
 from .attention_registry import available_attention_types
 from .configuration_longattn import LongAttnConfig
 from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
@@ -35,7 +36,6 @@ from .modeling_longattn import (  # noqa: F401  (public names: modeling_longattn
     LongAttnModel,
     LongAttnPreTrainedModel,
 )
-from .tools.lengthen import save_lengthened  # writing a folder is tooling: it lives beside the hub code
 
 __version__ = "0.1.0"
 
@@ -54,6 +54,16 @@ _moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `
 AutoConfig.register(LongAttnConfig.model_type, LongAttnConfig, exist_ok=True)
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _auto_class.register(LongAttnConfig, _model_class, exist_ok=True)
+
+
+def __getattr__(name: str):
+    """`longattn.save_lengthened`: writing a folder is tooling (`longattn.tools.lengthen`), imported when first used."""
+    if name == "save_lengthened":
+        from .tools.lengthen import save_lengthened
+
+        return save_lengthened
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LongAttnConfig",
