@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     pattern = attention_pattern(model, input_ids, global_attention_mask=global_mask)
     settings = format_config_overrides({**PICTURE_SETTINGS.get(args.attention_type, {}), **overrides})
     title = " ".join(filter(None, [args.attention_type, settings, f"n={args.length}", "causal" * args.causal]))
-    path = draw_pattern(pattern, args.output, title=title)
-    print(f"wrote the picture of {args.attention_type} attention to {Path(path).resolve()}")
+    draw_pattern(pattern, args.output, title=title)
+    print(f"wrote the picture of {args.attention_type} attention to {Path(args.output).resolve()}")
 
 
 if __name__ == "__main__":
