@@ -56,3 +56,24 @@ def test_import_registers_the_auto_classes():
 
     config = AutoConfig.for_model("longattn", hidden_size=32, num_attention_heads=2, num_hidden_layers=1)
     assert type(AutoModelForMaskedLM.from_config(config)) is longattn.LongAttnForMaskedLM
+
+
+def test_log_lines_into_a_file_hold_no_terminal_escape_codes():
+    """The recipes' (and the quickstart's) INFO lines, logged while nested progress bars are shown, written to a log
+    file: each on a line of its own, without the cursor movements tqdm uses to redraw bars on a terminal."""
+    import io
+    import logging
+
+    from tqdm.auto import tqdm
+
+    from longattn.train.training import TqdmLoggingHandler
+
+    log = io.StringIO()
+    handler = TqdmLoggingHandler(log)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    record = logging.LogRecord("longattn", logging.INFO, __file__, 1, "step %d: eval_loss=%.2f", (4, 2.3), None)
+    with tqdm(total=4, file=log, desc="train") as outer, tqdm(total=2, file=log, desc="eval", leave=False):
+        outer.update(1)
+        handler.emit(record)
+    lines = [line for line in log.getvalue().splitlines() if "INFO" in line]
+    assert lines == ["INFO step 4: eval_loss=2.30"]
