@@ -38,6 +38,11 @@ def register() -> None:
     )
 
     from . import _moved, integration_transformers, modeling_longattn, modeling_stock  # noqa: F401  (they register)
+    from .lengthen import lengthen
+
+    # `longattn.lengthen` is the function, as `from .lengthen import lengthen` always made it: importing the module of
+    # that name binds the module to the package's attribute, which a module `__getattr__` would never override.
+    globals()["lengthen"] = lengthen
 
     _moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
     config_class = modeling_longattn.LongAttnConfig
