@@ -71,6 +71,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
+from . import tuning
 from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, hidden_logit_for
 from .ops_checks import empty_attention, is_empty
@@ -98,9 +99,12 @@ MAX_LEVELS = 32
 QUERY_BLOCK = 32
 """Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
 
-# Elements of one chunk's scores [b, h, blocks, c, m]: 1 MB in float32; its gathered keys and values (m x d per
-# block, about twice the c x m scores at d = 64) and their gradients take a few MB more, recomputed in backward.
-_CHUNK_ELEMENTS = 2**18
+# Elements of one chunk's scores [b, h, blocks, c, m]: a quarter of the blocked executors' workspace budget for this
+# machine (`tuning.workspace_elements()`), since its gathered keys and values (m x d per block, about twice the c x m
+# scores at d = 64) and their gradients take as much again, recomputed in backward: 2**19 (2 MB) where the budget is
+# 2**21. One layer at 4K tokens, forward + backward, one thread, CPU time: 2**17 0.97 s, 2**18 0.84 s, 2**19 0.69 s,
+# 2**20 0.76 s, 2**21 1.02 s (fewer chunks, each a Python-level autograd graph, until the workspaces leave the cache).
+_CHUNK_ELEMENTS = tuning.workspace_elements() // 4
 
 
 def num_levels(n: int, context: int) -> int:
