@@ -99,12 +99,14 @@ MAX_LEVELS = 32
 QUERY_BLOCK = 32
 """Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
 
-# Elements of one chunk's scores [b, h, blocks, c, m]: a quarter of the blocked executors' workspace budget for this
-# machine (`tuning.workspace_elements()`), since its gathered keys and values (m x d per block, about twice the c x m
-# scores at d = 64) and their gradients take as much again, recomputed in backward: 2**19 (2 MB) where the budget is
-# 2**21. One layer at 4K tokens, forward + backward, one thread, CPU time: 2**17 0.97 s, 2**18 0.84 s, 2**19 0.69 s,
-# 2**20 0.76 s, 2**21 1.02 s (fewer chunks, each a Python-level autograd graph, until the workspaces leave the cache).
-_CHUNK_ELEMENTS = tuning.workspace_elements() // 4
+# Elements of one chunk's scores [b, h, blocks, c, m]: an eighth of the blocked executors' workspace budget for this
+# machine (`tuning.workspace_elements()`; 2**18, 1 MB, where the budget is 2**21), since its gathered keys and values
+# (m x d per block, about twice the c x m scores at d = 64) and their gradients take a few times more, recomputed in
+# backward. One layer, forward + backward, one thread, CPU time, median of 2 alternated rounds: 4K tokens 2**17
+# 0.97 s, 2**18 0.84 s, 2**19 0.69 s, 2**20 0.76 s, 2**21 1.02 s; 8K tokens 2**18 1.55 s, 2**19 1.43 s, 2**20 1.51 s.
+# A quarter of the budget (2**19) would be 8-17% faster, for 12% more peak memory (174 MB against 155 at 4K): kept at
+# an eighth, as BP-Transformer's peak is already the largest of the kinds.
+_CHUNK_ELEMENTS = tuning.workspace_elements() // 8
 
 
 def num_levels(n: int, context: int) -> int:
