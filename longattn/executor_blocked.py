@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import tuning
 from .numerics import HIDDEN_LOGIT, compute_dtype, head_groups, merge_attention
 from .patterns import MaskFn, and_masks
 from .relative_logits import BiasFn, block_bias
@@ -61,20 +62,20 @@ __all__ = [
     "global_token_index",
 ]
 
-# Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
-# `_WORKSPACE_ELEMENTS`). 2**20 floats (4 MB in float32) keeps the
-# workspaces of a chunk (scores, their gradient, gathered keys and values) inside a typical L3 cache. Measured on
-# a 2-core CPU (16K tokens, 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a
-# bmm writing into a fresh large tensor instead of a reused buffer was 2x slower (page faults on first touch).
-_CHUNK_ELEMENTS = 2**20
+# Elements of ALL the workspaces of one chunk of `attend_blocks` / `attend_block_sets` together: scores and their
+# gradient, gathered keys, values and their gradients (and their weighted copies), the chunk's queries, output
+# gradients and query gradients. Chosen per machine by `tuning.workspace_elements()`: the largest power of two whose
+# float32 bytes fit one core's share of the last-level cache plus its L2, within [2**18, 2**21] (2**21, 8 MB, on a
+# 2-core AMD EPYC with 32 MB of L3 and 512 KB of L2 per core; evidence in docs/benchmarks.md, "Chunk sizes per
+# machine"). Budgeting the scores alone let blocks that gather more keys than they hold queries (Sinkhorn: 2s keys of
+# 64 for s = 64 queries) keep 42 MB of workspaces at 16K tokens, a third of what full attention's whole step adds.
+_WORKSPACE_ELEMENTS = tuning.workspace_elements()
 
-# Elements of ALL the workspaces of one chunk of `attend_blocks` / `attend_block_sets` together (2**21: 8 MB in
-# float32): scores and their gradient, gathered keys, values and their gradients (and their weighted copies), the
-# chunk's queries, output gradients and query gradients. Budgeting the scores alone let blocks that gather more keys
-# than they hold queries (Sinkhorn: 2s keys of 64 for s = 64 queries) keep 42 MB of workspaces at 16K tokens, a
-# third of what full attention's whole step adds. One thread, 8K tokens, forward + backward: Sinkhorn 0.300 s ->
-# 0.306-0.310 s, strided 0.53 s either way, for 2**19 to 2**18 score elements instead of 2**20.
-_WORKSPACE_ELEMENTS = 2**21
+# Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
+# `_WORKSPACE_ELEMENTS`): half the workspace budget (2**20 where that is 2**21). Measured on a 2-core CPU (16K tokens,
+# 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a bmm writing into a fresh large
+# tensor instead of a reused buffer was 2x slower (page faults on first touch).
+_CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2
 
 
 def _blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
@@ -1756,7 +1757,7 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # This is the cap; `_band_chunks` also keeps a chunk within an eighth of q's elements (but at least 2 blocks): at 16K
 # tokens, 4 heads, tensor peak 167 MB (1.14x full attention's) at 2**20, 157 MB at 2**19 (3 blocks), time within the
 # noise (0.44 s vs 0.45 s for the attention alone). Grouped heads (16 on 4 key/value heads) keep the cap.
-_BAND_CHUNK_ELEMENTS = 2**20
+_BAND_CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2  # 2**20 where the budget is 2**21 (`tuning`)
 
 
 @dataclass
