@@ -73,7 +73,7 @@ from transformers import initialization as init
 
 from . import tuning
 from .attention_base import LongAttnAttention
-from .numerics import compute_dtype, hidden_logit_for
+from .numerics import compute_dtype, hide_logits
 from .ops_checks import empty_attention, is_empty
 from .patterns import first_real_token
 from .relative_logits import check_relative_embedding, relative_logit_table
@@ -314,8 +314,7 @@ def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple
 
 def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
     """Softmax over the last dim with hidden entries masked; rows with no visible entry give zeros."""
-    scores = scores.masked_fill(~visible, hidden_logit_for(scores.dtype))
-    probs = torch.softmax(scores, dim=-1) * visible.any(-1, keepdim=True)
+    probs = torch.softmax(hide_logits(scores, ~visible), dim=-1) * visible.any(-1, keepdim=True)
     return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
 
 
