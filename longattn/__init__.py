@@ -1,7 +1,9 @@
 """longattn: long-sequence transformers with a zoo of efficient attentions, at home in the Hugging Face ecosystem.
 
-`import longattn` registers `LongAttnConfig` and every model class with transformers' Auto classes, so
-`AutoModel.from_pretrained(folder)` works for any saved longattn model.
+`import longattn` registers `LongAttnConfig` and every model class with transformers' Auto classes (`register`), so
+`AutoModel.from_pretrained(folder)` works for any saved longattn model; the public names are module attributes
+resolved when first used. The `longattn` command (`longattn.tools.cli`) starts without torch or transformers: in that
+process the registrations wait for the subcommand that needs them.
 
 Layout: the flat modules are what a Hub folder loaded with `trust_remote_code` carries (the configuration, the model,
 the attention kinds, ops, patterns, executors, numerics, the tokenizer) plus the library's entry points
@@ -9,55 +11,109 @@ the attention kinds, ops, patterns, executors, numerics, the tokenizer) plus the
 loop, collators, the offline tasks) and `longattn.tools` (Hub folders and uploads, pictures, the command lines).
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import sys as _sys
 
-from . import _moved, modeling_longattn, ops, patterns
-from .attention_registry import available_attention_types
-from .configuration_longattn import LongAttnConfig
-from .integration_transformers import apply_longattn, auxiliary_loss  # registers the "longattn" implementation
-from .lengthen import lengthen
-from .modeling_longattn import (  # noqa: F401  (public names: modeling_longattn.__all__, listed in __all__ below)
-    LongAttnForCausalLM,
-    LongAttnForMaskedLM,
-    LongAttnForQuestionAnswering,
-    LongAttnForSeq2SeqLM,
-    LongAttnForSequenceClassification,
-    LongAttnForTokenClassification,
-    LongAttnModel,
-    LongAttnPreTrainedModel,
-)
-from .tools.lengthen import save_lengthened  # writing a folder is tooling: it lives beside the hub code
+
+def _started_as_command() -> bool:
+    """This process is the `longattn` command (`longattn ...`, `python -m longattn ...`): its start (`--help`, the
+    choice of a subcommand) imports neither torch nor transformers; the subcommand registers what it needs."""
+    argv = getattr(_sys, "orig_argv", None) or []
+    module = [after for before, after in zip(argv, argv[1:]) if before == "-m"][:1]
+    return _sys.argv[0].rsplit("/", 1)[-1] == "longattn" or module == ["longattn"]
+
+
+def register() -> None:
+    """Register `LongAttnConfig` and every model class with transformers' Auto classes, the `"longattn"` attention
+    implementation (and its build hooks), and the shareable save of stock models running the kinds (idempotent:
+    `import longattn` calls it, except in the `longattn` command, whose subcommands call it when they need it)."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForQuestionAnswering,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    from . import _moved, integration_transformers, modeling_longattn, modeling_stock  # noqa: F401  (they register)
+    from .lengthen import lengthen
+
+    # `longattn.lengthen` is the function, as `from .lengthen import lengthen` always made it: importing the module of
+    # that name binds the module to the package's attribute, which a module `__getattr__` would never override.
+    globals()["lengthen"] = lengthen
+
+    _moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
+    config_class = modeling_longattn.LongAttnConfig
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    auto_classes = {
+        AutoModel: modeling_longattn.LongAttnModel,
+        AutoModelForMaskedLM: modeling_longattn.LongAttnForMaskedLM,
+        AutoModelForSequenceClassification: modeling_longattn.LongAttnForSequenceClassification,
+        AutoModelForTokenClassification: modeling_longattn.LongAttnForTokenClassification,
+        AutoModelForQuestionAnswering: modeling_longattn.LongAttnForQuestionAnswering,
+        AutoModelForCausalLM: modeling_longattn.LongAttnForCausalLM,
+        AutoModelForSeq2SeqLM: modeling_longattn.LongAttnForSeq2SeqLM,
+    }
+    for auto_class, model_class in auto_classes.items():
+        auto_class.register(config_class, model_class, exist_ok=True)
+
+
+# Public names -> the module that defines them, imported when first used (module `__getattr__`, PEP 562).
+_LAZY = {
+    "LongAttnConfig": "configuration_longattn",
+    "available_attention_types": "attention_registry",
+    "apply_longattn": "integration_transformers",
+    "auxiliary_loss": "integration_transformers",
+    "lengthen": "lengthen",
+    "save_lengthened": "tools.lengthen",  # writing a folder is tooling: it lives beside the hub code
+    **{
+        name: "modeling_longattn"
+        for name in (
+            "LongAttnPreTrainedModel",
+            "LongAttnModel",
+            "LongAttnForMaskedLM",
+            "LongAttnForSequenceClassification",
+            "LongAttnForTokenClassification",
+            "LongAttnForQuestionAnswering",
+            "LongAttnForCausalLM",
+            "LongAttnForSeq2SeqLM",
+        )
+    },
+}
+_SUBMODULES = ("ops", "patterns", "modeling_longattn", "modeling_stock", "integration_transformers")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
+
+if not _started_as_command():
+    register()
 
 __version__ = "0.1.0"
 
-AUTO_CLASSES = {
-    AutoModel: LongAttnModel,
-    AutoModelForMaskedLM: LongAttnForMaskedLM,
-    AutoModelForSequenceClassification: LongAttnForSequenceClassification,
-    AutoModelForTokenClassification: LongAttnForTokenClassification,
-    AutoModelForQuestionAnswering: LongAttnForQuestionAnswering,
-    AutoModelForCausalLM: LongAttnForCausalLM,
-    AutoModelForSeq2SeqLM: LongAttnForSeq2SeqLM,
-}
-
-_moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
-
-AutoConfig.register(LongAttnConfig.model_type, LongAttnConfig, exist_ok=True)
-for _auto_class, _model_class in AUTO_CLASSES.items():
-    _auto_class.register(LongAttnConfig, _model_class, exist_ok=True)
-
 __all__ = [
     "LongAttnConfig",
-    *modeling_longattn.__all__,
+    "LongAttnPreTrainedModel",
+    "LongAttnModel",
+    "LongAttnForMaskedLM",
+    "LongAttnForSequenceClassification",
+    "LongAttnForTokenClassification",
+    "LongAttnForQuestionAnswering",
+    "LongAttnForCausalLM",
+    "LongAttnForSeq2SeqLM",
     "apply_longattn",
     "auxiliary_loss",
     "available_attention_types",
@@ -65,4 +121,5 @@ __all__ = [
     "save_lengthened",
     "ops",
     "patterns",
+    "register",
 ]

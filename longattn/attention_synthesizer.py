@@ -35,7 +35,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .numerics import compute_dtype, hidden_logit_for
+from .numerics import compute_dtype, hide_logits
 
 
 class SynthesizerAttention(LongAttnAttention):
@@ -211,7 +211,7 @@ class SynthesizerAttention(LongAttnAttention):
             dot = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * self.scale  # [b, h, n, m]
             logits = weights[None, :, 0, None, None] * logits + weights[None, :, 1, None, None] * dot
         visible = self._visible(attention_mask, n, m, v.device)  # [b|1, 1, n, m]
-        probs = torch.softmax(logits.masked_fill(~visible, hidden_logit_for(dtype)), dim=-1)
+        probs = torch.softmax(hide_logits(logits, ~visible), dim=-1)
         # [b, h, n, m]: the input-independent modes give one matrix for the batch; expanded before dropout, so that
         # every sequence draws its own dropout mask (dropout of the shared matrix would drop alike in all of them).
         probs = (probs * visible).expand(b, -1, -1, -1)  # a row without visible keys (all padding) is zeros

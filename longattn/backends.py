@@ -10,13 +10,13 @@ A pattern (`longattn.patterns`) says which keys a query sees; a back end compute
 - `"flex"`: `torch.nn.attention.flex_attention` with a block mask built from the same predicate
   (`executor_flex`). On CUDA it is compiled; on CPU it runs eagerly, forward only.
 - `"xformers"`: xformers' memory-efficient kernels (`executor_xformers`), CUDA only, the optional extra
-  `pip install longattn[xformers]`. Sliding windows map to local-attention biases; dilated and strided patterns
+  `pip install xformers`. Sliding windows map to local-attention biases; dilated and strided patterns
   become local or block layouts after permuting the sequence into residue classes; global tokens and summary
   columns are separate parts merged by log-sum-exp.
 - `"triton"`: longattn's own Triton kernels for the sliding window (`executor_triton`): per-head dilation in one
   launch, causal, padding, grouped-query heads read in place, global tokens merged by log-sum-exp; forward and
   backward. CUDA, or CPU under Triton's interpreter (`TRITON_INTERPRET=1`, for tests); the optional extra
-  `pip install longattn[triton]`. Not measured on a GPU yet, so `"auto"` never picks it.
+  `pip install triton`. Not measured on a GPU yet, so `"auto"` never picks it.
 
 Each back end declares what it supports and, for a given `AttentionRequest`, returns the reasons it cannot run
 (`reasons_not_supported`), in the manner of xformers' operator dispatch. `select_backend` raises `ValueError`
@@ -356,7 +356,7 @@ class TritonBackend(Backend):
         reasons = super().reasons_not_supported(request)
         # A search, not an import: triton is imported only when its kernels run (`executor_triton`).
         if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed (pip install 'longattn[triton]')")
+            reasons.append("triton is not installed (pip install triton)")
         interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if request.device == "cpu" and not interpreted:
             reasons.append(

@@ -456,4 +456,9 @@ def _validated_types(field: str, value: Any, num_layers: int) -> list[str]:
     return names
 
 
+# `save_pretrained` writes `auto_map["AutoConfig"]` and copies this module with every sibling it imports, so a saved
+# folder loads with `trust_remote_code=True` where longattn is not installed (the models do the same:
+# modeling_longattn.py).
+LongAttnConfig.register_for_auto_class()
+
 __all__ = ["LongAttnConfig", "check_override_fields"]

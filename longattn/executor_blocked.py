@@ -43,7 +43,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .numerics import HIDDEN_LOGIT, compute_dtype, head_groups, merge_attention
+from . import tuning
+from .numerics import (
+    HIDDEN_LOGIT,
+    SAFE_LOGIT_BOUND,
+    compute_dtype,
+    head_groups,
+    hide_logits,
+    logit_bound,
+    merge_attention,
+    sees_a_key,
+)
 from .patterns import MaskFn, and_masks
 from .relative_logits import BiasFn, block_bias
 
@@ -61,20 +71,20 @@ __all__ = [
     "global_token_index",
 ]
 
-# Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
-# `_WORKSPACE_ELEMENTS`). 2**20 floats (4 MB in float32) keeps the
-# workspaces of a chunk (scores, their gradient, gathered keys and values) inside a typical L3 cache. Measured on
-# a 2-core CPU (16K tokens, 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a
-# bmm writing into a fresh large tensor instead of a reused buffer was 2x slower (page faults on first touch).
-_CHUNK_ELEMENTS = 2**20
+# Elements of ALL the workspaces of one chunk of `attend_blocks` / `attend_block_sets` together: scores and their
+# gradient, gathered keys, values and their gradients (and their weighted copies), the chunk's queries, output
+# gradients and query gradients. Chosen per machine by `tuning.workspace_elements()`: the largest power of two whose
+# float32 bytes fit one core's share of the last-level cache plus its L2, within [2**18, 2**21] (2**21, 8 MB, on a
+# 2-core AMD EPYC with 32 MB of L3 and 512 KB of L2 per core; evidence in docs/benchmarks.md, "Chunk sizes per
+# machine"). Budgeting the scores alone let blocks that gather more keys than they hold queries (Sinkhorn: 2s keys of
+# 64 for s = 64 queries) keep 42 MB of workspaces at 16K tokens, a third of what full attention's whole step adds.
+_WORKSPACE_ELEMENTS = tuning.workspace_elements()
 
-# Elements of ALL the workspaces of one chunk of `attend_blocks` / `attend_block_sets` together (2**21: 8 MB in
-# float32): scores and their gradient, gathered keys, values and their gradients (and their weighted copies), the
-# chunk's queries, output gradients and query gradients. Budgeting the scores alone let blocks that gather more keys
-# than they hold queries (Sinkhorn: 2s keys of 64 for s = 64 queries) keep 42 MB of workspaces at 16K tokens, a
-# third of what full attention's whole step adds. One thread, 8K tokens, forward + backward: Sinkhorn 0.300 s ->
-# 0.306-0.310 s, strided 0.53 s either way, for 2**19 to 2**18 score elements instead of 2**20.
-_WORKSPACE_ELEMENTS = 2**21
+# Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
+# `_WORKSPACE_ELEMENTS`): half the workspace budget (2**20 where that is 2**21). Measured on a 2-core CPU (16K tokens,
+# 4 heads): chunks of 2**20..2**21 elements were fastest, 2**22 was 1.5x slower, and a bmm writing into a fresh large
+# tensor instead of a reused buffer was 2x slower (page faults on first touch).
+_CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2
 
 
 def _blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
@@ -172,14 +182,22 @@ def _dropout_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def _hide(scores: Tensor, hidden: Tensor) -> None:
-    """Add HIDDEN_LOGIT (see `numerics`) to the scores of hidden keys, in place; hidden: bool, broadcastable.
+def _hide(scores: Tensor, hidden: Tensor, bound: float | None) -> None:
+    """Hide the scores of hidden keys in place by `numerics.hide_logits`; hidden: bool, broadcastable; bound: the
+    call's `logit_bound` (None: unknown).
 
-    An additive mask is faster than masked_fill_ with a bool mask on CPU, and adding the mask's bytes as uint8 (the
-    same 0 / 1) is ~3x faster again than adding the bool tensor (which converts element by element): 69 vs 223 µs
-    for [4, 128, 1024] scores on one thread.
+    Under the safe bound that adds HIDDEN_LOGIT as the mask's bytes (uint8), ~3x faster than adding the bool tensor
+    and several times faster than masked_fill_ (69 vs 223 µs for [4, 128, 1024] scores on one thread, against the
+    bool addition); beyond it (huge logits), -inf exactly. Rows without a visible key are told from the mask.
     """
-    scores.add_(hidden.view(torch.uint8), alpha=HIDDEN_LOGIT)
+    hide_logits(scores, hidden, bound=bound, inplace=True)
+
+
+def _weighted_bound(q: Tensor, k: Tensor, scale: float, bias: Tensor | None, kv_weight: Tensor | None) -> float:
+    """`numerics.logit_bound` of a call whose gathered keys may be weighted by `kv_weight` (own keys: weight 1)."""
+    if kv_weight is not None and kv_weight.numel():
+        scale = abs(scale) * max(1.0, float(kv_weight.detach().abs().amax()))
+    return logit_bound(q, k, scale, bias)
 
 
 class _RepeatedBlockMask:
@@ -277,9 +295,10 @@ class _BlockAttention(torch.autograd.Function):
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
         k_c, v_c = k.to(dtype), v.to(dtype)
+        bound = None if mask is None else _weighted_bound(q_blocks, k, scale, bias, kv_weight)
         for chunk in _chunks(q_blocks, k_c, v_c, kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = _chunk_scores(chunk, bias, h_kv, workspace)
+            probs = _chunk_scores(chunk, bias, h_kv, workspace, bound)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
@@ -310,7 +329,7 @@ class _BlockAttention(torch.autograd.Function):
             saved_mask = None
         ctx.save_for_backward(q_blocks, k, v, kv_index, saved_mask, has_key, kv_weight, bias, *(repeated or ()))
         ctx.mask_fn = None if isinstance(mask, Tensor) else mask
-        ctx.scale, ctx.dropout_p, ctx.seed, ctx.own_keys = scale, dropout_p, seed, own_keys
+        ctx.scale, ctx.dropout_p, ctx.seed, ctx.own_keys, ctx.bound = scale, dropout_p, seed, own_keys, bound
         # An unused lse (the common case) then arrives as None in backward instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
         return out.to(q_blocks.dtype), lse
@@ -345,7 +364,7 @@ class _BlockAttention(torch.autograd.Function):
 
         for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = _chunk_scores(chunk, bias, h_kv, workspace)
+            probs = _chunk_scores(chunk, bias, h_kv, workspace, ctx.bound)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = workspace.get("grad_out", chunk.out_shape)
             if grad_out is None:
@@ -410,15 +429,15 @@ def _own_blocks(t: Tensor, nb: int, own_keys: int) -> Tensor | None:
     return t[:, :, : nb * own_keys].unflatten(2, (nb, own_keys)) if own_keys else None
 
 
-def _chunk_scores(chunk: _Chunk, bias: Tensor | None, h_kv: int, workspace: _Workspace) -> Tensor:
-    """The chunk's scores `[rows, queries, m]` (q is scaled already) plus the bias and the hidden keys' logit, in
-    the "probs" workspace (forward and backward compute them alike)."""
+def _chunk_scores(chunk: _Chunk, bias: Tensor | None, h_kv: int, workspace: _Workspace, bound: float) -> Tensor:
+    """The chunk's scores `[rows, queries, m]` (q is scaled already) plus the bias, hidden keys hidden (`_hide`
+    under the call's logit `bound`), in the "probs" workspace (forward and backward compute them alike)."""
     probs = workspace.get("probs", chunk.scores_shape)
     torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
     if bias is not None:
         chunk.view6(probs).add_(_split_heads(bias[:, :, chunk.start : chunk.stop], h_kv))
     if chunk.hidden is not None:
-        _hide(chunk.view6(probs), chunk.hidden)
+        _hide(chunk.view6(probs), chunk.hidden, bound)
     return probs
 
 
@@ -446,8 +465,8 @@ def _product_gradients(
 
 
 def _softmax_rows(probs: Tensor) -> Tensor:
-    """Softmax of scores `[rows, queries, m]` in place; returns each row's log-sum-exp `[rows·queries]` (near
-    HIDDEN_LOGIT where every key is hidden)."""
+    """Softmax of scores `[rows, queries, m]` in place; returns each row's log-sum-exp `[rows·queries]` (finite but
+    meaningless where every key is hidden: the mask tells those rows, `_BlockSetAttention` sets them to -inf)."""
     score_max = probs.amax(dim=-1).view(-1)
     torch.ops.aten._softmax.out(probs, -1, False, out=probs)
     # The largest probability is exp(score_max − lse): one cheap reduction instead of a separate exp-sum.
@@ -774,7 +793,7 @@ def _attend_blocks_traceable(
     if bias is not None:
         scores = scores + bias.to(dtype)
     if mask is not None:
-        scores = scores + (~mask).to(dtype) * HIDDEN_LOGIT
+        scores = hide_logits(scores, ~mask)
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, nb, c]
     probs = torch.nn.functional.dropout(torch.exp(scores - lse[..., None]), p=dropout_p)
     out = (_split_heads(probs, h_kv) @ values).flatten(1, 2)  # [b, h, nb, c, d_v]
@@ -970,17 +989,19 @@ class _BlockSetAttention(torch.autograd.Function):
         lse_rows, lse_base, lse_step = _rows(lse.unsqueeze(-1))
         workspace = _Workspace(dtype, device)
         generator = _dropout_generator(seed, device) if dropout_p > 0 else None
+        # A bias function's values are not bounded in advance: hidden logits are then -inf exactly.
+        bound = logit_bound(q, k, scale) if bias_fn is None else None
         k, v = k.to(dtype), v.to(dtype)
         for index, plan in enumerate(plans):
             for chunk, _ in _set_chunks(q.to(dtype), k, v, plan, scale, workspace):
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     chunk.view6(probs).add_(_set_bias(bias_fn, plan, b, chunk))
+                _hide(chunk.view6(probs), chunk.hidden, bound)
                 row_lse = _softmax_rows(probs)
-                # A row whose keys are all hidden has a log-sum-exp near HIDDEN_LOGIT: no key, lse = -inf.
-                row_lse.masked_fill_(row_lse < HIDDEN_LOGIT / 2, -math.inf)
+                # A row whose keys are all hidden (by the mask, whatever its values): no key, lse = -inf.
+                chunk.view6(row_lse.view(*chunk.scores_shape[:2], 1)).masked_fill_(_blind_rows(chunk), -math.inf)
                 if generator is not None:
                     keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                     probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
@@ -994,7 +1015,7 @@ class _BlockSetAttention(torch.autograd.Function):
                 else:
                     _merge_rows(out_rows, lse_rows.view(-1), write, lse_write, chunk_out, row_lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plans, ctx.scale, ctx.dropout_p, ctx.seed = plans, scale, dropout_p, seed
+        ctx.plans, ctx.scale, ctx.dropout_p, ctx.seed, ctx.bound = plans, scale, dropout_p, seed, bound
         # Held by the bias function anyway; read again in backward (through it) for their gradients.
         ctx.bias_fn, ctx.bias_tensors = bias_fn, bias_tensors
         ctx.set_materialize_grads(False)
@@ -1012,7 +1033,7 @@ class _BlockSetAttention(torch.autograd.Function):
             grad_out = torch.zeros(b, h, n_q, d_v, dtype=dtype, device=device)
         grad_out = grad_out.to(dtype)
         # Per query `[b, h, n_q, 2 | 3]`, side by side so that a chunk reads them with one gather: L with -inf as 0
-        # (a row that sees no key has P = exp(S + HIDDEN_LOGIT) = 0 anyway), D = rowsum(dO ∘ O), and dL when the
+        # (a chunk's rows that see no key get P = 0 from their mask below), D = rowsum(dO ∘ O), and dL when the
         # log-sum-exp has a gradient.
         stats = torch.empty(b, h, n_q, 2 if grad_lse is None else 3, dtype=dtype, device=device)
         stats[..., 0] = lse[:, :, :n_q]
@@ -1051,17 +1072,20 @@ class _BlockSetAttention(torch.autograd.Function):
 
                 probs = workspace.get("probs", chunk.scores_shape)
                 torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-                _hide(chunk.view6(probs), chunk.hidden)
                 if bias_fn is not None:
                     with torch.enable_grad():  # the chunk's read of the bias tensors, differentiated below
                         bias = _set_bias(bias_fn, plan, b, chunk)
                     chunk.view6(probs).add_(bias.detach())
+                _hide(chunk.view6(probs), chunk.hidden, ctx.bound)
                 row_stats = gather(stat_rows, stat_base, stat_step, "stats", stats.shape[3]).view(batches, queries, -1)
                 row_l, row_d, *row_dl = row_stats.split(1, dim=-1)  # [batches, queries, 1] each
                 # P of the union's softmax, exp(S − L), as the chunk's softmax times exp(lse_chunk − L): torch's
                 # softmax kernel exponentiates the hidden keys' scores (near HIDDEN_LOGIT) ~10x faster than `exp_`.
+                # The chunk's rows that see no key (by their mask) get P = 0.
                 row_lse = _softmax_rows(probs).view(batches, queries, 1)
-                probs.mul_(row_lse.sub_(row_l).exp_())
+                factor = row_lse.sub_(row_l).exp_()
+                chunk.view6(factor).masked_fill_(_blind_rows(chunk), 0.0)
+                probs.mul_(factor)
                 grad_out_chunk = gather(grad_out_rows, grad_out_base, grad_out_step, "grad_out", d_v)
                 grad_out_chunk = grad_out_chunk.view(batches, queries, d_v)
                 grad_scores = workspace.get("grad_scores", chunk.scores_shape)
@@ -1099,6 +1123,11 @@ class _BlockSetAttention(torch.autograd.Function):
                     0, _gather_rows(grad_v_set, grad_v_step, kv_pos, kv_start, kv_stop), grad_values.view(-1, d_v)
                 )
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, *grad_bias
+
+
+def _blind_rows(chunk: _Chunk) -> Tensor:
+    """Bool `[b|1, h_kv|1, group|1, n_blk, c, 1]`: the chunk's query rows whose keys its mask hides all."""
+    return ~sees_a_key(chunk.hidden)
 
 
 def _set_bias(bias_fn: BiasFn, plan: _SetPlan, batch: int, chunk: _Chunk) -> Tensor:
@@ -1494,6 +1523,10 @@ def banded_attention(
             global_index = None
     local_fn = mask_fn if global_index is None else and_masks(mask_fn, _not_global_key(global_mask))
 
+    # The fused paths add HIDDEN_LOGIT as a float bias: exact only for bounded logits (`numerics.hide_logits`).
+    bounded = (
+        bias_fn is None and _fused_band_applies(q, v, 1, dropout_p) and logit_bound(q, k, scale) <= SAFE_LOGIT_BOUND
+    )
     groups = head_groups(dilation, h)
     if len(groups) > 1 and k.shape[1] != h:  # per-head dilations split the heads across key/value groups
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
@@ -1506,7 +1539,7 @@ def banded_attention(
             q_g, k_g, v_g = (t.index_select(1, heads_t) for t in (q, k, v))
         hg = len(heads)
         class_len = -(-n_k // d)
-        fused = bias_fn is None and _fused_band_applies(q_g, v_g, d, dropout_p)
+        fused = bounded and _fused_band_applies(q_g, v_g, d, dropout_p)
         c = block_size or (_fused_block_size(hg // k_g.shape[1]) if fused else 128)
         # Beyond the length of a residue class the band holds no key; clipping keeps "window >= length" cheap.
         layout = band_layout(
@@ -1563,7 +1596,9 @@ def banded_attention(
     if len(group_outputs) > 1:
         out = out.index_select(1, torch.tensor(group_heads, device=device).argsort())
     if global_index is not None and not (len(groups) == 1 and fused):  # else `_BandAttention` wrote their rows
-        out = _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn)
+        out = _global_queries(
+            q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn, bounded=bounded
+        )
     return out
 
 
@@ -1679,7 +1714,9 @@ def _fused_block_size(group: int) -> int:
     return 64
 
 
-def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn=None):
+def _global_queries(
+    q, k, v, out, mask_fn, global_index, global_valid, q_offset, scale, dropout_p, bias_fn=None, bounded=False
+):
     """Global queries see every key: a dense row per global token (O(g · n)), written over the local result.
 
     Where the fused band path runs (eager CPU code, no dropout, no logit bias) through SDPA, i.e. torch's fused kernel
@@ -1691,7 +1728,7 @@ def _global_queries(q, k, v, out, mask_fn, global_index, global_valid, q_offset,
     # A global token before q_offset is a key only (cached decoding): it has no query row here.
     query_valid = global_valid & (global_index >= q_offset)  # [b, g]
     query_row = (global_index - q_offset).clamp(min=0)  # [b, g]
-    sdpa = bias_fn is None and _fused_band_applies(q, v, 1, dropout_p)
+    sdpa = bounded  # SDPA with HIDDEN_LOGIT as its additive mask: bounded logits only
     c = g if sdpa else min(g, 64)
     nb = -(-g // c)
     pad = nb * c - g
@@ -1756,7 +1793,7 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # This is the cap; `_band_chunks` also keeps a chunk within an eighth of q's elements (but at least 2 blocks): at 16K
 # tokens, 4 heads, tensor peak 167 MB (1.14x full attention's) at 2**20, 157 MB at 2**19 (3 blocks), time within the
 # noise (0.44 s vs 0.45 s for the attention alone). Grouped heads (16 on 4 key/value heads) keep the cap.
-_BAND_CHUNK_ELEMENTS = 2**20
+_BAND_CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2  # 2**20 where the budget is 2**21 (`tuning`)
 
 
 @dataclass
@@ -1851,10 +1888,11 @@ def _plain_blocks(
     return (plain & (count[:, last] == count[:, first])).expand(batch, nb).tolist()
 
 
-def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspace, name: str) -> Tensor:
+def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspace, name: str) -> tuple[Tensor, Tensor]:
     """Bool `[b|1, h|1, n_blk, c, m]` -> the additive mask of batch row `row` as the fused kernel reads it,
     `[n_blk, h_kv|1, group·c, m]`: 0 where visible, `HIDDEN_LOGIT` where hidden (finite, so a row that sees
-    nothing stays finite; its log-sum-exp, about `HIDDEN_LOGIT`, tells it apart)."""
+    nothing stays finite; exact for the bounded logits of the fused path), and which rows see a key,
+    bool `[n_blk, h_kv|1, group·c]`, from the mask."""
     mask = mask[row if mask.shape[0] > 1 else 0].transpose(0, 1)  # [n_blk, h|1, c, m]
     n_blk, heads, c, m = mask.shape
     # [n_blk, h_kv|1, group, c, m]: one mask row per stacked query row
@@ -1862,7 +1900,7 @@ def _additive(mask: Tensor, row: int, h_kv: int, group: int, workspace: _Workspa
     bias = workspace.get(name, mask.shape)
     visible, hidden = (torch.tensor(value, dtype=bias.dtype, device=bias.device) for value in (0.0, HIDDEN_LOGIT))
     torch.where(mask, visible, hidden, out=bias)
-    return bias.flatten(2, 3)
+    return bias.flatten(2, 3), mask.any(dim=-1).flatten(2, 3)
 
 
 class _ChunkMasks:
@@ -1906,12 +1944,14 @@ class _BandAttention(torch.autograd.Function):
         nb, c = plan.layout.q_pos.shape
         dtype = compute_dtype(q.dtype)
         glob = None if plan.global_index is None else [_global_rows(t, plan, dtype) for t in (k, v)]
-        g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)
+        g_bias_all, g_sees = (None, None) if glob is None else _global_additive(plan, b, h_kv, group, dtype)
         out = torch.empty(b, nb * c, h, d_v, dtype=dtype, device=q.device)  # [b, slots, h, d_v]
         lse = torch.empty(b, nb, h_kv, group * c, dtype=dtype, device=q.device)
+        # Which rows see a key, from the masks (never from the log-sum-exp's value); saved for backward.
+        has_key = torch.ones(b, nb, h_kv, group * c, dtype=torch.bool, device=q.device)
         workspace = _Workspace(dtype, q.device)
         for step in _band_steps(q, k, v, plan, workspace, dtype):
-            start, stop, row, plain, q_chunk, keys, values, bias = step
+            start, stop, row, plain, q_chunk, keys, values, bias, sees = step
             o, row_lse = _FLASH_FORWARD(q_chunk, keys, values, attn_mask=bias, scale=plan.scale)
             if glob is not None:
                 # Merged by log-sum-exp in place: o ← o · exp(lse − L) + exp(S_g − L) V_g, L the merged lse.
@@ -1921,15 +1961,18 @@ class _BandAttention(torch.autograd.Function):
                 o.add_(torch.matmul(scores.sub_(merged.unsqueeze(-1)).exp_(), glob[1][row]))
                 row_lse = merged
             if not plain:
-                # A row whose keys were all hidden has lse about HIDDEN_LOGIT: its output is zero, as in
-                # `attend_blocks`. (A plain block's queries all see their own key.)
-                o = o * (row_lse > HIDDEN_LOGIT / 2).unsqueeze(-1)
+                # A row whose keys the masks hide all: its output is zero, as in `attend_blocks`. (A plain block's
+                # queries all see their own key.)
+                if glob is not None:
+                    sees = sees | g_sees[row, start:stop]
+                has_key[row, start:stop] = sees
+                o = o * sees.unsqueeze(-1)
             lse[row, start:stop] = row_lse
             _scatter_queries(out, o, row, start, stop, c, group)
         rows = _global_query_rows(plan, q.shape[2], k.shape[2]) if plan.global_queries else None
         if rows is not None:
             _global_query_forward(q, k, v, out, plan, rows, dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *(() if rows is None else (rows[2],)))
+        ctx.save_for_backward(q, k, v, out, lse, has_key, *(() if rows is None else (rows[2],)))
         ctx.rows = None if rows is None else rows[:2]
         ctx.plan = plan
         result = out[:, :n_q].transpose(1, 2)  # [b, h, n_q, d_v]
@@ -1937,7 +1980,7 @@ class _BandAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, *saved_mask = ctx.saved_tensors
+        q, k, v, out, lse, has_key, *saved_mask = ctx.saved_tensors
         plan = ctx.plan
         b, h, n_q, d = q.shape
         h_kv = v.shape[1]
@@ -1950,16 +1993,16 @@ class _BandAttention(torch.autograd.Function):
         # into the projections as views, no copy.
         grad_k, grad_v = (torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format) for t in (k, v))
         grad_glob = None if glob is None else [torch.zeros_like(t) for t in glob]  # [b, h_kv, g, d]
-        g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)
+        g_bias_all = None if glob is None else _global_additive(plan, b, h_kv, group, dtype)[0]
         # Rows of the band that get no gradient: those that saw no key (zeroed in forward) and the global queries
         # (their dense rows replaced the band's). Only blocks that are not plain hold such rows.
-        keep = lse > HIDDEN_LOGIT / 2  # [b, nb, h_kv, group·c]
+        keep = has_key.clone()  # [b, nb, h_kv, group·c]
         if ctx.rows is not None:
             batch_index, slot = ctx.rows
             keep.view(b, nb, h_kv, group, c)[batch_index, slot // c, :, :, slot % c] = False
         workspace = _Workspace(dtype, q.device)
         for step in _band_steps(q, k, v, plan, workspace, dtype):
-            start, stop, row, plain, q_chunk, keys, values, bias = step
+            start, stop, row, plain, q_chunk, keys, values, bias, _ = step
             grad_out_chunk = _chunk_queries(grad_out, row, start, stop, c, group, workspace, "grad_out", view=plain)
             out_chunk = _chunk_queries(out, row, start, stop, c, group, workspace, "out", slots_first=True, view=plain)
             row_lse = lse[row, start:stop]  # [n_blk, h_kv, group·c]
@@ -2049,7 +2092,7 @@ def _global_query_scores(q, k, plan, rows, dtype, row: int) -> tuple[Tensor, Ten
     scores = _head_products(q_rows, keys.transpose(1, 2)).mul_(plan.scale)  # [h_kv, group·k_r, n_k]
     visible = mask.index_select(0, mine).transpose(0, 1)  # [h|1, k_r, n_k]
     visible = visible.unflatten(0, (h_kv, group)) if visible.shape[0] > 1 else visible.unsqueeze(0)
-    scores = scores.view(h_kv, group, mine.numel(), n_k).masked_fill_(~visible, HIDDEN_LOGIT)
+    scores = hide_logits(scores.view(h_kv, group, mine.numel(), n_k), ~visible, inplace=True)
     probs = torch.softmax(scores, dim=-1).mul_(visible.any(dim=-1, keepdim=True))  # a row seeing nothing: zeros
     return q_rows, keys, probs.view(h_kv, group * mine.numel(), n_k), mine
 
@@ -2101,6 +2144,7 @@ class _BandStep(NamedTuple):
     keys: Tensor  # [n_blk·h_kv, m, d]
     values: Tensor  # [n_blk·h_kv, m, d_v]
     bias: Tensor  # additive mask of the band keys
+    sees: Tensor | None  # bool [n_blk, h_kv|1, group·c]: rows that see a band key (None: plain, all of them)
 
 
 def _band_steps(q: Tensor, k: Tensor, v: Tensor, plan: _BandPlan, workspace: _Workspace, dtype: torch.dtype):
@@ -2121,10 +2165,10 @@ def _band_steps(q: Tensor, k: Tensor, v: Tensor, plan: _BandPlan, workspace: _Wo
                 for t, name in ((k, "k"), (v, "v"))
             )
             if plain:
-                bias = plan.band_bias(group, dtype)
+                bias, sees = plan.band_bias(group, dtype), None
             else:
-                bias = _additive(masks.local(), row, h_kv, group, workspace, "bias")
-            yield _BandStep(start, stop, row, plain, q_chunk, keys, values, bias)
+                bias, sees = _additive(masks.local(), row, h_kv, group, workspace, "bias")
+            yield _BandStep(start, stop, row, plain, q_chunk, keys, values, bias, sees)
 
 
 def _band_chunks(nb: int, per_block: int, plain: list[list[bool]] | None, query_elements: int = 0):
@@ -2165,10 +2209,11 @@ def _global_backward(q_chunk, grad_out_chunk, out_chunk, row_lse, g_bias, glob, 
     grad_glob[1][row] += torch.matmul(probs.transpose(2, 3), grad_out_chunk).sum(0)
 
 
-def _global_additive(plan: _BandPlan, b: int, h_kv: int, group: int, dtype: torch.dtype) -> Tensor:
+def _global_additive(plan: _BandPlan, b: int, h_kv: int, group: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The additive mask of every block against its row's global keys, `[b, nb, h_kv|1, group·c, g]`, evaluated
     from the predicate once per pass (per chunk, in forward and again in backward, the predicate's dozens of small
-    operations cost more than the products they mask)."""
+    operations cost more than the products they mask), and which rows see a global key, bool
+    `[b, nb, h_kv|1, group·c]`."""
     mask = plan.global_bias(b, 0, plan.layout.q_pos.shape[0])  # [b, h|1, nb, c, g]
     mask = mask.expand(b, *mask.shape[1:]).transpose(1, 2)  # [b, nb, h|1, c, g]
     n_blk, heads, c, g = mask.shape[1:]
@@ -2177,7 +2222,7 @@ def _global_additive(plan: _BandPlan, b: int, h_kv: int, group: int, dtype: torc
     else:
         mask = mask.unsqueeze(2).expand(b, n_blk, 1, group, c, g)
     visible, hidden = (torch.tensor(value, dtype=dtype, device=mask.device) for value in (0.0, HIDDEN_LOGIT))
-    return torch.where(mask, visible, hidden).flatten(3, 4)
+    return torch.where(mask, visible, hidden).flatten(3, 4), mask.any(dim=-1).flatten(3, 4)
 
 
 def _global_rows(t: Tensor, plan: _BandPlan, dtype: torch.dtype) -> Tensor:

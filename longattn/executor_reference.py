@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .numerics import compute_dtype, hidden_logit
+from .numerics import compute_dtype, hide_logits
 from .ops_checks import check_bool_mask, check_dropout, check_flag, check_qkv, check_scale
 from .patterns import MaskFn, materialize_mask
 from .relative_logits import BiasFn, materialize_bias
@@ -86,8 +86,8 @@ def reference_attention(
     if bias is not None:
         scores = scores + bias.to(dtype)
     if mask is not None:
-        # A finite fill (not -inf) keeps rows without visible keys finite; they are zeroed just below.
-        scores = scores.masked_fill(~mask, hidden_logit(dtype))
+        # Exact for any logits; rows without visible keys stay finite and are zeroed just below.
+        scores = hide_logits(scores, ~mask)
     probs = torch.softmax(scores, dim=-1)
     if mask is not None:
         probs = probs * mask

@@ -532,7 +532,7 @@ def triton_sliding_window_attention(
         Output `[b, h, n, d_v]`; a query that sees no key gets zeros.
     """
     if triton is None:
-        raise ImportError("the triton back end needs triton: pip install 'longattn[triton]'")
+        raise ImportError("the triton back end needs triton: pip install triton")
     b, h, n, _ = q.shape
     dilations = (dilation,) * h if isinstance(dilation, int) else tuple(dilation)
     band = _Band(window=window, causal=causal, scale=scale, dilations=dilations, block_m=block_m, block_n=block_n)

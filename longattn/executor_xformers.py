@@ -903,7 +903,7 @@ _XFORMERS_FOUND = importlib.util.find_spec("xformers") is not None
 
 def unavailable_reasons() -> list[str]:
     """Why xformers cannot be used at all in this environment (empty when its package is installed)."""
-    return [] if _XFORMERS_FOUND else ["xformers is not installed (pip install 'longattn[xformers]')"]
+    return [] if _XFORMERS_FOUND else ["xformers is not installed (pip install xformers)"]
 
 
 def needs_tensor_bias(*, pattern: str, causal: bool, global_tokens: bool) -> bool:

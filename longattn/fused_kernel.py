@@ -35,7 +35,7 @@ def import_xformers_ops():
     try:
         import xformers.ops  # noqa: PLC0415
     except ImportError as error:
-        raise ImportError("the xformers back end needs xformers: pip install 'longattn[xformers]'") from error
+        raise ImportError("the xformers back end needs xformers: pip install xformers") from error
     return xformers.ops
 
 

@@ -18,8 +18,9 @@ What changes, by family (`max_length` is a token count; each table's size follow
   kinds such as Linformer's projections depend on the new length) and selects the `"longattn"` implementation,
   which every `save_pretrained` keeps in `config.json`.
 
-A saved folder needs longattn installed: without `import longattn`, `from_pretrained` fails with transformers' own
-error about the unknown attention implementation, never a silent full-attention model.
+A saved folder loads after `import longattn`, or with `trust_remote_code=True` where longattn is not installed (it
+carries the code: `modeling_stock.py`); with neither, `from_pretrained` fails with transformers' own error about the
+unknown attention implementation, never a silent full-attention model.
 """
 
 from __future__ import annotations

@@ -419,6 +419,15 @@ class LongAttnPreTrainedModel(PreTrainedModel):
             # kinds set them through `transformers.initialization`, so weights loaded from a checkpoint stay.
             module.reset_kind_parameters()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`, with every head's Auto class in `auto_map` (see `AUTO_MAP`).
+
+        Each class is registered for its Auto class (`register_for_auto_class`), so every save (Trainer's, a merged
+        PEFT model's, `push_to_hub`) writes `auto_map` and copies this module with every sibling it imports; the
+        library writes the saving head's own entry, and this adds the others."""
+        self.config.auto_map = {**AUTO_MAP, **(getattr(self.config, "auto_map", None) or {})}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         # transformers would build the generation cache from the config, and reads our `sliding_window` field as
@@ -1388,6 +1397,25 @@ class LongAttnForSeq2SeqLM(_LongAttnHead, GenerationMixin):
     def auxiliary_loss(self) -> torch.Tensor | None:
         return self.longattn.auxiliary_loss()
 
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_longattn.LongAttnConfig",
+    "AutoModel": "modeling_longattn.LongAttnModel",
+    "AutoModelForMaskedLM": "modeling_longattn.LongAttnForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_longattn.LongAttnForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_longattn.LongAttnForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_longattn.LongAttnForQuestionAnswering",
+    "AutoModelForCausalLM": "modeling_longattn.LongAttnForCausalLM",
+    "AutoModelForSeq2SeqLM": "modeling_longattn.LongAttnForSeq2SeqLM",
+}
+"""Every Auto class a saved folder answers to, whatever head saved it: a masked-LM folder also loads as `AutoModel`
+(the encoder) and as a classifier to fine-tune."""
+
+# The transformers way to share custom code: each class registered for its Auto class, so that every
+# `save_pretrained` writes `auto_map` and copies this module and its siblings into the folder.
+for _auto_class, _target in AUTO_MAP.items():
+    if _auto_class != "AutoConfig":
+        globals()[_target.split(".")[1]].register_for_auto_class(_auto_class)
 
 __all__ = [
     "LongAttnPreTrainedModel",

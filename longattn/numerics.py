@@ -17,10 +17,24 @@
   - `hidden_logit(dtype)` = `finfo(dtype).min`: `masked_fill` of logits whose dtype is only known at run time; the
     most negative finite value of that dtype, never -inf.
 
-  `hidden_logit_for(dtype)` states the rule: `HIDDEN_LOGIT` for logits computed in float32 / float64, `finfo.min`
-  otherwise. `-inf` is no masked-logit constant: it stays where a log-space entry must weigh exactly 0 in code that
-  shifts by the row maximum and zeroes the rows left without a finite entry, and it is the log-sum-exp of a row that
-  sees no key (`merge_attention` drops such parts).
+  `hide_logits` is THE rule that picks the value a hidden logit takes, called wherever logits of hidden keys are
+  hidden before a softmax over keys:
+
+  - A hidden key must weigh exactly 0 beside any visible key, whatever the real logits hold (logits of -3e32 in
+    float32, or 1e300 in float64, are real logits too). Adding the finite `HIDDEN_LOGIT` only does that while every
+    real logit lies within `SAFE_LOGIT_BOUND` (1e29) of 0, so it is used only where the caller has proved that
+    bound (`logit_bound`, Cauchy-Schwarz on q and k: cheap, O(n · d)); it is the fast path of the blocked
+    executor's hot loop (an addition of the mask's bytes, several times faster than `masked_fill`).
+  - Otherwise hidden keys get -inf (an exact 0 weight), and a row whose keys are ALL hidden gets the finite
+    `hidden_logit(dtype)` in every entry instead, so that its softmax stays finite (no NaN in forward or backward).
+  - Whether a row saw a key is never read off the values (a log-sum-exp below some threshold): it is decided from
+    the mask (`sees_a_key`), and such a row's output is zero, its log-sum-exp -inf.
+
+  The fused kernels' additive float biases (`HALF_HIDDEN_PENALTY`, the blocked band's `HIDDEN_LOGIT` bias) follow
+  the same rule: they run only where the logits are bounded, and their rows without a key come from the mask.
+  `-inf` otherwise stays where a log-space entry must weigh exactly 0 in code that shifts by the row maximum and
+  zeroes the rows left without a finite entry, and it is the log-sum-exp of a row that sees no key
+  (`merge_attention` drops such parts).
 - `merge_attention`: exact log-sum-exp merge of partial attentions over disjoint key sets.
 - `head_groups`: query heads grouped by their dilation, so each group runs as one batched call.
 - `rotate_half`, `rotate`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021,
@@ -45,8 +59,11 @@ __all__ = [
     "compute_dtype",
     "default_scale",
     "head_groups",
+    "SAFE_LOGIT_BOUND",
     "hidden_logit",
-    "hidden_logit_for",
+    "hide_logits",
+    "logit_bound",
+    "sees_a_key",
     "merge_attention",
     "rotary_inverse_frequencies",
     "rotate",
@@ -80,9 +97,59 @@ def hidden_logit(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-def hidden_logit_for(dtype: torch.dtype) -> float:
-    """The masked logit for logits of `dtype`: `HIDDEN_LOGIT` in float32 / float64, `hidden_logit(dtype)` otherwise."""
-    return HIDDEN_LOGIT if dtype in (torch.float32, torch.float64) else hidden_logit(dtype)
+SAFE_LOGIT_BOUND = 1e29
+"""Real logits no larger than this in magnitude let `hide_logits` add `HIDDEN_LOGIT` and stay exact: a hidden key
+then sits at least 8e29 below every visible key, and exp() of that is exactly 0 in float32 and float64."""
+
+
+def logit_bound(q: Tensor, k: Tensor, scale: float, bias: Tensor | None = None) -> float:
+    """An upper bound of |scale · q·k + bias| over every pair: scale · max‖q_i‖ · max‖k_j‖ (Cauchy-Schwarz) plus
+    max |bias|, in float64 so that the bound itself cannot overflow. inf (or NaN) when an input holds inf or NaN.
+
+    O(n · d), read back to the host once per call: `hide_logits` takes the fast additive path only under
+    `SAFE_LOGIT_BOUND`.
+    """
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    norms = [float(torch.linalg.vector_norm(t.detach().to(torch.float64), dim=-1).amax()) for t in (q, k)]
+    bound = abs(scale) * norms[0] * norms[1]
+    if bias is not None and bias.numel():
+        bound += float(bias.detach().to(torch.float64).abs().amax())
+    return bound
+
+
+def sees_a_key(hidden: Tensor, dim: int = -1) -> Tensor:
+    """Bool, True for the rows (along `dim`, kept as a size-1 dim) with at least one visible key: decided from the
+    mask `hidden` (True = hidden), never from logit values."""
+    return ~hidden.all(dim=dim, keepdim=True)
+
+
+def hide_logits(
+    scores: Tensor, hidden: Tensor, *, bound: float | None = None, dim: int = -1, inplace: bool = False
+) -> Tensor:
+    """Hide the logits of hidden keys before a softmax along `dim`: the one rule of the module table.
+
+    Args:
+        scores: Float logits `[..., m]` (any layout; the softmax runs along `dim`).
+        hidden: Bool, broadcastable to scores, True where the key is hidden.
+        bound: An upper bound of every real |logit| (`logit_bound`), or None when unknown. At most
+            `SAFE_LOGIT_BOUND` (and float32 / float64 scores, where `HIDDEN_LOGIT` is finite): `HIDDEN_LOGIT` is
+            added to the hidden entries (fast, and exact under that bound); rows without a visible key stay finite
+            (about `HIDDEN_LOGIT`). Otherwise hidden entries become -inf and
+            rows without a visible key `hidden_logit(dtype)` throughout (finite).
+        dim: The softmax dim (the keys).
+        inplace: Write into scores (a workspace) instead of a new tensor.
+
+    Returns:
+        The hidden logits: every hidden key weighs exactly 0 after a softmax beside any visible key, and every row
+        stays finite. Rows without a visible key are the caller's to zero, found with `sees_a_key(hidden)`.
+    """
+    if bound is not None and bound <= SAFE_LOGIT_BOUND and scores.dtype in (torch.float32, torch.float64):
+        # Bool bytes as uint8 (the same 0 / 1): ~3x faster than adding the bool tensor, ~10x than masked_fill_.
+        flags = hidden.view(torch.uint8) if hidden.dtype == torch.bool else hidden
+        return scores.add_(flags, alpha=HIDDEN_LOGIT) if inplace else scores.add(flags, alpha=HIDDEN_LOGIT)
+    scores = scores.masked_fill_(hidden, -math.inf) if inplace else scores.masked_fill(hidden, -math.inf)
+    return scores.masked_fill_(~sees_a_key(hidden, dim), hidden_logit(scores.dtype))
 
 
 def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

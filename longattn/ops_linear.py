@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .attention_fields import EFFICIENT_NORMALIZATIONS
-from .numerics import compute_dtype, hidden_logit_for
+from .numerics import compute_dtype, hide_logits
 from .ops_checks import (
     check_backend_support,
     check_flag,
@@ -147,10 +147,9 @@ def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:
     if padding is None:
         return torch.softmax(k, dim=2)
     keep = padding[:, None, :, None]
-    # A finite floor rather than -inf: a feature of a row without any real token then gets a uniform softmax over
-    # its padding, which the product zeroes, instead of NaN; elsewhere exp(floor - max) is exactly 0.
-    floor = hidden_logit_for(k.dtype)
-    return torch.softmax(k.masked_fill(~keep, floor), dim=2) * keep
+    # `hide_logits` along the positions: padding weighs exactly 0; a feature of a row without any real token gets
+    # a finite softmax over its padding, which the product zeroes, instead of NaN.
+    return torch.softmax(hide_logits(k, ~keep, dim=2), dim=2) * keep
 
 
 def _softmax_global(q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> Tensor:

@@ -857,9 +857,8 @@ def attend_gathered_windows(
 
 # A query's own key under Reformer's self rule, on the kernel: between visible (0) and hidden (-P, P the numerics
 # HALF_HIDDEN_PENALTY), so it weighs exactly nothing beside any visible key and everything when only hidden keys are
-# left; a row whose log-sum-exp is below `_SEEN_NOTHING` saw hidden keys only.
+# left. Whether a row saw a key comes from the mask (and the self column), never from its log-sum-exp.
 _SELF_PENALTY = HALF_HIDDEN_PENALTY / 2
-_SEEN_NOTHING = -0.75 * HALF_HIDDEN_PENALTY
 
 
 class _KernelWindows(torch.autograd.Function):
@@ -872,10 +871,10 @@ class _KernelWindows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
+    def forward(ctx, q, k, v, bias, scale, seen):
         kernel = current_kernel()
         out, lse = kernel.forward(q, k, v, bias, scale=scale)  # [B, c, 1, d_v], [B, 1, c]
-        seen = lse > _SEEN_NOTHING
+        # seen: bool [B, 1, c], the rows the mask (or the self column) shows a key
         out = torch.where(seen.transpose(1, 2)[..., None], out, 0.0)
         lse = torch.where(seen, lse, -math.inf)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -905,7 +904,7 @@ class _KernelWindows(torch.autograd.Function):
             ctx.bias,
             scale=ctx.scale,
         )
-        return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None
+        return dq[..., :d], dk[..., :d], dv[..., :d_v], None, None, None
 
 
 def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, self_column=None) -> tuple[Tensor, Tensor]:
@@ -937,7 +936,11 @@ def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, sel
         bias[:, 0, :, self_column : self_column + c].diagonal(dim1=-2, dim2=-1).fill_(-_SELF_PENALTY)
     keys = _windows(k.contiguous(), 0, chunks, stride, w)  # autograd folds the overlapping windows back
     values = _windows(v.contiguous(), 0, chunks, stride, w)
-    out, lse = _KernelWindows.apply(q.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2), bias, float(scale))
+    # Rows that see a key, from the mask: every row when the own key stands in for an empty window.
+    seen = visible.any(dim=-1).expand(chunks, c) if self_column is None else visible.new_ones(chunks, c)
+    out, lse = _KernelWindows.apply(
+        q.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2), bias, float(scale), seen.unsqueeze(1)
+    )
     return out.squeeze(2), lse.squeeze(1)
 
 

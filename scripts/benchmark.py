@@ -246,6 +246,22 @@ def _build_adaptive_span(args):
 LONGATTN_IMPLS = frozenset(IMPLS)
 
 
+@register(
+    "floor",
+    "zero-cost stand-in: the `full` kind's layer (q/k/v/o projections, head split and merge) with its attention "
+    "replaced by v + 0·(q + k), so backward still reaches the q/k projections; the non-attention part of every "
+    "kind's ideal",
+)
+def _build_floor(args):
+    layer = _longattn_kind("full")(args)
+
+    def attend(q, k, v, **kwargs):
+        return v + (q + k) * 0.0  # [b, h, n, d]: a zero gradient reaches the q and k projections
+
+    layer.module.attend = attend
+    return layer
+
+
 @register("hf-lsh", "transformers `LSHSelfAttention` (Reformer): chunk 64, 2 hashes, one chunk before + output proj")
 def _build_hf_lsh(args):
     from torch import nn
@@ -1110,6 +1126,28 @@ def _cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def _vector_extensions() -> str:
+    """The CPU's SIMD flags of /proc/cpuinfo (sse4_2, avx, avx2, fma, avx512*, amx*), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = [f for f in flags if f in ("sse4_2", "avx", "avx2", "fma") or f.startswith(("avx512", "amx"))]
+    return " ".join(wanted) or "none of sse4_2/avx/avx2/avx512"
+
+
+def _cache_words() -> str:
+    """L1d / L2 / L3 sizes per instance as the OS reports them (what longattn's block rule reads)."""
+    sys.path.insert(0, str(PACKAGE_ROOT))
+    try:
+        from longattn import tuning
+    except ImportError:  # a revision without the rule
+        return "unknown"
+    sizes = tuning.cache_sizes()
+    return ", ".join(f"{level} {size // 1024} KiB" for level, size in sizes.items()) or "unknown"
+
+
 def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
     import torch
 
@@ -1125,12 +1163,19 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
         "",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__} ({torch.get_num_threads()} threads)",
+        f"- vector extensions: {_vector_extensions()}; caches: {_cache_words()}",
         f"- command: `{command}`",
         f"- allocator: {args.allocator}"
         + (" (glibc defaults)" if args.allocator == "glibc" else " (freed memory kept for reuse, see `ALLOCATORS`)"),
         "",
         "Method: each (implementation, length, mode) runs in a fresh subprocess. **time** is the best of "
-        f"{args.repeats} runs after a warm-up run ({_clock_name(args)}); `fwdbwd` is forward plus backward of a "
+        f"{args.repeats} runs after a warm-up run ({_clock_name(args)})"
+        + (
+            f", the median of {args.rounds} rounds (every row measured once per round, in turn)"
+            if getattr(args, "rounds", 1) > 1
+            else ""
+        )
+        + "; `fwdbwd` is forward plus backward of a "
         "random output gradient into the input and every weight. **peak MB** is the worker's resident-set "
         "high-water mark (`getrusage(RUSAGE_SELF).ru_maxrss`) minus its resident set just before the first run "
         "(libraries, weights and inputs loaded): every allocation the step makes, allocator slack included. "
@@ -1193,6 +1238,8 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
                 growth.append(f"`{impl}` {large['time_s'] / small['time_s']:.2f}x")
         if growth:
             lines += ["", f"Time growth from 8K to 32K tokens (4x the length): {', '.join(growth)}."]
+        if "floor" in args.impls or "full" in args.impls:
+            lines += cost_vs_ideal(args, by_key, mode)
         if getattr(args, "against", None):
             lines += after_vs_before(args, by_key, mode)
     if args.compile:
@@ -1219,6 +1266,88 @@ def report(args: argparse.Namespace, results: list[dict], command: str) -> str:
                 f"| {eager['time_s'] / r['time_s']:.2f}x |"
             )
     return "\n".join(lines) + "\n"
+
+
+IDEAL_TARGET = 1.5  # issue 36: every kind within 1.5x its ideal
+
+
+def attention_work(kind: str, length: int, args: argparse.Namespace) -> float | None:
+    """Multiply-adds of `kind`'s attention in one forward at `length`, its q/k/v/o projections left out: dense
+    attention's 2·D per (query, key) pair for `full`, else the FLOP model of scripts/growth.py (what the kind's
+    pattern keeps, plus what it adds: sorting, pooling, assignment...); None for a kind it has no model of."""
+    if kind == "full":
+        return 2 * args.hidden * length**2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import growth
+
+    if kind not in growth.KINDS:
+        return None
+    flops, _ = growth.flop_model(kind, length, args)
+    return flops - 4 * length * args.hidden**2
+
+
+def ideal_of(args: argparse.Namespace, by_key: dict, impl: str, length: int, mode: str) -> dict | None:
+    """The ideal of row `impl` (an `IMPL@REV` row: IMPL's) at `length` and `mode`, from the same run's `floor` and
+    `full` rows: floor + (full - floor) x the kind's attention work over dense attention's. None where a row is
+    missing or failed, or the kind has no FLOP model."""
+    floor, full = by_key.get(("floor", length, mode)), by_key.get(("full", length, mode))
+    if not floor or not full or "error" in floor or "error" in full:
+        return None
+    work = attention_work(impl.partition("@")[0], length, args)
+    if work is None:
+        return None
+    share = work / attention_work("full", length, args)
+    dense = full["time_s"] - floor["time_s"]
+    return {"share": share, "ideal_s": floor["time_s"] + dense * share, "ideal_attention_s": dense * share}
+
+
+def cost_vs_ideal(args: argparse.Namespace, by_key: dict, mode: str) -> list[str]:
+    """The cost / ideal section of one mode: every kind's time against its ideal (see `ideal_of`)."""
+    lines = [
+        "",
+        f"### cost / ideal ({mode})",
+        "",
+        "Ideal = floor + (full - floor) x share, share = the kind's attention multiply-adds over dense attention's "
+        "(FLOP models of scripts/growth.py: the (query, key) pairs its pattern keeps plus what it adds; backward "
+        "taken as the same multiple of forward for every term), `floor` and `full` measured in the same run. "
+        "Attention cost = time - floor. Peak vs full: the row's peak RSS over `full`'s (memory the step adds).",
+        "",
+        "| impl | length | time (s) | share of dense | ideal (s) | time / ideal | attention / ideal attention "
+        "| peak vs full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    verdicts = []
+    largest = max(args.lengths)
+    for length in args.lengths:
+        for impl in measured_rows(args):
+            r = by_key.get((impl, length, mode))
+            if r is None or "error" in r or impl == "floor":
+                continue
+            ideal = ideal_of(args, by_key, impl, length, mode)
+            full = by_key.get(("full", length, mode))
+            peak = r["peak_rss_mb"] / full["peak_rss_mb"] if full and full.get("peak_rss_mb", 0) > 0 else None
+            if ideal is None:
+                lines.append(f"| {impl} | {length} | {r['time_s']:.3f} | — | — | — | — | {_format(peak, '{:.2f}')} |")
+                continue
+            ratio = r["time_s"] / ideal["ideal_s"]
+            floor = by_key[("floor", length, mode)]["time_s"]
+            attention = (r["time_s"] - floor) / ideal["ideal_attention_s"] if ideal["ideal_attention_s"] > 0 else None
+            lines.append(
+                f"| {impl} | {length} | {r['time_s']:.3f} | {ideal['share']:.4f} | {ideal['ideal_s']:.3f} | "
+                f"{ratio:.2f}x | {_format(attention, '{:.2f}x')} | {_format(peak, '{:.2f}')} |"
+            )
+            if length == largest and impl not in ("full",) and "@" not in impl:
+                verdicts.append((impl, ratio))
+    if verdicts:
+        over = [f"`{impl}` {ratio:.2f}x" for impl, ratio in verdicts if ratio > IDEAL_TARGET]
+        lines += [
+            "",
+            f"At {largest} tokens, {len(verdicts) - len(over)} of {len(verdicts)} kinds within {IDEAL_TARGET}x their "
+            "ideal" + (f"; above it: {', '.join(over)}." if over else "."),
+        ]
+    else:
+        lines += ["", "No ideal: measure the rows `floor` and `full` in the same run (`--impls floor full ...`)."]
+    return lines
 
 
 def after_vs_before(args: argparse.Namespace, by_key: dict, mode: str) -> list[str]:
@@ -1433,7 +1562,8 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="--models: measure every row this many times, rows alternated; the median counts",
+        help="measure every row (of --models, or every implementation, length and mode) this many times, rows "
+        "alternated round by round; the median round counts",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
@@ -1481,24 +1611,30 @@ def main(argv: list[str] | None = None) -> None:
         impl, _, value = item.partition("=")
         max_length[impl] = int(value)
     command = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = []
     compiled_flags = (False, True) if args.compile else (False,)
     runs = [(row, compiled) for row in measured_rows(args) for compiled in compiled_flags]
-    for length in args.lengths:
-        for mode in args.mode:
-            for impl, compiled in runs:
-                limit = max_length.get(impl.partition("@")[0], length)  # an `IMPL@REV` row shares IMPL's limit
-                if length > limit:
-                    result = {"impl": impl, "length": length, "mode": mode, "error": f"skipped (> {limit})"}
-                else:
-                    result = run_one(args, impl, length, mode, compiled)
-                results.append({**result, "compiled": compiled})
-                shown = result.get("error") or (
-                    f"{result['time_s']:.3f} s, peak {result['peak_rss_mb']:.0f} MB RSS, "
-                    f"{_format(result.get('tensor_peak_mb'), '{:.0f}')} MB tensors, "
-                    f"other load {result['other_load']:.0%}"
-                )
-                print(f"{impl + (' (compiled)' if compiled else ''):>16} {length:>6} {mode:>6}: {shown}", flush=True)
+    rounds = []
+    for round_index in range(args.rounds):  # every row once per round: slow spells of a shared machine hit all
+        results = []
+        for length in args.lengths:
+            for mode in args.mode:
+                for impl, compiled in runs:
+                    limit = max_length.get(impl.partition("@")[0], length)  # an `IMPL@REV` row shares IMPL's limit
+                    if length > limit:
+                        result = {"impl": impl, "length": length, "mode": mode, "error": f"skipped (> {limit})"}
+                    else:
+                        result = run_one(args, impl, length, mode, compiled)
+                    results.append({**result, "compiled": compiled})
+                    shown = result.get("error") or (
+                        f"{result['time_s']:.3f} s, peak {result['peak_rss_mb']:.0f} MB RSS, "
+                        f"{_format(result.get('tensor_peak_mb'), '{:.0f}')} MB tensors, "
+                        f"other load {result['other_load']:.0%}"
+                    )
+                    where = f"round {round_index + 1} " if args.rounds > 1 else ""
+                    name = impl + (" (compiled)" if compiled else "")
+                    print(f"{where}{name:>16} {length:>6} {mode:>6}: {shown}", flush=True)
+        rounds.append(results)
+    results = _median_of_rounds(rounds)
     text = report(args, results, command)
     write_outputs(args, results, text)
 

@@ -7,8 +7,12 @@
 #   4. the recipe evaluates and writes the Hub-ready folder (weights, config with auto_map, tokenizer, modeling code,
 #      model card);
 #   5. a separate Python process that never imports longattn loads that folder with
-#      AutoModelForSequenceClassification(trust_remote_code=True) and prints its accuracy on the unseen test split.
-# Knobs (environment): QUICKSTART_STEPS (default 400), QUICKSTART_OUTPUT (default runs/quickstart-needle),
+#      AutoModelForSequenceClassification(trust_remote_code=True) and prints its accuracy on the unseen test split;
+#   6. a small sliding-window causal LM trained on a real corpus every machine has (the Python standard library's
+#      source, `longattn-data stdlib`), then `longattn-eval` prints its bits per byte by context length on the
+#      unseen test files: the loss falls as the window gives each token more context (a table, results.json and a
+#      plot in runs/quickstart-stdlib-clm-eval).
+# Knobs (environment): QUICKSTART_STEPS (default 400), QUICKSTART_LM_STEPS (default 300), QUICKSTART_LM_OUTPUT, QUICKSTART_OUTPUT (default runs/quickstart-needle),
 # QUICKSTART_PROCESSES=2 to train with two processes (accelerate launch, gloo) instead of one,
 # QUICKSTART_SETUP=0 to skip step 1 and use the `python` on PATH as it is (scripts/regenerate_doc_figures.py does).
 set -euo pipefail
@@ -79,3 +83,15 @@ print(f"loaded {folder} with {type(model).__name__} from {type(model).__module__
 print(f"validation accuracy {results['eval_accuracy']:.3f} after {results['train_steps']} steps; "
       f"test accuracy {correct / len(rows):.3f} on {len(rows)} unseen examples (chance 0.100)")
 EOF
+
+# 6. Does a model use its long context? A causal LM on the standard library's source, scored by context length.
+LM_OUTPUT=${QUICKSTART_LM_OUTPUT:-runs/quickstart-stdlib-clm}
+python -m longattn.train.data stdlib --output_dir data/stdlib
+python recipes/run_clm.py --train_file data/stdlib/train.jsonl --validation_file data/stdlib/validation.jsonl \
+    --max_eval_samples 6 \
+    --config_overrides "attention_type=sliding,sliding_window=128,hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=256,hidden_dropout_prob=0.0,max_position_embeddings=1024" \
+    --max_seq_length 1024 --per_device_train_batch_size 8 --learning_rate 2e-3 --num_warmup_steps 20 \
+    --max_train_steps "${QUICKSTART_LM_STEPS:-300}" --eval_steps 100 --checkpointing_steps 100 \
+    --resume_from_checkpoint latest --output_dir "$LM_OUTPUT"
+python -m longattn.tools.evaluate "$LM_OUTPUT" --corpus data/stdlib/test.jsonl --lengths 16 64 256 1024 \
+    --max_tokens 65536 --output_dir "$LM_OUTPUT-eval"

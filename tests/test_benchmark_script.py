@@ -318,3 +318,94 @@ def test_real_worker_of_an_old_row_imports_the_export(benchmark, tmp_path):
     result = benchmark.run_one(args, f"full@{short}", 64, "fwd")
     assert "error" not in result, result
     assert Path(result["longattn_file"]) == tmp_path.resolve() / "longattn" / "__init__.py"
+
+
+def test_attention_work_comes_from_the_growth_models(benchmark):
+    """Dense: 2·D per (query, key) pair; a kind: growth.py's FLOP model without the projections; else None."""
+    args = benchmark.argparse.Namespace(hidden=32, heads=2, window=16)
+    assert benchmark.attention_work("full", 256, args) == 2 * 32 * 256**2
+    assert benchmark.attention_work("lsh", 256, args) == 2 * 32 * 256 * 2 * 2 * 64  # n·r·2c pairs
+    sliding = benchmark.attention_work("sliding", 256, args)
+    assert 2 * 32 * 256 * 20 < sliding < 2 * 32 * 256 * 33  # at most 2w + 1 keys a query, fewer at the ends
+    assert benchmark.attention_work("synthesizer", 256, args) is None
+
+
+def _layer_row(impl, length, time_s, peak=10.0, mode="fwdbwd"):
+    return {"impl": impl, "length": length, "mode": mode, "time_s": time_s, "peak_rss_mb": peak, "other_load": 0.0}
+
+
+def test_report_has_cost_over_ideal_for_every_kind(benchmark):
+    """ideal = floor + (full - floor) x share; time / ideal and attention cost / ideal attention per kind."""
+    args = benchmark.argparse.Namespace(
+        hidden=32,
+        heads=2,
+        batch=1,
+        window=16,
+        global_tokens=0,
+        repeats=1,
+        rounds=3,
+        allocator="glibc",
+        baseline="full",
+        impls=["floor", "full", "lsh", "synthesizer"],
+        mode=["fwdbwd"],
+        lengths=[512],
+        set=[],
+        compile=False,
+    )
+    # lsh at 512 tokens keeps 2 hashes x 128 keys a query: share 256 / 512 = 0.5 of dense.
+    results = [
+        _layer_row("floor", 512, 1.0, peak=5.0),
+        _layer_row("full", 512, 5.0, peak=20.0),
+        _layer_row("lsh", 512, 4.5, peak=22.0),
+        _layer_row("synthesizer", 512, 6.0),
+    ]
+    text = benchmark.report(args, results, "python scripts/benchmark.py")
+    section = text.split("### cost / ideal (fwdbwd)")[1]
+    assert "| full | 512 | 5.000 | 1.0000 | 5.000 | 1.00x | 1.00x | 1.00 |" in section
+    # ideal 1 + 4 x 0.5 = 3 s: 1.5x; attention 3.5 s over 2 s: 1.75x; peak 22 / 20
+    assert "| lsh | 512 | 4.500 | 0.5000 | 3.000 | 1.50x | 1.75x | 1.10 |" in section
+    assert "| synthesizer | 512 | 6.000 | — | — | — | — | 0.50 |" in section
+    assert "| floor |" not in section
+    assert "At 512 tokens, 1 of 1 kinds within 1.5x their ideal." in section
+    assert "the median of 3 rounds" in text and "vector extensions:" in text
+
+    results[2] = _layer_row("lsh", 512, 6.0)
+    section = benchmark.report(args, results, "python scripts/benchmark.py").split("### cost / ideal")[1]
+    assert "At 512 tokens, 0 of 1 kinds within 1.5x their ideal; above it: `lsh` 2.00x." in section
+    # Without the floor there is no ideal.
+    section = benchmark.report(args, results[1:], "python scripts/benchmark.py").split("### cost / ideal")[1]
+    assert "| lsh | 512 | 6.000 | — |" in section and "No ideal: measure the rows `floor` and `full`" in section
+
+
+def test_layer_rounds_alternate_rows_and_report_the_median(benchmark, monkeypatch, tmp_path):
+    """`--rounds 3` on the one-layer table: every row once per round, in turn; each row's median round counts."""
+    launched, times = [], {"floor": iter([1.0, 3.0, 2.0]), "full": iter([9.0, 5.0, 7.0])}
+
+    def run_one(args, impl, length, mode, compiled=False):
+        launched.append(impl)
+        return {**_layer_row(impl, length, next(times[impl]), mode=mode), "tensor_peak_mb": None}
+
+    monkeypatch.setattr(benchmark, "run_one", run_one)
+    out = tmp_path / "report.json"
+    benchmark.main(
+        ["--lengths", "64", "--mode", "fwdbwd", "--impls", "floor", "full", "--rounds", "3", "--json", str(out)]
+        + ["--baseline", "full", "--hidden", "32", "--heads", "2", "--window", "16"]
+    )
+    assert launched == ["floor", "full"] * 3
+    results = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert results["floor"]["time_s"] == 2.0 and results["floor"]["round_times_s"] == [1.0, 3.0, 2.0]
+    assert results["full"]["time_s"] == 7.0
+
+
+def test_floor_keeps_the_projections_and_drops_the_attention(benchmark):
+    import torch
+
+    args = benchmark.argparse.Namespace(length=64, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    assert "floor" not in benchmark.LONGATTN_IMPLS  # measured once, not again on an `--against` revision
+    layer = benchmark.IMPLS["floor"].build(args)
+    x = torch.randn(1, 64, 32, requires_grad=True)
+    module = layer.module
+    expected = module.o_proj(module.v_proj(x))
+    torch.testing.assert_close(layer(x), expected)
+    layer(x).sum().backward()
+    assert module.q_proj.weight.grad is not None and module.k_proj.weight.grad is not None

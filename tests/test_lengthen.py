@@ -142,7 +142,8 @@ def test_the_command_line_writes_tokenizer_and_card(lengthened_roberta, capsys):
     assert config["max_position_embeddings"] == NEW_TOKENS + 1 and config["attn_implementation"] == "longattn"
     assert config["longattn"] == {"attention_type": "sliding", "sliding_window": 8}
     card = (lengthened_roberta / "README.md").read_text()
-    assert "pip install longattn" in card and "lengthened from: `src`" in card
+    assert "trust_remote_code=True" in card and "pip install longattn\n" not in card
+    assert "lengthened from: `src`" in card
     assert str(lengthened_roberta.parent) not in card  # a local source is recorded by its name only
     assert hub.hub_folder_problems(lengthened_roberta) == []
     with pytest.raises(SystemExit):  # a field the longattn dict does not have
@@ -293,6 +294,6 @@ def test_classification_recipe_fine_tunes_a_lengthened_roberta(lengthened_robert
     )
     assert results["train_steps"] == 2 and results["attention_types"] == ["sliding", "sliding"]
     assert seen and all(mask is not None and mask[:, 0].all() and mask[:, 1:].sum() == 0 for mask in seen[0])
-    assert hub.hub_folder_problems(out) == [] and "pip install longattn" in (out / "README.md").read_text()
+    assert hub.hub_folder_problems(out) == [] and "trust_remote_code=True" in (out / "README.md").read_text()
     reloaded = AutoModel.from_pretrained(out)
     assert reloaded.config._attn_implementation == "longattn" and reloaded.config.longattn["sliding_window"] == 4

@@ -20,16 +20,19 @@ from longattn.numerics import (
     HALF_HIDDEN_PENALTY,
     HIDDEN_LOGIT,
     LOG_SPACE_HIDDEN,
+    SAFE_LOGIT_BOUND,
     apply_rotary,
     compute_dtype,
     default_scale,
     head_groups,
     hidden_logit,
-    hidden_logit_for,
+    hide_logits,
+    logit_bound,
     merge_attention,
     rotary_inverse_frequencies,
     rotate,
     rotate_half,
+    sees_a_key,
 )
 
 DOUBLE = dict(dtype=torch.float64)
@@ -45,7 +48,7 @@ RULES = {
         r"torch\.(?:float16|bfloat16|half)\s*,\s*torch\.(?:float16|bfloat16|half)"
         r"|torch\.float64\s+if\b.*\belse\s+torch\.float32|torch\.float32\s+if\b.*\belse\b"
     ),
-    "a masked-logit constant (use the numerics constants or hidden_logit_for)": re.compile(
+    "a masked-logit constant (use the numerics constants or hide_logits)": re.compile(
         r"(?<![\w.])\d+(?:\.\d*)?[eE]\+?(?:[4-9]|\d{2,})\b|(?<![\w.])\d{5,}(?:\.\d*)?\b|\bfinfo\s*\("
     ),
 }
@@ -185,18 +188,40 @@ def test_compute_dtype_promotes_halves_only():
     assert {dtype: compute_dtype(dtype) for dtype in table} == table
 
 
+@pytest.mark.parametrize("bound", [None, 1.0], ids=["unknown bound", "bounded"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_hidden_logit_for_follows_the_rule(dtype):
-    expected = HIDDEN_LOGIT if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).min
-    assert hidden_logit_for(dtype) == expected
+def test_hide_logits_follows_the_rule(dtype, bound):
     assert hidden_logit(dtype) == torch.finfo(dtype).min
-    # Either value is finite in `dtype`, hides a key completely and keeps an all-hidden row finite (-inf gives NaN).
+    # A hidden key weighs exactly 0, an all-hidden row stays finite (-inf alone gives NaN) and is told by its mask.
     scores = torch.tensor([[3.0, -2.0, 5.0], [0.0, 0.0, 0.0]], dtype=dtype)
     hidden = torch.tensor([[False, True, True], [True, True, True]])
-    probs = torch.softmax(scores.masked_fill(hidden, hidden_logit_for(dtype)), dim=-1)
-    assert torch.isfinite(torch.tensor(hidden_logit_for(dtype), dtype=dtype))
+    probs = torch.softmax(hide_logits(scores, hidden, bound=bound), dim=-1)
     assert probs[0].tolist() == [1.0, 0.0, 0.0]
     assert torch.isfinite(probs).all()
+    assert sees_a_key(hidden).view(-1).tolist() == [True, False]
+    assert scores[0].tolist() == [3.0, -2.0, 5.0]  # not in place unless asked
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_hide_logits_is_exact_for_logits_beyond_the_hidden_constant(dtype):
+    # Real logits far below HIDDEN_LOGIT (and hidden ones far above the visible): the mask decides, not the values.
+    big = 3e32 if dtype != torch.float64 else 1e300
+    scores = torch.tensor([[-big, big, -2 * big], [big, -big, 0.0]], dtype=dtype)
+    hidden = torch.tensor([[False, True, False], [True, True, True]])
+    probs = torch.softmax(hide_logits(scores, hidden), dim=-1)
+    assert probs[0].tolist() == [1.0, 0.0, 0.0]
+    assert torch.isfinite(probs).all()
+    # Beyond the safe bound the fast additive path is not taken, whatever bound is passed in.
+    assert hide_logits(scores, hidden, bound=big)[0, 1] == -math.inf
+
+
+def test_logit_bound_bounds_every_logit():
+    q, k = torch.randn(2, 3, 5, 4, **DOUBLE), torch.randn(2, 3, 7, 4, **DOUBLE)
+    bias = torch.randn(2, 3, 5, 7, **DOUBLE)
+    bound = logit_bound(q, k, 0.5, bias)
+    assert (0.5 * q @ k.transpose(-1, -2) + bias).abs().max() <= bound
+    assert logit_bound(q * 1e20, k * 1e20, 1.0) > SAFE_LOGIT_BOUND
+    assert not logit_bound(q.masked_fill(q > 0, math.nan), k, 1.0) <= SAFE_LOGIT_BOUND  # NaN: never "safe"
 
 
 def test_masked_logit_constants_hold_their_stated_properties():

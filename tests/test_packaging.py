@@ -27,7 +27,9 @@ from longattn._moved import MOVED, MOVED_NAMES
 from longattn.tools import hub
 
 REPO = Path(__file__).resolve().parents[1]
-FLAT = sorted(path.stem for path in (REPO / "longattn").glob("*.py") if path.name != "__init__.py")
+# The package's `__init__` and `__main__` (`python -m longattn`: the command line) are the package's entry points,
+# not modules a Hub folder carries.
+FLAT = sorted(path.stem for path in (REPO / "longattn").glob("*.py") if path.name not in ("__init__.py", "__main__.py"))
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
 

@@ -8,9 +8,11 @@ A folder written by `save_hub_folder` loads in two ways, with the same outputs:
   patterns below them) is copied along;
 - `AutoModelFor...from_pretrained(folder)` after `import longattn`.
 
-A stock family running longattn's kinds (a lengthened BERT, RoBERTa, GPT-2, Llama, ... with a `longattn` dict in its
-config) is saved as transformers saves it, with no code: it loads with `from_pretrained(folder)` after
-`import longattn` only (longattn installed), and its model card (`stock_model_card`) says so.
+The code and `auto_map` are written by transformers' own mechanism, in every `save_pretrained` (plain, Trainer's, a
+merged PEFT model's, `push_to_hub`): longattn's classes are registered for their Auto classes. A stock family running
+longattn's kinds (a lengthened BERT, RoBERTa, GPT-2, Llama, ... with a `longattn` dict in its config) is saved as its
+shareable subclass (`longattn.modeling_stock`): its `auto_map` points at `modeling_stock.py`, which registers the
+"longattn" attention implementation, so it loads the same two ways; its model card (`stock_model_card`) says so.
 
 `push_folder` uploads it with huggingface_hub (`create_repo` + `upload_folder`); `longattn-hub check FOLDER`
 lists what a folder lacks, `longattn-hub push FOLDER REPO_ID` uploads one.
@@ -19,9 +21,7 @@ lists what a folder lacks, `longattn-hub push FOLDER REPO_ID` uploads one.
 from __future__ import annotations
 
 import ast
-import inspect
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,19 +31,19 @@ from .command_line import CommandLineParser, redact_command
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the flat package the model files live in
 CODE_ENTRY_POINTS = ("configuration_longattn.py", "modeling_longattn.py")
 
-# Every Auto class a longattn folder answers to, whatever head it was trained with: a masked-LM folder also loads as
-# `AutoModel` (the encoder) and as a classifier to fine-tune.
-AUTO_MAP = {
-    "AutoConfig": "configuration_longattn.LongAttnConfig",
-    "AutoModel": "modeling_longattn.LongAttnModel",
-    "AutoModelForMaskedLM": "modeling_longattn.LongAttnForMaskedLM",
-    "AutoModelForSequenceClassification": "modeling_longattn.LongAttnForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_longattn.LongAttnForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_longattn.LongAttnForQuestionAnswering",
-    "AutoModelForCausalLM": "modeling_longattn.LongAttnForCausalLM",
-    "AutoModelForSeq2SeqLM": "modeling_longattn.LongAttnForSeq2SeqLM",
-}
-MODEL_AUTO_CLASS = {value.split(".")[1]: key for key, value in AUTO_MAP.items() if key != "AutoConfig"}
+
+def __getattr__(name: str):
+    """`AUTO_MAP` (every Auto class a longattn folder answers to: `modeling_longattn.AUTO_MAP`) and
+    `MODEL_AUTO_CLASS` (model class name -> its Auto class), read from the model module when first used, so that
+    the command line starts without importing torch."""
+    if name in ("AUTO_MAP", "MODEL_AUTO_CLASS"):
+        from ..modeling_longattn import AUTO_MAP
+
+        if name == "AUTO_MAP":
+            return AUTO_MAP
+        return {target.split(".")[1]: auto for auto, target in AUTO_MAP.items() if auto != "AutoConfig"}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # recipe task -> (pipeline tag, human name, Auto class)
 TASKS = {
@@ -70,38 +70,25 @@ def _sibling_imports(path: Path) -> tuple[set[str], set[str]]:
 
 
 def code_closure(directory: Path = PACKAGE_DIR, entry_points: tuple[str, ...] = CODE_ENTRY_POINTS) -> list[str]:
-    """The file names of `entry_points` and every sibling module they import, transitively (sorted)."""
-    seen: set[str] = set()
-    todo = list(entry_points)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        path = directory / name
-        if path.is_file():
-            todo.extend(f"{module}.py" for module in _sibling_imports(path)[0])
-    return sorted(seen)
+    """The file names `save_pretrained` copies into a folder for `entry_points`: each with every sibling module it
+    imports, transitively, as transformers finds them (`get_relative_import_files`), sorted."""
+    from transformers.dynamic_module_utils import get_relative_import_files
 
-
-def copy_code(folder: str | Path, source: Path = PACKAGE_DIR) -> list[str]:
-    """Copy every module of `code_closure(source)` from `source` into `folder`, replacing what is there: a folder
-    written again (a resumed run, a newer longattn) must not keep modeling code older than its weights."""
-    folder = Path(folder)
-    copied = code_closure(source)
-    for name in copied:
-        shutil.copyfile(source / name, folder / name)
-    return copied
+    names = set(entry_points)
+    for entry_point in entry_points:
+        names.update(Path(path).name for path in get_relative_import_files(directory / entry_point))
+    return sorted(names)
 
 
 # ---------------------------------------------------------------------------------------------- saving
 def save_hub_folder(model, tokenizer, folder: str | Path, *, card=None, state_dict: dict | None = None) -> Path:
-    """Write `model` (safetensors, `config.json` with `auto_map`), `tokenizer`, the modeling code and `card`
-    (`README.md`) to `folder`.
+    """Write `model` (`save_pretrained`: safetensors, `config.json` with `auto_map`, the modeling code), `tokenizer`
+    and `card` (`README.md`) to `folder`.
 
-    A stock transformers model running longattn's kinds (a `longattn` dict in its config, see
-    `apply_longattn`) is saved without code or `auto_map`: its family's classes are transformers' own, and loading
-    it needs longattn installed (`import longattn` registers the attention implementation and rebuilds the kinds).
+    The code and `auto_map` come from transformers' own mechanism: longattn's classes are registered for their Auto
+    classes (`register_for_auto_class`), and a stock model running longattn's kinds is saved as its shareable
+    subclass (`longattn.modeling_stock`), so a plain `model.save_pretrained(folder)` writes the same folder; this
+    adds the tokenizer and the model card.
 
     Args:
         model: A longattn model (any head), or a stock model running longattn's kinds.
@@ -113,40 +100,17 @@ def save_hub_folder(model, tokenizer, folder: str | Path, *, card=None, state_di
     Raises:
         ValueError: `model` is neither a longattn model nor a stock model running longattn's kinds.
     """
-    folder = Path(folder)
-    auto_class = MODEL_AUTO_CLASS.get(type(model).__name__)
-    if auto_class is None and is_stock_longattn(model.config):
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder, state_dict=state_dict)  # config.json keeps attn_implementation="longattn"
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        if card is not None:
-            card.save(folder / "README.md")
-        return folder
-    if auto_class is None:
+    if getattr(type(model), "_auto_class", None) is None and not is_stock_longattn(model.config):
         raise ValueError(
-            f"{type(model).__name__} is not a longattn model class ({sorted(MODEL_AUTO_CLASS)}) and "
+            f"{type(model).__name__} is not a longattn model class ({sorted(__getattr__('MODEL_AUTO_CLASS'))}) and "
             "its config holds no `longattn` dict: run `longattn.apply_longattn(model, ...)` or "
             "`longattn.lengthen(...)` first."
         )
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    previous_map = getattr(config, "auto_map", None)
-    # Instance attributes, not `register_for_auto_class` (which would change the classes for the whole process).
-    model._auto_class = auto_class
-    config._auto_class = "AutoConfig"
-    config.auto_map = dict(AUTO_MAP)
-    try:
-        model.save_pretrained(folder, state_dict=state_dict)
-    finally:
-        del model._auto_class
-        del config._auto_class
-        config.auto_map = previous_map
+    model.save_pretrained(folder, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    # The code of the class that wrote the weights: this package, or the folder a remote-code model came from.
-    source = Path(inspect.getfile(type(model))).parent
-    copy_code(folder, source if (source / "modeling_longattn.py").is_file() else PACKAGE_DIR)
     if card is not None:
         card.save(folder / "README.md")
     return folder
@@ -168,6 +132,11 @@ def hub_folder_problems(folder: str | Path) -> list[str]:
         problems.append("config.json holds a `longattn` dict but not attn_implementation='longattn'")
     if not stock and "AutoConfig" not in auto_map:
         problems.append("config.json has no auto_map['AutoConfig']")
+    if stock and config.get("longattn") and not auto_map:
+        problems.append(
+            "config.json has no auto_map: saved without longattn's code, it loads only where longattn is installed "
+            "(save it again after `import longattn`)"
+        )
     for auto, target in auto_map.items():
         module = target.split(".")[0] if isinstance(target, str) else None
         if module and not (folder / f"{module}.py").is_file():
@@ -293,8 +262,8 @@ def stock_model_card(
     config, *, task: str | None = None, base_model: str | None = None, model_name: str | None = None, **details: Any
 ):
     """A `huggingface_hub.ModelCard` for a stock family running longattn's kinds (a lengthened checkpoint): its
-    attention settings and the note that loading it needs `pip install longattn` and `import longattn` (the
-    folder holds no code; without longattn, transformers refuses the unknown attention implementation).
+    attention settings and how to load it: with `trust_remote_code=True` (the folder's `modeling_stock.py` registers
+    the attention implementation), or after `import longattn` where longattn is installed.
 
     Args: as `model_card` (`details`: its metrics, training_data, command, datasets and extra); `task` may be None
         (a lengthened checkpoint not yet fine-tuned), `base_model` the checkpoint it was lengthened from.
@@ -325,20 +294,23 @@ A `{family}` that reads up to {max_tokens(config)} tokens with longattn's attent
 Cross-attention (encoder-decoder models) stays dense."""
     how_to_load = f"""## How to load
 
-This folder holds no code: it needs longattn installed.
-
-```bash
-pip install longattn
-```
+With only torch and transformers installed: the code that runs the attention kinds is in this folder
+(`modeling_stock.py` registers the `"longattn"` attention implementation and returns transformers' own
+`{family}` class; the modules it imports hold the kinds).
 
 ```python
-import longattn  # registers the "longattn" attention implementation and rebuilds the kinds on load
 from transformers import {auto_class}
 
-model = {auto_class}.from_pretrained("<this folder or repo id>")
+model = {auto_class}.from_pretrained("<this folder or repo id>", trust_remote_code=True)
 ```
 
-Without `import longattn`, transformers refuses the unknown attention implementation `longattn`.
+With longattn installed (it is not on the package index: `pip install .` in a clone of its repository, or
+`pip install longattn-<version>-py3-none-any.whl` from a built wheel), `import longattn` first and the same call works
+without `trust_remote_code`.
+
+Loaded with neither, transformers builds its own `{family}` and refuses the unknown attention implementation
+`"longattn"` (it never silently runs full attention). The tokenizer is transformers' own: `AutoTokenizer` loads it
+either way.
 """
     card = dict(task=task, unique_kinds=unique_kinds, model_name=model_name, tags=[], base_model=base_model)
     return _card(header, how_to_load, **card, **details)
@@ -471,11 +443,9 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "AUTO_MAP",
     "save_hub_folder",
     "hub_folder_problems",
     "code_closure",
-    "copy_code",
     "model_card",
     "stock_model_card",
     "is_stock_longattn",

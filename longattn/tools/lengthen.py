@@ -1,10 +1,10 @@
 """`longattn-lengthen SRC OUT --max_length 4096 --attention_type sliding --sliding_window 256 ...`
 
 Writes to OUT a model of SRC's family that reads `--max_length` tokens with longattn's kinds (`longattn.lengthen`),
-SRC's tokenizer (if it has one) with its `model_max_length` raised, and a model card saying that loading it needs
-`pip install longattn`. Every flag other than the ones below is a field of the `longattn` dict (`--attention_type`,
-`--sliding_window`, `--sliding_dilation [1,1,2,4]`, `--attention_type [sliding,full]`, ...), validated like
-`LongAttnConfig`'s fields.
+SRC's tokenizer (if it has one) with its `model_max_length` raised, and a model card saying how to load it (with
+`trust_remote_code=True`, or after `import longattn`). Every flag other than the ones below is a field of the
+`longattn` dict (`--attention_type`, `--sliding_window`, `--sliding_dilation [1,1,2,4]`, `--attention_type
+[sliding,full]`, ...), validated like `LongAttnConfig`'s fields. Also `longattn lengthen SRC OUT ...`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
 
 
 def save_lengthened(model: nn.Module, output_dir: str | Path, *, tokenizer=None, source: str | None = None) -> Path:
-    """Write a lengthened model, its tokenizer (its `model_max_length` raised to what the model reads) and a model
-    card saying that longattn is needed to load it.
+    """Write a lengthened model (with the code that runs its kinds), its tokenizer (its `model_max_length` raised to
+    what the model reads) and a model card saying how to load it.
 
     Args:
         model: A model returned by `lengthen`.

@@ -5,8 +5,8 @@ routing, Sinkhorn, ...) it is the pattern the layer actually produced on the giv
 place: the layer's attention weights (`output_attentions=True`), computed in float64 so that a visible key never
 underflows to a zero weight.
 
-Needs matplotlib (`pip install longattn[plot]`). Command line: `longattn-visualize --help`; its config
-overrides take the recipes' grammar (`--config_overrides "sliding_window=4,sliding_dilation=[1,3]"`).
+Needs matplotlib (`pip install matplotlib`). Command line: `longattn visualize --help` (or `longattn-visualize`);
+its config overrides take the recipes' grammar (`--config_overrides "sliding_window=4,sliding_dilation=[1,3]"`).
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     pattern = attention_pattern(model, input_ids, global_attention_mask=global_mask)
     settings = format_config_overrides({**PICTURE_SETTINGS.get(args.attention_type, {}), **overrides})
     title = " ".join(filter(None, [args.attention_type, settings, f"n={args.length}", "causal" * args.causal]))
-    print(draw_pattern(pattern, args.output, title=title))
+    draw_pattern(pattern, args.output, title=title)
+    print(f"wrote the picture of {args.attention_type} attention to {Path(args.output).resolve()}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,23 @@ logger = logging.getLogger(__name__)
 
 
 class TqdmLoggingHandler(logging.StreamHandler):
-    """A stderr handler that writes through `tqdm.write`: a line logged while a progress bar is shown (the attention
-    back-end choice on the first forward pass, an evaluation) goes above the bar instead of into its middle."""
+    """A stderr handler that writes through `tqdm.write` on a terminal: a line logged while a progress bar is shown
+    (the attention back-end choice on the first forward pass, an evaluation) goes above the bar instead of into its
+    middle. Into a file or a pipe (a log), the line is written on a line of its own, as it is: `tqdm.write` would
+    wrap it in the cursor movements (terminal escape codes) that clear and redraw nested bars."""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm.auto import tqdm
 
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            line = self.format(record)
+            isatty = getattr(self.stream, "isatty", None)
+            if isatty is not None and isatty():
+                tqdm.write(line, file=self.stream)
+            else:
+                bars_shown = bool(getattr(tqdm, "_instances", None))
+                self.stream.write(f"\n{line}\n" if bars_shown else f"{line}\n")
+                self.flush()
         except Exception:  # as logging.StreamHandler: report, never raise from a log call
             self.handleError(record)
 
