@@ -60,7 +60,7 @@ EVAL_DURING_TRAINING_BYTES = 160_000
 EVAL_TOKENS = 131_072  # of the test split, for longattn-eval: 32 windows of 4,096
 KINDS_LENGTH = 2048
 KINDS_MODEL = "hidden_size=128,num_hidden_layers=4,num_attention_heads=4,intermediate_size=512,hidden_dropout_prob=0.0"
-KINDS_TRAIN = {"steps": 100, "batch": 4, "learning_rate": 1e-3, "warmup": 10, "eval_every": 50}
+KINDS_TRAIN = {"steps": 60, "batch": 4, "learning_rate": 1e-3, "warmup": 6, "eval_every": 30}
 # (run name, recipe, kind, the kind's own settings): each kind at its defaults except where 2,048 tokens ask otherwise.
 KINDS = [
     ("clm-full", "clm", "full", ""),
