@@ -71,12 +71,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
-from . import tuning
 from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, hide_logits
 from .ops_checks import empty_attention, is_empty
 from .patterns import first_real_token
 from .relative_logits import check_relative_embedding, relative_logit_table
+from .tuning import workspace_elements
 
 __all__ = [
     "MAX_LEVELS",
@@ -106,7 +106,7 @@ QUERY_BLOCK = 32
 # 0.97 s, 2**18 0.84 s, 2**19 0.69 s, 2**20 0.76 s, 2**21 1.02 s; 8K tokens 2**18 1.55 s, 2**19 1.43 s, 2**20 1.51 s.
 # A quarter of the budget (2**19) would be 8-17% faster, for 12% more peak memory (174 MB against 155 at 4K): kept at
 # an eighth, as BP-Transformer's peak is already the largest of the kinds.
-_CHUNK_ELEMENTS = tuning.workspace_elements() // 8
+_CHUNK_ELEMENTS = workspace_elements() // 8
 
 
 def num_levels(n: int, context: int) -> int:

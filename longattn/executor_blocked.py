@@ -43,7 +43,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import tuning
 from .numerics import (
     HIDDEN_LOGIT,
     SAFE_LOGIT_BOUND,
@@ -56,6 +55,7 @@ from .numerics import (
 )
 from .patterns import MaskFn, and_masks
 from .relative_logits import BiasFn, block_bias
+from .tuning import workspace_elements
 
 __all__ = [
     "attend_blocks",
@@ -78,7 +78,7 @@ __all__ = [
 # 2-core AMD EPYC with 32 MB of L3 and 512 KB of L2 per core; evidence in docs/benchmarks.md, "Chunk sizes per
 # machine"). Budgeting the scores alone let blocks that gather more keys than they hold queries (Sinkhorn: 2s keys of
 # 64 for s = 64 queries) keep 42 MB of workspaces at 16K tokens, a third of what full attention's whole step adds.
-_WORKSPACE_ELEMENTS = tuning.workspace_elements()
+_WORKSPACE_ELEMENTS = workspace_elements()
 
 # Elements of one chunk of `evaluate_block_mask` (it sized the blocked executor's score chunks before
 # `_WORKSPACE_ELEMENTS`): half the workspace budget (2**20 where that is 2**21). Measured on a 2-core CPU (16K tokens,
