@@ -1007,3 +1007,34 @@ def test_batches_are_not_padded_past_the_length_limit():
 
     assert training.length_multiple(kind_config("sinkhorn", sinkhorn_block_size=HUGE)) == 1
     assert training.length_multiple(kind_config("sinkhorn", sinkhorn_block_size=4)) == 4
+
+
+@pytest.mark.parametrize(
+    ("argument", "bad"),
+    [
+        ("ramp", 0),
+        ("ramp", 2.5),
+        ("max_span", -1),
+        ("block_size", 0),
+        ("span", torch.full((H + 1,), 3.0)),
+        ("span", torch.full((H,), 3, dtype=torch.long)),
+        ("span", torch.tensor([3.0, math.nan])),
+        ("span", torch.tensor([3.0, math.inf])),
+        ("span", [3.0, 3.0]),
+        ("causal", "no"),
+        ("dropout_p", 1.5),
+        ("scale", math.nan),
+    ],
+)
+@pytest.mark.parametrize("dense", [False, True])
+def test_adaptive_span_attention_validates_its_arguments(argument, bad, dense):
+    """The kind's exported function refuses bad span settings with a ValueError naming the argument (they used to
+    run into NaN outputs or errors deep inside)."""
+    from longattn.attention_adaptive_span import adaptive_span_attention
+
+    q, k, v = _tensors(torch.Generator().manual_seed(3))
+    arguments = {"span": torch.full((H,), 3.0), "max_span": 4, "ramp": 2, "causal": False, "dense": dense}
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        adaptive_span_attention(q, k, v, **{**arguments, argument: bad})
+    out = adaptive_span_attention(q, k, v, **arguments)
+    assert torch.isfinite(out[0] if dense else out).all()
