@@ -194,6 +194,35 @@ def kinds_section(study: Path, plot: Path | None) -> str:
     )
 
 
+def loss_by_length_section(study: Path, doc_dir: Path) -> str:
+    """The kinds' bits per byte by context length on the test split (`longattn-eval`), a table and its plot for
+    each objective."""
+    import shutil
+
+    parts = ["### Loss by context length (test split)", ""]
+    for recipe in ("clm", "mlm"):
+        results = _json(study / f"eval-{recipe}" / "results.json")
+        if not results:
+            parts += [f"{recipe}: not evaluated yet.", ""]
+            continue
+        lengths = [row["length"] for row in results["models"][0]["loss_by_length"]]
+        parts += [
+            f"| {recipe} run | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
+        for record in results["models"]:
+            cells = " | ".join(f"{row['bits_per_byte']:.4f}" for row in record["loss_by_length"])
+            parts.append(f"| `{record['name']}` | {cells} |")
+        plot = study / f"eval-{recipe}" / "loss_by_length.png"
+        if plot.is_file():
+            target = doc_dir / "quality" / f"kinds_{recipe}_loss_by_length.png"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, target)
+            parts += ["", f"![{recipe} loss by context length](quality/{target.name})"]
+        parts.append("")
+    return "\n".join(parts)
+
+
 def _plot_kinds(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -252,6 +281,12 @@ def write_report(root: Path, doc: Path) -> Path:
             "",
         ]
     )
-    body = [header, lengthening_section(root / "lengthening"), "", kinds_section(root / "kinds", plot)]
+    body = [
+        header,
+        lengthening_section(root / "lengthening"),
+        "",
+        kinds_section(root / "kinds", plot),
+        loss_by_length_section(root / "kinds", doc.parent),
+    ]
     doc.write_text("\n".join(body).rstrip() + "\n")
     return doc

@@ -59,8 +59,10 @@ CONTINUE = {"steps": 60, "learning_rate": 3e-4, "warmup": 10}  # tokens per step
 EVAL_DURING_TRAINING_BYTES = 160_000
 EVAL_TOKENS = 131_072  # of the test split, for longattn-eval: 32 windows of 4,096
 KINDS_LENGTH = 2048
+KINDS_EVAL_LENGTHS = [128, 512, 2048]
+KINDS_EVAL_TOKENS = 65_536  # 32 windows of 2,048 of the test split
 KINDS_MODEL = "hidden_size=128,num_hidden_layers=4,num_attention_heads=4,intermediate_size=512,hidden_dropout_prob=0.0"
-KINDS_TRAIN = {"steps": 100, "batch": 4, "learning_rate": 1e-3, "warmup": 10, "eval_every": 50}
+KINDS_TRAIN = {"steps": 60, "batch": 4, "learning_rate": 1e-3, "warmup": 6, "eval_every": 30}
 # (run name, recipe, kind, the kind's own settings): each kind at its defaults except where 2,048 tokens ask otherwise.
 KINDS = [
     ("clm-full", "clm", "full", ""),
@@ -151,13 +153,15 @@ def _train(
     _run(command, output.parent / f"{output.name}.log", stop_on_failure=stop_on_failure)
 
 
-def _evaluate(folders: list[Path], output: Path, data: Path, *, lengths: list[int], extra: list[str] = ()) -> None:
+def _evaluate(folders: list[Path], output: Path, data: Path, *, lengths: list[int], extra: list[str] = (),
+              max_tokens: int = None) -> None:  # fmt: skip
     if (output / "results.json").is_file():
         print(f"{output}: done", flush=True)
         return
     command = [
         sys.executable, "-m", "longattn.tools.evaluate", *map(str, folders), "--corpus", str(data / "test.jsonl"),
-        "--lengths", *map(str, lengths), "--max_tokens", str(EVAL_TOKENS), "--output_dir", str(output), *extra,
+        "--lengths", *map(str, lengths), "--max_tokens", str(max_tokens or EVAL_TOKENS), "--output_dir", str(output),
+        *extra,
     ]  # fmt: skip
     _run(command, output.parent / f"{output.name}.log")
 
@@ -241,6 +245,11 @@ def kinds(root: Path, data: Path, only: list[str] | None) -> None:
         _train(recipe, study / name, data, steps=t["steps"], batch=t["batch"], lr=t["learning_rate"],
                warmup=t["warmup"], length=KINDS_LENGTH, eval_every=t["eval_every"],
                source=["--config_overrides", overrides], stop_on_failure=False)  # fmt: skip
+    # Loss by context length on the test split, every finished run of an objective in one call (one plot each).
+    for recipe in ("clm", "mlm"):
+        folders = [study / name for name, r, _, _ in KINDS if r == recipe and _finished(study / name)]
+        if folders and not only:
+            _evaluate(folders, study / f"eval-{recipe}", data, lengths=KINDS_EVAL_LENGTHS, max_tokens=KINDS_EVAL_TOKENS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -521,11 +521,10 @@ def plot_loss_by_length(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="longattn-eval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+    from .command_line import CommandLineParser  # flags only as spelled: no abbreviation
+
+    parser = CommandLineParser(
+        prog="longattn-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("folders", nargs="+", help="model folders (several: one line each in the table and the plot)")
     parser.add_argument("--corpus", nargs="*", help="jsonl files (a `text` column) or text files: loss by length")
