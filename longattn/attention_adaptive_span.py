@@ -35,7 +35,15 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, default_scale
-from .ops_checks import check_token_mask, empty_attention, is_empty
+from .ops_checks import (
+    check_dropout,
+    check_flag,
+    check_positive_int,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 
 # Queries per block of the banded executor: a block gathers c + reach (causal) or c + 2·reach keys, so larger blocks
 # waste fewer gathered keys per query but compute more masked-out scores at the band's edges; 64 balances both for
@@ -106,10 +114,17 @@ def adaptive_span_attention(
         With `dense`: `(out, weights [b, h, n, m])`.
 
     Raises:
-        ValueError: A `key_padding_mask` that is not a bool `[b, m]` tensor on q's device.
+        ValueError: Naming the argument: a `key_padding_mask` that is not a bool `[b, m]` tensor on q's device, a
+            `span` that is not a floating `[h]` tensor on q's device or holds NaN / inf, `max_span` below 0, `ramp`
+            or `block_size` below 1, a non-bool `causal` or `dense`, `dropout_p` outside [0, 1), a non-finite
+            `scale`.
     """
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
+    _check_span_arguments(span, h, q.device, max_span=max_span, ramp=ramp, block_size=block_size)
+    causal, dense = check_flag("causal", causal), check_flag("dense", dense)
+    dropout_p = check_dropout(dropout_p)
+    scale = check_scale(scale, d)
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(b, h, n_q, n_k)) if dense else empty_attention(q, k, v)
@@ -285,6 +300,20 @@ def _add_windows(target: Tensor, grad_windows: Tensor, start: int, stop: int, c:
     rows = (torch.arange(t, device=target.device)[:, None] * c + torch.arange(w, device=target.device)).view(-1)
     source = grad_windows.view(t, b, h, w, d).permute(1, 2, 0, 3, 4).reshape(b, h, t * w, d)
     target[:, :, start * c : (stop - 1) * c + w].index_add_(2, rows, source)
+
+
+def _check_span_arguments(span, heads: int, device: torch.device, *, max_span, ramp, block_size) -> None:
+    """The span settings of `adaptive_span_attention`: ValueError naming the argument."""
+    check_positive_int("max_span", max_span, minimum=0, meaning="keys farther than it are never seen")
+    check_positive_int("ramp", ramp, meaning="the length of the soft ramp")
+    check_positive_int("block_size", block_size, meaning="queries per block")
+    if not isinstance(span, Tensor) or not span.is_floating_point() or tuple(span.shape) != (heads,):
+        got = f"{span.dtype} {list(span.shape)}" if isinstance(span, Tensor) else repr(span)
+        raise ValueError(f"span must be a floating tensor [h] = [{heads}] (one span per head, in tokens), got {got}")
+    if span.device != device:
+        raise ValueError(f"span must be on q's device ({device}), got {span.device}")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(span.detach()).all()):
+        raise ValueError(f"span must be finite (NaN or inf found): {span.detach().tolist()}")
 
 
 def adaptive_span_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:

@@ -629,6 +629,10 @@ def binary_partition_attention(
     relative_embedding = check_relative_embedding(relative_embedding, q)
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
+    # A context of m - 1 nodes per side already shows every key at level 0 (one level, whose edge types do not
+    # depend on k): a larger one is clamped to it, never allocated by its size, and reads the same bias columns.
+    context = min(context, max(k.shape[2] - 1, 1))
+    relative_bias = relative_bias[:, : num_edge_types(context)]
     table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
     if not dense:
         return _attend_gathered_nodes(

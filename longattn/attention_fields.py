@@ -287,6 +287,41 @@ def _fixed_summary_in_block(config: Any, layer_idx: int, is_causal: bool) -> Non
         )
 
 
+def _at_most_the_longest_sequence(field: str, why: str, *, factor: int = 1, minimum: int = 1) -> Rule:
+    """A rule bounding a size that shapes a parameter or buffer (so it is allocated at construction, whatever the
+    input) by what the longest sequence can use: `factor · max_position_embeddings` (no bound when the config
+    states no length)."""
+
+    def rule(config: Any, layer_idx: int, is_causal: bool) -> None:
+        limit = getattr(config, "max_position_embeddings", None)
+        value = _layer_value(config, field, layer_idx)
+        if not isinstance(limit, int) or isinstance(limit, bool) or value is None or value <= factor * limit:
+            return
+        times = f"{factor} · " if factor != 1 else ""
+        raise ValueError(
+            f"`{field}`={getattr(config, field)!r} is invalid for layer {layer_idx}: expected integers in "
+            f"[{minimum}, {factor * limit}] ({times}`max_position_embeddings`={limit}): {why}."
+        )
+
+    rule.__name__ = f"_{field}_bounded"
+    return rule
+
+
+def _deformable_levels_bounded(config: Any, layer_idx: int, is_causal: bool) -> None:
+    """Level l pools cells of 2^l tokens: past the level whose one cell spans the longest sequence, every level is
+    that same cell again (and its offsets, per level and point, are parameters)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return
+    most = (limit - 1).bit_length() + 1  # ceil(log2(limit)) + 1
+    if _layer_value(config, "deformable_levels", layer_idx) > most:
+        raise ValueError(
+            f"`deformable_levels`={config.deformable_levels!r} is invalid for layer {layer_idx}: expected integers in "
+            f"[1, {most}] (ceil(log2(`max_position_embeddings`={limit})) + 1): level {most - 1} already pools the "
+            "longest sequence into one cell."
+        )
+
+
 def _relative_logits_on(config: Any, layer_idx: int) -> bool:
     """Whether layer `layer_idx` has relative-position logits (validated `LAYER_FIELDS`; a config saved before them
     has none)."""
@@ -331,9 +366,26 @@ KINDS: dict[str, KindSpec] = {
         },
         no_relative_logits="its banded kernel (the soft span mask) takes no logit bias: not implemented",
     ),
-    "binary_partition": KindSpec({"binary_partition_context": _positive_int(4)}),
+    "binary_partition": KindSpec(
+        {"binary_partition_context": _positive_int(4)},
+        rules=(
+            _at_most_the_longest_sequence(
+                "binary_partition_context",
+                "its learned bias has a column per (side, level, offset) edge type, and a context of n - 1 already "
+                "shows every token of an n-token sequence at level 0",
+            ),
+        ),
+    ),
     "deformable": KindSpec(
         {"deformable_levels": _positive_int(4), "deformable_points": _positive_int(4)},
+        rules=(
+            _deformable_levels_bounded,
+            _at_most_the_longest_sequence(
+                "deformable_points",
+                "each point has its own offset and weight outputs per head and level, and a query has no more "
+                "distinct positions to sample than the longest sequence holds",
+            ),
+        ),
         no_causal_form="a pooled level averages later tokens and interpolation reads the next cell, so a decoder "
         "would see the future",
         no_relative_logits="its weights come from a linear map of the query and one softmax over sampling points, "
@@ -352,7 +404,14 @@ KINDS: dict[str, KindSpec] = {
         no_causal_form="projecting the length mixes every position into every projected key, so a decoder would "
         "see the future",
         no_relative_logits="its keys are projections of the whole length, with no position to measure a distance to",
-        rules=(_linformer_one_length,),
+        rules=(
+            _linformer_one_length,
+            _at_most_the_longest_sequence(
+                "linformer_proj_len",
+                "its projections E, F hold max_position_embeddings x heads · k entries, and projecting n tokens to "
+                "more than n rows adds no information",
+            ),
+        ),
     ),
     "sliding": KindSpec(
         {"sliding_window": _positive_int(256), "sliding_dilation": _positive_int(1, per="head")},
@@ -368,12 +427,28 @@ KINDS: dict[str, KindSpec] = {
             "lsh_seed": Field(None, "int", optional=True),
         },
         backends=_XFORMERS_BLOCKS,
-        rules=(_lsh_even_buckets, _lsh_causal_band),
+        rules=(
+            _lsh_even_buckets,
+            _lsh_causal_band,
+            _at_most_the_longest_sequence(
+                "lsh_num_buckets",
+                "each layer keeps rotations with a column per two buckets, and n tokens fill at most n of them",
+                factor=2,
+                minimum=2,
+            ),
+        ),
     ),
     "reduction": KindSpec(
         {"reduction_ratio": _positive_int(8)},
         no_causal_form="each reduced key mixes R consecutive tokens, so a decoder would see later tokens",
         no_relative_logits="each key pools R tokens, so it has no single position to measure a distance to",
+        rules=(
+            _at_most_the_longest_sequence(
+                "reduction_ratio",
+                "its projection `reduction_proj` is a Linear(R · hidden_size, hidden_size), and a group longer than "
+                "the longest sequence holds only zeros past it",
+            ),
+        ),
     ),
     "strided": KindSpec({"strided_stride": _positive_int(128)}, backends=_PATTERN_BACKENDS),
     "fixed": KindSpec(
@@ -394,7 +469,14 @@ KINDS: dict[str, KindSpec] = {
             "routing_ema_decay": Field(0.999, "number", maximum=1.0, exclusive_maximum=True),
         },
         backends=_XFORMERS_BLOCKS,
-        rules=(_routing_one_head_routes,),
+        rules=(
+            _routing_one_head_routes,
+            _at_most_the_longest_sequence(
+                "routing_num_clusters",
+                "the centroids are a buffer [heads, C, head_dim], and more clusters than tokens leave clusters of "
+                "one query and one key",
+            ),
+        ),
     ),
     "sinkhorn": KindSpec(
         {
@@ -414,6 +496,13 @@ KINDS: dict[str, KindSpec] = {
             "synthesizer_mix": Field(False, "bool"),
         },
         no_relative_logits="its weights are synthesised from each token alone (or learned), without q·k logits",
+        rules=(
+            _at_most_the_longest_sequence(
+                "synthesizer_factor_k",
+                "its factor layers and tables have a column per head and factor, and a factor (or rank) above the "
+                "length adds nothing",
+            ),
+        ),
     ),
 }
 """Attention name -> what the kind declares. The registry (`attention_registry`) holds one class per row."""
@@ -472,6 +561,10 @@ def _check_relative_logits(name: str, config: Any, layer_idx: int) -> None:
             f"layer {layer_idx}, whose `attention_type`={name!r} cannot add them: {reason}. Allowed: False for this "
             f"layer, or one of {takes}."
         )
+    _at_most_the_longest_sequence(
+        "relative_max_distance",
+        "the table r has 2M + 1 rows, and no distance between two tokens exceeds the longest sequence",
+    )(config, layer_idx, False)
     backend = getattr(config, "attention_backend", "auto")
     why_not = {
         "xformers": "xformers takes only a dense [b, h, n, n] bias, the table the sparse kinds avoid",

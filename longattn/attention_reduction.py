@@ -104,14 +104,25 @@ class ReductionAttention(LongAttnAttention):
             **self.layer_arguments("scale", "dropout_p"),
         )
 
+    def used_ratio(self, n: int) -> int:
+        """The group length a sequence of n tokens uses: R, or n when R > n (its one group holds zeros past the n
+        tokens, which the projection's columns for them would only multiply by zero: they are not read)."""
+        return max(1, min(self.ratio, n))
+
     def reduce(
         self, hidden_states: torch.Tensor, key_padding_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """SR(x) = LayerNorm(Reshape(x, R) W_S): `[b, n, D]` -> (`[b, g, D]`, group_valid `[b, g]` or None)."""
-        groups, group_valid = pack_groups(hidden_states, key_padding_mask, self.ratio)  # [b, g, R, D]
+        ratio = self.used_ratio(hidden_states.shape[1])
+        groups, group_valid = pack_groups(hidden_states, key_padding_mask, ratio)  # [b, g, R, D]
         b, g = groups.shape[:2]
         # [b, g, R·D], sizes spelled out: a reshape of an empty tensor (batch or length 0) cannot infer a -1.
-        return self.reduction_norm(self.reduction_proj(groups.reshape(b, g, groups.shape[2:].numel()))), group_valid
+        flat = groups.reshape(b, g, groups.shape[2:].numel())
+        if ratio == self.ratio:
+            return self.reduction_norm(self.reduction_proj(flat)), group_valid
+        # One group shorter than R: the leading columns of W_S (those of the slots it fills).
+        weight = self.reduction_proj.weight[:, : flat.shape[-1]]
+        return self.reduction_norm(nn.functional.linear(flat, weight, self.reduction_proj.bias)), group_valid
 
     def attention_inputs(self, hidden_states, *, key_padding_mask, position_embeddings):
         """Queries per token, keys and values per group: q `[b, h, n, d]`, k, v `[b, h, g, d]` (R = 1: per token)."""
@@ -127,8 +138,9 @@ class ReductionAttention(LongAttnAttention):
             cos, sin = position_embeddings  # [b, n, d]
             q = _rotate(q, cos, sin)
             # The rotary position of a reduced key: that of its group's first (real) token.
-            cos_groups, _ = pack_groups(cos, key_padding_mask, self.ratio)  # [b, g, R, d]
-            sin_groups, _ = pack_groups(sin, key_padding_mask, self.ratio)
+            ratio = self.used_ratio(hidden_states.shape[1])
+            cos_groups, _ = pack_groups(cos, key_padding_mask, ratio)  # [b, g, R, d]
+            sin_groups, _ = pack_groups(sin, key_padding_mask, ratio)
             k = _rotate(k, cos_groups[:, :, 0], sin_groups[:, :, 0])
         return q, k, v
 
@@ -144,7 +156,8 @@ class ReductionAttention(LongAttnAttention):
                 global_mask=global_mask,
                 dense=dense,
             )
-        group_valid = None if key_padding_mask is None else valid_groups(key_padding_mask, k.shape[2], self.ratio)
+        ratio = self.used_ratio(hidden_states.shape[1])
+        group_valid = None if key_padding_mask is None else valid_groups(key_padding_mask, k.shape[2], ratio)
         dropout_p = self.active_dropout_p
         if dense:
             mask = None if group_valid is None else group_valid[:, None, None, :]

@@ -299,6 +299,8 @@ def routing_attention(
         ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device, or `backend` cannot run it.
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
+    # A window of more keys than there are changes nothing: clamped, never allocated (the causal tasks are [c, 2W]).
+    causal_window = min(causal_window, max(k.shape[2], 1))
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
     documents = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
     relative_embedding = check_relative_embedding(relative_embedding, q)

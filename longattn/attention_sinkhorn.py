@@ -290,6 +290,8 @@ def sinkhorn_attention(
             f"relative_embedding cannot be used with SortCut (sortcut={sortcut}): its keys are mixtures of blocks, "
             "with no position to measure a distance to."
         )
+    # A block longer than the keys is one block of them all: clamped to the keys, never allocated by its size.
+    block_size = min(block_size, max(k.shape[2], 1))
     settings = dict(
         block_size=block_size,
         iterations=iterations,

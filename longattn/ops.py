@@ -263,6 +263,14 @@ def sliding_window_attention(
     if is_empty(q, k):
         return empty_attention(q, k, v)
     k, v = call.inert(k, v)
+    # A gap or reach past the keys changes nothing: key i ± j·dilation exists for |j| <= window only while it lies in
+    # [0, n_k). Both are clamped to what the keys need, never allocated or looped over by their size.
+    if isinstance(dilation, int):
+        dilation = min(dilation, n_k)
+        window = min(window, max(1, -(-(n_k - 1) // dilation)))
+    else:
+        dilation = tuple(min(gap, n_k) for gap in dilation)
+        window = min(window, max(1, -(-(n_k - 1) // min(dilation))))
     mask_fn = sliding_window_pattern(
         window=window,
         dilation=dilation,

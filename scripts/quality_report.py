@@ -30,6 +30,9 @@ Training CPU seconds are the training process's CPU time inside optimizer steps 
 in a recipe's `all_results.json`), summed over resumed parts; peak memory is the process's peak resident set
 (`peak_rss_mb`), which includes the data and the Python process (about the same for every kind). Bits per byte are
 nats per token / ln 2: the tokenizer is byte-level.""")
+UNIGRAM_TEXT = _paragraph("""
+A model that ignores all context (the training split's byte frequencies) scores {unigram} bits per byte on the test
+split: how far a model gets below that line is what its context bought it.""")
 LENGTHENING_TEXT = _paragraph("""
 As {longformer}, at small scale: a stock `RobertaForMaskedLM` built by transformers (bytes, 4 layers of 256, 4 heads)
 pretrained with full attention at 512 tokens for {steps} steps ({cpu} CPU seconds), then `longattn.lengthen` to 4,096
@@ -258,6 +261,24 @@ def _plot_kinds(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
+def unigram_bits_per_byte(data: Path) -> float | None:
+    """The cross-entropy of the test split's bytes under the training split's byte frequencies (add-one smoothed):
+    what a model that ignores all context scores. A trained model's distance below it is what context bought."""
+    train, test = data / "train.jsonl", data / "test.jsonl"
+    if not (train.is_file() and test.is_file()):
+        return None
+    counts = [1] * 256
+    for line in train.read_text().splitlines():
+        for byte in json.loads(line)["text"].encode("utf-8"):
+            counts[byte] += 1
+    total = sum(counts)
+    test_counts = [0] * 256
+    for line in test.read_text().splitlines():
+        for byte in json.loads(line)["text"].encode("utf-8"):
+            test_counts[byte] += 1
+    return sum(-n * math.log2(counts[b] / total) for b, n in enumerate(test_counts)) / sum(test_counts)
+
+
 # ---------------------------------------------------------------------------------------------- the page
 def write_report(root: Path, doc: Path) -> Path:
     info = _json(Path("data/stdlib/info.json")) or {}
@@ -278,6 +299,8 @@ def write_report(root: Path, doc: Path) -> Path:
             "```",
             "",
             MEASURES_TEXT,
+            "",
+            UNIGRAM_TEXT.format(unigram=_fmt(unigram_bits_per_byte(Path("data/stdlib")), 3)),
             "",
         ]
     )

@@ -914,3 +914,127 @@ def test_lsh_sizes_beyond_the_sequence_are_clamped_not_allocated():
     torch.testing.assert_close(
         ops.lsh_attention(q, v, bucket_size=4, num_chunks_before=2**40, num_chunks_after=2**40, **common), chunks
     )
+
+
+# ---------------------------------------------------------------------------------- sizes beyond the sequence
+HUGE = 2**20
+# kind -> (fields: a size far beyond an 11-token input, fields: the size the input needs). Both run the same
+# attention; the first must neither allocate nor loop by its size. Sizes that shape a parameter or buffer are at
+# most `max_position_embeddings` (128 in the tiny configs) and are refused above it (see the next test).
+CLAMPED_SIZES = {
+    "routing": (
+        {"routing_causal_window": HUGE, "routing_local_window": HUGE, "is_decoder": True},
+        {"routing_causal_window": 11, "routing_local_window": 10, "is_decoder": True},
+    ),
+    "sinkhorn": ({"sinkhorn_block_size": HUGE}, {"sinkhorn_block_size": 11}),
+    "binary_partition": ({"binary_partition_context": 128}, {"binary_partition_context": 10}),
+    "reduction": ({"reduction_ratio": 128}, {"reduction_ratio": 11}),
+    "lsh": (
+        {"lsh_bucket_size": HUGE, "lsh_num_chunks_before": HUGE, "lsh_num_chunks_after": HUGE},
+        {"lsh_bucket_size": 11, "lsh_num_chunks_before": 0, "lsh_num_chunks_after": 0},
+    ),
+    "sliding": (
+        {"sliding_window": HUGE, "sliding_dilation": [HUGE, 2]},
+        {"sliding_window": 10, "sliding_dilation": [11, 2]},
+    ),
+    "strided": ({"strided_stride": HUGE}, {"strided_stride": 11}),
+    "fixed": ({"fixed_block_size": HUGE, "fixed_num_summary": 1}, {"fixed_block_size": 11, "fixed_num_summary": 1}),
+}
+
+
+@pytest.mark.parametrize("kind", list(CLAMPED_SIZES))
+def test_sizes_beyond_the_sequence_are_clamped_through_the_model(kind):
+    """A window, block, context or group far beyond an 11-token input runs at once and gives what the size the input
+    needs gives (parameters shaped by the size: their leading part, all that an 11-token input reads)."""
+    import time
+
+    from kind_configs import kind_config, random_ids
+
+    huge_fields, needed_fields = CLAMPED_SIZES[kind]
+    common = {"lsh_num_buckets": 4} if kind == "lsh" else {}
+    torch.manual_seed(0)
+    huge = longattn.LongAttnModel(kind_config(kind, **common, **huge_fields)).eval()
+    for parameter in huge.parameters():  # zero-initialised parameters (BP's edge bias) must count too
+        torch.nn.init.normal_(parameter, std=0.2)
+    needed = longattn.LongAttnModel(kind_config(kind, **common, **needed_fields)).eval()
+    state = huge.state_dict()
+    needed.load_state_dict(
+        {
+            name: state[name][tuple(slice(0, size) for size in value.shape)]
+            for name, value in needed.state_dict().items()
+        }
+    )
+    ids, mask = random_ids(2, 11), torch.ones(2, 11, dtype=torch.long)
+    mask[0, -3:] = 0
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = huge(ids, attention_mask=mask).last_hidden_state
+        elapsed = time.perf_counter() - start
+        expected = needed(ids, attention_mask=mask).last_hidden_state
+    assert elapsed < 10.0, elapsed  # seconds to hours (or out of memory) when allocated by the size
+    real = mask.bool()
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "allowed"),
+    [
+        ("routing", "routing_num_clusters", "[1, 128]"),
+        ("reduction", "reduction_ratio", "[1, 128]"),
+        ("binary_partition", "binary_partition_context", "[1, 128]"),
+        ("lsh", "lsh_num_buckets", "[2, 256]"),
+        ("linformer", "linformer_proj_len", "[1, 128]"),
+        ("synthesizer", "synthesizer_factor_k", "[1, 128]"),
+        ("deformable", "deformable_points", "[1, 128]"),
+        ("deformable", "deformable_levels", "[1, 8]"),
+        ("full", "relative_max_distance", "[1, 128]"),
+    ],
+)
+def test_sizes_that_shape_parameters_are_bounded_at_config_time(kind, field, allowed):
+    """A size that shapes a parameter or buffer is allocated at construction whatever the input: beyond what the
+    longest sequence can use it is refused when the config is built, naming the field, the value and the range."""
+    from kind_configs import kind_config
+
+    extra = {"relative_position_logits": True} if field == "relative_max_distance" else {}
+    with pytest.raises(ValueError, match=rf"`{field}`={HUGE} is invalid .*expected integers in {re.escape(allowed)}"):
+        kind_config(kind, **extra, **{field: HUGE})
+    kind_config(kind, **extra, **{field: int(allowed[1:-1].split(", ")[1])})  # the bound itself is allowed
+
+
+def test_batches_are_not_padded_past_the_length_limit():
+    """A block beyond `max_position_embeddings` is clamped by the executors: batches are not padded to it."""
+    from kind_configs import kind_config
+
+    assert training.length_multiple(kind_config("sinkhorn", sinkhorn_block_size=HUGE)) == 1
+    assert training.length_multiple(kind_config("sinkhorn", sinkhorn_block_size=4)) == 4
+
+
+@pytest.mark.parametrize(
+    ("argument", "bad"),
+    [
+        ("ramp", 0),
+        ("ramp", 2.5),
+        ("max_span", -1),
+        ("block_size", 0),
+        ("span", torch.full((H + 1,), 3.0)),
+        ("span", torch.full((H,), 3, dtype=torch.long)),
+        ("span", torch.tensor([3.0, math.nan])),
+        ("span", torch.tensor([3.0, math.inf])),
+        ("span", [3.0, 3.0]),
+        ("causal", "no"),
+        ("dropout_p", 1.5),
+        ("scale", math.nan),
+    ],
+)
+@pytest.mark.parametrize("dense", [False, True])
+def test_adaptive_span_attention_validates_its_arguments(argument, bad, dense):
+    """The kind's exported function refuses bad span settings with a ValueError naming the argument (they used to
+    run into NaN outputs or errors deep inside)."""
+    from longattn.attention_adaptive_span import adaptive_span_attention
+
+    q, k, v = _tensors(torch.Generator().manual_seed(3))
+    arguments = {"span": torch.full((H,), 3.0), "max_span": 4, "ramp": 2, "causal": False, "dense": dense}
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        adaptive_span_attention(q, k, v, **{**arguments, argument: bad})
+    out = adaptive_span_attention(q, k, v, **arguments)
+    assert torch.isfinite(out[0] if dense else out).all()

@@ -440,7 +440,10 @@ def length_multiple(config, *, decoder: bool = False) -> int:
     multiple = 1
     for layer_idx, name in enumerate(names):
         multiple = math.lcm(multiple, attention_class(name).length_multiple(config, layer_idx=layer_idx))
-    return multiple
+    # Blocks longer than the longest sequence are clamped by the executors: padding a batch to them would only
+    # allocate by the configured size (and pass the model's length limit).
+    limit = getattr(config, "max_position_embeddings", None)
+    return 1 if isinstance(limit, int) and multiple > limit else multiple
 
 
 def _stock_kind_config(config, *, decoder: bool = False) -> LongAttnConfig:
