@@ -60,6 +60,16 @@ def register() -> None:
         auto_class.register(config_class, model_class, exist_ok=True)
 
 
+_MODEL_CLASSES = (
+    "LongAttnPreTrainedModel",
+    "LongAttnModel",
+    "LongAttnForMaskedLM",
+    "LongAttnForSequenceClassification",
+    "LongAttnForTokenClassification",
+    "LongAttnForQuestionAnswering",
+    "LongAttnForCausalLM",
+    "LongAttnForSeq2SeqLM",
+)
 # Public names -> the module that defines them, imported when first used (module `__getattr__`, PEP 562).
 _LAZY = {
     "LongAttnConfig": "configuration_longattn",
@@ -68,19 +78,7 @@ _LAZY = {
     "auxiliary_loss": "integration_transformers",
     "lengthen": "lengthen",
     "save_lengthened": "tools.lengthen",  # writing a folder is tooling: it lives beside the hub code
-    **{
-        name: "modeling_longattn"
-        for name in (
-            "LongAttnPreTrainedModel",
-            "LongAttnModel",
-            "LongAttnForMaskedLM",
-            "LongAttnForSequenceClassification",
-            "LongAttnForTokenClassification",
-            "LongAttnForQuestionAnswering",
-            "LongAttnForCausalLM",
-            "LongAttnForSeq2SeqLM",
-        )
-    },
+    **{name: "modeling_longattn" for name in _MODEL_CLASSES},
 }
 _SUBMODULES = ("ops", "patterns", "modeling_longattn", "modeling_stock", "integration_transformers")
 
@@ -106,14 +104,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LongAttnConfig",
-    "LongAttnPreTrainedModel",
-    "LongAttnModel",
-    "LongAttnForMaskedLM",
-    "LongAttnForSequenceClassification",
-    "LongAttnForTokenClassification",
-    "LongAttnForQuestionAnswering",
-    "LongAttnForCausalLM",
-    "LongAttnForSeq2SeqLM",
+    *_MODEL_CLASSES,
     "apply_longattn",
     "auxiliary_loss",
     "available_attention_types",
