@@ -365,6 +365,12 @@ class LongAttnAttention(nn.Module):
             ValueError: `document_ids` is given to a kind that cannot keep packed documents apart.
         """
         documents = self.document_kwargs(document_ids)
+        if attention_mask is not None:
+            # Padding may hold anything (NaN, inf). The kinds that sum, pool or project along the length (Linformer,
+            # Sinkhorn's block sums, BP-Transformer's spans, ...) would carry it into real tokens, and 0 · NaN is NaN:
+            # padded hidden states are replaced by zeros before any projection, once, for every kind.
+            padded = ~attention_mask[:, -hidden_states.shape[1] :, None]  # [b, n, 1]; the cache's keys are older
+            hidden_states = hidden_states.masked_fill(padded, 0.0)
         q, k, v = self.attention_inputs(
             hidden_states, key_padding_mask=attention_mask, position_embeddings=position_embeddings
         )

@@ -179,6 +179,25 @@ def test_padding_does_not_change_real_tokens(kind, side):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_padding_may_hold_anything(kind, poison):
+    """NaN or inf in the padded positions' embeddings reaches no real token of any row, for every kind (those that
+    sum, pool or project along the length included)."""
+    set_seed()
+    model = longattn.LongAttnModel(kind_config(kind)).eval()
+    embeds = torch.randn(2, 19, model.config.hidden_size)
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[1, 13:] = 0
+    poisoned = embeds.clone()
+    poisoned[1, 13:] = poison
+    with torch.no_grad():
+        clean = model(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+        out = model(inputs_embeds=poisoned, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[0], clean[0])
+    torch.testing.assert_close(out[1, :13], clean[1, :13])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_rows_of_a_batch_are_independent(kind):
     set_seed()
     model = longattn.LongAttnModel(kind_config(kind)).eval()
