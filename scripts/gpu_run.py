@@ -1028,7 +1028,7 @@ def _limit(text: str) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_run", help="the results folder")
     parser.add_argument("--parts", nargs="+", choices=[p.name for p in PARTS], help="only these parts (default all)")
     parser.add_argument("--limit", type=_limit, action="append", help="PART=SECONDS: another limit for a part")

@@ -175,8 +175,15 @@ def kinds_section(study: Path, plot: Path | None) -> str:
     for run in runs:
         results, control = run["results"], controls.get(run["recipe"])
         if results is None:
+            steps = [r for r in run["log"] if "loss" in r and "train_cpu_seconds" in r]
+            status = "not run"
+            if steps:
+                per_step = steps[-1]["train_cpu_seconds"] / steps[-1]["step"]
+                status = f"stopped at step {steps[-1]['step']}: {per_step:.1f} CPU s per step"
+                if control and control.get("train_steps"):
+                    status += f" (full: {control['train_cpu_seconds'] / control['train_steps']:.1f})"
             table.append(
-                f"| `{run['kind']}` | {run['recipe']} | {run['settings'] or 'defaults'} | not finished |  |  |  |  |  |"
+                f"| `{run['kind']}` | {run['recipe']} | {run['settings'] or 'defaults'} | {status} | | | | | |"
             )
             continue
         loss = results["eval_loss"] / LN2
