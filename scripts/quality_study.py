@@ -234,11 +234,11 @@ def lengthening(root: Path, data: Path) -> None:
     )  # fmt: skip
 
 
-def kinds(root: Path, data: Path, only: list[str] | None) -> None:
+def kinds(root: Path, data: Path, only: list[str] | None, skip: list[str] | None = None) -> None:
     study = root / "kinds"
     t = KINDS_TRAIN
     for name, recipe, kind, settings in KINDS:
-        if only and name not in only:
+        if (only and name not in only) or (skip and name in skip):
             continue
         overrides = ",".join(filter(None, [f"attention_type={kind}", KINDS_MODEL, settings,
                                            f"max_position_embeddings={KINDS_LENGTH}"]))  # fmt: skip
@@ -259,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", default="runs/quality", help="where the runs go")
     parser.add_argument("--data_dir", default="data/stdlib", help="the stdlib corpus (written when absent)")
     parser.add_argument("--only", nargs="*", help="kinds: only these runs (names as in the table)")
+    parser.add_argument("--skip", nargs="*", help="kinds: leave these runs out (their rows say where they stopped)")
     parser.add_argument("--doc", default="docs/quality.md", help="report: the page to write")
     args = parser.parse_args(argv)
     root, data = Path(args.output_dir), _corpus(Path(args.data_dir))
     if args.study == "lengthening":
         lengthening(root, data)
     elif args.study == "kinds":
-        kinds(root, data, args.only)
+        kinds(root, data, args.only, args.skip)
     else:
         from quality_report import write_report  # scripts/quality_report.py
 
