@@ -154,7 +154,7 @@ def _train(
 
 
 def _evaluate(folders: list[Path], output: Path, data: Path, *, lengths: list[int], extra: list[str] = (),
-              max_tokens: int = None) -> None:  # fmt: skip
+              max_tokens: int | None = None) -> None:  # fmt: skip
     if (output / "results.json").is_file():
         print(f"{output}: done", flush=True)
         return
