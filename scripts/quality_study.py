@@ -42,18 +42,18 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
 
 # --------------------------------------------------------------------------------------------- the lengthening study
-ROBERTA = {  # a small byte-level RoBERTa: 4 layers of 256, 4 heads of 64
-    "hidden_size": 256,
+ROBERTA = {  # a small byte-level RoBERTa: 4 layers of 128, 4 heads of 32 (about the compute-optimal size here)
+    "hidden_size": 128,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
-    "intermediate_size": 1024,
+    "intermediate_size": 512,
     "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0,
     "type_vocab_size": 1,
 }
 SHORT, LONG, WINDOW = 512, 4096, 256
-PRETRAIN = {"steps": int(os.environ.get("QS_PRETRAIN_STEPS", 240)), "batch": 16, "learning_rate": 1e-3, "warmup": 40}
-CONTINUE = {"steps": 60, "learning_rate": 3e-4, "warmup": 10}  # tokens per step as in pretraining
+PRETRAIN = {"steps": int(os.environ.get("QS_PRETRAIN_STEPS", 2400)), "batch": 8, "learning_rate": 1e-3, "warmup": 100}
+CONTINUE = {"steps": 300, "learning_rate": 3e-4, "warmup": 30}  # tokens per step as in pretraining
 
 # --------------------------------------------------------------------------------------------- the kinds study
 EVAL_DURING_TRAINING_BYTES = 160_000
@@ -62,7 +62,7 @@ KINDS_LENGTH = 2048
 KINDS_EVAL_LENGTHS = [128, 512, 2048]
 KINDS_EVAL_TOKENS = 65_536  # 32 windows of 2,048 of the test split
 KINDS_MODEL = "hidden_size=128,num_hidden_layers=4,num_attention_heads=4,intermediate_size=512,hidden_dropout_prob=0.0"
-KINDS_TRAIN = {"steps": 60, "batch": 4, "learning_rate": 1e-3, "warmup": 6, "eval_every": 30}
+KINDS_TRAIN = {"steps": 500, "batch": 1, "learning_rate": 1e-3, "warmup": 20, "eval_every": 250}
 # (run name, recipe, kind, the kind's own settings): each kind at its defaults except where 2,048 tokens ask otherwise.
 KINDS = [
     ("clm-full", "clm", "full", ""),
@@ -194,7 +194,7 @@ def lengthening(root: Path, data: Path) -> None:
     base = study / "roberta-512"
     p = PRETRAIN
     _train("mlm", base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
-           length=SHORT, eval_every=80, source=["--model_name_or_path", str(init)])  # fmt: skip
+           length=SHORT, eval_every=400, source=["--model_name_or_path", str(init)])  # fmt: skip
 
     lengthened = {
         "roberta-4096-copied": {"sliding_window": WINDOW, "copy": True},
@@ -219,11 +219,11 @@ def lengthening(root: Path, data: Path) -> None:
     c = CONTINUE
     tokens = p["batch"] * SHORT
     _train("mlm", study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
-           lr=c["learning_rate"], warmup=c["warmup"], length=LONG, eval_every=30,
+           lr=c["learning_rate"], warmup=c["warmup"], length=LONG, eval_every=100,
            source=["--model_name_or_path", str(study / "roberta-4096-copied")],
            extra=["--global_first_token"])  # fmt: skip
     _train("mlm", study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
-           lr=c["learning_rate"], warmup=c["warmup"], length=SHORT, eval_every=30,
+           lr=c["learning_rate"], warmup=c["warmup"], length=SHORT, eval_every=100,
            source=["--model_name_or_path", str(base)])  # fmt: skip
 
     _evaluate([base, study / "roberta-512-continued"], study / "eval-512", data, lengths=[SHORT])

@@ -163,3 +163,14 @@ def test_language_model_rows_are_arranged_and_an_empty_split_is_refused():
     too_long = training.arrange_rows(texts, Namespace(packing=False, line_by_line=False, **options), 64)
     with pytest.raises(training.RecipeError, match="the train texts make no block of 64 tokens"):
         training.check_rows_exist(too_long, 64)
+
+
+@pytest.mark.skipif(not training.reset_peak_rss(), reason="no /proc/self/clear_refs: the peak is the process's")
+def test_peak_memory_is_measured_from_the_start_of_training():
+    # A run's `peak_rss_mb` is its training's: the memory the process held before (tokenising) does not count.
+    before = training.peak_rss_mb()
+    held = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    assert training.peak_rss_mb() >= before + 60
+    del held
+    assert training.reset_peak_rss()
+    assert training.peak_rss_mb() < before + 30

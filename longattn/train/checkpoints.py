@@ -86,13 +86,33 @@ def derived_seed(seed: int, *parts: int | str) -> int:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory in MB (`getrusage`; 0 where the platform does not report it)."""
+    """This process's peak resident memory in MB since `reset_peak_rss` (Linux: `VmHWM`), else since it started
+    (`getrusage`; 0 where the platform reports neither)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
     try:
         import resource
     except ImportError:  # Windows
         return 0.0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident memory (`peak_rss_mb`) afresh from the current resident set, so that a run's peak
+    measures its training, not the tokenisation before it. Linux only (`/proc/self/clear_refs`, value 5); returns
+    whether the reset took effect."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
 
 
 # The fields of `TrainState` that `trainer_state.json` holds: the position in the run and its running loss, with the

@@ -28,6 +28,7 @@ from .checkpoints import (
     begin_run,
     checkpoint_every,
     fault_injection,
+    reset_peak_rss,
     save_checkpoint,
 )
 from .records import LOG_FILE, RecipeError, format_metrics, log_record
@@ -72,6 +73,7 @@ def train(
 
     state = prepare_training(args, accelerator, model, train_dataset, eval_dataset, collate_fn, eval_collate_fn)
     resumed_from = begin_run(args, accelerator, state)
+    reset_peak_rss()  # the peak memory recorded is the training's, not the tokenisation's before it
     ranks_seen = accelerator.gather(torch.tensor([accelerator.process_index], device=accelerator.device)).tolist()
     logger.info(
         "training: %s, %d processes %s, global batch %d, %d optimizer steps (%s)",

@@ -73,6 +73,7 @@ from .checkpoints import (
     begin_run,
     list_checkpoints,
     peak_rss_mb,
+    reset_peak_rss,
     resume,
     run_settings,
     save_checkpoint,
@@ -178,5 +179,6 @@ __all__ = [
     "check_packing",
     "pack_documents",
     "peak_rss_mb",
+    "reset_peak_rss",
     "recorded_value",
 ]
