@@ -73,7 +73,16 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
 from .numerics import compute_dtype, hide_logits
-from .ops_checks import empty_attention, is_empty
+from .ops_checks import (
+    check_dropout,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 from .patterns import first_real_token
 from .relative_logits import check_relative_embedding, relative_logit_table
 from .tuning import workspace_elements
@@ -625,7 +634,19 @@ def binary_partition_attention(
     Returns:
         `[b, h, n, d]`; with `dense`, (out `[b, h, n, d]`, weights `[b, h, n, m]`: each span's weight spread evenly
         over its real tokens, so that `weights @ v == out`).
+
+    Raises:
+        ValueError: Naming the argument: q, k, v that are not 4-d floating tensors of matching shapes (q with at
+            most as many positions as k), a `context` below 1, a non-bool `causal` or `dense`, a `key_padding_mask`
+            that is not a bool `[b, m]` tensor on q's device, a `relative_bias` that is not a floating
+            `[h, num_edge_types(context)]` tensor on q's device, a non-finite `scale`, `dropout_p` outside [0, 1).
     """
+    b, h, _, n_k = check_qkv(q, k, v)
+    context = check_positive_int("context", context, meaning="nodes per level and side")
+    causal, dense = check_flag("causal", causal), check_flag("dense", dense)
+    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
+    _check_relative_bias(relative_bias, h, context, q.device)
+    scale, dropout_p = check_scale(scale, q.shape[-1]), check_dropout(dropout_p)
     relative_embedding = check_relative_embedding(relative_embedding, q)
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
@@ -661,6 +682,20 @@ def binary_partition_attention(
         index = offsets[level] + tokens // 2**level  # [m]
         weights = weights + probs[..., index] * (token_real / counts[:, index].clamp(min=1))[:, None, None, :]
     return out, weights.to(q.dtype)
+
+
+def _check_relative_bias(relative_bias: Tensor, heads: int, context: int, device: torch.device) -> None:
+    """Raises ValueError unless `relative_bias` is a floating `[heads, num_edge_types(context)]` tensor on `device`."""
+    expected = (heads, num_edge_types(context))
+    if not isinstance(relative_bias, Tensor) or not relative_bias.is_floating_point():
+        raise ValueError(f"relative_bias must be a floating-point tensor {list(expected)}, got {relative_bias!r:.80}")
+    if tuple(relative_bias.shape) != expected:
+        raise ValueError(
+            f"relative_bias must have shape [heads, num_edge_types(context)] = {list(expected)} for context "
+            f"{context}, got {tuple(relative_bias.shape)}"
+        )
+    if relative_bias.device != device:
+        raise ValueError(f"relative_bias is on {relative_bias.device} but q is on {device}: they must share one device")
 
 
 def binary_partition_reference(q: Tensor, k: Tensor, v: Tensor, **settings: Any) -> tuple[Tensor, Tensor]:

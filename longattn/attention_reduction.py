@@ -27,7 +27,7 @@ from torch import nn
 from .attention_base import LongAttnAttention
 from .numerics import rotate
 from .ops import full_attention, reference_attention
-from .ops_checks import check_token_mask
+from .ops_checks import check_positive_int, check_token_mask
 
 
 def pack_groups(
@@ -45,8 +45,12 @@ def pack_groups(
         None when every group of every row does.
 
     Raises:
-        ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on x's device.
+        ValueError: `x` is not a tensor of at least 2 dims, `ratio` is not an int >= 1, or `key_padding_mask` is not
+            a bool `[b, n]` tensor on x's device.
     """
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x must be a tensor [batch, length, ...], got {getattr(x, 'shape', type(x).__name__)}")
+    ratio = check_positive_int("ratio", ratio, meaning="tokens per group")
     b, n = x.shape[:2]
     key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n, device=x.device)
     g = -(-n // ratio)

@@ -1038,3 +1038,46 @@ def test_adaptive_span_attention_validates_its_arguments(argument, bad, dense):
         adaptive_span_attention(q, k, v, **{**arguments, argument: bad})
     out = adaptive_span_attention(q, k, v, **arguments)
     assert torch.isfinite(out[0] if dense else out).all()
+
+
+@pytest.mark.parametrize(
+    "argument, bad",
+    [
+        ("q", torch.zeros(B, H, N, D, dtype=torch.long)),
+        ("k", torch.zeros(B, H + 1, N, D)),
+        ("context", 0),
+        ("context", 2.0),
+        ("causal", "no"),
+        ("key_padding_mask", torch.ones(B, N + 1, dtype=torch.bool)),
+        ("key_padding_mask", torch.ones(B, N)),
+        ("relative_bias", torch.zeros(H, 3)),
+        ("relative_bias", torch.zeros(H, 1 + 2 * 32 * 3, dtype=torch.long)),
+        ("scale", math.inf),
+        ("dropout_p", -0.1),
+    ],
+)
+@pytest.mark.parametrize("dense", [False, True])
+def test_binary_partition_attention_validates_its_arguments(argument, bad, dense):
+    """The kind's exported function names the bad argument (a wrong bias shape used to fail in an index, a float
+    context deep in the layout)."""
+    from longattn.attention_binary_partition import binary_partition_attention, num_edge_types
+
+    q, k, v = _tensors(torch.Generator().manual_seed(4))
+    arguments = {
+        "q": q, "k": k, "v": v, "context": 2, "causal": False, "key_padding_mask": None,
+        "relative_bias": torch.zeros(H, num_edge_types(2)), "scale": 0.5, "dense": dense,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        binary_partition_attention(**{**arguments, argument: bad})
+    out = binary_partition_attention(**arguments)
+    assert torch.isfinite(out[0] if dense else out).all()
+
+
+@pytest.mark.parametrize("argument, bad", [("x", torch.zeros(5)), ("ratio", 0), ("ratio", 2.5)])
+def test_pack_groups_validates_its_arguments(argument, bad):
+    from longattn.attention_reduction import pack_groups
+
+    arguments = {"x": torch.zeros(2, 5, 3), "key_padding_mask": None, "ratio": 2}
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        pack_groups(**{**arguments, argument: bad})
+    assert pack_groups(**arguments)[0].shape == (2, 3, 2, 3)
