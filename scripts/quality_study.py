@@ -247,6 +247,8 @@ def lengthening(root: Path, data: Path) -> None:
            source=["--model_name_or_path", str(base)])  # fmt: skip
 
     _evaluate([base, study / "roberta-512-continued"], study / "eval-512", data, lengths=[SHORT])
+    # The order test: does the pretrained model read positions at all, or its window as a bag of bytes?
+    _evaluate([base], study / "eval-512-shuffled", data, lengths=[SHORT], extra=["--shuffle_context"])
     _evaluate(
         [study / name for name in ("roberta-4096-w512", "roberta-4096-copied", "roberta-4096-random",
                                    "roberta-4096-continued")],

@@ -259,3 +259,34 @@ def test_stdlib_corpus_refuses_bad_settings(tmp_path):
 
 STABLE_PATHS = ["json/decoder.py", "typing.py", "asyncio/streams.py", "abc.py", "_weakrefset.py", "bz2.py"]
 STABLE_SPLITS = ["train", "validation", "validation", "test", "test", "validation"]
+
+
+class LeftNeighbourModel(torch.nn.Module):
+    """A masked LM that predicts, at every position, the token two places to its left (which, in the repetitive
+    test text, is often right): it reads order, so shuffling its context costs it; the unigram model does not."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        logits[:, 2:].scatter_(-1, input_ids[:, :-2, None], 5.0)
+        return SimpleNamespace(logits=logits)
+
+
+def test_order_test_costs_a_model_that_reads_order_and_not_a_bag_of_tokens():
+    tokenizer = byte_tokenizer()
+
+    def bits(model, shuffle):
+        (row,) = evaluate.loss_by_length(
+            model, tokenizer, DOCUMENTS, [64], task="mlm", shuffle_context=shuffle, progress=False
+        )
+        return row["bits_per_byte"]
+
+    bag = UnigramModel(len(tokenizer))
+    assert bits(bag, True) == pytest.approx(bits(bag, False))
+    reader = LeftNeighbourModel(len(tokenizer))
+    assert bits(reader, True) > 1.1 * bits(reader, False)
+    with pytest.raises(ValueError, match="shuffle_context"):
+        evaluate.loss_by_length(bag, tokenizer, DOCUMENTS, [64], task="clm", shuffle_context=True, progress=False)

@@ -211,6 +211,7 @@ def loss_by_length(
     max_tokens: int | None = None,
     tokens_per_batch: int = 8192,
     global_first_token: bool = False,
+    shuffle_context: bool = False,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Bits per token and per byte of the same tokens at each context length (non-overlapping windows).
@@ -228,6 +229,9 @@ def loss_by_length(
             longest length).
         tokens_per_batch: Windows per forward pass: this many tokens' worth.
         global_first_token: Make each window's first token global (models with longattn's kinds).
+        shuffle_context: Masked LM only: the order test. In each window the visible tokens trade places at random
+            (seeded), the masked slots stay where they are: a model that reads its context as a bag of tokens scores
+            the same, one that reads order and positions scores worse.
         progress: Show a progress bar.
 
     Returns:
@@ -235,13 +239,16 @@ def loss_by_length(
         `bytes_per_token`.
 
     Raises:
-        ValueError: a task other than clm/mlm, a bad length, or a corpus shorter than the longest length.
+        ValueError: a task other than clm/mlm, a bad length, a corpus shorter than the longest length, or
+            `shuffle_context` with a causal LM.
     """
     import torch
     from tqdm.auto import tqdm
 
     if task not in ("clm", "mlm"):
         raise ValueError(f"loss by length needs a causal or masked LM, not task={task!r}.")
+    if shuffle_context and task != "mlm":
+        raise ValueError("shuffle_context is the masked-LM order test: a causal LM's context is its order.")
     if not lengths or any(not isinstance(n, int) or n < 2 for n in lengths):
         raise ValueError(f"lengths={list(lengths)!r} must be integers >= 2.")
     ids, special = token_stream(tokenizer, documents, task=task)
@@ -280,6 +287,8 @@ def loss_by_length(
             window_inputs = inputs[start * length : stop * length].view(-1, length)
             targets = ids[start * length : stop * length].view(-1, length)
             mask = scored[start * length : stop * length].view(-1, length)
+            if shuffle_context:
+                window_inputs = _shuffle_visible(window_inputs, mask, seed=seed + start)
             with torch.no_grad():
                 logits = _forward_logits(model, window_inputs, global_first_token=global_first_token)
             if task == "clm":  # the logits at i predict the token at i + 1
@@ -304,6 +313,19 @@ def loss_by_length(
 
 
 # ---------------------------------------------------------------------------------------------- passkey, needle
+def _shuffle_visible(inputs, scored, *, seed: int):
+    """`inputs` `[w, n]` with the tokens outside `scored` permuted at random within each row (seeded); the scored
+    (masked) slots keep their place."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shuffled = inputs.clone()
+    for row in range(inputs.shape[0]):
+        visible = (~scored[row]).nonzero().squeeze(1)
+        shuffled[row, visible] = inputs[row, visible[torch.randperm(len(visible), generator=generator)]]
+    return shuffled
+
+
 def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> tuple[list[int], list[int]]:
     """The ids of a passkey prompt of about `length` tokens with the key sentence at `depth` (0 = start, 1 = end
     of the filler), ending with the key itself; and the positions of the key's tokens (the last ones)."""
@@ -428,6 +450,7 @@ def evaluate_folders(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "mask_probability": args.mask_probability,
         "max_tokens": args.max_tokens,
+        "shuffle_context": args.shuffle_context,
         "models": [],
     }
     for loaded in loaded_models:
@@ -448,6 +471,7 @@ def evaluate_folders(args: argparse.Namespace) -> dict[str, Any]:
                     mask_probability=args.mask_probability,
                     max_tokens=args.max_tokens,
                     global_first_token=global_first,
+                    shuffle_context=args.shuffle_context,
                 )
         if loaded.task == "clm" and args.passkey_lengths:
             check_lengths(loaded, args.passkey_lengths, flag="--passkey_lengths")
@@ -535,6 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_tokens", type=int, help="evaluate only the first N tokens of the corpus")
     parser.add_argument(
         "--global_first_token", action="store_true", help="each window's first token global (longattn's kinds)"
+    )
+    parser.add_argument(
+        "--shuffle_context",
+        action="store_true",
+        help="masked LMs: the order test (each window's visible tokens shuffled, the masked slots kept)",
     )
     parser.add_argument("--passkey_lengths", nargs="*", type=int, default=[], help="causal LMs: passkey lengths")
     parser.add_argument("--passkey_depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
