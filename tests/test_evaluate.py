@@ -261,9 +261,9 @@ STABLE_PATHS = ["json/decoder.py", "typing.py", "asyncio/streams.py", "abc.py", 
 STABLE_SPLITS = ["train", "validation", "validation", "test", "test", "validation"]
 
 
-class LeftNeighbourModel(torch.nn.Module):
-    """A masked LM that predicts, at every position, the token two places to its left (which, in the repetitive
-    test text, is often right): it reads order, so shuffling its context costs it; the unigram model does not."""
+class PeriodicCopyModel(torch.nn.Module):
+    """A masked LM that predicts, at every position, the tokens one line length (29, 31 or 33 tokens: the lines of
+    `DOCUMENTS`) to its left: it reads order, so shuffling its context costs it; the unigram model does not."""
 
     def __init__(self, vocab_size: int):
         super().__init__()
@@ -271,7 +271,12 @@ class LeftNeighbourModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
         logits = torch.zeros(*input_ids.shape, self.vocab_size)
-        logits[:, 2:].scatter_(-1, input_ids[:, :-2, None], 5.0)
+        for period in (29, 31, 33):
+            logits[:, period:].scatter_add_(
+                -1,
+                input_ids[:, :-period, None],
+                torch.full((1, 1, 1), 3.0).expand(input_ids.shape[0], input_ids.shape[1] - period, 1).contiguous(),
+            )
         return SimpleNamespace(logits=logits)
 
 
@@ -286,7 +291,7 @@ def test_order_test_costs_a_model_that_reads_order_and_not_a_bag_of_tokens():
 
     bag = UnigramModel(len(tokenizer))
     assert bits(bag, True) == pytest.approx(bits(bag, False))
-    reader = LeftNeighbourModel(len(tokenizer))
+    reader = PeriodicCopyModel(len(tokenizer))
     assert bits(reader, True) > 1.1 * bits(reader, False)
     with pytest.raises(ValueError, match="shuffle_context"):
         evaluate.loss_by_length(bag, tokenizer, DOCUMENTS, [64], task="clm", shuffle_context=True, progress=False)
