@@ -6,9 +6,9 @@ key/value head i // (h / h_kv)), n length (n_q queries, n_k keys), nb query bloc
 gathered per block, d head dim (d_v for values).
 
 The engines (`executor_gathered.attend_blocks`, `executor_block_sets.attend_block_sets`, `executor_band`'s fused
-band) never keep an n x keys tensor: they walk the query blocks in chunks sized by one budget of workspace elements
-(`_WORKSPACE_ELEMENTS`, chosen per machine by `tuning`), every chunk viewing the same flat buffers (`_Workspace`),
-and recompute the probabilities in backward. What they share lives here, so that each engine states it once:
+band) keep no scores or probabilities for backward: they walk the query blocks in chunks sized by one budget of
+workspace elements (`_WORKSPACE_ELEMENTS`, chosen per machine by `tuning`), every chunk viewing the same flat buffers
+(`_Workspace`), and recompute the probabilities in backward. What they share lives here, stated once:
 
 - Row views (`_rows`, `_zeros_with_rows`, `_gather_rows`): a `[b, h, n, d]` tensor in any layout with a unit stride
   on d (e.g. the `[b, n, h, d]` memory behind the usual `split_heads` transpose) seen as `[rows, d]`, so that key

@@ -7,9 +7,9 @@ key/value head i // (h / h_kv)), n length (n_k keys), nb query blocks, c queries
 `attend_blocks(q_blocks, k, v, kv_index=..., mask=...) -> (out, lse)` is the generic kernel of every "attend within a
 gathered key set" kind: Sinkhorn's sorted blocks (Tay et al. 2020, "Sparse Sinkhorn Attention": a block's own keys
 read in place, `own_keys`, then its sorted block, weighted by the sorting weight, `kv_weight`), dilated bands and
-bands with global keys (`executor_blocked.band_block_attention`), global queries over every key (`kv_index=None`),
-BP-Transformer's spans. Block i of queries attends to the keys `kv_index[i]` (one key set for the batch, per batch
-row, or per batch row and key/value head), restricted by a bool mask, with an optional additive bias
+bands with global keys (`executor_blocked.band_block_attention`, also per context-parallel shard), global queries
+over every key (`kv_index=None`). Block i of queries attends to the keys `kv_index[i]` (one key set for the batch, per
+batch row, or per batch row and key/value head), restricted by a bool mask, with an optional additive bias
 (relative-position logits).
 
 Why a hand-written backward: autograd through the gathered keys would keep the `[nb, c, m]` scores, probabilities
