@@ -47,14 +47,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ._moved import moved_names
-from .executor_blocked import (
-    _not_global_key,
-    attend_blocks,
-    band_block_attention,
-    band_layout,
-    evaluate_block_mask,
-    global_token_index,
-)
+from .executor_band import band_layout, global_token_index
+from .executor_blocked import _not_global_key, band_block_attention
+from .executor_chunks import evaluate_block_mask
+from .executor_gathered import attend_blocks
 from .numerics import head_groups, merge_attention
 from .patterns import MaskFn, and_masks, check_dilation, check_window, sliding_window_pattern
 

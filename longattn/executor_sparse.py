@@ -11,7 +11,7 @@ Both patterns are a union of two key sets, and each set has a layout in which it
 - fixed: A1, the query's own block, is block-diagonal. A2, the summary cells, is one short list of keys shared
   by every query. Cost O(n · (l + c · n / l)).
 
-The parts are `BlockSet`s of one `executor_blocked.attend_block_sets` call: one softmax over their union, each
+The parts are `BlockSet`s of one `executor_block_sets.attend_block_sets` call: one softmax over their union, each
 chunk's partial attention merged into its queries' output by log-sum-exp, one set of gradients, and no mask, gathered
 query or partial output kept for backward (O(n · d) memory besides the chunk workspaces).
 
@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .executor_blocked import BlockSet, attend_block_sets, band_layout
+from .executor_band import band_layout
+from .executor_block_sets import BlockSet, attend_block_sets
 from .patterns import MaskFn, and_masks
 from .relative_logits import BiasFn
 

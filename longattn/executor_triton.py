@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .executor_blocked import global_token_index
+from .executor_band import global_token_index
 from .numerics import compute_dtype
 
 try:  # inside `try`: transformers' remote-code loader does not require imports made here

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .executor_blocked import global_token_index
+from .executor_band import global_token_index
 from .fused_kernel import ReferenceKernel, XformersKernel, current_kernel, import_xformers_ops, use_kernel
 from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, head_groups
 

@@ -6,7 +6,8 @@ A pattern is a `MaskFn`: `mask_fn(b, h, q_idx, kv_idx) -> bool tensor`, where th
 tensors that broadcast against each other (e.g. `b` `[b, 1, 1, 1]`, `h` `[1, h, 1, 1]`, `q_idx` `[1, 1, n, 1]`,
 `kv_idx` `[1, 1, 1, n]`) and the result broadcasts to their common shape. A predicate only reads positions, so the
 same definition feeds every executor: `materialize_mask` builds the dense reference mask from it, and the blocked
-executor (`longattn.executor_blocked`) evaluates it on the original positions of the keys it gathered per block.
+executors (`longattn.executor_chunks.evaluate_block_mask`) evaluate it on the original positions of the keys they
+gathered per block.
 Predicates compose with `and_masks` / `or_masks`; padding, causality and global tokens are just more predicates.
 
 This module depends on torch only (no other longattn module), so every layer above may import it.

@@ -43,7 +43,7 @@ BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 positions, queries the last n_q of n_k as everywhere in the ops).
 
 A bias function may list the tensors it reads in an attribute `tensors` (`relative_bias_fn` lists its table): an
-executor that evaluates the bias again in backward (`executor_blocked.attend_block_sets`) returns their gradients
+executor that evaluates the bias again in backward (`executor_block_sets.attend_block_sets`) returns their gradients
 through that list; one without it is run in plain differentiable ops."""
 
 

@@ -1,8 +1,9 @@
 """Chunk sizes of the blocked executors, chosen per machine from the cache sizes the OS reports.
 
-The blocked executors (`executor_blocked`) cut their work into chunks of query blocks and reuse one set of
-workspaces per chunk; a chunk's workspaces should stay within the cache a core can call its own, or every chunk
-streams them from memory. The rule (evidence in docs/benchmarks.md, "Chunk sizes per machine"):
+The blocked executors (`executor_gathered`, `executor_block_sets`, `executor_band`; their budget is read in
+`executor_chunks`) cut their work into chunks of query blocks and reuse one set of workspaces per chunk; a chunk's
+workspaces should stay within the cache a core can call its own, or every chunk streams them from memory. The rule
+(evidence in docs/benchmarks.md, "Chunk sizes per machine"):
 
     workspace elements = the largest power of two whose float32 bytes fit in the last-level cache share of one core
     (the L3 size over the CPUs sharing it, plus the core's own L2), clamped to [2**18, 2**21].

@@ -146,10 +146,10 @@ def test_backward_keeps_rows_not_masks_gathered_queries_or_partial_outputs(execu
     gradients, the parts' outputs and masks, gathered and reordered copies)."""
     from attention_checks import peak_tensor_bytes, saved_tensor_bytes
 
-    from longattn import executor_blocked
+    from longattn import executor_chunks
 
-    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
-    monkeypatch.setattr(executor_blocked, "_CHUNK_ELEMENTS", 2**13)
+    monkeypatch.setattr(executor_chunks, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
+    monkeypatch.setattr(executor_chunks, "_CHUNK_ELEMENTS", 2**13)
     b, h, n, d = 1, 2, 2048, 16
     # q, k, v as the [b, n, h, d] memory of projections, whose gradients must come back in that layout
     bases = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
@@ -186,11 +186,11 @@ def test_backward_with_relative_logits_keeps_rows_and_the_table_only(executor, k
     per-part autograd calls) kept the biases of every part (n x keys floats)."""
     from attention_checks import peak_tensor_bytes, saved_tensor_bytes
 
-    from longattn import executor_blocked
+    from longattn import executor_chunks
     from longattn.relative_logits import relative_bias
 
-    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
-    monkeypatch.setattr(executor_blocked, "_CHUNK_ELEMENTS", 2**13)
+    monkeypatch.setattr(executor_chunks, "_WORKSPACE_ELEMENTS", 2**14, raising=False)
+    monkeypatch.setattr(executor_chunks, "_CHUNK_ELEMENTS", 2**13)
     b, h, n, d, reach = 1, 2, 2048, 16, 4
     bases = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
     embedding = torch.randn(2 * reach + 1, d, requires_grad=True)
@@ -238,7 +238,7 @@ def test_attend_block_sets_equals_its_plain_op_form_with_a_log_sum_exp_gradient(
     """Output, log-sum-exp and the gradients of both (the log-sum-exp gradient is what `merge_attention` of a caller
     sends back) equal the plain-op form (`_attend_block_sets_traceable`: masks materialised, sets merged by
     `merge_attention`), with grouped key/value heads and with a set serving only some heads."""
-    from longattn.executor_blocked import _attend_block_sets_traceable, attend_block_sets
+    from longattn.executor_block_sets import _attend_block_sets_traceable, attend_block_sets
 
     n = 23
     q, _, _ = random_qkv(2, 4, n, D, seed=3)
@@ -258,13 +258,13 @@ def test_attend_block_sets_with_relative_logits_equals_its_plain_op_form(kv_head
     """With relative-position logits (read per chunk, in forward and again in backward), output, log-sum-exp and the
     gradients of q, k, v and the embedding r (through the table the bias reads) equal the plain-op form, where the
     biases are materialised and autograd differentiates them; the fused function is the one that ran."""
-    from longattn import executor_blocked
-    from longattn.executor_blocked import _attend_block_sets_traceable, attend_block_sets
+    from longattn import executor_block_sets
+    from longattn.executor_block_sets import _attend_block_sets_traceable, attend_block_sets
     from longattn.relative_logits import relative_bias
 
     calls = []
-    apply = executor_blocked._BlockSetAttention.apply
-    monkeypatch.setattr(executor_blocked._BlockSetAttention, "apply", lambda *args: calls.append(1) or apply(*args))
+    apply = executor_block_sets._BlockSetAttention.apply
+    monkeypatch.setattr(executor_block_sets._BlockSetAttention, "apply", lambda *args: calls.append(1) or apply(*args))
     n = 23
     q, _, _ = random_qkv(2, 4, n, D, seed=3)
     _, k, v = random_qkv(2, kv_heads, n, D, seed=4)
@@ -306,9 +306,9 @@ def test_attend_blocks_with_a_mask_function_equals_the_mask_and_keeps_no_mask(sh
     is a tensor) are not among the tensors saved for backward."""
     from attention_checks import saved_tensor_bytes
 
-    from longattn import executor_blocked
+    from longattn import executor_blocked, executor_chunks
 
-    monkeypatch.setattr(executor_blocked, "_WORKSPACE_ELEMENTS", 2**8)
+    monkeypatch.setattr(executor_chunks, "_WORKSPACE_ELEMENTS", 2**8)
     b, h, nb, c, m, n, d = 2, 2, 5, 4, 6, 20, 8
     generator = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, nb, c, d, generator=generator, dtype=torch.float64).requires_grad_()

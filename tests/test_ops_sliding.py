@@ -13,13 +13,8 @@ import torch
 from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, saved_tensor_bytes
 
 from longattn import ops, patterns
-from longattn.executor_blocked import (
-    _RepeatedBlockMask,
-    attend_blocks,
-    band_layout,
-    banded_attention,
-    merge_attention,
-)
+from longattn.executor_blocked import attend_blocks, band_layout, banded_attention, merge_attention
+from longattn.executor_gathered import _RepeatedBlockMask
 
 
 def _reference(q, k, v, **pattern):
@@ -283,7 +278,7 @@ def test_attend_blocks_takes_one_key_set_per_batch_row():
 def test_traceable_blocks_equal_the_eager_kernel_with_grouped_heads(per_row):
     """The plain-ops form used under torch.compile reads grouped key/value heads and per-row key sets like the eager
     kernel (outputs and gradients)."""
-    from longattn.executor_blocked import _attend_blocks_traceable
+    from longattn.executor_gathered import _attend_blocks_traceable
 
     q, _, _ = random_qkv(2, 4, 24)
     _, k, v = random_qkv(2, 2, 24, seed=3)
@@ -477,7 +472,7 @@ def test_fused_band_saves_no_mask(causal, heads, kv_heads, monkeypatch):
     """A plain band runs torch's fused CPU kernel and saves only O(n · d) tensors for backward (q, k, v, the output
     and its log-sum-exp), never a `[blocks, c, keys]` mask: it is evaluated again from the pattern in backward. Only
     the global queries' rows (g x n) keep a mask. The gradients still equal the dense reference's."""
-    import longattn.executor_blocked as executor
+    import longattn.executor_band as band
 
     n, window = 300, 40
     q, _, _ = random_qkv(2, heads, n, head_dim=16, dtype=torch.float32, seed=4)
@@ -485,8 +480,8 @@ def test_fused_band_saves_no_mask(causal, heads, kv_heads, monkeypatch):
     key_padding_mask, global_mask = _token_masks(2, n, padding=True, global_tokens=True)
     pattern = dict(window=window, causal=causal, global_mask=global_mask, key_padding_mask=key_padding_mask)
     calls, saved = [], []
-    original = executor._BandAttention.apply
-    monkeypatch.setattr(executor._BandAttention, "apply", lambda *args: calls.append(1) or original(*args))
+    original = band._BandAttention.apply
+    monkeypatch.setattr(band._BandAttention, "apply", lambda *args: calls.append(1) or original(*args))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         actual = outputs_and_grads(lambda q, k, v: ops.sliding_window_attention(q, k, v, **pattern), q, k, v)
     assert calls == [1]
@@ -508,9 +503,9 @@ def test_fused_band_reads_keys_in_place(causal, monkeypatch):
     padding, global tokens, grouped heads) and the peak of tensor bytes stays below 5 key-sized tensors."""
     from attention_checks import peak_tensor_bytes
 
-    import longattn.executor_blocked as executor
+    import longattn.executor_band as band
 
-    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 2**12)
+    monkeypatch.setattr(band, "_BAND_CHUNK_ELEMENTS", 2**12)
     n, window = 203, 9
     q, _, _ = random_qkv(2, 4, n, head_dim=8, seed=6)
     _, k, v = random_qkv(2, 2, n, head_dim=8, seed=7)
@@ -592,10 +587,11 @@ def test_fused_plain_blocks_equal_reference(
     shared band mask and read their queries, output gradients and outputs as views; the others evaluate the
     predicate. Chunks of a few blocks mix both kinds. Outputs and gradients equal the dense reference (float64),
     with odd lengths, padding, global tokens, causal and not, grouped heads, and queries shorter than the keys."""
+    import longattn.executor_band as band
     import longattn.executor_blocked as executor
 
     monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
-    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 2**11)
+    monkeypatch.setattr(band, "_BAND_CHUNK_ELEMENTS", 2**11)
     classified = []
     original = executor._plain_blocks
     monkeypatch.setattr(executor, "_plain_blocks", lambda *args: classified.append(original(*args)) or classified[-1])
@@ -614,7 +610,7 @@ def test_plain_blocks_are_those_without_edge_padding_or_global_keys():
     """`_plain_blocks` on a known layout: 9 blocks of 4 queries, window 2 per side (blocks read 8 keys from 4 i - 2).
     Blocks 0 and 8 reach outside the sequence, block 8 also holds padding query slots (34 queries); a padding key at
     position 20 removes blocks 4 and 5 of row 0; a global key at position 9 removes blocks 1 and 2 of row 1."""
-    from longattn.executor_blocked import _plain_blocks, band_layout
+    from longattn.executor_band import _plain_blocks, band_layout
 
     layout = band_layout(q_len=34, kv_len=34, window_left=2, window_right=2, block_size=4)
     key_padding_mask = torch.ones(2, 34, dtype=torch.bool)
@@ -632,13 +628,13 @@ def test_plain_blocks_are_those_without_edge_padding_or_global_keys():
 def test_plain_blocks_evaluate_no_predicate(monkeypatch):
     """Only the blocks at the edges (and next to padding or global keys) evaluate the pattern predicate, in forward
     and backward; every other block takes the plan's one band mask (before, every chunk evaluated it twice)."""
-    import longattn.executor_blocked as executor
+    import longattn.executor_band as band
 
-    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 1)  # one block per chunk
+    monkeypatch.setattr(band, "_BAND_CHUNK_ELEMENTS", 1)  # one block per chunk
     evaluated = []
-    original = executor._BandPlan.local_bias
+    original = band._BandPlan.local_bias
     monkeypatch.setattr(
-        executor._BandPlan, "local_bias", lambda self, *args: evaluated.append(args[1]) or original(self, *args)
+        band._BandPlan, "local_bias", lambda self, *args: evaluated.append(args[1]) or original(self, *args)
     )
     q, k, v = random_qkv(1, 2, 160, seed=3)
     mask_fn = patterns.sliding_window_pattern(window=8)
@@ -663,9 +659,9 @@ def test_plain_blocks_evaluate_no_predicate(monkeypatch):
 
 def test_a_wrong_shared_band_mask_is_detected(monkeypatch):
     """The plain-block comparisons can fail: a shared band mask one key too wide changes outputs and gradients."""
-    import longattn.executor_blocked as executor
+    import longattn.executor_band as band
 
-    original = executor._BandPlan.band_bias
+    original = band._BandPlan.band_bias
 
     def one_key_too_wide(self, group, dtype):
         bias = original(self, group, dtype).clone()
@@ -677,7 +673,7 @@ def test_a_wrong_shared_band_mask_is_detected(monkeypatch):
     pattern = dict(window=9)
     expected = _reference(q, k, v, **pattern)
     torch.testing.assert_close(ops.sliding_window_attention(q, k, v, **pattern), expected)
-    monkeypatch.setattr(executor._BandPlan, "band_bias", one_key_too_wide)
+    monkeypatch.setattr(band._BandPlan, "band_bias", one_key_too_wide)
     assert not torch.allclose(ops.sliding_window_attention(q, k, v, **pattern), expected)
 
 
@@ -737,10 +733,11 @@ def test_fused_path_computes_global_tokens_inside_the_band(
     reference (float64): several global tokens per row (adjacent, at both ends), rows with none, padding and a fully
     padded row holding a global token, causal and not, grouped heads, projection-layout q/k/v, global tokens before
     the first query (keys only), and blocks of 8 in chunks of 2."""
+    import longattn.executor_band as band
     import longattn.executor_blocked as executor
 
     monkeypatch.setattr(executor, "_fused_block_size", lambda group: 8)
-    monkeypatch.setattr(executor, "_BAND_CHUNK_ELEMENTS", 2**11)
+    monkeypatch.setattr(band, "_BAND_CHUNK_ELEMENTS", 2**11)
     monkeypatch.setattr(executor, "_global_queries", lambda *args: pytest.fail("_global_queries was called"))
     monkeypatch.setattr(executor, "attend_blocks", lambda *args, **kw: pytest.fail("attend_blocks was called"))
     generator = torch.Generator().manual_seed(n_k + heads)
@@ -772,7 +769,7 @@ def test_global_query_rows_replace_the_band_rows():
 def test_band_chunks_stay_within_an_eighth_of_the_keys():
     """Chunks hold at most `_BAND_CHUNK_ELEMENTS` key-gradient elements and at most an eighth of q's (one batch row),
     but never fewer than 2 blocks; plain and edge blocks never share a chunk."""
-    from longattn.executor_blocked import _BAND_CHUNK_ELEMENTS, _band_chunks
+    from longattn.executor_band import _BAND_CHUNK_ELEMENTS, _band_chunks
 
     def sizes(nb, per_block, query_elements, plain=None):
         return [stop - start for start, stop in _band_chunks(nb, per_block, plain, query_elements)]

@@ -273,7 +273,7 @@ def test_dropout_backward_uses_the_forward_draws(padded):
 def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceable):
     """`attend_blocks`' extension for Sinkhorn: one key set per (batch row, head) and a weight per gathered key that
     multiplies its key and value, against the gathered keys written out, for outputs and every gradient."""
-    from longattn import executor_blocked
+    from longattn import executor_gathered
 
     b, h, nb, c, m, n, d = 2, 3, 4, 3, 5, 12, 4
     generator = torch.Generator().manual_seed(7)
@@ -293,7 +293,7 @@ def test_attend_blocks_per_head_key_sets_and_differentiable_key_weights(traceabl
     scores = (q @ gathered(k).transpose(-1, -2) * 0.6).masked_fill(~mask, -math.inf)
     sees = mask.any(-1, keepdim=True)
     expected = torch.softmax(scores.masked_fill(~sees, 0.0), -1) * sees @ gathered(v)
-    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    run = executor_gathered._attend_blocks_traceable if traceable else executor_gathered.attend_blocks
     actual, _ = run(q, k, v, kv_index=kv_index, mask=mask, scale=0.6, dropout_p=0.0, kv_weight=kv_weight)
     torch.testing.assert_close(actual, expected)
     cotangent = torch.randn(actual.shape, generator=generator, **DOUBLE)
@@ -310,7 +310,7 @@ def test_attend_blocks_without_a_mask_equals_an_all_visible_mask(traceable, gath
     """`mask=None` means every key is visible: outputs, log-sum-exps and the gradients of q, k, v (through the
     output and the log-sum-exp) equal those of an all-True mask, eager and traceable, all keys or gathered ones,
     grouped query heads."""
-    from longattn import executor_blocked
+    from longattn import executor_gathered
 
     b, h, h_kv, nb, c, n, d = 2, 4, 2, 3, 4, 12, 4
     generator = torch.Generator().manual_seed(11)
@@ -318,7 +318,7 @@ def test_attend_blocks_without_a_mask_equals_an_all_visible_mask(traceable, gath
     k, v = (torch.randn(b, h_kv, n, d, generator=generator, **DOUBLE).requires_grad_() for _ in range(2))
     kv_index = torch.randint(0, n, (nb, 5), generator=generator) if gathered else None
     m = n if kv_index is None else kv_index.shape[-1]
-    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    run = executor_gathered._attend_blocks_traceable if traceable else executor_gathered.attend_blocks
     results = []
     for mask in (None, torch.ones((), dtype=torch.bool).expand(b, h, nb, c, m)):
         out, lse = run(q, k, v, kv_index=kv_index, mask=mask, scale=0.5, dropout_p=0.0)
@@ -423,7 +423,7 @@ def test_attend_blocks_own_keys_equal_them_gathered(traceable, mask_as, weight_p
     ones (weighted per key or per block). Outputs, log-sum-exps and every gradient (q, k, v, the weights) equal the
     same keys passed as one gathered index with weight 1 on the own block, for a mask given as a tensor, as a
     function of the chunk, or none; grouped query heads, k and v as transposed views, chunks of one block."""
-    from longattn import executor_blocked
+    from longattn import executor_gathered
 
     b, h, h_kv, nb, c, s, m, n, d = 2, 4, 2, 4, 3, 3, 5, 14, 4
     generator = torch.Generator().manual_seed(5)
@@ -444,7 +444,7 @@ def test_attend_blocks_own_keys_equal_them_gathered(traceable, mask_as, weight_p
     if weight is not None:
         full_weight = torch.cat([torch.ones(b, h_kv, nb, s, **DOUBLE), weight.expand(b, h_kv, nb, m)], dim=-1)
     given_mask = {"tensor": mask, "function": lambda start, stop: mask[:, :, start:stop], "none": None}[mask_as]
-    run = executor_blocked._attend_blocks_traceable if traceable else executor_blocked.attend_blocks
+    run = executor_gathered._attend_blocks_traceable if traceable else executor_gathered.attend_blocks
     inputs = (q, k, v) if weight is None else (q, k, v, weight)
     results = []
     for index, kv_weight, own_keys in ((kv_index, weight, s), (full_index, full_weight, 0)):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from longattn import executor_blocked, tuning
+from longattn import executor_band, executor_chunks, tuning
 
 
 @pytest.fixture
@@ -61,5 +61,5 @@ def test_cpu_lists_are_counted():
 
 
 def test_executor_budgets_follow_the_rule():
-    assert executor_blocked._WORKSPACE_ELEMENTS == tuning.workspace_elements()
-    assert executor_blocked._CHUNK_ELEMENTS == executor_blocked._BAND_CHUNK_ELEMENTS == tuning.workspace_elements() // 2
+    assert executor_chunks._WORKSPACE_ELEMENTS == tuning.workspace_elements()
+    assert executor_chunks._CHUNK_ELEMENTS == executor_band._BAND_CHUNK_ELEMENTS == tuning.workspace_elements() // 2
