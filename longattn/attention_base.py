@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from . import patterns
 from .attention_fields import KINDS, check_kind_backend, field_defaults, validate_kind
+from .backends import runs_dense_form
 from .numerics import apply_rotary, default_scale
 from .ops import reference_attention
 from .patterns import MaskFn, and_masks, causal_mask, materialize_mask
@@ -386,7 +387,7 @@ class LongAttnAttention(nn.Module):
             hidden_states=hidden_states,
             key_padding_mask=attention_mask,
             global_mask=global_attention_mask,
-            dense=output_attentions or decoding or self.backend == "reference",
+            dense=output_attentions or decoding or runs_dense_form(self.backend),
             **documents,
         )
         return self.o_proj(self.merge_heads(out)), weights

@@ -28,7 +28,10 @@ On CPU `"auto"` is always the PyTorch executor.
 
 Each back end also declares, per pattern family, the executor it runs (`Backend.executors`, functions of
 `executor_families` of one signature); `select_executor` returns the chosen back end's executor, which the pattern
-functions of `ops` call without knowing its name.
+functions of `ops` call without knowing its name. The families whose kinds run steps of their own declare their
+executors per back end in their functional module (`executor_families.StepExecutors`), and `select_step_executor`
+returns the chosen one; `runs_dense_form` says which back end runs a kind in its dense form. No other module
+chooses what to run by a back end's name.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch import Tensor
 from .attention_fields import BACKEND_NAMES, check_backend_name
 from .executor_families import (
     Executor,
+    StepExecutors,
     flex_executor,
     reference_executor,
     torch_fixed,
@@ -77,12 +81,17 @@ __all__ = [
     "select_backend",
     "select_executor",
     "select_named_backend",
+    "select_step_executor",
+    "runs_dense_form",
 ]
 
 logger = logging.getLogger(__name__)
 
 AUTO_ORDER = ("xformers", "flex", "torch")
 """The order in which `"auto"` tries the back ends: fastest first."""
+
+_AUTO_STEPS = "torch"
+"""What `"auto"` runs for the families whose kinds run their own steps, until another back end is measured for them."""
 
 PATTERN_FAMILIES = ("full", "sliding", "strided", "fixed", "blocks", "windows", "sinkhorn")
 """Pattern families a request can name: dense, (dilated) sliding window with global tokens, Sparse Transformer
@@ -177,14 +186,16 @@ class Backend:
 
     Subclasses set `name`, `patterns` (the pattern families it computes), `executors` (the executor of each family
     the pattern functions of `ops` dispatch, `executor_families`; the families whose kinds run their own steps,
-    blocks, windows and Sinkhorn's, ask for a name with `select_named_backend`) and `devices`, and extend
-    `reasons_not_supported`. `auto_reasons` adds reasons that keep `"auto"` away without forbidding an explicit
-    request (e.g. FlexAttention on CPU runs, but densely).
+    blocks, windows and Sinkhorn's, declare theirs per back end in a `StepExecutors`, see `select_step_executor`),
+    `dense_form` and `devices`, and extend `reasons_not_supported`. `auto_reasons` adds reasons that keep `"auto"`
+    away without forbidding an explicit request (e.g. FlexAttention on CPU runs, but densely).
     """
 
     name: ClassVar[str] = ""
     patterns: ClassVar[tuple[str, ...]] = PATTERN_FAMILIES
     executors: ClassVar[dict[str, Executor]] = {}
+    dense_form: ClassVar[bool] = False
+    """It runs an attention kind in its dense form (`attend_dense`, every key, with the weights): `runs_dense_form`."""
     devices: ClassVar[tuple[str, ...] | None] = None  # None: every device
     summary: ClassVar[str] = ""
 
@@ -218,6 +229,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     summary = "dense softmax under the materialised mask; every device, dtype and mode; O(n_q · n_k) memory"
     executors = {family: reference_executor for family in ("full", "sliding", "strided", "fixed")}
+    dense_form = True
 
     def auto_reasons(self, request):
         return ["the dense reference is for tests and short sequences"]
@@ -460,8 +472,38 @@ def select_named_backend(name: str, q: Tensor, k: Tensor, v: Tensor, **request: 
         ValueError: As `select_backend`.
     """
     if name == "auto":
-        return "torch"
+        return _AUTO_STEPS
     return select_backend(name, AttentionRequest.for_inputs(q, k, v, **request))
+
+
+def select_step_executor(name: str, steps: StepExecutors, q: Tensor, k: Tensor, v: Tensor, **request: Any):
+    """The executor back end `name` runs for a family whose kind runs its own steps: its entry of `steps.executors`.
+
+    `"auto"` is the PyTorch executor's, chosen without building a request (`select_named_backend`); a named back end
+    is first checked against the call's request for `steps.pattern` (`AttentionRequest.for_inputs(q, k, v,
+    **request)`), or, for a family that is no pattern, only looked up.
+
+    Raises:
+        ValueError: As `select_backend`, with the reasons a named back end cannot run the call, or when the back end
+            has no executor in `steps` (the message names those that have one, and `steps.note`).
+    """
+    if steps.pattern is None:
+        choice = _AUTO_STEPS if name == "auto" else check_backend_name(name)
+    else:
+        choice = select_named_backend(name, q, k, v, pattern=steps.pattern, **request)
+    if choice not in steps.executors:
+        allowed = [repr(item) for item in ("auto", *steps.executors)]
+        raise ValueError(
+            f"`backend`={name!r} cannot run {steps.attention} attention here: use {', '.join(allowed[:-1])} or "
+            f"{allowed[-1]}{steps.note}."
+        )
+    return steps.executors[choice]
+
+
+def runs_dense_form(name: str) -> bool:
+    """Whether back end `name` (or `"auto"`) computes an attention kind in its dense form, the kind's `attend_dense`
+    over every key with its weights, rather than its own executor: the `"reference"` back end does."""
+    return name in BACKENDS and BACKENDS[name].dense_form
 
 
 def _log_choice(name: str, request: AttentionRequest, passed_over: list[str]) -> None:

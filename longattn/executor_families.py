@@ -8,6 +8,10 @@ one to the pattern functions of `ops`, which validate their arguments, build the
 pattern function branches on a back end's name. The PyTorch executors (`torch_*`) and xformers' (`xformers_*`) read
 the family's geometry (`PatternCall.geometry`); FlexAttention and the reference read the pattern predicate itself
 (`PatternCall.mask_fn`).
+
+The families whose kinds run steps of their own (LSH's and routing's key windows, Sinkhorn's blocks, efficient
+attention) are no pattern function of `ops`: their functional module declares its executors per back end in a
+`StepExecutors`, and `backends.select_step_executor` hands the chosen one back.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .executor_xformers import (
     xformers_sliding_window_attention,
     xformers_strided_attention,
 )
-from .ops_checks import inert_padding
+from .ops_checks import check_backend_support, inert_padding
 from .patterns import (
     MaskFn,
     and_masks,
@@ -43,7 +47,7 @@ from .patterns import (
 )
 from .relative_logits import BiasFn, materialize_bias
 
-__all__ = ["PatternCall", "Executor", "take_positions"]
+__all__ = ["PatternCall", "Executor", "StepExecutors", "take_positions"]
 
 
 class PatternCall(NamedTuple):
@@ -91,6 +95,41 @@ class PatternCall(NamedTuple):
 
 Executor = Callable[[Tensor, Tensor, Tensor, PatternCall], Tensor]
 """`executor(q, k, v, call) -> out [b, h, n_q, d_v]`."""
+
+
+class StepExecutors(NamedTuple):
+    """The executors of a family whose kind runs steps of its own, one per back end that runs it.
+
+    Declared by the family's functional module (`ops_lsh`, `ops_routing`, `ops_sinkhorn`, `ops_linear`), which
+    `backends` does not import; `backends.select_step_executor` hands back the chosen back end's executor, so that
+    no functional attention branches on a back end's name. All of one family's executors take the same arguments.
+
+    Attributes:
+        attention: The attention's name in messages (`"LSH"`, `"routing"`).
+        pattern: The pattern family (`backends.PATTERN_FAMILIES`) a named back end's reasons are asked for; None: the
+            family is no pattern a back end serves (efficient attention), and only its table is read.
+        executors: The executor of each back end that runs the family, by back-end name: `"torch"` the PyTorch
+            executor, which `"auto"` runs until another back end is measured for the family; `"xformers"` the same
+            steps on xformers' kernel; `"reference"` the dense form.
+        refused: Why the other back ends cannot run it, by name (`check`); one without a reason gets a generic one.
+        note: Added to the refusal of a back end that passes dispatch but has no executor here.
+    """
+
+    attention: str
+    pattern: str | None
+    executors: dict[str, Callable[..., Any]]
+    refused: dict[str, str] | None = None
+    note: str = ""
+
+    def check(self, backend: str) -> str:
+        """Validate `backend=` against the back ends of `executors` and `"auto"` (`ops_checks.check_backend_support`).
+
+        Raises:
+            ValueError: If `backend` is unknown or not one of them (the message says why and what is allowed).
+        """
+        return check_backend_support(
+            backend, attention=self.attention, supported=("auto", *self.executors), unsupported=self.refused or {}
+        )
 
 
 def _repeated_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

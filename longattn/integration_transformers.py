@@ -74,6 +74,7 @@ from transformers.monkey_patching import get_patch_mapping, register_patch_mappi
 from .attention_base import LongAttnAttention
 from .attention_fields import LAYER_FIELDS
 from .attention_registry import ATTENTION_CLASSES, attention_class
+from .backends import runs_dense_form
 from .configuration_longattn import LongAttnConfig, check_override_fields
 from .numerics import default_scale
 from .ops import full_attention
@@ -622,31 +623,11 @@ def longattn_attention_forward(
             a sparse kind, packed documents with a kind that cannot pack, global tokens with a bounded cache.
     """
     family = _family(module)
-    if position_bias is not None:
-        raise ValueError(
-            f"{family}: its attention adds a dense position bias (`position_bias`, one score per query-key pair), "
-            "which a sparse kind cannot take without an n x n matrix; longattn does not support this family."
-        )
-    for name in ("softcap", "sinks", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{family}: its attention passes `{name}`, which longattn's kinds do not implement.")
+    _refuse_score_modifiers(family, position_bias, kwargs)
     role = _role(module)
     four_d = attention_mask is not None and attention_mask.dim() == 4
-    groups = query.shape[1] // key.shape[1]
     kind: LongAttnAttention | None = module._modules.get(_KIND_MODULE_NAME)
-    # Grouped-query attention: the sliding kinds' fast path reads each key/value head in place for its group of
-    # query heads (`ops.sliding_window_attention`); every other path gets k/v repeated to the query heads.
-    grouped_fast_path = (
-        role != "cross"
-        and kind is not None
-        and kind.attention_type in GROUPED_KINDS
-        and not four_d
-        and query.shape[2] == key.shape[2]
-        and kind.backend != "reference"
-        and not kwargs.get("output_attentions")
-    )
-    if not grouped_fast_path:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
+    key, value = _key_value_heads(kind, role, four_d, query, key, value, kwargs.get("output_attentions"))
     if role == "cross":  # dense: n decoder queries over the m encoder states, like longattn's own CrossAttention
         if four_d:
             out = _dense(query, key, value, attention_mask, dropout=dropout, scaling=scaling)
@@ -670,40 +651,120 @@ def longattn_attention_forward(
     n, m = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.shape[-1] != m:
         raise ValueError(f"{family}: the padding mask covers {attention_mask.shape[-1]} keys, the layer has {m}.")
-    global_mask = kwargs.get("global_attention_mask") if role != "decoder" else None
-    if global_mask is not None:
-        if n != m and kind.is_causal and getattr(module.config, "sliding_window", None):
-            # A bounded cache (a plain causal window) has dropped the earlier global keys.
-            raise ValueError(
-                f"{family}: cached decoding with global tokens needs a full cache, but this model's cache keeps only "
-                f"the last {module.config.sliding_window} keys (a plain sliding window); generate without "
-                "`global_attention_mask`, or use a dilated window (full cache layers)."
-            )
-        # The check longattn's own models make: one entry per key (`generate` grows it with the tokens it adds).
-        global_mask = check_input_mask(
-            global_mask, name="global_attention_mask", batch=query.shape[0], length=m, device=query.device
-        )
-    documents = {}
-    if n == m and n > 1:  # packing is a layout of whole rows: a cache continues one document
-        position_ids = kwargs.get("position_ids")
-        documents = kind.document_kwargs(
-            packed_document_ids(
-                position_ids=None if position_ids is None else position_ids.expand(query.shape[0], -1)[:, -n:],
-                batch=query.shape[0],
-                length=n,
-                cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-                cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-                attention_mask=attention_mask,
-            )
-        )
+    global_mask = _global_tokens(family, module, kind, role, query, m, kwargs.get("global_attention_mask"))
+    # Packing is a layout of whole rows: a cache continues one document.
+    documents = _packed_documents(kind, query, attention_mask, kwargs) if n == m and n > 1 else {}
     kind.scale = scaling if scaling is not None else default_scale(query.shape[-1])
     kind.dropout_p = dropout
+    return _attend(kind, query, key, value, attention_mask, global_mask, documents, kwargs.get("output_attentions"))
+
+
+def _refuse_score_modifiers(family: str, position_bias: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    """Raise `ValueError` for a dense position bias or a score modifier, which no kind implements."""
+    if position_bias is not None:
+        raise ValueError(
+            f"{family}: its attention adds a dense position bias (`position_bias`, one score per query-key pair), "
+            "which a sparse kind cannot take without an n x n matrix; longattn does not support this family."
+        )
+    for name in ("softcap", "sinks", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{family}: its attention passes `{name}`, which longattn's kinds do not implement.")
+
+
+def _key_value_heads(
+    kind: LongAttnAttention | None,
+    role: str,
+    four_d: bool,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output_attentions: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: the sliding kinds' fast path reads each key/value head in place for its group of
+    query heads (`ops.sliding_window_attention`); every other path gets k/v repeated to the query heads."""
+    grouped_fast_path = (
+        role != "cross"
+        and kind is not None
+        and kind.attention_type in GROUPED_KINDS
+        and not four_d
+        and query.shape[2] == key.shape[2]
+        and not runs_dense_form(kind.backend)
+        and not output_attentions
+    )
+    if grouped_fast_path:
+        return key, value
+    groups = query.shape[1] // key.shape[1]
+    return repeat_kv(key, groups), repeat_kv(value, groups)  # [b, h, m, d]
+
+
+def _global_tokens(
+    family: str,
+    module: nn.Module,
+    kind: LongAttnAttention,
+    role: str,
+    query: torch.Tensor,
+    m: int,
+    global_mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The checked `global_attention_mask` `[b, m]` of a self-attention layer (None for a decoder's).
+
+    Raises:
+        ValueError: global tokens in cached decoding with a bounded cache, or a mask that is not one entry per key.
+    """
+    if role == "decoder" or global_mask is None:
+        return None
+    if query.shape[2] != m and kind.is_causal and getattr(module.config, "sliding_window", None):
+        # A bounded cache (a plain causal window) has dropped the earlier global keys.
+        raise ValueError(
+            f"{family}: cached decoding with global tokens needs a full cache, but this model's cache keeps only "
+            f"the last {module.config.sliding_window} keys (a plain sliding window); generate without "
+            "`global_attention_mask`, or use a dilated window (full cache layers)."
+        )
+    # The check longattn's own models make: one entry per key (`generate` grows it with the tokens it adds).
+    return check_input_mask(
+        global_mask, name="global_attention_mask", batch=query.shape[0], length=m, device=query.device
+    )
+
+
+def _packed_documents(
+    kind: LongAttnAttention, query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The kind's document keywords (`document_kwargs`) of packed rows, from `position_ids` or the varlen keywords
+    (`packing.packed_document_ids`); empty without packing."""
+    n = query.shape[2]
+    position_ids = kwargs.get("position_ids")
+    return kind.document_kwargs(
+        packed_document_ids(
+            position_ids=None if position_ids is None else position_ids.expand(query.shape[0], -1)[:, -n:],
+            batch=query.shape[0],
+            length=n,
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            attention_mask=attention_mask,
+        )
+    )
+
+
+def _attend(
+    kind: LongAttnAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    global_mask: torch.Tensor | None,
+    documents: dict[str, torch.Tensor],
+    output_attentions: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kind over q `[b, h, n, d]`, k, v `[b, h, m, d]`: its dense form for weights, cached decoding (n != m) or
+    the back end that runs it (`backends.runs_dense_form`), else its own executor. Returns (`[b, n, h, d]`, weights
+    `[b, h, n, m]` or None)."""
+    n, m = query.shape[2], key.shape[2]
     if kind.attention_type == "synthesizer":  # the random forms: weights from positions, applied to v (no packing)
         out, weights = kind.attend_synthesized(
             query if kind.mix else None, key, value, attention_mask=attention_mask, hidden_states=None, query_length=n
         )
-        weights = weights if kwargs.get("output_attentions") else None  # already [b, h, n, m]
-    elif kwargs.get("output_attentions") or n != m or kind.backend == "reference":
+        weights = weights if output_attentions else None  # already [b, h, n, m]
+    elif output_attentions or n != m or runs_dense_form(kind.backend):
         out, weights = kind.attend_dense(
             query, key, value, key_padding_mask=attention_mask, global_mask=global_mask, **documents
         )

@@ -16,7 +16,8 @@ number of visible keys up to i. It is computed chunk by chunk with a running sta
 the softmax form takes every exponent relative to the query's running maximum (as online softmax does), so large
 logits give exact, finite rows.
 
-This module depends on torch and the shared input checks only.
+This module depends on torch, the shared input checks and the dispatcher, which hands back the executor of the
+back end asked for (`EFFICIENT_STEPS`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch
 from torch import Tensor
 
 from .attention_fields import EFFICIENT_NORMALIZATIONS
+from .backends import select_step_executor
+from .executor_families import StepExecutors
 from .numerics import compute_dtype, hide_logits
 from .ops_checks import (
-    check_backend_support,
     check_flag,
     check_qkv,
     check_token_mask,
@@ -47,7 +49,6 @@ _UNSUPPORTED_BACKENDS = {
     "xformers": "xformers' kernels compute softmax(Q Kᵀ) V, and efficient attention has no softmax over keys to "
     "hand to a kernel (it normalises queries and keys separately)",
 }
-_SUPPORTED_BACKENDS = ("auto", "torch", "reference")  # "auto" is always this module's computation
 
 # Keys per chunk of the causal form. Memory per (b, h) is about n·c (intra-chunk scores) + (n / c)·d·d_v (one state
 # per chunk), smallest near c = sqrt(d·d_v); 64 also keeps the per-chunk Python step count low (n / 64).
@@ -115,15 +116,16 @@ def efficient_attention(
             that is unknown or cannot run efficient attention (the message says why).
     """
     padding = _check(q, k, v, normalization, causal, key_padding_mask)
-    backend = _check_backend(backend)
+    backend = EFFICIENT_STEPS.check(backend)
     if is_empty(q, k):
         return empty_attention(q, k, v)
     k, v = inert_padding(padding, k, v)
-    if backend == "reference":
-        weights = efficient_attention_weights(
-            q, k, normalization=normalization, causal=causal, key_padding_mask=padding
-        )  # [b, h, n_q, n_k] in the compute dtype
-        return (weights @ v.to(weights.dtype)).to(q.dtype)
+    attention = select_step_executor(backend, EFFICIENT_STEPS, q, k, v)
+    return attention(q, k, v, normalization, causal, padding)
+
+
+def _linear_form(q: Tensor, k: Tensor, v: Tensor, normalization: str, causal: bool, padding: Tensor | None) -> Tensor:
+    """The PyTorch executor (`"auto"`, `"torch"`): `ρ_q(Q) (ρ_k(K)ᵀ V)` in linear time, in the compute dtype."""
     dtype = compute_dtype(q.dtype)
     qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
     if causal:
@@ -135,11 +137,18 @@ def efficient_attention(
     return out.to(q.dtype)
 
 
-def _check_backend(backend: str) -> str:
-    """Validate `backend=` for efficient attention (`ops_checks.check_backend_support`)."""
-    return check_backend_support(
-        backend, attention="efficient (linear)", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS
-    )
+def _dense_form(q: Tensor, k: Tensor, v: Tensor, normalization: str, causal: bool, padding: Tensor | None) -> Tensor:
+    """The `"reference"` back end: `efficient_attention_weights(...) @ v`, O(n_q · n_k) memory."""
+    weights = efficient_attention_weights(
+        q, k, normalization=normalization, causal=causal, key_padding_mask=padding
+    )  # [b, h, n_q, n_k] in the compute dtype
+    return (weights @ v.to(weights.dtype)).to(q.dtype)
+
+
+EFFICIENT_STEPS = StepExecutors(
+    "efficient (linear)", None, {"torch": _linear_form, "reference": _dense_form}, refused=_UNSUPPORTED_BACKENDS
+)
+"""Efficient attention's executors per back end (`"auto"` is always this module's linear-time computation)."""
 
 
 def _softmax_over_positions(k: Tensor, padding: Tensor | None) -> Tensor:

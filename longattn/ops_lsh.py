@@ -66,11 +66,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backends import select_named_backend
+from .backends import select_step_executor
+from .executor_families import StepExecutors
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, default_scale
 from .ops_checks import (
-    check_backend_support,
     check_document_ids,
     check_dropout,
     check_flag,
@@ -97,7 +97,7 @@ __all__ = [
     "lsh_buckets",
     "lsh_rotations",
     "normalize_keys",
-    "select_windows_backend",
+    "select_windows_executor",
 ]
 
 SELF_SCORE = -1e5
@@ -111,8 +111,6 @@ _UNSUPPORTED_BACKENDS = {
     "flex": "FlexAttention evaluates a predicate over positions, and LSH's keys depend on the sorted hash buckets "
     "and chunk boundaries of each round, merged over rounds by log-sum-exp, with the self key as a fallback",
 }
-# "auto" is always the windowed kernel below; "xformers" runs its windows as one kernel call (explicit only).
-_SUPPORTED_BACKENDS = ("auto", "torch", "reference", "xformers")
 
 # Rotated vectors are computed in slices of this many positions, so that `[b, h, r, n, nb/2]` never exists at once
 # (at 32K tokens and 512 buckets it would take half a gigabyte).
@@ -944,16 +942,26 @@ def attend_windows_on_kernel(q, k, v, mask, *, stride, scale, dropout_p=0.0, sel
     return out.squeeze(2), lse.squeeze(1)
 
 
-def select_windows_backend(backend, q, k, v, key_padding_mask, relative_embedding, dropout_p, causal) -> str:
-    """`select_named_backend` for the window executors (`attend_windows` and its kernel, pattern "windows") of a call
-    on q, k, v `[b, h, n, d]` with this key padding mask and relative embedding (each a tensor or None), dropout
-    and causality: "torch" for `"auto"`, else the named back end once checked against the call.
+def select_windows_executor(
+    backend: str,
+    steps: StepExecutors,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    relative_embedding: Tensor | None,
+    dropout_p: float,
+    causal: bool,
+):
+    """`backends.select_step_executor` for a family run on the window executors (pattern "windows":
+    `attend_windows` and its kernel) of a call on q, k, v `[b, h, n, d]` with this key padding mask and relative
+    embedding (each a tensor or None), dropout and causality: the executor of `steps` that `backend` runs.
 
     Raises:
-        ValueError: As `select_backend`, with the reasons the named back end cannot run the call.
+        ValueError: As `select_step_executor`, with the reasons the named back end cannot run the call.
     """
     flags = dict(key_padding=key_padding_mask is not None, relative_logits=relative_embedding is not None)
-    return select_named_backend(backend, q, k, v, pattern="windows", dropout_p=dropout_p, causal=causal, **flags)
+    return select_step_executor(backend, steps, q, k, v, dropout_p=dropout_p, causal=causal, **flags)
 
 
 # ---------------------------------------------------------------------------------------------- the executor
@@ -982,24 +990,29 @@ def _check_rotations(rotations: Tensor, *, heads: int, head_dim: int, num_bucket
         raise ValueError(f"rotations must have shape {expected}, got {shape}")
 
 
+class _LshCall(NamedTuple):
+    """One call of `lsh_attention`, checked (`_checked_call`), then with its rotations (`_with_rotations`): what
+    its executors read."""
+
+    rotations: Tensor | None  # [h or 1, d, r, Σ factors/2]; None until drawn
+    num_buckets: Buckets | None
+    bucket_size: int
+    num_chunks_before: int
+    num_chunks_after: int
+    causal: bool
+    key_padding_mask: Tensor | None
+    dropout_p: float
+    document_ids: Tensor | None
+    relative_embedding: Tensor | None
+
+
 def lsh_attention(
-    qk: Tensor,
-    v: Tensor,
-    *,
-    num_hashes: int,
-    bucket_size: int,
-    num_buckets: Buckets | None = None,
-    num_chunks_before: int = 1,
-    num_chunks_after: int = 0,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    rotations: Tensor | None = None,
-    seed: int | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    document_ids: Tensor | None = None,
+    qk: Tensor, v: Tensor, *, num_hashes: int, bucket_size: int, num_buckets: Buckets | None = None,
+    num_chunks_before: int = 1, num_chunks_after: int = 0, causal: bool = False,
+    key_padding_mask: Tensor | None = None, rotations: Tensor | None = None, seed: int | None = None,
+    dropout_p: float = 0.0, backend: str = "auto", document_ids: Tensor | None = None,
     relative_embedding: Tensor | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Reformer LSH attention with shared queries and keys, in O(n·log n + n·r·c·w) time.
 
     See the module docstring for the mechanism. Costs r·n·(1 + before + after)·c scores per head, never n².
@@ -1027,7 +1040,7 @@ def lsh_attention(
             kernel, `attend_windows_on_kernel`; CUDA, no dropout; `"auto"` does not pick it until it is measured on
             a GPU), or `"reference"`: `lsh_attention_dense` at the same rotations, O(r · n²) memory, for tests (it
             equals the kernel on real tokens; padded queries and the dropout draws may differ). `"flex"` cannot
-            run LSH attention.
+            run LSH attention. Each back end's executor: `LSH_STEPS`.
         relative_embedding: Optional r `[2M + 1, d]`: relative-position logits (`longattn.relative_logits`), scale
             1/sqrt(d) · q·r of the clipped distance between the original positions of each pair a chunk computes.
 
@@ -1041,201 +1054,347 @@ def lsh_attention(
             `[b, n]`, `dropout_p` outside [0, 1), or a `backend` that is unknown or cannot run LSH attention (the
             message says why).
     """
-    b, h, n, _ = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
-    d = qk.shape[3]
-    bucket_size = check_positive_int("bucket_size", bucket_size, meaning="the chunk length of the sorted sequence")
-    num_chunks_before = check_positive_int("num_chunks_before", num_chunks_before, minimum=0)
-    num_chunks_after = check_positive_int("num_chunks_after", num_chunks_after, minimum=0)
-    causal = check_flag("causal", causal)
-    if causal and num_chunks_before < 1:
-        raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n, device=qk.device)
-    document_ids = check_document_ids(document_ids, b, n, device=qk.device)
-    dropout_p = check_dropout(dropout_p)
-    if num_buckets is not None:
-        hash_factors(num_buckets)
-    if rotations is None:
-        num_hashes = check_positive_int("num_hashes", num_hashes, meaning="the number of hash rounds")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
-    else:
-        _check_rotations(rotations, heads=h, head_dim=d, num_buckets=num_buckets)
-    check_backend_support(backend, attention="LSH", supported=_SUPPORTED_BACKENDS, unsupported=_UNSUPPORTED_BACKENDS)
-    relative_embedding = check_relative_embedding(relative_embedding, qk)
+    given = _LshCall(
+        rotations, num_buckets, bucket_size, num_chunks_before, num_chunks_after, causal, key_padding_mask,
+        dropout_p, document_ids, relative_embedding,
+    )  # fmt: skip
+    call = _checked_call(qk, v, given, num_hashes=num_hashes, seed=seed, backend=backend)
     if is_empty(qk, qk):
         return empty_attention(qk, qk, v)
     # Padding may hold anything: zeroed, it hashes to a fixed bucket and its value adds nothing. A query whose
     # whole row is padding then attends to its own (zero) value only: zeros, the rule of every op.
-    qk, v = inert_padding(key_padding_mask, qk, v)
-    d_v = v.shape[-1]
-    c = bucket_size
-    device = qk.device
-    if rotations is None:
-        num_buckets = default_num_buckets(n, c) if num_buckets is None else num_buckets
-        rotations = lsh_rotations(
-            heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed, device=device
-        )
-    windows = attend_windows
-    if backend == "xformers":  # raises with the reasons when the kernel cannot run here
-        select_windows_backend(backend, qk, qk, v, key_padding_mask, relative_embedding, dropout_p, causal)
-        windows = attend_windows_on_kernel
-    if backend == "reference":
-        # The dense form at the SAME rotations and bucket count, so both hash every token alike.
-        out, _ = lsh_attention_dense(
-            qk,
-            qk,
-            v,
-            rotations=rotations,
-            num_buckets=num_buckets,
-            bucket_size=c,
-            num_chunks_before=num_chunks_before,
-            num_chunks_after=num_chunks_after,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            dropout_p=dropout_p,
-            document_ids=document_ids,
-            relative_embedding=relative_embedding,
-        )
-        return out
-    r = rotations.shape[2]
-    # Sizes beyond the sequence change nothing (one chunk then holds a whole round, and a window never reaches past
-    # its round), so they are clamped to what the sequence needs instead of being allocated. The bucket count above
-    # was taken from the size as given, so every token hashes as the reference hashes it.
-    c = min(c, n)
-    n_chunks = -(-n // c)
-    before, after = min(num_chunks_before, n_chunks - 1), 0 if causal else min(num_chunks_after, n_chunks - 1)
-    n_pad = n_chunks * c
-    valid = torch.ones(b, n, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask.bool()
+    qk, v = inert_padding(call.key_padding_mask, qk, v)
+    call = _with_rotations(call, qk, num_hashes=num_hashes, seed=seed)
+    attention = select_windows_executor(
+        backend, LSH_STEPS, qk, qk, v, call.key_padding_mask, call.relative_embedding, call.dropout_p, call.causal
+    )
+    return attention(qk, v, call)
 
-    # Layout of the sorted sequence: one segment per (batch, head, round), each `gap` zero chunks followed by its
-    # nc sorted chunks, plus `before` zero chunks in front and `after` at the end. Chunk u's keys, itself and its
-    # neighbours, are then the rows u·c .. u·c + w of one tensor (a strided window, no copy), and the gaps stand
-    # for the chunks beyond a round's ends. Gap chunks are also queried (harmlessly; 1/(nc+gap) of the work).
-    gap = before + after
-    segment = gap + n_chunks  # chunks per segment
+
+def _checked_call(qk: Tensor, v: Tensor, given: _LshCall, *, num_hashes: int, seed: int | None, backend: str):
+    """The arguments of `lsh_attention` checked, in its documented order: an `_LshCall` (rotations as given).
+
+    Raises:
+        ValueError: As `lsh_attention`.
+    """
+    b, h, n, _ = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
+    d = qk.shape[3]
+    bucket_size = check_positive_int(
+        "bucket_size", given.bucket_size, meaning="the chunk length of the sorted sequence"
+    )
+    num_chunks_before = check_positive_int("num_chunks_before", given.num_chunks_before, minimum=0)
+    num_chunks_after = check_positive_int("num_chunks_after", given.num_chunks_after, minimum=0)
+    causal = check_flag("causal", given.causal)
+    if causal and num_chunks_before < 1:
+        raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
+    key_padding_mask = check_token_mask("key_padding_mask", given.key_padding_mask, b, n, device=qk.device)
+    document_ids = check_document_ids(given.document_ids, b, n, device=qk.device)
+    dropout_p = check_dropout(given.dropout_p)
+    if given.num_buckets is not None:
+        hash_factors(given.num_buckets)
+    if given.rotations is None:
+        check_positive_int("num_hashes", num_hashes, meaning="the number of hash rounds")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+    else:
+        _check_rotations(given.rotations, heads=h, head_dim=d, num_buckets=given.num_buckets)
+    LSH_STEPS.check(backend)
+    return given._replace(
+        bucket_size=bucket_size,
+        num_chunks_before=num_chunks_before,
+        num_chunks_after=num_chunks_after,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        dropout_p=dropout_p,
+        document_ids=document_ids,
+        relative_embedding=check_relative_embedding(given.relative_embedding, qk),
+    )
+
+
+def _with_rotations(call: _LshCall, qk: Tensor, *, num_hashes: int, seed: int | None) -> _LshCall:
+    """`call` with rotations: those given, else drawn (`lsh_rotations`, from `seed`) for its bucket count, by
+    default `default_num_buckets` of the length."""
+    if call.rotations is not None:
+        return call
+    _, h, n, d = qk.shape
+    num_buckets = default_num_buckets(n, call.bucket_size) if call.num_buckets is None else call.num_buckets
+    rotations = lsh_rotations(
+        heads=h, head_dim=d, num_hashes=num_hashes, num_buckets=num_buckets, seed=seed, device=qk.device
+    )
+    return call._replace(rotations=rotations, num_buckets=num_buckets)
+
+
+# ---------------------------------------------------------------------------------------------- LSH's executors
+def _lsh_dense(qk: Tensor, v: Tensor, call: _LshCall) -> Tensor:
+    """The `"reference"` back end: the dense form (`lsh_attention_dense`) at the SAME rotations and bucket count,
+    so both hash every token alike."""
+    out, _ = lsh_attention_dense(
+        qk,
+        qk,
+        v,
+        rotations=call.rotations,
+        num_buckets=call.num_buckets,
+        bucket_size=call.bucket_size,
+        num_chunks_before=call.num_chunks_before,
+        num_chunks_after=call.num_chunks_after,
+        causal=call.causal,
+        key_padding_mask=call.key_padding_mask,
+        dropout_p=call.dropout_p,
+        document_ids=call.document_ids,
+        relative_embedding=call.relative_embedding,
+    )
+    return out
+
+
+def _lsh_on_windows(qk: Tensor, v: Tensor, call: _LshCall) -> Tensor:
+    """The PyTorch executor (`"auto"`, `"torch"`). Without dropout, neither the sorted copies nor the probabilities
+    are kept: the kernel gathers the rows of each group of chunks in forward and again in backward, and merges the
+    rounds of every position by log-sum-exp (`attend_gathered_windows`). With dropout, `attend_windows` on the sorted
+    copies."""
+    rounds = _sorted_rounds(qk, v, call)
+    relative = _relative_positions(qk, call, rounds)
+    if call.dropout_p == 0.0:
+        return _gathered_rounds(qk, v, call, rounds, relative)
+    return _copied_rounds(qk, v, call, rounds, relative, attend_windows)
+
+
+def _lsh_on_kernel(qk: Tensor, v: Tensor, call: _LshCall) -> Tensor:
+    """The `"xformers"` back end: the windows of the sorted copies on xformers' kernel (`attend_windows_on_kernel`)."""
+    rounds = _sorted_rounds(qk, v, call)
+    return _copied_rounds(qk, v, call, rounds, _relative_positions(qk, call, rounds), attend_windows_on_kernel)
+
+
+LSH_STEPS = StepExecutors(
+    "LSH",
+    "windows",
+    {"torch": _lsh_on_windows, "reference": _lsh_dense, "xformers": _lsh_on_kernel},
+    refused=_UNSUPPORTED_BACKENDS,
+)
+"""LSH attention's executor per back end, `executor(qk, v, call) -> out`: `"auto"` is always the windowed kernel;
+`"xformers"` runs its windows as one kernel call (explicit only)."""
+
+
+class _SortedRounds(NamedTuple):
+    """The layout of one call's sorted hash rounds (`_sorted_rounds`): sizes, the rows and integer indices.
+
+    One segment per (batch, head, round), each `gap` zero chunks followed by its nc sorted chunks, plus `before`
+    zero chunks in front and `after` at the end. Chunk u's keys, itself and its neighbours, are then the rows
+    u·c .. u·c + w of one tensor (a strided window, no copy), and the gaps stand for the chunks beyond a round's
+    ends. Gap chunks are also queried (harmlessly; 1/(nc+gap) of the work).
+    """
+
+    c: int  # chunk length, clamped to the sequence
+    w: int  # keys of a chunk's window
+    before: int  # chunks before, clamped
+    after: int  # chunks after, clamped (0 when causal)
+    n_queries: int  # query chunks U
+    qk_rows: Tensor  # [b·h·n, d] (`head_rows`)
+    qk_row_of: Callable[[Tensor, Tensor, Tensor], Tensor]
+    v_rows: Tensor  # [b·h·n, d_v]
+    v_row_of: Callable[[Tensor, Tensor, Tensor], Tensor]
+    buckets: Tensor  # [b, h, r, n_pad], the alignment padding in the padding bucket
+    padding_bucket: int
+    order: Tensor  # [b, h, r, n_pad]: positions by bucket, then position
+    rank: Tensor  # [b, h, r, n_pad]: the sorted index of each position
+    buffer_row: Tensor  # [b, h, r, n_pad]: query-buffer row of (b, h, r, position)
+    query_index: Tensor  # [U·c]: the qk row of each query-buffer row (-1: none)
+    key_index: Tensor  # [(before + U + after)·c]: the qk row of each key-buffer row (-1: a zero chunk)
+    value_index: Tensor  # likewise, rows of v
+    key_rows: Tensor  # [b·h·r·n]: key-buffer rows of the real positions
+    out_index: Tensor  # [U·c]: the output row (b · h + head) · n + position each query-buffer row answers
+    mask: Tensor  # bool [U, 1 or c, w]: the real keys (of the query's document) of each window
+
+
+def _sorted_rounds(qk: Tensor, v: Tensor, call: _LshCall) -> _SortedRounds:
+    """Hash every token (`lsh_buckets`), sort each round by (bucket, position) and lay the rounds out.
+
+    Sizes beyond the sequence change nothing (one chunk then holds a whole round, and a window never reaches past
+    its round), so they are clamped to what the sequence needs instead of being allocated. The bucket count was
+    taken from the size as given, so every token hashes as the reference hashes it.
+    """
+    b, h, n, _ = qk.shape
+    r, device = call.rotations.shape[2], qk.device
+    c = min(call.bucket_size, n)
+    n_chunks = -(-n // c)
+    before = min(call.num_chunks_before, n_chunks - 1)
+    after = 0 if call.causal else min(call.num_chunks_after, n_chunks - 1)
+    n_pad = n_chunks * c
+    padding = call.key_padding_mask
+    valid = torch.ones(b, n, dtype=torch.bool, device=device) if padding is None else padding.bool()
+    segment = before + after + n_chunks  # chunks per segment, its gap first
     n_queries = b * h * r * segment  # query chunks
     w = (before + after + 1) * c
-
     qk_rows, qk_row_of = head_rows(qk)  # [b·h·n, d] views, and the row of (batch, head, position)
     v_rows, v_row_of = head_rows(v)
     with torch.no_grad():
-        factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
-        buckets = lsh_buckets(qk, rotations, valid=valid, num_buckets=num_buckets)  # [b, h, r, n]
-        padding_bucket = math.prod(factors)
-        if document_ids is not None:
-            buckets, padding_bucket = document_buckets(buckets, document_ids, padding_bucket)
-        # The alignment padding joins the padding bucket, after every real token.
-        buckets = F.pad(buckets, (0, n_pad - n), value=padding_bucket)  # [b, h, r, n_pad]
+        buckets, padding_bucket = _padded_buckets(qk, call, valid, n_pad)  # [b, h, r, n_pad]
         positions = torch.arange(n_pad, device=device)
         order = (buckets * n_pad + positions).argsort(dim=-1)  # [b, h, r, n_pad]: by bucket, then position
         rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))  # sorted index of each
-        bi = torch.arange(b, device=device).view(b, 1, 1, 1)
-        hi = torch.arange(h, device=device).view(1, h, 1, 1)
-        ri = torch.arange(r, device=device).view(1, 1, r, 1)
-        first_row = ((bi * h + hi) * r + ri) * segment + gap  # [b, h, r, 1], first chunk of each segment
+        bi, hi, ri = _grid(b, h, r, device)
+        first_row = ((bi * h + hi) * r + ri) * segment + before + after  # [b, h, r, 1], first chunk of a segment
         buffer_row = first_row * c + rank  # [b, h, r, n_pad]: query-buffer row of (b, h, r, position)
-        real = positions[:n]
-        query_index = _scatter_index(n_queries * c, buffer_row[..., :n], qk_row_of(bi, hi, real))
-        value_index = _scatter_index(n_queries * c, buffer_row[..., :n], v_row_of(bi, hi, real))
-        lead = torch.full((before * c,), -1, dtype=torch.long, device=device)
-        tail = torch.full((after * c,), -1, dtype=torch.long, device=device)
-        key_index = torch.cat([lead, query_index, tail])  # keys: the query buffer with zero chunks around it
-        value_index = torch.cat([lead, value_index, tail])
-
-        key_rows = before * c + buffer_row[..., :n].reshape(-1)  # key-buffer rows of the real positions
-        row_valid = torch.zeros(key_index.shape[0], dtype=torch.bool, device=device)
-        row_valid[key_rows] = valid[:, None, None, :].expand(b, h, r, n).reshape(-1)
-        mask = _windows(row_valid[:, None], 0, n_queries, c, w).view(n_queries, 1, w)  # [U, 1, w]
-        if document_ids is not None and not causal:
-            # Chunk neighbours may hold another document (causal queries see their own bucket only, one document).
-            row_document = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
-            row_document[key_rows] = document_ids[:, None, None, :].expand(b, h, r, n).reshape(-1)
-            key_document = _windows(row_document[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
-            query_document = row_document[before * c : before * c + n_queries * c].view(n_queries, c, 1)
-            mask = mask & (key_document == query_document)  # [U, c, w]
-        out_index = _scatter_index(n_queries * c, buffer_row[..., :n], (bi * h + hi) * n + real)
-    relative = {}
-    if relative_embedding is not None:
-        # The O(n · M) table of every (batch, head, position), read per pair at the original positions; the
-        # table's rows are the output rows `(b · h + head) · n + position`, which `out_index` names.
-        with torch.no_grad():
-            query_position = _scatter_index(n_queries * c, buffer_row[..., :n], real)
-            key_position = torch.cat([lead, query_position, tail])
-        table = relative_logit_table(qk, relative_embedding, default_scale(d)).reshape(b * h * n, -1)
-        relative = dict(relative_table=table, query_position=query_position, key_position=key_position)
-
-    if windows is attend_windows and dropout_p == 0.0:
-        # Neither the sorted copies nor the probabilities are kept: the kernel gathers the rows of each group of
-        # chunks in forward and again in backward, and merges the rounds of every position by log-sum-exp.
-        with torch.no_grad():
-            first = last = None
-            if causal:
-                # The visible keys of a causal query are the last (at most before·c) entries of its bucket before
-                # it in sorted order: window columns [column − back, column) with column = before·c + slot.
-                sorted_buckets = buckets.gather(-1, order)
-                bucket_start = torch.searchsorted(sorted_buckets, sorted_buckets).gather(-1, rank)  # [b, h, r, n_pad]
-                back = (rank - bucket_start).clamp_(max=before * c)
-                back.masked_fill_(buckets == padding_bucket, 0)  # padding sees no key
-                column = before * c + buffer_row % c
-                first = _scatter_index(n_queries * c, buffer_row[..., :n], (column - back)[..., :n]).clamp_(min=0)
-                last = _scatter_index(n_queries * c, buffer_row[..., :n], column[..., :n]).clamp_(min=0)
-        out = attend_gathered_windows(
-            qk_rows,
-            qk_rows,
-            v_rows,
-            key_norm_eps=KEY_NORM_EPS,
-            query_index=query_index,
-            key_index=key_index,
-            value_index=value_index,
-            out_index=out_index,
-            n_out=b * h * n,
-            chunk=c,
-            width=w,
-            stride=c,
-            scale=1.0,
-            mask=None if causal else mask,
-            first=first,
-            last=last,
-            self_column=before * c,
-            **relative,
+        real, where = positions[:n], buffer_row[..., :n]
+        query_index = _scatter_index(n_queries * c, where, qk_row_of(bi, hi, real))
+        value_index = _scatter_index(n_queries * c, where, v_row_of(bi, hi, real))
+        # Keys: the query buffer with zero chunks around it.
+        key_index, value_index = (
+            F.pad(index, (before * c, after * c), value=-1) for index in (query_index, value_index)
         )
-        return out.view(b, h, n, d_v)
+        key_rows = before * c + where.reshape(-1)  # key-buffer rows of the real positions
+        row_valid = _at_key_rows(valid[:, None, None, :].expand(b, h, r, n), key_rows, key_index.shape[0], False)
+        mask = _windows(row_valid[:, None], 0, n_queries, c, w).view(n_queries, 1, w)  # [U, 1, w]
+        if call.document_ids is not None and not call.causal:
+            # Chunk neighbours may hold another document (causal queries see their own bucket only, one document).
+            documents = call.document_ids[:, None, None, :].expand(b, h, r, n)
+            row_document = _at_key_rows(documents, key_rows, key_index.shape[0], -1)
+            mask = mask & _same_in_window(row_document, before * c, n_queries, c, w)  # [U, c, w]
+        out_index = _scatter_index(n_queries * c, where, (bi * h + hi) * n + real)
+    return _SortedRounds(
+        c, w, before, after, n_queries, qk_rows, qk_row_of, v_rows, v_row_of, buckets, padding_bucket, order, rank,
+        buffer_row, query_index, key_index, value_index, key_rows, out_index, mask,
+    )  # fmt: skip
 
+
+def _padded_buckets(qk: Tensor, call: _LshCall, valid: Tensor, n_pad: int) -> tuple[Tensor, int]:
+    """The bucket of every position in every round `[b, h, r, n_pad]` (packed documents in buckets of their own),
+    the alignment padding in the padding bucket after every real token; and the padding bucket."""
+    factors = (2 * call.rotations.shape[-1],) if call.num_buckets is None else hash_factors(call.num_buckets)
+    buckets = lsh_buckets(qk, call.rotations, valid=valid, num_buckets=call.num_buckets)  # [b, h, r, n]
+    padding_bucket = math.prod(factors)
+    if call.document_ids is not None:
+        buckets, padding_bucket = document_buckets(buckets, call.document_ids, padding_bucket)
+    return F.pad(buckets, (0, n_pad - qk.shape[2]), value=padding_bucket), padding_bucket
+
+
+def _grid(b: int, h: int, r: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The batch `[b, 1, 1, 1]`, head `[1, h, 1, 1]` and round `[1, 1, r, 1]` indices, to broadcast together."""
+    return (
+        torch.arange(b, device=device).view(b, 1, 1, 1),
+        torch.arange(h, device=device).view(1, h, 1, 1),
+        torch.arange(r, device=device).view(1, 1, r, 1),
+    )
+
+
+def _at_key_rows(values: Tensor, key_rows: Tensor, size: int, fill: bool | int) -> Tensor:
+    """A `[size]` key-buffer column: `values` `[b, h, r, n]` at the rows `key_rows` of their positions, `fill`
+    elsewhere (the zero chunks and gaps)."""
+    column = torch.full((size,), fill, dtype=values.dtype, device=values.device)
+    column[key_rows] = values.reshape(-1)
+    return column
+
+
+def _same_in_window(column: Tensor, lead: int, n_queries: int, c: int, w: int) -> Tensor:
+    """Bool `[U, c, w]`: whether each window key's entry of the key-buffer `column` equals its query's (the query
+    buffer is the key buffer after its `lead` rows)."""
+    key_value = _windows(column[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
+    query_value = column[lead : lead + n_queries * c].view(n_queries, c, 1)
+    return key_value == query_value
+
+
+def _relative_positions(qk: Tensor, call: _LshCall, rounds: _SortedRounds) -> dict[str, Tensor]:
+    """The relative-position arguments of the window kernels (`relative_table`, `query_position`, `key_position`),
+    none without an embedding: the O(n · M) table of every (batch, head, position), read per pair at the original
+    positions; its rows are the output rows `(b · h + head) · n + position`, which `out_index` names."""
+    if call.relative_embedding is None:
+        return {}
+    b, h, n, d = qk.shape
+    c = rounds.c
     with torch.no_grad():
-        if causal:
-            row_bucket = torch.full((key_index.shape[0],), -1, dtype=torch.long, device=device)
-            row_bucket[key_rows] = buckets[..., :n].reshape(-1)
-            key_bucket = _windows(row_bucket[:, None], 0, n_queries, c, w).view(n_queries, 1, w)
-            query_bucket = row_bucket[before * c : before * c + n_queries * c].view(n_queries, c, 1)
+        real = torch.arange(n, device=qk.device)
+        query_position = _scatter_index(rounds.n_queries * c, rounds.buffer_row[..., :n], real)
+        key_position = F.pad(query_position, (rounds.before * c, rounds.after * c), value=-1)
+    table = relative_logit_table(qk, call.relative_embedding, default_scale(d)).reshape(b * h * n, -1)
+    return dict(relative_table=table, query_position=query_position, key_position=key_position)
+
+
+def _gathered_rounds(qk: Tensor, v: Tensor, call: _LshCall, rounds: _SortedRounds, relative: dict) -> Tensor:
+    """The rounds on `attend_gathered_windows`, which gathers the rows of each group of chunks itself."""
+    b, h, n, _ = qk.shape
+    c, before = rounds.c, rounds.before
+    with torch.no_grad():
+        first = last = None
+        if call.causal:
+            # The visible keys of a causal query are the last (at most before·c) entries of its bucket before
+            # it in sorted order: window columns [column − back, column) with column = before·c + slot.
+            sorted_buckets = rounds.buckets.gather(-1, rounds.order)
+            bucket_start = torch.searchsorted(sorted_buckets, sorted_buckets).gather(-1, rounds.rank)
+            back = (rounds.rank - bucket_start).clamp_(max=before * c)  # [b, h, r, n_pad]
+            back.masked_fill_(rounds.buckets == rounds.padding_bucket, 0)  # padding sees no key
+            column = before * c + rounds.buffer_row % c
+            where = rounds.buffer_row[..., :n]
+            first = _scatter_index(rounds.n_queries * c, where, (column - back)[..., :n]).clamp_(min=0)
+            last = _scatter_index(rounds.n_queries * c, where, column[..., :n]).clamp_(min=0)
+    out = attend_gathered_windows(
+        rounds.qk_rows,
+        rounds.qk_rows,
+        rounds.v_rows,
+        key_norm_eps=KEY_NORM_EPS,
+        query_index=rounds.query_index,
+        key_index=rounds.key_index,
+        value_index=rounds.value_index,
+        out_index=rounds.out_index,
+        n_out=b * h * n,
+        chunk=c,
+        width=rounds.w,
+        stride=c,
+        scale=1.0,
+        mask=None if call.causal else rounds.mask,
+        first=first,
+        last=last,
+        self_column=before * c,
+        **relative,
+    )
+    return out.view(b, h, n, v.shape[-1])
+
+
+def _copied_rounds(
+    qk: Tensor, v: Tensor, call: _LshCall, rounds: _SortedRounds, relative: dict, windows: Callable
+) -> Tensor:
+    """The rounds on `windows` (`attend_windows` or its kernel) over sorted copies of the rows, merged by
+    log-sum-exp (`_combine_rounds`)."""
+    b, h, n, d = qk.shape
+    d_v, r = v.shape[-1], call.rotations.shape[2]
+    c, w, lead, n_queries = rounds.c, rounds.w, rounds.before * rounds.c, rounds.n_queries
+    mask = rounds.mask
+    with torch.no_grad():
+        if call.causal:
+            row_bucket = _at_key_rows(rounds.buckets[..., :n], rounds.key_rows, rounds.key_index.shape[0], -1)
             # Sorted distance from query i to window key j is before·c + i − j: strictly earlier, at most
             # before·c back. Gap rows are invalid, so the band never leaves the round.
-            distance = before * c + torch.arange(c, device=device)[:, None] - torch.arange(w, device=device)
-            band = (distance > 0) & (distance <= before * c)  # [c, w]
-            mask = mask & band & (key_bucket == query_bucket)  # [U, c, w]
+            distance = lead + torch.arange(c, device=qk.device)[:, None] - torch.arange(w, device=qk.device)
+            band = (distance > 0) & (distance <= lead)  # [c, w]
+            mask = mask & band & _same_in_window(row_bucket, lead, n_queries, c, w)  # [U, c, w]
         # Backward maps: copy `round` of source row p sits at key-buffer row before·c + buffer_row[.., round, p].
-        key_inverse = _scatter_index(
-            r * qk_rows.shape[0], qk_row_of(bi, hi, real) + ri * qk_rows.shape[0], key_rows.view(b, h, r, n)
-        ).view(r, -1)
-        value_inverse = _scatter_index(
-            r * v_rows.shape[0], v_row_of(bi, hi, real) + ri * v_rows.shape[0], key_rows.view(b, h, r, n)
-        ).view(r, -1)
-        unsort = buffer_row[..., :n].reshape(-1)  # [b·h·r·n], where each (b, h, r, position) was answered
-        unsort_inverse = _scatter_index(n_queries * c, unsort, torch.arange(unsort.numel(), device=device))
-    qk_sorted = gather_rows(qk_rows, key_index, key_inverse)  # [rows, d]: zero chunks, then the segments
-    q_sorted = qk_sorted[before * c : before * c + n_queries * c].view(n_queries, c, d)
+        key_rows = rounds.key_rows.view(b, h, r, n)
+        key_inverse = _copy_inverse(rounds.qk_rows, rounds.qk_row_of, key_rows)
+        value_inverse = _copy_inverse(rounds.v_rows, rounds.v_row_of, key_rows)
+        unsort = rounds.buffer_row[..., :n].reshape(-1)  # [b·h·r·n], where each (b, h, r, position) was answered
+        unsort_inverse = _scatter_index(n_queries * c, unsort, torch.arange(unsort.numel(), device=qk.device))
+    qk_sorted = gather_rows(rounds.qk_rows, rounds.key_index, key_inverse)  # [rows, d]: zero chunks, the segments
+    q_sorted = qk_sorted[lead : lead + n_queries * c].view(n_queries, c, d)
     k_sorted = normalize_keys(qk_sorted)  # zero rows stay zero
-    v_sorted = gather_rows(v_rows, value_index, value_inverse)  # [rows, d_v]
+    v_sorted = gather_rows(rounds.v_rows, rounds.value_index, value_inverse)  # [rows, d_v]
     if relative:
         columns = RelativeColumns(
-            relative["relative_table"], relative["query_position"], relative["key_position"], out_index, c, c, w
+            relative["relative_table"], relative["query_position"], relative["key_position"], rounds.out_index, c, c, w
         )
         mask = columns.bias(0, n_queries).masked_fill(~mask, -math.inf)  # [U, c, w], differentiable
     out, lse = windows(
-        q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=dropout_p, self_column=before * c
+        q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=call.dropout_p, self_column=lead
     )  # [U, c, d_v], [U, c]
     out = gather_rows(out.view(-1, d_v), unsort, unsort_inverse.view(1, -1)).view(b, h, r, n, d_v)
     lse = lse.reshape(-1).index_select(0, unsort).view(b, h, r, n)
     return _combine_rounds(out, lse)
+
+
+def _copy_inverse(rows: Tensor, row_of: Callable, key_rows: Tensor) -> Tensor:
+    """`[r, N]`: for each round, the key-buffer row `key_rows [b, h, r, n]` holding the copy of every row of
+    `rows [N, ·]` (-1: none), the inverse map `gather_rows` runs backward with."""
+    b, h, r, n = key_rows.shape
+    bi, hi, ri = _grid(b, h, r, key_rows.device)
+    real = torch.arange(n, device=key_rows.device)
+    return _scatter_index(r * rows.shape[0], row_of(bi, hi, real) + ri * rows.shape[0], key_rows).view(r, -1)
 
 
 def _scatter_index(size: int, where: Tensor, what: Tensor) -> Tensor:

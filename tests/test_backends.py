@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -491,7 +492,7 @@ def test_xformers_sinkhorn_path_equals_the_torch_executor(reference_kernel, n, c
 
 
 def test_sinkhorn_kernel_call_zeroes_rows_that_see_no_key(reference_kernel):
-    from longattn.attention_sinkhorn import _attend_on_kernel
+    from longattn.ops_sinkhorn import _attend_on_kernel
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 8, 8, generator=generator, dtype=torch.float64)  # 2 blocks of 4 queries
@@ -1045,8 +1046,25 @@ def test_ops_dispatch_down_to_leaf_executors():
         "executor_sparse",
         "executor_flex",
         "executor_xformers",
+        "executor_families",
     ):
-        assert not _sibling_imports(module) & {"ops", "ops_linear", "ops_lsh"}, module
+        assert not _sibling_imports(module) & {"ops", "ops_linear", "ops_lsh", "ops_routing", "ops_sinkhorn"}, module
+    # The functional attentions import no kind (the kinds import them).
+    for module in ("ops", "ops_linear", "ops_lsh", "ops_routing", "ops_sinkhorn"):
+        kinds = {name for name in _sibling_imports(module) if name.startswith("attention_")} - {"attention_fields"}
+        assert not kinds, (module, kinds)
+
+
+def test_kinds_re_export_their_functional_attention():
+    """The routing and Sinkhorn kinds hold their settings and hooks; their functional attentions live in flat
+    `ops_<family>` modules and are still importable from the kind modules, as the same objects."""
+    from longattn import attention_routing, attention_sinkhorn, ops_routing, ops_sinkhorn
+
+    for kind, functional in ((attention_routing, ops_routing), (attention_sinkhorn, ops_sinkhorn)):
+        names = set(kind.__all__) - {"RoutingAttention", "SinkhornAttention"}
+        assert names and names <= set(functional.__all__), kind.__name__
+        for name in names:
+            assert getattr(kind, name) is getattr(functional, name), name
 
 
 def test_executor_names_do_not_clash_with_the_ops():
@@ -1082,3 +1100,61 @@ def test_each_back_end_declares_an_executor_per_op_family_and_dispatch_returns_i
     assert backends.select_executor("auto", request) is backends.BACKENDS[select_backend("auto", request)].executor(
         "sliding"
     )
+
+
+def test_step_families_declare_an_executor_per_back_end_and_dispatch_returns_it(monkeypatch):
+    """The kinds that run their own steps (LSH, routing, Sinkhorn, efficient attention) declare one executor per back
+    end that runs them (`StepExecutors`), and `select_step_executor` returns it: `"auto"` the PyTorch one without a
+    request, a named one once its reasons are checked; a back end without one is refused, naming those with one."""
+    from longattn import ops_linear, ops_lsh, ops_routing, ops_sinkhorn
+
+    q, k, v = random_qkv(1, 2, 8, 4, seed=0)
+    families = (ops_lsh.LSH_STEPS, ops_routing.ROUTING_WINDOWS, ops_sinkhorn.SINKHORN_STEPS, ops_linear.EFFICIENT_STEPS)
+    for steps in families:
+        assert "torch" in steps.executors and set(steps.executors) < set(backends.BACKEND_NAMES) - {"auto"}
+        for name, executor in steps.executors.items():
+            if name != "xformers":  # CUDA only
+                assert callable(executor)
+                assert backends.select_step_executor(name, steps, q, k, v, causal=False) is executor
+    monkeypatch.setattr(AttentionRequest, "for_inputs", None)  # "auto" must not build a request
+    for steps in families:
+        assert backends.select_step_executor("auto", steps, q, k, v, causal=False) is steps.executors["torch"]
+    monkeypatch.undo()
+    message = (
+        "`backend`='reference' cannot run routing attention here: use 'auto', 'torch' or 'xformers' (the kind's "
+        "dense form is `routing_attention_dense`)."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        backends.select_step_executor("reference", ops_routing.ROUTING_WINDOWS, q, k, v, causal=False)
+    with pytest.raises(ValueError, match=r"'xformers' cannot run this 'sinkhorn' attention on cpu"):
+        backends.select_step_executor("xformers", ops_sinkhorn.SINKHORN_STEPS, q, k, v, causal=False)
+    with pytest.raises(ValueError, match="pattern 'windows' is not served"):
+        backends.select_step_executor("flex", ops_lsh.LSH_STEPS, q, k, v, causal=False)
+
+
+def test_only_the_reference_runs_a_kind_in_its_dense_form():
+    assert [name for name in backends.BACKEND_NAMES if backends.runs_dense_form(name)] == ["reference"]
+
+
+def test_only_the_dispatcher_branches_on_a_back_end_name():
+    """No flat module but `backends` compares a value with a back-end name: the others ask the dispatcher for the
+    executor (`select_executor`, `select_step_executor`) or whether a back end runs a kind's dense form
+    (`runs_dense_form`)."""
+    import ast
+    from pathlib import Path
+
+    import longattn
+
+    names = set(backends.BACKEND_NAMES)
+    found = []
+    for path in sorted(Path(longattn.__file__).parent.glob("*.py")):
+        if path.name == "backends.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            items = [i for o in operands for i in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+            if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

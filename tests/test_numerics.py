@@ -59,7 +59,7 @@ ALLOWED = {
         "attention_linformer.py",
         "math.sqrt(self.max_len + self.proj_len)",
     ): "the init std of E and F (1/sqrt(fan)), not a softmax scale",
-    ("attention_routing.py", "math.sqrt(n / size)"): "the group size that minimises G + size·g, not a softmax scale",
+    ("ops_routing.py", "math.sqrt(n / size)"): "the group size that minimises G + size·g, not a softmax scale",
     ("ops_lsh.py", "math.sqrt(length // bucket_size)"): "the bound on the number of hash buckets",
     (
         "ops_lsh.py",

@@ -20,15 +20,10 @@ from transformers import AutoModelForMaskedLM
 
 import longattn
 from longattn import LongAttnConfig
-from longattn.attention_routing import (
-    _balanced_members,
-    _top_members,
-    cluster_statistics,
-    routing_attention,
-    routing_attention_dense,
-)
+from longattn.attention_routing import cluster_statistics, routing_attention, routing_attention_dense
 from longattn.numerics import apply_rotary
 from longattn.ops import sliding_window_attention
+from longattn.ops_routing import _balanced_members, _top_members
 
 DOUBLE = dict(dtype=torch.float64)
 

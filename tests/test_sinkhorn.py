@@ -331,12 +331,12 @@ def test_attend_blocks_without_a_mask_equals_an_all_visible_mask(traceable, gath
 def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
     """Unpadded, non-causal Sinkhorn attention sees every key: it calls `attend_blocks` with `mask=None` (no
     all-True mask to negate and reduce) and still equals the explicit-permutation reference."""
-    from longattn import attention_sinkhorn
+    from longattn import ops_sinkhorn
 
     masks = []
-    original = attention_sinkhorn.attend_blocks
+    original = ops_sinkhorn.attend_blocks
     monkeypatch.setattr(
-        attention_sinkhorn,
+        ops_sinkhorn,
         "attend_blocks",
         lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
     )
@@ -352,12 +352,12 @@ def test_unpadded_sortcut_passes_no_mask(monkeypatch):
     """Unpadded, non-causal SortCut: every row of S sums to 1, so every mixed block exists and `attend_blocks` gets
     `mask=None` (no all-True mask to reduce and add); the output and gradients equal the masked path's (every token
     real) and the explicit reference."""
-    from longattn import attention_sinkhorn
+    from longattn import ops_sinkhorn
 
     masks = []
-    original = attention_sinkhorn.attend_blocks
+    original = ops_sinkhorn.attend_blocks
     monkeypatch.setattr(
-        attention_sinkhorn,
+        ops_sinkhorn,
         "attend_blocks",
         lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
     )
