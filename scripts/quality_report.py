@@ -130,6 +130,8 @@ def lengthening_section(study: Path) -> str:
     if base and long_trained:
         change = long_trained / base - 1
         note = f"; the 512-token control trained for the same steps: {control / base - 1:+.1%}" if control else ""
+        if control and long_trained >= control:
+            note += " (no lower than the control: what the steps bought, not the longer window)"
         checks.append(
             f"- after continued training at 4,096: {change:+.1%} against the 512 model "
             f"({'met' if change < 0 else 'MISSED'}; target lower, Longformer -5.0% after 2K updates){note}."
@@ -332,6 +334,21 @@ def _verdict(root: Path, unigram: float | None) -> list[str]:
         + ("each reads context beyond its first tokens." if low > 0.01 else "some gain little from a longer context.")
     ]
     lengthening = root / "lengthening"
+    runs = [r for r in _kind_runs(root / "kinds") if r["results"] and r["recipe"] == "clm"]
+    full = next((r["results"] for r in runs if r["kind"] == "full"), None)
+    if full:
+
+        def share(run, key):
+            return run["results"][key] / full[key]
+
+        better = [r["kind"] for r in runs if r["kind"] != "full" and share(r, "eval_loss") < 1 and share(r,
+                  "train_cpu_seconds") < 1]  # fmt: skip
+        worse = [f"`{r['kind']}` ({share(r, 'eval_loss') - 1:+.1%})" for r in runs if share(r, "eval_loss") > 1.02]
+        sentences.append(
+            f"At this budget {len(better)} causal kinds reach a lower validation loss than full attention in less "
+            f"training CPU time ({', '.join(f'`{k}`' for k in better) or 'none'})"
+            + (f"; {', '.join(worse)} end above it." if worse else ".")
+        )
     bpb = {
         **_eval_rows(_json(lengthening / "eval-512" / "results.json")),
         **_eval_rows(_json(lengthening / "eval-4096" / "results.json")),
