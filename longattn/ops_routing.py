@@ -46,8 +46,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .executor_families import StepExecutors
-from .numerics import compute_dtype, default_scale
-from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
+from .numerics import compute_dtype
+from .ops_checks import (
+    check_document_ids,
+    check_dropout,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 from .ops_lsh import (
     RelativeColumns,
     attend_gathered_windows,
@@ -277,6 +287,21 @@ def cluster_statistics(
 
 
 # ---------------------------------------------------------------------------------------------- executors
+def _check_centroids(centroids: Tensor, heads: int, q: Tensor) -> None:
+    """Raises ValueError unless `centroids` is a floating `[heads, C, d]` tensor (C >= 1) on q's device."""
+    if not isinstance(centroids, Tensor) or not centroids.is_floating_point() or centroids.dim() != 3:
+        raise ValueError(
+            f"centroids must be a floating-point tensor [heads, clusters, head_dim], got {centroids!r:.80}"
+        )
+    if centroids.shape[0] != heads or centroids.shape[1] < 1 or centroids.shape[2] != q.shape[-1]:
+        raise ValueError(
+            f"centroids must have shape [{heads}, clusters >= 1, {q.shape[-1]}] to match q {tuple(q.shape)}, got "
+            f"{tuple(centroids.shape)}"
+        )
+    if centroids.device != q.device:
+        raise ValueError(f"centroids are on {centroids.device} but q is on {q.device}: they must share one device")
+
+
 def routing_attention(
     q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, causal: bool, causal_window: int,
     key_padding_mask: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
@@ -312,9 +337,16 @@ def routing_attention(
         `(sums, counts)` when asked.
 
     Raises:
-        ValueError: `key_padding_mask` is not a bool `[b, n]` tensor on q's device, or `backend` cannot run it.
+        ValueError: Naming the argument: q, k, v that are not 4-d floating tensors of matching shapes, `centroids`
+            that are not a floating `[h, C, d]` tensor on q's device, a non-bool `causal` or `dense`, a
+            `causal_window` below 1, a non-finite `scale`, `dropout_p` outside [0, 1); a `key_padding_mask` that is
+            not a bool `[b, n]` tensor on q's device, or a `backend` that cannot run it.
     """
-    scale = default_scale(q.shape[-1]) if scale is None else scale
+    _, h, _, _ = check_qkv(q, k, v)
+    _check_centroids(centroids, h, q)
+    causal, dense = check_flag("causal", causal), check_flag("dense", dense)
+    causal_window = check_positive_int("causal_window", causal_window, meaning="keys of the query's cluster")
+    scale, dropout_p = check_scale(scale, q.shape[-1]), check_dropout(dropout_p)
     # A window of more keys than there are changes nothing: clamped, never allocated (the causal tasks are [c, 2W]).
     causal_window = min(causal_window, max(k.shape[2], 1))
     valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)

@@ -61,7 +61,17 @@ from .executor_blocked import attend_blocks
 from .executor_families import StepExecutors
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
-from .ops_checks import check_document_ids, check_token_mask, empty_attention, is_empty
+from .ops_checks import (
+    check_document_ids,
+    check_dropout,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_scale,
+    check_token_mask,
+    empty_attention,
+    is_empty,
+)
 from .patterns import document_layout
 from .relative_logits import block_bias, check_relative_embedding, relative_bias
 
@@ -289,11 +299,15 @@ def sinkhorn_attention(
         `[b, h, n, d_v]`; with `return_weights`, `(out, weights [b, h, n, n])`.
 
     Raises:
-        ValueError: Causal SortCut, SortCut with `document_ids`, a `key_padding_mask` that is not a bool `[b, n]`
+        ValueError: Naming the argument: q, k, v that are not 4-d floating tensors of matching shapes, a
+            `block_size` below 1, `iterations` below 0, a `temperature` that is not a finite float > 0, a `sortcut`
+            below 1, a non-bool `causal`, `noise` or `return_weights`, a non-finite `scale`, `dropout_p` outside
+            [0, 1); causal SortCut, SortCut with `document_ids`, a `key_padding_mask` that is not a bool `[b, n]`
             tensor on q's device,
             `return_weights` with another back end than `"reference"`, or a back end that cannot run this call (the
             message says why).
     """
+    check_qkv(q, k, v)
     given = _SinkhornCall(
         block_size, iterations, temperature, causal, sortcut, key_padding_mask, scale, noise, dropout_p,
         relative_embedding, _block_documents,
@@ -331,6 +345,18 @@ def _checked_call(
     Raises:
         ValueError: As `sinkhorn_attention`.
     """
+    check_positive_int("block_size", given.block_size, meaning="tokens per block")
+    check_positive_int("iterations", given.iterations, minimum=0, meaning="Sinkhorn rounds")
+    if (
+        isinstance(given.temperature, bool)
+        or not isinstance(given.temperature, (int, float))
+        or not (math.isfinite(given.temperature) and given.temperature > 0)
+    ):
+        raise ValueError(f"temperature must be a finite float > 0 (Sinkhorn temperature), got {given.temperature!r}")
+    if given.sortcut is not None:
+        check_positive_int("sortcut", given.sortcut, meaning="SortCut's budget of mixed blocks, or None")
+    check_flag("causal", given.causal), check_flag("noise", given.noise), check_flag("return_weights", return_weights)
+    given = given._replace(scale=check_scale(given.scale, q.shape[-1]), dropout_p=check_dropout(given.dropout_p))
     sortcut = given.sortcut
     if given.causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")

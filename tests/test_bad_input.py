@@ -1081,3 +1081,56 @@ def test_pack_groups_validates_its_arguments(argument, bad):
     with pytest.raises(ValueError, match=rf"\b{argument}\b"):
         pack_groups(**{**arguments, argument: bad})
     assert pack_groups(**arguments)[0].shape == (2, 3, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "argument, bad",
+    [
+        ("q", torch.zeros(B, H, N, D, dtype=torch.long)),
+        ("centroids", torch.zeros(H + 1, 2, D)),
+        ("centroids", torch.zeros(H, 2, D + 1)),
+        ("centroids", torch.zeros(H, 2, D, dtype=torch.long)),
+        ("causal", "no"),
+        ("causal_window", 0),
+        ("scale", math.nan),
+        ("dropout_p", 1.0),
+    ],
+)
+@pytest.mark.parametrize("dense", [False, True])
+def test_routing_attention_validates_its_arguments(argument, bad, dense):
+    """Routing's exported function names the bad argument (a wrong centroid shape used to fail inside a matmul)."""
+    from longattn.attention_routing import routing_attention
+
+    q, k, v = _tensors(torch.Generator().manual_seed(5))
+    centroids = torch.nn.functional.normalize(torch.randn(H, 2, D, generator=torch.Generator().manual_seed(7)), dim=-1)
+    arguments = {"q": q, "k": k, "v": v, "centroids": centroids, "causal": False, "causal_window": 4, "dense": dense}
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        routing_attention(**{**arguments, argument: bad})
+    out = routing_attention(**arguments)
+    assert torch.isfinite(out[0] if dense else out).all()
+
+
+@pytest.mark.parametrize(
+    "argument, bad",
+    [
+        ("k", torch.zeros(B, H, N, D + 1)),
+        ("block_size", 0),
+        ("iterations", -1),
+        ("temperature", 0.0),
+        ("temperature", math.inf),
+        ("sortcut", 0),
+        ("noise", "yes"),
+        ("scale", math.inf),
+        ("dropout_p", -0.5),
+    ],
+)
+def test_sinkhorn_attention_validates_its_arguments(argument, bad):
+    """Sinkhorn's exported function names the bad argument (a zero temperature used to divide into NaN)."""
+    from longattn.attention_sinkhorn import sinkhorn_attention
+
+    q, k, v = _tensors(torch.Generator().manual_seed(6))
+    arguments = {"q": q, "k": k, "v": v, "sort_weight": torch.eye(D), "block_size": 2, "iterations": 2,
+                 "temperature": 0.75}  # fmt: skip
+    with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+        sinkhorn_attention(**{**arguments, argument: bad})
+    assert torch.isfinite(sinkhorn_attention(**arguments)).all()
