@@ -685,13 +685,17 @@ def binary_partition_attention(
 
 
 def _check_relative_bias(relative_bias: Tensor, heads: int, context: int, device: torch.device) -> None:
-    """Raises ValueError unless `relative_bias` is a floating `[heads, num_edge_types(context)]` tensor on `device`."""
-    expected = (heads, num_edge_types(context))
+    """Raises ValueError unless `relative_bias` is a floating `[heads, E]` tensor on `device` with at least the
+    `num_edge_types(context)` columns the context reads (a larger context's table serves a smaller one: its first
+    columns are the same edge types)."""
+    needed = num_edge_types(context)
     if not isinstance(relative_bias, Tensor) or not relative_bias.is_floating_point():
-        raise ValueError(f"relative_bias must be a floating-point tensor {list(expected)}, got {relative_bias!r:.80}")
-    if tuple(relative_bias.shape) != expected:
         raise ValueError(
-            f"relative_bias must have shape [heads, num_edge_types(context)] = {list(expected)} for context "
+            f"relative_bias must be a floating-point tensor [{heads}, >= {needed}], got {relative_bias!r:.80}"
+        )
+    if relative_bias.dim() != 2 or relative_bias.shape[0] != heads or relative_bias.shape[1] < needed:
+        raise ValueError(
+            f"relative_bias must have shape [heads, >= num_edge_types(context)] = [{heads}, >= {needed}] for context "
             f"{context}, got {tuple(relative_bias.shape)}"
         )
     if relative_bias.device != device:

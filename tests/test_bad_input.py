@@ -1051,6 +1051,7 @@ def test_adaptive_span_attention_validates_its_arguments(argument, bad, dense):
         ("key_padding_mask", torch.ones(B, N + 1, dtype=torch.bool)),
         ("key_padding_mask", torch.ones(B, N)),
         ("relative_bias", torch.zeros(H, 3)),
+        ("relative_bias", torch.zeros(H + 1, 1 + 2 * 32 * 3)),
         ("relative_bias", torch.zeros(H, 1 + 2 * 32 * 3, dtype=torch.long)),
         ("scale", math.inf),
         ("dropout_p", -0.1),

@@ -168,6 +168,7 @@ def test_language_model_rows_are_arranged_and_an_empty_split_is_refused():
 @pytest.mark.skipif(not training.reset_peak_rss(), reason="no /proc/self/clear_refs: the peak is the process's")
 def test_peak_memory_is_measured_from_the_start_of_training():
     # A run's `peak_rss_mb` is its training's: the memory the process held before (tokenising) does not count.
+    assert training.reset_peak_rss()
     before = training.peak_rss_mb()
     held = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
     assert training.peak_rss_mb() >= before + 60
