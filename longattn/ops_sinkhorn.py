@@ -57,8 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .backends import runs_dense_form, select_step_executor
-from .executor_blocked import attend_blocks
 from .executor_families import StepExecutors
+from .executor_gathered import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
 from .ops_checks import (
@@ -264,7 +264,7 @@ def sinkhorn_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Sparse Sinkhorn attention (or SortCut), O(n · s) (SortCut: O(n · p · s)); never an n x n score.
 
-    The attention step runs through `executor_blocked.attend_blocks`: query block i reads its own block in place
+    The attention step runs through `executor_gathered.attend_blocks`: query block i reads its own block in place
     (`own_keys`) and gathers its sorted block (`kv_index`, one key set per head), weighted by S_ij* (`kv_weight`,
     one per block, differentiable, so the sorting network learns through it); a padded or causal mask is a function
     of the chunk, evaluated again in backward. SortCut's p mixed blocks are keys every query block sees.
