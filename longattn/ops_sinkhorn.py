@@ -355,7 +355,8 @@ def _checked_call(
         raise ValueError(f"temperature must be a finite float > 0 (Sinkhorn temperature), got {given.temperature!r}")
     if given.sortcut is not None:
         check_positive_int("sortcut", given.sortcut, meaning="SortCut's budget of mixed blocks, or None")
-    check_flag("causal", given.causal), check_flag("noise", given.noise), check_flag("return_weights", return_weights)
+    for name, flag in (("causal", given.causal), ("noise", given.noise), ("return_weights", return_weights)):
+        check_flag(name, flag)
     given = given._replace(scale=check_scale(given.scale, q.shape[-1]), dropout_p=check_dropout(given.dropout_p))
     sortcut = given.sortcut
     if given.causal and sortcut:
