@@ -992,7 +992,7 @@ def _check_rotations(rotations: Tensor, *, heads: int, head_dim: int, num_bucket
 
 class _LshCall(NamedTuple):
     """One call of `lsh_attention`, checked (`_checked_call`), then with its rotations (`_with_rotations`): what
-    its executors read."""
+    its executors read. Its fields are the keyword arguments of `lsh_attention_dense`."""
 
     rotations: Tensor | None  # [h or 1, d, r, Σ factors/2]; None until drawn
     num_buckets: Buckets | None
@@ -1128,21 +1128,7 @@ def _with_rotations(call: _LshCall, qk: Tensor, *, num_hashes: int, seed: int | 
 def _lsh_dense(qk: Tensor, v: Tensor, call: _LshCall) -> Tensor:
     """The `"reference"` back end: the dense form (`lsh_attention_dense`) at the SAME rotations and bucket count,
     so both hash every token alike."""
-    out, _ = lsh_attention_dense(
-        qk,
-        qk,
-        v,
-        rotations=call.rotations,
-        num_buckets=call.num_buckets,
-        bucket_size=call.bucket_size,
-        num_chunks_before=call.num_chunks_before,
-        num_chunks_after=call.num_chunks_after,
-        causal=call.causal,
-        key_padding_mask=call.key_padding_mask,
-        dropout_p=call.dropout_p,
-        document_ids=call.document_ids,
-        relative_embedding=call.relative_embedding,
-    )
+    out, _ = lsh_attention_dense(qk, qk, v, **call._asdict())
     return out
 
 
