@@ -1,9 +1,12 @@
 """longattn: long-sequence transformers with a zoo of efficient attentions, at home in the Hugging Face ecosystem.
 
-`import longattn` registers `LongAttnConfig` and every model class with transformers' Auto classes (`register`), so
-`AutoModel.from_pretrained(folder)` works for any saved longattn model; the public names are module attributes
-resolved when first used. The `longattn` command (`longattn.tools.cli`) starts without torch or transformers: in that
-process the registrations wait for the subcommand that needs them.
+`import longattn` is cheap: it imports neither transformers' model machinery nor longattn's models. The public names
+are module attributes resolved when first used, and the registrations with transformers (`register`: the Auto
+classes, the `"longattn"` attention implementation, the shareable save) happen by themselves the first time they
+are needed (`longattn._registration` says when), so `AutoModel.from_pretrained(folder)` works for any saved
+longattn model, and for a stock model lengthened with longattn, after `import longattn` alone. The `longattn`
+command (`longattn.tools.cli`) starts without torch or transformers: in that process the registrations wait for the
+subcommand that needs them.
 
 Layout: the flat modules are what a Hub folder loaded with `trust_remote_code` carries (the configuration, the model,
 the attention kinds, ops, patterns, executors, numerics, the tokenizer) plus the library's entry points
@@ -12,6 +15,7 @@ loop, collators, the offline tasks) and `longattn.tools` (Hub folders and upload
 """
 
 import sys as _sys
+import types as _types
 
 
 def _started_as_command() -> bool:
@@ -24,8 +28,17 @@ def _started_as_command() -> bool:
 
 def register() -> None:
     """Register `LongAttnConfig` and every model class with transformers' Auto classes, the `"longattn"` attention
-    implementation (and its build hooks), and the shareable save of stock models running the kinds (idempotent:
-    `import longattn` calls it, except in the `longattn` command, whose subcommands call it when they need it)."""
+    implementation (and its build hooks), and the shareable save of stock models running the kinds (idempotent).
+
+    It runs by itself the first time it is needed (`longattn._registration`); call it to pay its cost up front, or
+    in the `longattn` command, whose subcommands call it when they need it."""
+    from . import _registration
+
+    with _registration.registering():
+        _register()
+
+
+def _register() -> None:
     from transformers import (
         AutoConfig,
         AutoModel,
@@ -38,11 +51,6 @@ def register() -> None:
     )
 
     from . import _moved, integration_transformers, modeling_longattn, modeling_stock  # noqa: F401  (they register)
-    from .lengthen import lengthen
-
-    # `longattn.lengthen` is the function, as `from .lengthen import lengthen` always made it: importing the module of
-    # that name binds the module to the package's attribute, which a module `__getattr__` would never override.
-    globals()["lengthen"] = lengthen
 
     _moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
     config_class = modeling_longattn.LongAttnConfig
@@ -58,6 +66,25 @@ def register() -> None:
     }
     for auto_class, model_class in auto_classes.items():
         auto_class.register(config_class, model_class, exist_ok=True)
+
+
+class _Package(_types.ModuleType):
+    """The package's module type, for one attribute: `longattn.lengthen` is the function, never the module of that
+    name. The import system binds a submodule to its package's attribute when the submodule is first imported (by
+    `from longattn.lengthen import max_tokens`, by the tools, by this property), and nothing is registered at import
+    any more to bind the function over it afterwards; a module `__getattr__` would never be asked again. A property
+    outranks the module's dict, so the binding is kept but not returned."""
+
+    @property
+    def lengthen(self):
+        chosen = vars(self).get("lengthen")
+        if chosen is None or isinstance(chosen, _types.ModuleType):
+            from .lengthen import lengthen as chosen
+        return chosen
+
+    @lengthen.setter
+    def lengthen(self, value) -> None:  # a monkeypatch's function stands; the submodule is never returned
+        vars(self)["lengthen"] = value
 
 
 _MODEL_CLASSES = (
@@ -76,7 +103,6 @@ _LAZY = {
     "available_attention_types": "attention_registry",
     "apply_longattn": "integration_transformers",
     "auxiliary_loss": "integration_transformers",
-    "lengthen": "lengthen",
     "save_lengthened": "tools.lengthen",  # writing a folder is tooling: it lives beside the hub code
     **{name: "modeling_longattn" for name in _MODEL_CLASSES},
 }
@@ -94,11 +120,8 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, *_SUBMODULES})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES, "lengthen"})
 
-
-if not _started_as_command():
-    register()
 
 __version__ = "0.1.0"
 
@@ -114,3 +137,10 @@ __all__ = [
     "patterns",
     "register",
 ]
+
+_sys.modules[__name__].__class__ = _Package
+if not _started_as_command():
+    from . import _moved, _registration
+
+    _moved.install()  # `longattn.training`, `longattn.hub`, ...: the old paths of `longattn.train` / `longattn.tools`
+    _registration.install(register)

@@ -2,10 +2,12 @@
 
 Shape legend: b batch, h query heads, h_kv key/value heads, n query length, m key length, d head dim.
 
-`import longattn` registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
-function with `AttentionMaskInterface`. A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART: `SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config
-holds a `longattn` dict and its `attn_implementation` is `"longattn"`:
+Importing this module registers the implementation `"longattn"` with transformers' `AttentionInterface` and its mask
+function with `AttentionMaskInterface`; after `import longattn` that happens by itself before it can be needed (when
+transformers imports a supported family's modeling module, or longattn's models are used: `longattn._registration`).
+A stock model (BERT, RoBERTa, XLM-RoBERTa, ELECTRA, GPT-2, OPT, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, BART:
+`SUPPORTED_ATTENTION_CLASSES`) runs longattn's kinds when its config holds a `longattn` dict and its
+`attn_implementation` is `"longattn"`:
 
     model = AutoModel.from_pretrained("roberta-base")
     longattn.apply_longattn(model, attention_type="sliding", sliding_window=256)
@@ -27,7 +29,7 @@ They are attached
 
 - by `apply_longattn(model, **fields)` on a built model (the entry point for lengthening a checkpoint), and
 - when a model is built by `from_pretrained` or `from_config` (Auto classes included) from a config that holds a
-  `longattn` dict and names the implementation: `import longattn` registers a build hook for each supported
+  `longattn` dict and names the implementation: this module registers a build hook for each supported
   attention class through transformers' patch mapping (`transformers.monkey_patching`), which those two
   constructors apply. The hook returns the stock module itself, its kind attached; models without a `longattn`
   dict are built unchanged.
@@ -805,7 +807,7 @@ def longattn_mask(
 
 
 def register() -> None:
-    """Register the implementation, its mask function and the build hooks (called by `import longattn`)."""
+    """Register the implementation, its mask function and the build hooks (called when this module is imported)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, longattn_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, longattn_mask)
     register_build_hooks()

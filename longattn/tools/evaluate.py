@@ -107,7 +107,7 @@ def load_folder(folder: str | Path, *, task: str | None = None) -> LoadedModel:
         AutoTokenizer,
     )
 
-    import longattn  # noqa: F401  (registers the Auto classes and the "longattn" attention implementation)
+    import longattn  # noqa: F401  (the Auto classes and the "longattn" implementation then register when first needed)
 
     from ..configuration_longattn import max_tokens
 
