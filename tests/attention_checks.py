@@ -1,22 +1,24 @@
 """Helpers the test files share: the dense reference of a pattern, outputs + gradients compared as one, seeded q/k/v
-and padding masks, and the model-level checks several kinds repeat (no future leak, a mixed stack trains)."""
+and padding masks, the parametrised sliding-window cases, and the checks several kinds repeat: a causal op or model
+leaks nothing from later positions, a mixed stack trains, what autograd keeps, why xformers refuses a request."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
+from kind_configs import SIZES
 
 import longattn
 from longattn import LongAttnConfig, ops, patterns
 
-# The tiny model the kinds' model-level checks build: 60 tokens, hidden 32, 2 heads, 2 layers, 64 positions.
-TINY_MODEL = dict(
-    vocab_size=60,
-    hidden_size=32,
-    num_attention_heads=2,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    max_position_embeddings=64,
-)
+# Keyword arguments of a float64 tensor (`torch.randn(..., **DOUBLE)`): the references' precision.
+DOUBLE = dict(dtype=torch.float64)
+
+# The tiny model the kinds' model-level checks build: 60 tokens, `SIZES` (hidden 32, 2 heads, 2 layers), 64 positions,
+# the default dropout.
+TINY_MODEL = dict(vocab_size=60, **SIZES, max_position_embeddings=64)
 
 # Every stack a kind can serve in: encoder (masked LM), decoder (causal LM), encoder-decoder.
 EVERY_STACK = [longattn.LongAttnForMaskedLM, longattn.LongAttnForCausalLM, longattn.LongAttnForSeq2SeqLM]
@@ -95,6 +97,25 @@ def assert_no_future_leak(model, ids, changed, t, *, seed=None):
     assert not torch.allclose(after[:, t + 1 :], before[:, t + 1 :]), "the test must be able to see a change"
 
 
+def changed_after(tensors, t, seed):
+    """Copies of `tensors` (each `[b, h, n, d]`) whose positions after t are drawn again: standard normal, in each
+    tensor's dtype, one after the other from one generator seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    changed = [x.detach().clone() for x in tensors]
+    for x in changed:
+        x[:, :, t + 1 :] = torch.randn(x[:, :, t + 1 :].shape, generator=generator, dtype=torch.float64).to(x.dtype)
+    return changed
+
+
+def check_op_leaks_nothing(fn, inputs, t, *, seed, atol=1e-12):
+    """A causal op: `fn(*inputs)` (`[b, h, n, d]`) up to position t is the same when the inputs change after t
+    (`changed_after` with `seed`), and differs after t (so the check can see a change)."""
+    before = fn(*inputs)
+    after = fn(*changed_after(inputs, t, seed))
+    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=atol)
+    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :]), "the test must be able to see a change"
+
+
 def check_causal_model_leaks_nothing(config, t, *, seed=None, modes=(False,)):
     """The causal LM of `config` (seed 0) on 2 x 40 random tokens and on the same tokens changed after position t:
     `assert_no_future_leak` in each training mode of `modes` (False: eval), reseeded with `seed` before each run."""
@@ -146,6 +167,20 @@ def padding_and_global_masks(batch, length):
     return key_padding_mask, global_mask
 
 
+def sliding_window_case(batch, length, masks, *, dilation, causal, window=2):
+    """The keyword arguments of a parametrised sliding-window case (of `ops.sliding_window_attention` and
+    `patterns.sliding_window_pattern` alike): `window`, `dilation`, `causal`, and those of the masks of
+    `padding_and_global_masks(batch, length)` that `masks` names ("none", "padding", "global", "padding+global")."""
+    key_padding_mask, global_mask = padding_and_global_masks(batch, length)
+    return dict(
+        window=window,
+        dilation=dilation,
+        causal=causal,
+        key_padding_mask=key_padding_mask if "padding" in masks else None,
+        global_mask=global_mask if "global" in masks else None,
+    )
+
+
 def assert_mixed_stack_trains(model_class, config):
     """One training step of `model_class(config)` (seed 0) on 2 x 37 tokens, row 1 padded from position 30 (a
     seq2seq model gets the first 11 tokens as decoder input and labels): the loss is finite and every parameter
@@ -161,6 +196,16 @@ def assert_mixed_stack_trains(model_class, config):
     assert torch.isfinite(out.loss)
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
+
+
+def xformers_reasons(request, **fields):
+    """Why the xformers layouts cannot serve `request` (a `backends.AttentionRequest`) with `fields` replaced:
+    `executor_xformers.request_reasons` of its fields (empty: nothing in the layouts' own requirements refuses it)."""
+    from longattn import executor_xformers
+
+    request = dataclasses.replace(request, **fields)
+    parameters = inspect.signature(executor_xformers.request_reasons).parameters
+    return executor_xformers.request_reasons(**{name: getattr(request, name) for name in parameters})
 
 
 def saved_tensor_bytes(fn):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 
@@ -20,6 +21,32 @@ import pytest
 import torch.multiprocessing as mp
 
 TAIL = 4000  # characters of a killed process's output shown in the failure
+
+# The start of a child script that must run where longattn cannot be imported (tests/test_hub.py and
+# tests/test_sharing.py load saved folders there with trust_remote_code): a finder refuses longattn, the repository
+# (the script's third argument) is taken off sys.path, and the script stops if longattn still imports (it would
+# prove nothing). Imports json, sys and Path for the rest of the script.
+WITHOUT_LONGATTN = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+    from pathlib import Path
+
+    class NoLongattn(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "longattn" or name.startswith("longattn."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+
+    sys.meta_path.insert(0, NoLongattn())
+    repo = Path(sys.argv[3]).resolve()
+    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != repo]
+    try:
+        import longattn  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit("longattn is importable: the test would prove nothing")
+    """
+)
 
 
 def _children_by_parent() -> dict[int, list[int]]:

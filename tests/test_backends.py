@@ -16,7 +16,14 @@ import re
 
 import pytest
 import torch
-from attention_checks import assert_all_close, outputs_and_grads, padding_and_global_masks, random_qkv
+from attention_checks import (
+    assert_all_close,
+    outputs_and_grads,
+    padding_and_global_masks,
+    random_qkv,
+    sliding_window_case,
+    xformers_reasons,
+)
 from kind_configs import tiny_config
 
 from longattn import LongAttnConfig, backends, executor_flex, executor_xformers, ops, patterns
@@ -29,18 +36,9 @@ SCALE = 0.3
 
 
 def _request(**fields) -> AttentionRequest:
-    defaults = dict(
-        pattern="sliding",
-        device="cpu",
-        dtype=torch.float32,
-        head_dim=64,
-        value_head_dim=64,
-        q_len=1024,
-        kv_len=1024,
-        batch=2,
-        heads=4,
-    )
-    return AttentionRequest(**{**defaults, **fields})
+    """A float32 sliding-window request on CPU: 2 rows of 4 heads of 64, 1,024 queries and keys; `fields` over it."""
+    sizes = dict(head_dim=64, value_head_dim=64, q_len=1024, kv_len=1024, batch=2, heads=4)
+    return AttentionRequest(**{"pattern": "sliding", "device": "cpu", "dtype": torch.float32, **sizes, **fields})
 
 
 def _qkv(n_q=N, n_k=N, dtype=torch.float64, seed=0):
@@ -100,25 +98,8 @@ def test_select_named_backend_keeps_auto_on_torch_and_checks_a_named_one(monkeyp
 
 
 def test_xformers_declares_what_its_layouts_cannot_serve():
-    def reasons(**fields):
-        return executor_xformers.request_reasons(
-            **{
-                **dict(
-                    pattern="sliding",
-                    dtype=torch.bfloat16,
-                    head_dim=64,
-                    value_head_dim=64,
-                    q_len=64,
-                    kv_len=64,
-                    batch=1,
-                    causal=False,
-                    dropout=False,
-                    key_padding=False,
-                    global_tokens=False,
-                ),
-                **fields,
-            }
-        )
+    def reasons(**fields):  # one row of 64 bf16 queries and keys, no dropout, padding or global token
+        return xformers_reasons(_request(device="cuda", dtype=torch.bfloat16, q_len=64, kv_len=64, batch=1), **fields)
 
     assert reasons() == []
     assert reasons(dropout=True) == []  # one band call: xformers' own autograd kernel has dropout
@@ -267,14 +248,7 @@ def test_reference_backend_runs_a_kinds_dense_form(kind):
 )
 def test_flex_forward_on_cpu_equals_the_reference(n_q, causal, dilation, masks):
     q, k, v = (t.detach() for t in _qkv(n_q=n_q))
-    key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(
-        window=2,
-        dilation=dilation,
-        causal=causal,
-        key_padding_mask=None if masks == "none" else key_padding_mask,
-        global_mask=global_mask if masks == "padding+global" else None,
-    )
+    pattern = sliding_window_case(B, N, masks, dilation=dilation, causal=causal)
     expected = _reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q)(q, k, v)
     actual = ops.sliding_window_attention(q, k, v, scale=SCALE, backend="flex", **pattern)
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
@@ -292,18 +266,9 @@ def test_flex_full_attention_and_block_mask_cache():
         torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
     executor_flex.clear_block_mask_cache()
     mask_fn = patterns.sliding_window_pattern(window=2, causal=True)
-    first = executor_flex.block_mask(
-        mask_fn, batch=None, heads=None, q_len=N, kv_len=N, device=q.device, cache_key=mask_fn.__name__
-    )
-    again = executor_flex.block_mask(
-        patterns.sliding_window_pattern(window=2, causal=True),
-        batch=None,
-        heads=None,
-        q_len=N,
-        kv_len=N,
-        device=q.device,
-        cache_key=mask_fn.__name__,
-    )
+    grid = dict(batch=None, heads=None, q_len=N, kv_len=N, device=q.device, cache_key=mask_fn.__name__)
+    first = executor_flex.block_mask(mask_fn, **grid)
+    again = executor_flex.block_mask(patterns.sliding_window_pattern(window=2, causal=True), **grid)  # same key
     assert again is first
 
 
@@ -321,14 +286,7 @@ def _assert_layout_is_the_pattern(layout, mask_fn, *, n_q=N, n_k=N):
 @pytest.mark.parametrize("masks", ["none", "padding", "global", "padding+global"])
 def test_sliding_layout_biases_materialise_to_the_pattern(n_q, causal, dilation, masks):
     pytest.importorskip("xformers")
-    key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(
-        window=2,
-        dilation=dilation,
-        causal=causal,
-        key_padding_mask=key_padding_mask if "padding" in masks else None,
-        global_mask=global_mask if "global" in masks else None,
-    )
+    pattern = sliding_window_case(B, N, masks, dilation=dilation, causal=causal)
     layout = executor_xformers.sliding_window_layout(executor_xformers.LayoutGrid(B, H, n_q, N), **pattern)
     _assert_layout_is_the_pattern(layout, patterns.sliding_window_pattern(**pattern), n_q=n_q)
     # Dilation runs over residue classes: a plain band per class, no dense mask anywhere but the causal global part.
@@ -409,14 +367,7 @@ def test_full_layout_and_bucket_blocks_materialise_to_their_masks():
 )
 def test_xformers_sliding_path_equals_the_reference(reference_kernel, n_q, causal, dilation, masks):
     q, k, v = _qkv(n_q=n_q)
-    key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(
-        window=2,
-        dilation=dilation,
-        causal=causal,
-        key_padding_mask=key_padding_mask if "padding" in masks else None,
-        global_mask=global_mask if "global" in masks else None,
-    )
+    pattern = sliding_window_case(B, N, masks, dilation=dilation, causal=causal)
     expected = outputs_and_grads(_reference_fn(patterns.sliding_window_pattern(**pattern), n_q=n_q), q, k, v)
     actual = outputs_and_grads(
         lambda q, k, v: ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern), q, k, v

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kind_configs import KIND_OVERRIDES, SIZES
 from script_loading import load_script
 
 import longattn
@@ -26,6 +27,13 @@ from longattn.tools.command_line import CommandLineParser, is_secret_flag
 from longattn.train import data, training
 
 B, H, N, D = 2, 2, 6, 4
+VOCAB, HIDDEN, MAX_POSITIONS = 64, 16, 32
+
+
+def _small_config(kind: str, **fields) -> longattn.LongAttnConfig:
+    """A `kind` model of `VOCAB` tokens, `HIDDEN` in 2 heads, intermediate 32, `MAX_POSITIONS`; `fields` added."""
+    small = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=2, intermediate_size=32)
+    return longattn.LongAttnConfig(**small, max_position_embeddings=MAX_POSITIONS, attention_type=kind, **fields)
 
 
 def _tensors(generator: torch.Generator, b: int = B, h: int = H, n_q: int = N, n_k: int = N, d: int = D):
@@ -342,23 +350,8 @@ def test_random_valid_inputs_give_finite_outputs(op):
 @pytest.mark.parametrize("kind", ["full", "sliding", "strided", "fixed", "lsh", "efficient"])
 def test_model_forward_bad_shapes_and_empty_inputs(kind):
     """The model forwards over the kinds built on `ops`: wrong shapes are refused, empty batches give empty outputs."""
-    config = longattn.LongAttnConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        attention_type=kind,
-        sliding_window=2,
-        strided_stride=2,
-        fixed_block_size=4,
-        fixed_num_summary=1,
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_seed=0,
-    )
-    model = longattn.LongAttnModel(config).eval()
+    fields = dict(sliding_window=2, strided_stride=2, fixed_block_size=4, fixed_num_summary=1, **KIND_OVERRIDES["lsh"])
+    model = longattn.LongAttnModel(_small_config(kind, num_hidden_layers=1, **fields)).eval()
     ids = torch.ones(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="attention_mask"):
         model(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long))
@@ -369,7 +362,6 @@ def test_model_forward_bad_shapes_and_empty_inputs(kind):
 
 
 # ---------------------------------------------------------------------------------------------- model forwards
-VOCAB, HIDDEN, MAX_POSITIONS = 64, 16, 32
 HEADS = [
     longattn.LongAttnModel,
     longattn.LongAttnForMaskedLM,
@@ -385,21 +377,9 @@ HEADS = [
 def _tiny_models(kind: str, **config_overrides) -> tuple:
     """One tiny model per head class for `kind` (heads whose decoder the kind cannot be are left out); built once,
     shared by the tests (they run the models in eval mode and change no weight)."""
-    from kind_configs import KIND_OVERRIDES
-
     models = []
     for head in HEADS:
-        config = longattn.LongAttnConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=MAX_POSITIONS,
-            attention_type=kind,
-            **KIND_OVERRIDES.get(kind, {}),
-            **config_overrides,
-        )
+        config = _small_config(kind, num_hidden_layers=2, **KIND_OVERRIDES.get(kind, {}), **config_overrides)
         try:
             models.append(head(config).eval())
         except ValueError:  # e.g. Linformer or reduction as a causal decoder: refused by the config, by design
@@ -748,14 +728,7 @@ def test_longattn_hub_secret_flag_only_as_spelled(tmp_path, capsys):
 def _stock_bert(attention_type: str):
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    config = BertConfig(**{**SIZES, "num_attention_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64})
     return longattn.apply_longattn(BertModel(config), attention_type=attention_type, sliding_window=2).eval()
 
 

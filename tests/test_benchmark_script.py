@@ -21,6 +21,20 @@ def benchmark():
     return load_script("scripts/benchmark.py", "longattn_benchmark_script")
 
 
+def _layer_args(benchmark, **fields):
+    """The script's arguments for one small layer: hidden 32 in 2 heads, batch 1, window 16, no global token, no
+    `--set` item; `fields` over them."""
+    return benchmark.argparse.Namespace(
+        **{"hidden": 32, "heads": 2, "batch": 1, "window": 16, "global_tokens": 0, "set": [], **fields}
+    )
+
+
+def _worker_args(benchmark, tree):
+    """`_layer_args` as `run_one` reads them: one repeat, no wait, 60 s, glibc, old rows import from `tree`."""
+    worker = dict(repeats=1, wait_idle=0.0, timeout=60.0, tensor_memory=False, allocator="glibc", against_tree=tree)
+    return _layer_args(benchmark, **worker)
+
+
 def test_overrides_are_parsed_in_the_recipes_grammar(benchmark):
     assert benchmark.config_overrides(
         ["fixed_num_summary=1", "lsh_seed=null", "attention_backend=torch", "sliding_dilation=[1,2]"]
@@ -42,15 +56,7 @@ def test_misspelt_field_is_refused(benchmark):
 
 
 def test_override_wins_over_the_registered_setting(benchmark):
-    args = benchmark.argparse.Namespace(
-        length=256,
-        hidden=32,
-        heads=2,
-        batch=1,
-        global_tokens=0,
-        window=16,
-        set=["fixed_num_summary=2"],
-    )
+    args = _layer_args(benchmark, length=256, set=["fixed_num_summary=2"])
     layer = benchmark.IMPLS["fixed"].build(args)
     assert layer.module.num_summary == 2  # registered as 8
     args.set = []
@@ -58,7 +64,7 @@ def test_override_wins_over_the_registered_setting(benchmark):
 
 
 def test_attention_dropout_is_off_unless_set(benchmark):
-    args = benchmark.argparse.Namespace(length=256, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    args = _layer_args(benchmark, length=256)
     assert benchmark.IMPLS["sliding"].build(args).module.dropout_p == 0.0
     args.set = ["attention_probs_dropout_prob=0.1"]  # was a TypeError: the field was also passed by the script
     assert benchmark.IMPLS["sliding"].build(args).module.dropout_p == 0.1
@@ -207,20 +213,7 @@ def test_against_refuses_unknown_revisions_and_runs_without_kinds(benchmark, mon
 
 
 def test_worker_that_imported_another_longattn_is_an_error(benchmark, monkeypatch, tmp_path):
-    args = benchmark.argparse.Namespace(
-        batch=1,
-        hidden=32,
-        heads=2,
-        window=16,
-        global_tokens=0,
-        repeats=1,
-        wait_idle=0.0,
-        timeout=60.0,
-        tensor_memory=False,
-        set=[],
-        allocator="glibc",
-        against_tree=tmp_path,
-    )
+    args = _worker_args(benchmark, tmp_path)
     imported = str(benchmark.REPO / "longattn" / "__init__.py")  # this checkout's package, not the export's
 
     def run(command, **kwargs):
@@ -234,32 +227,23 @@ def test_worker_that_imported_another_longattn_is_an_error(benchmark, monkeypatc
 
 
 def test_kind_or_field_missing_in_a_revision_is_an_error(benchmark):
-    args = benchmark.argparse.Namespace(length=64, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    args = _layer_args(benchmark, length=64)
     with pytest.raises(ValueError, match="kind 'no_such_kind' does not exist in this revision of longattn"):
         benchmark._longattn_kind("no_such_kind")(args)
     with pytest.raises(ValueError, match="config field.s. no_such_field do not exist in this revision"):
         benchmark._longattn_kind("full", no_such_field=1)(args)
 
 
+def _report_args(benchmark, impls, mode, lengths, **fields):
+    """`_layer_args` as `report` reads them: `impls` against the baseline `full` in `mode` at `lengths`, glibc, not
+    compiled; `fields` over them."""
+    report = dict(impls=impls, mode=[mode], lengths=lengths, baseline="full", allocator="glibc", compile=False)
+    return _layer_args(benchmark, **report, **fields)
+
+
 def test_report_has_after_vs_before_ratios(benchmark):
-    args = benchmark.argparse.Namespace(
-        hidden=32,
-        heads=2,
-        batch=1,
-        window=16,
-        global_tokens=0,
-        repeats=3,
-        allocator="glibc",
-        baseline="full",
-        impls=["full", "sliding", "routing"],
-        mode=["fwd"],
-        lengths=[64, 128],
-        set=[],
-        compile=False,
-        against="main~1",
-        against_hash="abc1234",
-        after="working tree at def5678",
-    )
+    against = dict(against="main~1", against_hash="abc1234", after="working tree at def5678")
+    args = _report_args(benchmark, ["full", "sliding", "routing"], "fwd", [64, 128], repeats=3, **against)
 
     def row(impl, length, time_s, peak):
         return {
@@ -301,20 +285,7 @@ def test_report_has_after_vs_before_ratios(benchmark):
 def test_real_worker_of_an_old_row_imports_the_export(benchmark, tmp_path):
     """One real worker (length 64) of `full@HEAD` measures the package exported from git, not this checkout's."""
     short = benchmark.export_revision("HEAD", tmp_path)
-    args = benchmark.argparse.Namespace(
-        batch=1,
-        hidden=32,
-        heads=2,
-        window=16,
-        global_tokens=0,
-        repeats=1,
-        wait_idle=0.0,
-        timeout=60.0,
-        tensor_memory=False,
-        set=[],
-        allocator="glibc",
-        against_tree=tmp_path,
-    )
+    args = _worker_args(benchmark, tmp_path)
     result = benchmark.run_one(args, f"full@{short}", 64, "fwd")
     assert "error" not in result, result
     assert Path(result["longattn_file"]) == tmp_path.resolve() / "longattn" / "__init__.py"
@@ -336,22 +307,7 @@ def _layer_row(impl, length, time_s, peak=10.0, mode="fwdbwd"):
 
 def test_report_has_cost_over_ideal_for_every_kind(benchmark):
     """ideal = floor + (full - floor) x share; time / ideal and attention cost / ideal attention per kind."""
-    args = benchmark.argparse.Namespace(
-        hidden=32,
-        heads=2,
-        batch=1,
-        window=16,
-        global_tokens=0,
-        repeats=1,
-        rounds=3,
-        allocator="glibc",
-        baseline="full",
-        impls=["floor", "full", "lsh", "synthesizer"],
-        mode=["fwdbwd"],
-        lengths=[512],
-        set=[],
-        compile=False,
-    )
+    args = _report_args(benchmark, ["floor", "full", "lsh", "synthesizer"], "fwdbwd", [512], repeats=1, rounds=3)
     # lsh at 512 tokens keeps 2 hashes x 128 keys a query: share 256 / 512 = 0.5 of dense.
     results = [
         _layer_row("floor", 512, 1.0, peak=5.0),
@@ -400,7 +356,7 @@ def test_layer_rounds_alternate_rows_and_report_the_median(benchmark, monkeypatc
 def test_floor_keeps_the_projections_and_drops_the_attention(benchmark):
     import torch
 
-    args = benchmark.argparse.Namespace(length=64, hidden=32, heads=2, batch=1, global_tokens=0, window=16, set=[])
+    args = _layer_args(benchmark, length=64)
     assert "floor" not in benchmark.LONGATTN_IMPLS  # measured once, not again on an `--against` revision
     layer = benchmark.IMPLS["floor"].build(args)
     x = torch.randn(1, 64, 32, requires_grad=True)

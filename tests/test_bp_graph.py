@@ -4,12 +4,14 @@ bias included), the causal form never reads a later token, and the kind trains, 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 from transformers import AutoModelForCausalLM
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_binary_partition import (
     BinaryPartitionAttention,
     binary_partition_attention,
@@ -22,22 +24,19 @@ from longattn.attention_binary_partition import (
     num_levels,
 )
 
+# The tiny config of kind_configs.py in binary-partition layers of context 2, 40 tokens, 64 positions (fields over it).
+_config = functools.partial(
+    tiny_config, "binary_partition", vocab_size=40, max_position_embeddings=64, binary_partition_context=2
+)
 
-def _config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=40,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attention_type="binary_partition",
-        binary_partition_context=2,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+
+def _float64_layer(causal: bool) -> BinaryPartitionAttention:
+    """A layer of `_config()` (seed 0) in float64 and eval mode, its relative bias drawn (it starts at zero)."""
+    torch.manual_seed(0)
+    layer = BinaryPartitionAttention(_config(), layer_idx=0, is_causal=causal).double().eval()
+    with torch.no_grad():
+        layer.relative_bias.normal_()
+    return layer
 
 
 def _node_ranges(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +123,7 @@ def test_gathered_executor_equals_the_dense_reference_outputs_and_gradients(n, c
 @pytest.mark.parametrize("causal", [False, True])
 def test_layer_fast_path_equals_its_dense_form_with_left_padding(causal):
     """The layer counts the tree from each row's first real token; both paths do, and padding does not move it."""
-    torch.manual_seed(0)
-    layer = BinaryPartitionAttention(_config(), layer_idx=0, is_causal=causal).double().eval()
-    with torch.no_grad():
-        layer.relative_bias.normal_()
+    layer = _float64_layer(causal)
     hidden = torch.randn(2, 21, 32, dtype=torch.float64)
     mask = torch.ones(2, 21, dtype=torch.bool)
     mask[1, :6] = False
@@ -141,10 +137,7 @@ def test_layer_fast_path_equals_its_dense_form_with_left_padding(causal):
 
 def test_cached_decoding_queries_equal_the_full_pass_with_left_padding():
     """Decoding: the last queries against all cached keys (the dense form, rows rolled) give the full pass's rows."""
-    torch.manual_seed(0)
-    layer = BinaryPartitionAttention(_config(), layer_idx=0, is_causal=True).double().eval()
-    with torch.no_grad():
-        layer.relative_bias.normal_()
+    layer = _float64_layer(True)
     q, k, v = (torch.randn(2, 2, 26, 16, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(2, 26, dtype=torch.bool)
     mask[1, :7] = False
@@ -156,10 +149,7 @@ def test_cached_decoding_queries_equal_the_full_pass_with_left_padding():
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_causal_form_does_not_leak_later_tokens(dense):
-    torch.manual_seed(0)
-    layer = BinaryPartitionAttention(_config(), layer_idx=0, is_causal=True).double().eval()
-    with torch.no_grad():
-        layer.relative_bias.normal_()
+    layer = _float64_layer(True)
     hidden = torch.randn(1, 29, 32, dtype=torch.float64)
     changed = hidden.clone()
     changed[:, 12:] = torch.randn(1, 17, 32, dtype=torch.float64)

@@ -9,23 +9,18 @@ import math
 
 import pytest
 import torch
+from attention_checks import TINY_MODEL
 from transformers import AutoConfig, BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaModel
 
 import longattn
 from longattn import LongAttnConfig
 
-TINY = dict(
-    vocab_size=60,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=64,
-)
+# The tiny model of attention_checks.py in one layer: the foreign models' size.
+ONE_LAYER = {**TINY_MODEL, "num_hidden_layers": 1}
 
 
 def tiny(**fields) -> LongAttnConfig:
-    return LongAttnConfig(**{**TINY, **fields})
+    return LongAttnConfig(**{**TINY_MODEL, **fields})
 
 
 # ---------------------------------------------------------------------------------------------- types and ranges
@@ -168,43 +163,15 @@ def test_head_dim_is_accepted_when_it_agrees_and_refused_otherwise(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- foreign folders
 def _bert():
-    return BertModel(
-        BertConfig(
-            vocab_size=60,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        )
-    )
+    return BertModel(BertConfig(**ONE_LAYER))
 
 
 def _roberta():
-    return RobertaModel(
-        RobertaConfig(
-            vocab_size=60,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        )
-    )
+    return RobertaModel(RobertaConfig(**ONE_LAYER))
 
 
 def _llama():
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=60,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        )
-    )
+    return LlamaForCausalLM(LlamaConfig(**ONE_LAYER, num_key_value_heads=2))
 
 
 @pytest.mark.parametrize("build, model_type", [(_bert, "bert"), (_roberta, "roberta"), (_llama, "llama")])

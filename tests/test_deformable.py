@@ -4,12 +4,14 @@ the model's training step and reload, and the refused causal use."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from kind_configs import tiny_config
 from transformers import AutoModel
 
 import longattn
-from longattn import LongAttnConfig
 from longattn.attention_deformable import (
     DeformableAttention,
     deformable_attention,
@@ -18,23 +20,10 @@ from longattn.attention_deformable import (
     token_positions,
 )
 
-
-def config(**overrides) -> LongAttnConfig:
-    fields = dict(
-        vocab_size=50,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=512,
-        attention_type="deformable",
-        deformable_levels=3,
-        deformable_points=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    fields.update(overrides)
-    return LongAttnConfig(**fields)
+# The tiny config of kind_configs.py in deformable layers of 3 levels and 2 points, 512 positions (fields over it).
+config = functools.partial(
+    tiny_config, "deformable", max_position_embeddings=512, deformable_levels=3, deformable_points=2
+)
 
 
 def inputs(b=2, h=2, n=13, d=4, levels=3, points=2, seed=0, spread=3.0):

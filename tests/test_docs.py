@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from child_processes import start_ranks
+from kind_configs import SIZES
 from transformers import RobertaConfig, RobertaForMaskedLM
 
 import longattn
@@ -53,23 +54,12 @@ def hub_stand_ins(tmp_path, monkeypatch) -> dict[str, str]:
     folders = {}
     torch.manual_seed(0)
     roberta = RobertaForMaskedLM(
+        # 2048 tokens after RoBERTa's padding offset; the byte tokenizer's ids.
         RobertaConfig(
-            vocab_size=260,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=2050,  # 2048 tokens after RoBERTa's padding offset
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+            vocab_size=260, **SIZES, max_position_embeddings=2050, pad_token_id=0, bos_token_id=1, eos_token_id=2
         )
     )
-    mlm = longattn.LongAttnForMaskedLM(
-        longattn.LongAttnConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, sliding_window=4
-        )
-    )
+    mlm = longattn.LongAttnForMaskedLM(longattn.LongAttnConfig(**SIZES, sliding_window=4))
     for name, model in (("roberta-base", roberta), ("my-longattn-model", mlm)):
         folders[name] = str(tmp_path / "stand-ins" / name)
         model.save_pretrained(folders[name])
@@ -90,11 +80,7 @@ def _context_parallel_setup() -> dict:
     from longattn.train.context_parallel import init_context_parallel  # noqa: F401  (the block imports it too)
 
     torch.manual_seed(0)  # the same model and batch on every rank
-    model = longattn.LongAttnForCausalLM(
-        longattn.LongAttnConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, sliding_window=4
-        )
-    )
+    model = longattn.LongAttnForCausalLM(longattn.LongAttnConfig(**SIZES, sliding_window=4))
     ids = torch.randint(4, 260, (1, 32))
     batch = {"input_ids": ids, "labels": ids.clone()}
     return {"model": model, "batch": batch, "labelled_tokens_of_the_whole_batch": 31}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kind_configs import tiny_config
 
 import longattn
 from longattn.ops_linear import efficient_attention, efficient_attention_weights
@@ -154,16 +155,7 @@ def test_bad_arguments_raise():
 
 @pytest.mark.parametrize("normalization", ["softmax", "scaling"])
 def test_kind_uses_the_kernel_and_explicit_weights_agree(normalization):
-    config = longattn.LongAttnConfig(
-        attention_type="efficient",
-        efficient_normalization=normalization,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        vocab_size=50,
-        max_position_embeddings=128,
-    )
+    config = tiny_config("efficient", num_hidden_layers=1, efficient_normalization=normalization)
     model = longattn.LongAttnModel(config).eval()
     ids = torch.randint(4, 50, (2, 45), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 45, dtype=torch.long)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kind_configs import SIZES
 
 import longattn
 from longattn.tokenization_longattn import byte_tokenizer
@@ -144,17 +145,8 @@ def test_passkey_prompt_puts_the_key_at_the_depth():
 
 
 def _tiny_clm(folder, *, max_position_embeddings=256):
-    config = longattn.LongAttnConfig(
-        vocab_size=260,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=max_position_embeddings,
-        attention_type="sliding",
-        sliding_window=8,
-        is_decoder=True,
-    )
+    sliding = dict(attention_type="sliding", sliding_window=8, is_decoder=True)  # 260 token ids: the byte tokenizer's
+    config = longattn.LongAttnConfig(**SIZES, max_position_embeddings=max_position_embeddings, **sliding)
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 

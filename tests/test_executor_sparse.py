@@ -33,18 +33,11 @@ def _check(executor, mask_fn, n_q, n_k, **kwargs):
 @pytest.mark.parametrize(("n_q", "n_k"), LENGTHS, ids=LENGTH_IDS)
 def test_strided_equals_the_dense_reference(stride, causal, padding, n_q, n_k):
     key_padding_mask = three_padded_rows(n_k, left=True) if padding else None
-    mask_fn = patterns.strided_pattern(stride=stride, causal=causal, key_padding_mask=key_padding_mask)
+    strided = dict(stride=stride, causal=causal)
+    mask_fn = patterns.strided_pattern(**strided, key_padding_mask=key_padding_mask)
     # Small blocks: several band blocks and several class sub-blocks (each its own call when causal).
-    out = _check(
-        executor_sparse.strided_blocked_attention,
-        mask_fn,
-        n_q,
-        n_k,
-        stride=stride,
-        causal=causal,
-        block_size=4,
-        class_block=2,
-    )[0]
+    blocks = dict(block_size=4, class_block=2)
+    out, *_ = _check(executor_sparse.strided_blocked_attention, mask_fn, n_q, n_k, **strided, **blocks)
     if padding:
         assert not out[2].any(), "a query that sees no key gets zeros"
 
@@ -68,43 +61,19 @@ def test_fixed_equals_the_dense_reference(block_size, num_summary, summary_per_h
     # Right padding only: the executor's blocks start at position 0, as the pattern's do when the first real token
     # is at 0 (`ops.fixed_attention` rolls left-padded rows before calling the executor).
     key_padding_mask = three_padded_rows(n_k, left=False) if padding else None
-    mask_fn = patterns.fixed_pattern(
-        block_size=block_size,
-        num_summary=num_summary,
-        summary_per_head=summary_per_head,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-    )
+    fixed = dict(block_size=block_size, num_summary=num_summary, summary_per_head=summary_per_head, causal=causal)
+    mask_fn = patterns.fixed_pattern(**fixed, key_padding_mask=key_padding_mask)
     # Sub-blocks of 2 rows and 3 causal groups: every loop of the executor runs more than once.
-    out = _check(
-        executor_sparse.fixed_blocked_attention,
-        mask_fn,
-        n_q,
-        n_k,
-        block_size=block_size,
-        num_summary=num_summary,
-        summary_per_head=summary_per_head,
-        causal=causal,
-        max_block_rows=2,
-        causal_groups=3,
-    )[0]
+    blocks = dict(max_block_rows=2, causal_groups=3)
+    out = _check(executor_sparse.fixed_blocked_attention, mask_fn, n_q, n_k, **fixed, **blocks)[0]
     if padding:
         assert not out[2].any(), "a query that sees no key gets zeros"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_fixed_default_blocks_equal_the_dense_reference(causal):
-    mask_fn = patterns.fixed_pattern(block_size=6, num_summary=2, summary_per_head=True, causal=causal)
-    _check(
-        executor_sparse.fixed_blocked_attention,
-        mask_fn,
-        53,
-        53,
-        block_size=6,
-        num_summary=2,
-        summary_per_head=True,
-        causal=causal,
-    )
+    fixed = dict(block_size=6, num_summary=2, summary_per_head=True, causal=causal)
+    _check(executor_sparse.fixed_blocked_attention, patterns.fixed_pattern(**fixed), 53, 53, **fixed)
 
 
 # ---------------------------------------------------------------------------------------------- edges

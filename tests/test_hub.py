@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_processes import WITHOUT_LONGATTN
 from huggingface_hub import ModelCard
-from kind_configs import KIND_OVERRIDES
+from kind_configs import KIND_OVERRIDES, SIZES
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoTokenizer, BertConfig
 
 import longattn
@@ -24,37 +25,12 @@ from longattn.tokenization_longattn import byte_tokenizer
 from longattn.tools import hub
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=128,
-    hidden_dropout_prob=0.0,
-)
+TINY = dict(**SIZES, max_position_embeddings=128, hidden_dropout_prob=0.0)  # the byte tokenizer's 260 ids
 
 # Runs in a fresh interpreter: longattn is made unimportable (the editable install's finder is shadowed and the repo
 # is off sys.path), then every folder is loaded with trust_remote_code and run on the given inputs.
-FRESH_LOADER = textwrap.dedent(
+FRESH_LOADER = WITHOUT_LONGATTN + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-    from pathlib import Path
-
-    class BlockLongattn(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "longattn" or name.startswith("longattn."):
-                raise ModuleNotFoundError(f"No module named {name!r}")
-
-    sys.meta_path.insert(0, BlockLongattn())
-    repo = Path(sys.argv[3]).resolve()
-    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != repo]
-    try:
-        import longattn  # noqa: F401
-    except ModuleNotFoundError:
-        pass
-    else:
-        raise SystemExit("longattn is importable: the test would prove nothing")
-
     import torch
     import transformers
 

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from kind_configs import FOUR_HEADS, NO_DROPOUT, bart_sizes
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -52,57 +53,28 @@ from longattn import LongAttnConfig, apply_longattn
 from longattn.integration_transformers import longattn_attention_forward
 
 VOCAB, LENGTH = 100, 48
-ROPE = dict(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-)
+# The families' sizes: hidden 32 in 4 heads (64 in 4 heads sharing 2 key-value heads with rotary positions), 2
+# layers, feed-forward 64, 256 positions; no dropout.
+ENCODER = {**FOUR_HEADS, "vocab_size": VOCAB, "max_position_embeddings": 256, **NO_DROPOUT}
+ROPE = {**FOUR_HEADS, "hidden_size": 64, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 256}
+
+
+def _no_dropout(config):
+    """`config` with each of its dropout probabilities 0 (the float fields named *dropout*, *dropout_prob* or *pdrop*:
+    a family's own names)."""
+    for name, value in config.to_dict().items():
+        if isinstance(value, float) and name.endswith(("dropout", "dropout_prob", "pdrop")):
+            setattr(config, name, 0.0)
+    return config
+
+
 FAMILIES = {
     # name: (model class, config, causal)
-    "bert": (
-        BertModel,
-        lambda: BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=256,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        ),
-        False,
-    ),
-    "roberta": (
-        RobertaModel,
-        lambda: RobertaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=258,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        ),
-        False,
-    ),
+    "bert": (BertModel, lambda: BertConfig(**ENCODER), False),
+    "roberta": (RobertaModel, lambda: RobertaConfig(**{**ENCODER, "max_position_embeddings": 258}), False),
     "gpt2": (
         GPT2LMHeadModel,
-        lambda: GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=256,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),
+        lambda: _no_dropout(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256)),
         True,
     ),
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(**ROPE), True),
@@ -110,46 +82,19 @@ FAMILIES = {
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**ROPE), True),
     "bart": (
         BartModel,
-        lambda: BartConfig(
-            vocab_size=VOCAB,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=256,
-            dropout=0.0,
-            attention_dropout=0.0,
+        lambda: _no_dropout(
+            BartConfig(vocab_size=VOCAB, max_position_embeddings=256, **bart_sizes(32, layers=2, heads=4, ffn=64))
         ),
         False,
     ),
 }
-ENCODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=256,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
 MORE_FAMILIES = {
     "xlm_roberta": (XLMRobertaModel, lambda: XLMRobertaConfig(**ENCODER), False),
     "electra": (ElectraModel, lambda: ElectraConfig(**ENCODER, embedding_size=32), False),
     "opt": (
         OPTForCausalLM,
-        lambda: OPTConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            ffn_dim=64,
-            num_attention_heads=4,
-            word_embed_proj_dim=32,
-            dropout=0.0,
-            attention_dropout=0.0,
+        lambda: _no_dropout(
+            OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64)
         ),
         True,
     ),

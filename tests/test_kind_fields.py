@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kind_configs import SIZES, tiny_config
 
 import longattn
 from longattn import LongAttnConfig, backends
@@ -68,16 +69,9 @@ def test_a_kind_declaring_a_setting_of_another_kind_is_refused():
 def test_declared_settings_hold_each_layers_value():
     """A per-layer field gives each layer its entry, a per-head one a list, a number a float; the layer reads nothing
     else of its kind's fields by hand."""
-    config = LongAttnConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        attention_type=["sliding", "adaptive_span"],
-        sliding_window=[3, 5],
-        sliding_dilation=(1, 2),
-        adaptive_span_max=[7, 9],
-        adaptive_span_loss_coef=1,
-    )
+    sliding_fields = dict(sliding_window=[3, 5], sliding_dilation=(1, 2))
+    span_fields = dict(adaptive_span_max=[7, 9], adaptive_span_loss_coef=1)
+    config = LongAttnConfig(**SIZES, attention_type=["sliding", "adaptive_span"], **sliding_fields, **span_fields)
     sliding = ATTENTION_CLASSES["sliding"](config, layer_idx=0, is_causal=False)
     span = ATTENTION_CLASSES["adaptive_span"](config, layer_idx=1, is_causal=False)
     assert sliding.setting_fields == {"window": "sliding_window", "dilation": "sliding_dilation"}
@@ -97,17 +91,7 @@ def test_per_layer_optional_fields_take_none_entries():
 @pytest.mark.parametrize("kind", ["reduction", "linformer", "synthesizer"])
 def test_the_dense_form_equals_the_fast_path(kind):
     """The "reference" back end takes each kind's dense form (weights returned), with the same output."""
-    config = LongAttnConfig(
-        vocab_size=40,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attention_type=kind,
-        reduction_ratio=3,
-        linformer_proj_len=8,
-    )
+    config = tiny_config(kind, num_hidden_layers=1, max_position_embeddings=32, reduction_ratio=3, linformer_proj_len=8)
     torch.manual_seed(0)
     layer = ATTENTION_CLASSES[kind](config, layer_idx=0, is_causal=False).double().eval()
     hidden_states = torch.randn(2, 11, 32, dtype=torch.float64)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kind_configs import FOUR_HEADS, trainer_arguments
 from script_loading import load_script
 from test_integration_transformers import build, inputs
 from transformers import (
@@ -21,7 +22,6 @@ from transformers import (
     RobertaConfig,
     RobertaForSequenceClassification,
     Trainer,
-    TrainingArguments,
 )
 
 import longattn  # noqa: F401  (registers the implementation)
@@ -104,14 +104,12 @@ def lengthened_roberta(tmp_path_factory) -> Path:
     sliding window (the README's flow, offline)."""
     root = tmp_path_factory.mktemp("roberta")
     tokenizer = byte_tokenizer(model_max_length=OLD_TOKENS)
+    positions = OLD_TOKENS + tokenizer.pad_token_id + 1  # RoBERTa's positions start after the padding id
     config = RobertaConfig(
+        **FOUR_HEADS,
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
         pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=OLD_TOKENS + tokenizer.pad_token_id + 1,
+        max_position_embeddings=positions,
         num_labels=2,
     )
     torch.manual_seed(0)
@@ -197,16 +195,7 @@ def test_trainer_fine_tunes_saves_and_reloads(lengthened_roberta, tmp_path):
     train = [{**tokenizer(text), "label": i % 2} for i, text in enumerate(texts)]
     collator = training.DataCollatorWithGlobalAttention(tokenizer, global_first_token=True)
     seen = _record_global_masks(model)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "trainer"),
-        per_device_train_batch_size=2,
-        max_steps=2,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-    )
+    args = trainer_arguments(tmp_path / "trainer", per_device_train_batch_size=2, learning_rate=1e-3)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     Trainer(model=model, args=args, train_dataset=train, data_collator=collator).train()
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())

@@ -8,12 +8,17 @@ import math
 import pytest
 import torch
 from attention_checks import (
+    DOUBLE,
     EVERY_STACK,
+    assert_same_on_kept_rows,
     check_causal_model_leaks_nothing,
     check_mixes_with_sliding_layers,
+    check_op_leaks_nothing,
     lengths_mask,
+    random_qkv,
     tiny_config,
 )
+from kind_configs import refused_values
 from transformers import ReformerConfig
 from transformers.models.reformer.modeling_reformer import LSHSelfAttention
 
@@ -29,14 +34,24 @@ from longattn.ops_lsh import (
     normalize_keys,
 )
 
-DOUBLE = dict(dtype=torch.float64)
-
 
 def _inputs(b=2, h=2, n=13, d=8, seed=0, requires_grad=True):
-    generator = torch.Generator().manual_seed(seed)
-    qk = torch.randn(b, h, n, d, generator=generator, **DOUBLE).requires_grad_(requires_grad)
-    v = torch.randn(b, h, n, d, generator=generator, **DOUBLE).requires_grad_(requires_grad)
+    """`(qk, v)`: the first two of `random_qkv` (shared-QK attention has no separate keys)."""
+    qk, v, _ = random_qkv(b, h, n, d, seed=seed, requires_grad=requires_grad)
     return qk, v
+
+
+# Four buckets of four tokens: a sparse pattern at the test lengths (`lsh_seed` added where a test needs one).
+BUCKETS = dict(lsh_bucket_size=4, lsh_num_buckets=4)
+
+
+# transformers' LSH layer as ours: hidden 32 in 2 heads of 16, 4 buckets, no chunk after.
+REFORMER = dict(hidden_size=32, num_attention_heads=2, attention_head_size=16, num_buckets=4, lsh_num_chunks_after=0)
+
+
+def _reformer_config(**fields) -> ReformerConfig:
+    """A Reformer config of one LSH layer (`REFORMER`, 64 positions), `fields` added."""
+    return ReformerConfig(**REFORMER, max_position_embeddings=64, attn_layers=["lsh"], **fields)
 
 
 def dense_shared_qk(qk, v, key_padding_mask=None, causal=False):
@@ -90,20 +105,6 @@ def explicit_reference(qk, v, *, rotations, bucket_size, before, after, causal, 
     return (torch.stack(outs, 2) * weights[..., None]).sum(2)
 
 
-def _assert_same_with_grads(fast, slow, inputs, rows=None):
-    rows = (slice(None),) if rows is None else rows
-    torch.testing.assert_close(fast[rows], slow[rows])
-    cotangent = torch.randn_like(fast)
-    if rows != (slice(None),):
-        keep = torch.zeros_like(fast)
-        keep[rows] = 1
-        cotangent = cotangent * keep
-    grads_fast = torch.autograd.grad(fast, inputs, cotangent)
-    grads_slow = torch.autograd.grad(slow, inputs, cotangent)
-    for grad_fast, grad_slow in zip(grads_fast, grads_slow, strict=True):
-        torch.testing.assert_close(grad_fast, grad_slow)
-
-
 # ---------------------------------------------------------------------------------------------- equivalences
 @pytest.mark.parametrize("num_hashes", [1, 3])
 def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes):
@@ -114,8 +115,7 @@ def test_one_chunk_covering_the_sequence_is_dense_shared_qk_attention(num_hashes
         qk, v, num_hashes=num_hashes, bucket_size=16, num_buckets=4, key_padding_mask=mask, seed=0
     )
     slow = dense_shared_qk(qk, v, key_padding_mask=mask)
-    rows = (mask[:, None, :].expand(2, 2, 13),)
-    _assert_same_with_grads(fast, slow, (qk, v), rows=rows)
+    assert_same_on_kept_rows(fast, slow, (qk, v), mask)
 
 
 @pytest.mark.parametrize(
@@ -130,11 +130,11 @@ def test_fast_path_equals_the_explicit_permutation_reference(causal, before, aft
         qk, v, num_hashes=2, num_chunks_before=before, num_chunks_after=after, rotations=rotations, **kwargs
     )
     slow = explicit_reference(qk, v, rotations=rotations, before=before, after=after, **kwargs)
-    rows = (mask[:, None, :].expand(2, 2, 23),)
-    _assert_same_with_grads(fast, slow, (qk, v), rows=rows)
+    assert_same_on_kept_rows(fast, slow, (qk, v), mask)
     dense, weights = lsh_attention_dense(
         qk, qk, v, rotations=rotations, num_chunks_before=before, num_chunks_after=after, **kwargs
     )
+    rows = (mask[:, None, :].expand(2, 2, 23),)
     torch.testing.assert_close(dense[rows], fast[rows])
     torch.testing.assert_close(weights.sum(-1)[rows], torch.ones_like(weights.sum(-1)[rows]))
 
@@ -194,22 +194,11 @@ def test_the_same_seed_gives_the_same_output_and_another_seed_another():
 
 
 def test_model_layers_use_the_seed_and_explicit_rotations():
-    config = LongAttnConfig(
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        attention_type="lsh",
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_seed=11,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    model = longattn.LongAttnModel(config).eval()
+    model = longattn.LongAttnModel(tiny_config("lsh", num_hidden_layers=1, lsh_seed=11, **BUCKETS)).eval()
     layer = model.encoder.layers[0].self_attn
     assert not hasattr(layer, "k_proj"), "shared-QK: no key projection"
-    ids = torch.randint(4, 100, (1, 30))
+    ids = torch.randint(4, 60, (1, 30))
     with torch.no_grad():
         seeded = model(input_ids=ids).last_hidden_state
         layer.set_rotations(lsh_rotations(heads=2, head_dim=16, num_hashes=2, num_buckets=4, seed=11))
@@ -222,22 +211,9 @@ def test_model_layers_use_the_seed_and_explicit_rotations():
 
 # ---------------------------------------------------------------------------------------------- eval rotations
 def _lsh_lm(**overrides):
-    fields = dict(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type="lsh",
-        lsh_bucket_size=4,
-        lsh_num_buckets=4,
-        lsh_num_hashes=2,
-        hidden_dropout_prob=0.0,
-        max_position_embeddings=64,
-    )
-    fields.update(overrides)
+    fields = dict(**BUCKETS, lsh_num_hashes=2, hidden_dropout_prob=0.0)
     torch.manual_seed(0)
-    return longattn.LongAttnForCausalLM(LongAttnConfig(**fields))
+    return longattn.LongAttnForCausalLM(tiny_config("lsh", **{**fields, **overrides}))
 
 
 def _rotations(model):
@@ -271,9 +247,7 @@ def test_each_layer_has_its_own_eval_rotations_derived_from_the_seed(seed):
 def test_seq2seq_decoder_layers_hash_apart_from_the_encoder_layers():
     from longattn.attention_lsh import LSHAttention
 
-    config = tiny_config(
-        "lsh", num_decoder_layers=2, decoder_attention_type="lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=7
-    )
+    config = tiny_config("lsh", num_decoder_layers=2, decoder_attention_type="lsh", lsh_seed=7, **BUCKETS)
     layers = [m for m in longattn.LongAttnForSeq2SeqLM(config).modules() if isinstance(m, LSHAttention)]
     seeds = sorted(layer.seed for layer in layers)
     assert seeds == [7, 8, 9, 10], seeds  # encoder layers 7 + i, decoder layers 7 + 2 + i
@@ -331,40 +305,19 @@ def test_a_checkpoint_without_eval_rotations_loads_with_a_warning(tmp_path, capl
 
 
 # ---------------------------------------------------------------------------------------------- causality
-def _changed_after(x, t, seed):
-    changed = x.clone()
-    generator = torch.Generator().manual_seed(seed)
-    changed[:, :, t + 1 :] = torch.randn(changed[:, :, t + 1 :].shape, generator=generator, dtype=x.dtype)
-    return changed
-
-
 @pytest.mark.parametrize("t", [5, 17, 30])
 def test_causal_lsh_leaks_nothing_at_op_level(t):
     qk, v = _inputs(b=2, h=2, n=41, seed=3, requires_grad=False)
     kwargs = dict(num_hashes=3, bucket_size=4, num_buckets=4, causal=True, seed=0)
-    before = lsh_attention(qk, v, **kwargs)
-    after = lsh_attention(_changed_after(qk, t, 1), _changed_after(v, t, 2), **kwargs)
-    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
+    check_op_leaks_nothing(lambda qk, v: lsh_attention(qk, v, **kwargs), (qk, v), t, seed=1)
 
 
 def test_sort_then_chunk_with_a_position_mask_does_leak():
     """The leak the causal design avoids is real: transformers' causal LSH (sort, chunk, mask by position) has it,
     and the op-level check above catches it on the same kind of input."""
     torch.manual_seed(0)
-    config = ReformerConfig(
-        hidden_size=32,
-        num_attention_heads=2,
-        attention_head_size=16,
-        lsh_attn_chunk_length=4,
-        num_hashes=1,
-        num_buckets=4,
-        lsh_num_chunks_before=1,
-        lsh_num_chunks_after=0,
-        hash_seed=0,
-        is_decoder=True,
-        max_position_embeddings=64,
-        attn_layers=["lsh"],
+    config = _reformer_config(
+        lsh_attn_chunk_length=4, num_hashes=1, lsh_num_chunks_before=1, hash_seed=0, is_decoder=True
     )
     reference = LSHSelfAttention(config).eval()
     hidden = torch.randn(1, 40, 32)
@@ -378,8 +331,7 @@ def test_sort_then_chunk_with_a_position_mask_does_leak():
 
 @pytest.mark.parametrize("t", [9, 23])
 def test_causal_lsh_model_leaks_nothing(t):
-    fields = dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_num_hashes=2, lsh_seed=0)
-    check_causal_model_leaks_nothing(tiny_config("lsh", **fields), t)
+    check_causal_model_leaks_nothing(tiny_config("lsh", lsh_num_hashes=2, lsh_seed=0, **BUCKETS), t)
 
 
 # ---------------------------------------------------------------------------------------------- transformers parity
@@ -392,36 +344,13 @@ def test_parity_with_transformers_lsh_self_attention(length, before, explicit):
     hash rounds, ours do not), or a sequence within one chunk (both then attend densely, with the self rule).
     """
     heads, head_dim, hidden = 2, 16, 32
-    config = ReformerConfig(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        attention_head_size=head_dim,
-        lsh_attn_chunk_length=8,
-        num_hashes=2,
-        num_buckets=4,
-        lsh_num_chunks_before=before,
-        lsh_num_chunks_after=0,
-        hash_seed=5,
-        is_decoder=False,
-        max_position_embeddings=64,
-        attn_layers=["lsh"],
+    config = _reformer_config(
+        lsh_attn_chunk_length=8, num_hashes=2, lsh_num_chunks_before=before, hash_seed=5, is_decoder=False
     )
     torch.manual_seed(0)
     theirs = LSHSelfAttention(config).eval()
-    ours_config = LongAttnConfig(
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        attention_type="lsh",
-        lsh_bucket_size=8,
-        lsh_num_buckets=4,
-        lsh_num_hashes=2,
-        lsh_num_chunks_before=before,
-        lsh_seed=5,
-        max_position_embeddings=64,
-    )
-    ours = longattn.LongAttnModel(ours_config).encoder.layers[0].self_attn.eval()
+    fields = dict(lsh_bucket_size=8, lsh_num_buckets=4, lsh_num_hashes=2, lsh_num_chunks_before=before, lsh_seed=5)
+    ours = longattn.LongAttnModel(tiny_config("lsh", num_hidden_layers=1, **fields)).encoder.layers[0].self_attn.eval()
     with torch.no_grad():
         ours.q_proj.weight.copy_(theirs.query_key.weight)
         ours.v_proj.weight.copy_(theirs.value.weight)
@@ -439,16 +368,11 @@ def test_parity_with_transformers_lsh_self_attention(length, before, explicit):
 
 
 # ---------------------------------------------------------------------------------------------- config and stacks
+BAD_VALUES = {"lsh_num_buckets": [5, [4, 4, 4]], "lsh_bucket_size": [0], "lsh_num_hashes": [0], "lsh_seed": [-1]}
+
+
 @pytest.mark.parametrize(
-    "fields, message",
-    [
-        (dict(lsh_num_buckets=5), "lsh_num_buckets"),
-        (dict(lsh_num_buckets=[4, 4, 4]), "lsh_num_buckets"),
-        (dict(lsh_bucket_size=0), "lsh_bucket_size"),
-        (dict(lsh_num_hashes=0), "lsh_num_hashes"),
-        (dict(lsh_seed=-1), "lsh_seed"),
-        (dict(lsh_num_chunks_before=0, is_decoder=True), "causal"),
-    ],
+    "fields, message", [*refused_values(BAD_VALUES), (dict(lsh_num_chunks_before=0, is_decoder=True), "causal")]
 )
 def test_config_validation_names_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -457,7 +381,7 @@ def test_config_validation_names_the_field(fields, message):
 
 @pytest.mark.parametrize("model_class", EVERY_STACK)
 def test_lsh_mixes_with_sliding_layers_in_every_stack(model_class):
-    check_mixes_with_sliding_layers(model_class, "lsh", lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)
+    check_mixes_with_sliding_layers(model_class, "lsh", lsh_seed=0, **BUCKETS)
 
 
 # ---------------------------------------------------------------------------------------------- the window kernel
@@ -494,7 +418,7 @@ def test_window_kernel_equals_dense_windows_with_and_without_kept_probabilities(
 @pytest.mark.parametrize(
     "kind, fields",
     [
-        ("lsh", dict(lsh_bucket_size=4, lsh_num_buckets=4, lsh_seed=0)),
+        ("lsh", dict(lsh_seed=0, **BUCKETS)),
         ("routing", dict(routing_num_clusters=3, routing_causal_window=5)),
         ("sinkhorn", dict(sinkhorn_block_size=4)),
         ("sinkhorn", dict(sinkhorn_block_size=4, sinkhorn_sortcut=2)),
@@ -505,18 +429,7 @@ def test_content_based_kinds_with_dropout_and_in_bf16(kind, fields, causal):
     """Attention dropout trains (and is off in eval); bf16 stays close to float32. For LSH, routing and Sinkhorn."""
     if causal and "sinkhorn_sortcut" in fields:
         pytest.skip("SortCut has no causal form")
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        attention_type=kind,
-        attention_probs_dropout_prob=0.3,
-        hidden_dropout_prob=0.0,
-        max_position_embeddings=64,
-        **fields,
-    )
+    config = tiny_config(kind, attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.0, **fields)
     torch.manual_seed(0)
     model = (longattn.LongAttnForCausalLM if causal else longattn.LongAttnForMaskedLM)(config)
     ids = torch.randint(4, 60, (2, 29))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_checks import DOUBLE
 
 import longattn
 from longattn.numerics import (
@@ -35,7 +36,6 @@ from longattn.numerics import (
     sees_a_key,
 )
 
-DOUBLE = dict(dtype=torch.float64)
 PACKAGE = Path(longattn.__file__).parent
 
 # ---------------------------------------------------------------------------------------------- no copies outside

@@ -13,10 +13,17 @@ import re
 
 import pytest
 import torch
-from attention_checks import assert_all_close, dense_reference, outputs_and_grads, random_qkv, three_padded_rows
+from attention_checks import (
+    assert_all_close,
+    dense_reference,
+    outputs_and_grads,
+    random_qkv,
+    three_padded_rows,
+    xformers_reasons,
+)
 from kind_configs import tiny_config
 
-from longattn import backends, executor_families, executor_xformers, ops, ops_linear, ops_lsh, patterns
+from longattn import backends, executor_families, ops, ops_linear, ops_lsh, patterns
 from longattn.modeling_longattn import LongAttnModel
 
 B, H, D = 3, 4, 8
@@ -155,22 +162,7 @@ def test_xformers_path_equals_the_reference(reference_kernel, executed, kind, ar
     call = dict(causal=causal, key_padding_mask=three_padded_rows(37) if padding else None, scale=SCALE, **arguments)
     request = backends.AttentionRequest.for_inputs(q, k, v, pattern=kind, causal=causal, key_padding=padding)
     # The same call in float32 on CUDA: nothing in the layout's own requirements refuses it.
-    assert (
-        executor_xformers.request_reasons(
-            pattern=kind,
-            dtype=torch.float32,
-            head_dim=request.head_dim,
-            value_head_dim=request.value_head_dim,
-            q_len=request.q_len,
-            kv_len=request.kv_len,
-            batch=request.batch,
-            causal=causal,
-            dropout=False,
-            key_padding=padding,
-            global_tokens=False,
-        )
-        == []
-    )
+    assert xformers_reasons(request, dtype=torch.float32) == []
     expected = outputs_and_grads(lambda q, k, v: _op(kind)(q, k, v, backend="reference", **call), q, k, v)
     executed.clear()
     actual = outputs_and_grads(lambda q, k, v: _op(kind)(q, k, v, backend="xformers", **call), q, k, v)

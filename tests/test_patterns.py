@@ -210,16 +210,12 @@ def test_fixed_pattern_counts_blocks_from_the_first_real_token(causal, summary_p
         )
         return geometry and (not causal or j <= i) and bool(PADDING[b, j])
 
-    mask_fn = patterns.fixed_pattern(
-        block_size=block_size,
-        num_summary=num_summary,
-        summary_per_head=summary_per_head,
-        causal=causal,
-        key_padding_mask=PADDING,
+    fixed = dict(block_size=block_size, num_summary=num_summary, causal=causal)
+    assert_pattern(
+        patterns.fixed_pattern(**fixed, summary_per_head=summary_per_head, key_padding_mask=PADDING), visible
     )
-    assert_pattern(mask_fn, visible)
     # Without padding the blocks start at 0.
-    unpadded = patterns.fixed_pattern(block_size=block_size, num_summary=num_summary, causal=causal)
+    unpadded = patterns.fixed_pattern(**fixed)
     assert_pattern(unpadded, lambda b, h, i, j: (i // 4 == j // 4 or j % 4 >= 2) and (not causal or j <= i))
 
 

@@ -60,60 +60,37 @@ METRICS = {
 @pytest.fixture(scope="module")
 def datasets_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("recipe_data")
-    data.generate_task(
-        "needle", root / "needle", num_train=24, num_validation=8, num_test=4, seed=0, min_length=30, max_length=60
-    )
-    data.generate_task(
-        "listops",
-        root / "listops",
-        num_train=32,
-        num_validation=8,
-        num_test=0,
-        seed=0,
-        min_length=20,
-        max_length=60,
-        max_depth=5,
-        max_args=5,
-    )
-    data.generate_task(
-        "needles",
-        root / "needles",
-        num_train=24,
-        num_validation=8,
-        num_test=0,
-        seed=0,
-        min_length=30,
-        max_length=50,
-        max_needles=2,
-    )
+    for task, fields in {
+        "needle": dict(num_train=24, num_test=4, min_length=30, max_length=60),
+        "listops": dict(num_train=32, num_test=0, min_length=20, max_length=60, max_depth=5, max_args=5),
+        "needles": dict(num_train=24, num_test=0, min_length=30, max_length=50, max_needles=2),
+    }.items():
+        data.generate_task(task, root / task, num_validation=8, seed=0, **fields)
     return root
+
+
+def tiny_run_flags(output_dir: Path, train: Path | None = None, validation: Path | None = None) -> list[str]:
+    """A recipe's flags for a run of the `TINY` model into `output_dir`, on the JSON-lines files `train` and
+    `validation` when given."""
+    files = [] if train is None else ["--train_file", str(train), "--validation_file", str(validation)]
+    return [*files, "--config_overrides", TINY, "--output_dir", str(output_dir)]
+
+
+# Two training rows a process and step, four evaluation rows a batch.
+BATCH_SIZES = ("--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4")
 
 
 def recipe_args(
     recipe: str, datasets_dir: Path, output_dir: Path, *extra: str, dataset_folder: bool = False
 ) -> list[str]:
-    task_data = {"mlm": "listops", "clm": "listops", "classification": "needle", "seq2seq": "needles"}[recipe]
+    task_data = (
+        datasets_dir / {"mlm": "listops", "clm": "listops", "classification": "needle", "seq2seq": "needles"}[recipe]
+    )
     if dataset_folder:  # the generator's folder read as a local dataset (--dataset_name), splits found by file name
-        args = ["--dataset_name", str(datasets_dir / task_data)]
+        args = ["--dataset_name", str(task_data), *tiny_run_flags(output_dir)]
     else:
-        args = [
-            "--train_file",
-            str(datasets_dir / task_data / "train.jsonl"),
-            "--validation_file",
-            str(datasets_dir / task_data / "validation.jsonl"),
-        ]
-    args += [
-        "--config_overrides",
-        TINY,
-        "--output_dir",
-        str(output_dir),
-        "--per_device_train_batch_size",
-        "2",
-        "--per_device_eval_batch_size",
-        "4",
-        "--seed",
-        "7",
-    ]
+        args = tiny_run_flags(output_dir, task_data / "train.jsonl", task_data / "validation.jsonl")
+    args += [*BATCH_SIZES, "--seed", "7"]
     if recipe in ("mlm", "clm"):
         args += ["--max_seq_length", "64", "--max_train_samples", "12"]
     if recipe == "seq2seq":
@@ -195,6 +172,17 @@ def skip_unless_selected(request) -> None:
 # ---------------------------------------------------------------------------------------------- plain python
 _REFERENCE_RUNS: dict[str, tuple[Path, dict]] = {}
 REFERENCE_EXTRA = ("--max_train_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2")
+
+
+def assert_same_run(results: dict, reference: dict, output_dir: Path, reference_dir: Path) -> None:
+    """A resumed run (`results`, saved in `output_dir`) ends as the uninterrupted one: the same losses and accuracy,
+    to float noise, and the same saved weights."""
+    for key in ("train_loss", "train_last_loss", "eval_loss", "eval_accuracy"):
+        assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+    expected, actual = load_file(reference_dir / "model.safetensors"), load_file(output_dir / "model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], msg=name)
 
 
 def reference_run(recipe: str, datasets_dir: Path, tmp_path_factory) -> tuple[Path, dict]:
@@ -283,12 +271,7 @@ def test_sigkill_during_a_checkpoint_then_resume_matches_the_uninterrupted_run(
     results = check_run("mlm", resumed, output_dir, processes=1, steps=9)
     assert results["resumed_from"].endswith("step_3")
     assert not (checkpoints / ".step_6.partial").exists()
-    for key in ("train_loss", "train_last_loss", "eval_loss", "eval_accuracy"):
-        assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
-    expected, actual = load_file(reference_dir / "model.safetensors"), load_file(output_dir / "model.safetensors")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], msg=name)
+    assert_same_run(results, reference, output_dir, reference_dir)
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ import pytest
 import tomllib
 import torch
 import torch.nn.functional as F
-from test_recipes import REPO, TINY, _load_recipe, run
+from kind_configs import NO_DROPOUT, tiny_causal_lm_config
+from test_recipes import BATCH_SIZES, REPO, TINY, _load_recipe, run, tiny_run_flags
 from transformers import AutoConfig
 
 from longattn import LongAttnForCausalLM
@@ -84,18 +85,8 @@ def workspace(tmp_path_factory) -> Path:
 
 def _args(workspace: Path, output_dir: Path, *extra: str) -> list[str]:
     return [
-        "--train_file",
-        str(workspace / "data" / "train.jsonl"),
-        "--validation_file",
-        str(workspace / "data" / "validation.jsonl"),
-        "--config_overrides",
-        TINY,
-        "--output_dir",
-        str(output_dir),
-        "--per_device_train_batch_size",
-        "2",
-        "--per_device_eval_batch_size",
-        "4",
+        *tiny_run_flags(output_dir, workspace / "data" / "train.jsonl", workspace / "data" / "validation.jsonl"),
+        *BATCH_SIZES,
         "--max_train_steps",
         "3",
         "--checkpointing_steps",
@@ -175,39 +166,12 @@ def test_no_secret_and_no_absolute_path_in_the_output_folder(first_run, workspac
 
 
 def test_redaction_of_secret_flags():
-    argv = [
-        "--hub_token",
-        "s1",
-        "--db-password=s2",
-        "--wandb_api_key",
-        "s3",
-        "--client_secret=s4",
-        "--token",
-        "s5",
-        "--tokenizer_name",
-        "bytes",
-        "--global_tokens",
-        "4",
-        "--with_tracking",
-        "--seed",
-        "1",
-    ]
+    kept = "--tokenizer_name bytes --global_tokens 4 --with_tracking --seed 1".split()  # no secret: as they are
+    argv = "--hub_token s1 --db-password=s2 --wandb_api_key s3 --client_secret=s4 --token s5".split() + kept
     assert command_line.redact_argv(argv) == [
-        "--hub_token",
-        "REDACTED",
-        "--db-password=REDACTED",
-        "--wandb_api_key",
-        "REDACTED",
-        "--client_secret=REDACTED",
-        "--token",
-        "REDACTED",
-        "--tokenizer_name",
-        "bytes",
-        "--global_tokens",
-        "4",
-        "--with_tracking",
-        "--seed",
-        "1",
+        *("--hub_token", "REDACTED", "--db-password=REDACTED", "--wandb_api_key", "REDACTED"),
+        *("--client_secret=REDACTED", "--token", "REDACTED"),
+        *kept,
     ]
     card = hub.model_card(
         __import__("longattn").LongAttnConfig(
@@ -296,17 +260,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint_and_names_changed_arguments
 def test_bad_data_stops_with_one_line_naming_file_column_and_row(rows, extra, message, tmp_path, capsys):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = [
-        "--train_file",
-        str(train),
-        "--validation_file",
-        str(train),
-        "--config_overrides",
-        TINY,
-        "--output_dir",
-        str(tmp_path / "out"),
-        *extra,
-    ]
+    args = [*tiny_run_flags(tmp_path / "out", train, train), *extra]
     with pytest.raises(SystemExit) as exit_info:
         training.run_recipe(_load_recipe("classification").main, args)
     assert exit_info.value.code == 2
@@ -320,14 +274,7 @@ def test_regression_labels_need_the_flag_and_then_train(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = [
-        "--train_file",
-        str(train),
-        "--validation_file",
-        str(train),
-        "--config_overrides",
-        TINY,
-        "--output_dir",
-        str(tmp_path / "out"),
+        *tiny_run_flags(tmp_path / "out", train, train),
         "--per_device_train_batch_size",
         "4",
         "--max_train_steps",
@@ -380,19 +327,7 @@ class StubCausalLM(torch.nn.Module):
 def tiny_longattn_causal_lm():
     """A real longattn causal LM head (dropout off), which takes `num_items_in_batch` like transformers' heads."""
     torch.manual_seed(0)
-    config = training.LongAttnConfig(
-        vocab_size=12,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        is_decoder=True,
-        attention_type="sliding",
-        sliding_window=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return LongAttnForCausalLM(config)
+    return LongAttnForCausalLM(tiny_causal_lm_config(**NO_DROPOUT))
 
 
 def _accumulated_gradients(

@@ -8,14 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_checks import (
+    DOUBLE,
     EVERY_STACK,
     assert_same_on_kept_rows,
+    changed_after,
     check_causal_model_leaks_nothing,
     check_mixes_with_sliding_layers,
+    check_op_leaks_nothing,
     lengths_mask,
     random_qkv,
     tiny_config,
 )
+from kind_configs import refused_values
 from transformers import AutoModelForMaskedLM
 
 import longattn
@@ -24,8 +28,6 @@ from longattn.attention_routing import cluster_statistics, routing_attention, ro
 from longattn.numerics import apply_rotary
 from longattn.ops import sliding_window_attention
 from longattn.ops_routing import _balanced_members, _top_members
-
-DOUBLE = dict(dtype=torch.float64)
 
 
 def _inputs(b=2, h=2, n=23, d=8, seed=0, requires_grad=True):
@@ -179,14 +181,9 @@ def test_causal_dense_form_decodes_the_last_positions_like_the_full_pass():
 def test_causal_routing_leaks_nothing_at_op_level(t):
     q, k, v = _inputs(n=33, seed=4, requires_grad=False)
     centroids = _centroids(clusters=3)
-    changed = [x.clone() for x in (q, k, v)]
-    generator = torch.Generator().manual_seed(9)
-    for x in changed:
-        x[:, :, t + 1 :] = torch.randn(x[:, :, t + 1 :].shape, generator=generator, **DOUBLE)
-    before = routing_attention(q, k, v, centroids, causal=True, causal_window=4)
-    after = routing_attention(*changed, centroids, causal=True, causal_window=4)
-    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
+    check_op_leaks_nothing(
+        lambda *qkv: routing_attention(*qkv, centroids, causal=True, causal_window=4), (q, k, v), t, seed=9
+    )
 
 
 def balanced_with_causal_mask(q, k, v, centroids, scale):
@@ -209,10 +206,7 @@ def test_balancing_over_the_whole_sequence_would_leak():
     changes which earlier keys an early query sees, even with a causal mask inside each cluster."""
     q, k, v = _inputs(b=1, h=1, n=33, seed=4, requires_grad=False)
     centroids = _centroids(h=1, clusters=3)
-    changed = [x.clone() for x in (q, k, v)]
-    generator = torch.Generator().manual_seed(9)
-    for x in changed:
-        x[:, :, 20:] = torch.randn(x[:, :, 20:].shape, generator=generator, **DOUBLE)
+    changed = changed_after((q, k, v), 19, seed=9)
     before = balanced_with_causal_mask(q, k, v, centroids, 0.35)
     after = balanced_with_causal_mask(*changed, centroids, 0.35)
     assert not torch.allclose(after[:, :, :20], before[:, :, :20])
@@ -227,20 +221,14 @@ def test_causal_routing_model_leaks_nothing(t):
 
 
 # ---------------------------------------------------------------------------------------------- centroids
+def _config(**fields) -> LongAttnConfig:
+    """The tiny model of attention_checks.py in one routing layer of 3 clusters, `fields` added."""
+    return tiny_config("routing", num_hidden_layers=1, routing_num_clusters=3, **fields)
+
+
 def _masked_lm(**fields):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        attention_type="routing",
-        routing_num_clusters=3,
-        max_position_embeddings=64,
-        **fields,
-    )
     torch.manual_seed(0)
-    return longattn.LongAttnForMaskedLM(config)
+    return longattn.LongAttnForMaskedLM(_config(**fields))
 
 
 def _member_alignment(layer, hidden):
@@ -298,19 +286,9 @@ def _members_mean(q, k, centroids, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_update_with_zero_decay_puts_centroids_on_their_members_mean(causal):
-    config = LongAttnConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        attention_type="routing",
-        routing_num_clusters=3,
-        routing_ema_decay=0.0,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    model = (longattn.LongAttnForCausalLM if causal else longattn.LongAttnForMaskedLM)(config).train()
+    model = (longattn.LongAttnForCausalLM if causal else longattn.LongAttnForMaskedLM)(_config(routing_ema_decay=0.0))
+    model.train()
     layer = model.longattn.encoder.layers[0].self_attn
     assert layer.is_causal == causal
     captured = {}
@@ -362,18 +340,7 @@ def test_centroids_are_saved_and_loaded_through_auto_classes(tmp_path):
 # ---------------------------------------------------------------------------------------------- local heads, config
 @pytest.mark.parametrize("causal", [False, True])
 def test_local_heads_are_sliding_window_heads(causal):
-    config = LongAttnConfig(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        attention_type="routing",
-        routing_num_clusters=3,
-        routing_num_local_heads=2,
-        routing_local_window=4,
-        routing_causal_window=6,
-        max_position_embeddings=64,
-    )
+    config = _config(num_attention_heads=4, routing_num_local_heads=2, routing_local_window=4, routing_causal_window=6)
     torch.manual_seed(0)
     layer = longattn.LongAttnModel(config).encoder.layers[0].self_attn.eval()
     layer.is_causal = causal
@@ -402,16 +369,16 @@ def test_local_heads_are_sliding_window_heads(causal):
     assert weights.shape == (2, 4, 21, 21)
 
 
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        (dict(routing_num_clusters=0), "routing_num_clusters"),
-        (dict(routing_num_local_heads=2), "routing_num_local_heads"),
-        (dict(routing_local_window=0), "routing_local_window"),
-        (dict(routing_causal_window=0), "routing_causal_window"),
-        (dict(routing_ema_decay=1.0), "routing_ema_decay"),
-    ],
-)
+BAD_VALUES = {
+    "routing_num_clusters": [0],
+    "routing_num_local_heads": [2],
+    "routing_local_window": [0],
+    "routing_causal_window": [0],
+    "routing_ema_decay": [1.0],
+}
+
+
+@pytest.mark.parametrize("fields, message", refused_values(BAD_VALUES))
 def test_config_validation_names_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         LongAttnConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, attention_type="routing", **fields)

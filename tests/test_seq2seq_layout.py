@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kind_configs import random_ids, tiny_config
+from kind_configs import bart_sizes, random_ids, tiny_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
@@ -242,16 +242,10 @@ def test_input_ids_alone_follow_bart_decoder_inputs_shifted_right(head):
     model = (longattn.LongAttnModel if head == "base" else longattn.LongAttnForSeq2SeqLM)(config).eval()
     bart_config = BartConfig(
         vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
         max_position_embeddings=64,
         pad_token_id=config.pad_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
+        **bart_sizes(32, layers=1, heads=2, ffn=32),
     )
     bart = (BartModel if head == "base" else BartForConditionalGeneration)(bart_config).eval()
     source = ids(2, 9, seed=3)

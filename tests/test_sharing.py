@@ -15,9 +15,9 @@ import textwrap
 from pathlib import Path
 
 import torch
-from child_processes import run
+from child_processes import WITHOUT_LONGATTN, run
 from datasets import Dataset
-from kind_configs import tiny_config
+from kind_configs import SIZES, tiny_config
 from peft import LoraConfig, TaskType, get_peft_model
 from test_integration_transformers import build
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
@@ -32,20 +32,8 @@ MASK = [[1] * 20, [1] * 4 + [0] * 16]
 # Runs in a fresh interpreter where longattn cannot be imported (a finder refuses it, the repository is off
 # sys.path): each folder of the spec is loaded, first without trust_remote_code when the spec says it must fail,
 # then with it, and run on the spec's inputs.
-LOADER = textwrap.dedent(
+LOADER = WITHOUT_LONGATTN + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-    from pathlib import Path
-
-    class NoLongattn(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "longattn" or name.startswith("longattn."):
-                raise ModuleNotFoundError(f"No module named {name!r}")
-
-    sys.meta_path.insert(0, NoLongattn())
-    repo = Path(sys.argv[3]).resolve()
-    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != repo]
-
     import torch
     import transformers
 
@@ -155,16 +143,7 @@ def test_a_merged_lora_folder_loads_without_longattn(tmp_path):
 
 def test_a_lengthened_folder_loads_without_longattn_with_trust_remote_code_only(tmp_path):
     torch.manual_seed(0)
-    stock = BertForMaskedLM(
-        BertConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=16,
-        )
-    )
+    stock = BertForMaskedLM(BertConfig(vocab_size=100, **SIZES, max_position_embeddings=16))
     stock.save_pretrained(tmp_path / "bert")
     model = longattn.lengthen(str(tmp_path / "bert"), 64, attention_type="sliding", sliding_window=4)
     folder = longattn.save_lengthened(model, tmp_path / "bert-64", source=str(tmp_path / "bert"))

@@ -7,13 +7,16 @@ import math
 import pytest
 import torch
 from attention_checks import (
+    DOUBLE,
     EVERY_STACK,
     assert_same_on_kept_rows,
     check_causal_model_leaks_nothing,
     check_mixes_with_sliding_layers,
+    check_op_leaks_nothing,
     lengths_mask,
     tiny_config,
 )
+from kind_configs import refused_values
 from transformers import AutoModelForMaskedLM
 
 import longattn
@@ -24,7 +27,6 @@ from longattn.attention_sinkhorn import (
     sinkhorn_sort_matrix,
 )
 
-DOUBLE = dict(dtype=torch.float64)
 SETTINGS = dict(block_size=4, iterations=6, temperature=0.75)
 
 
@@ -178,15 +180,8 @@ def test_left_padding_does_not_move_the_blocks():
 @pytest.mark.parametrize("t", [3, 10, 17])
 def test_causal_sinkhorn_leaks_nothing_at_op_level(t):
     q, k, v, weight = _inputs(n=26, seed=5, requires_grad=False)
-    changed = [x.clone() for x in (q, k, v)]
-    generator = torch.Generator().manual_seed(9)
-    for x in changed:
-        x[:, :, t + 1 :] = torch.randn(x[:, :, t + 1 :].shape, generator=generator, **DOUBLE)
     kwargs = dict(causal=True, scale=0.4, **SETTINGS)
-    before = sinkhorn_attention(q, k, v, weight, **kwargs)
-    after = sinkhorn_attention(*changed, weight, **kwargs)
-    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])
+    check_op_leaks_nothing(lambda *qkv: sinkhorn_attention(*qkv, weight, **kwargs), (q, k, v), t, seed=9)
 
 
 @pytest.mark.parametrize("t", [9, 22])
@@ -227,16 +222,16 @@ def test_sortcut_models_save_and_load_through_auto_classes(tmp_path):
     assert out.attentions[0].shape == (2, 2, 30, 30)
 
 
+BAD_VALUES = {
+    "sinkhorn_block_size": [0],
+    "sinkhorn_iterations": [0],
+    "sinkhorn_temperature": [0.0],
+    "sinkhorn_sortcut": [0, [1, 2, 3]],
+}
+
+
 @pytest.mark.parametrize(
-    "fields, message",
-    [
-        (dict(sinkhorn_block_size=0), "sinkhorn_block_size"),
-        (dict(sinkhorn_iterations=0), "sinkhorn_iterations"),
-        (dict(sinkhorn_temperature=0.0), "sinkhorn_temperature"),
-        (dict(sinkhorn_sortcut=0), "sinkhorn_sortcut"),
-        (dict(sinkhorn_sortcut=[1, 2, 3]), "sinkhorn_sortcut"),
-        (dict(sinkhorn_sortcut=2, is_decoder=True), "causal"),
-    ],
+    "fields, message", [*refused_values(BAD_VALUES), (dict(sinkhorn_sortcut=2, is_decoder=True), "causal")]
 )
 def test_config_validation_names_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -328,9 +323,8 @@ def test_attend_blocks_without_a_mask_equals_an_all_visible_mask(traceable, gath
         torch.testing.assert_close(none, all_true)
 
 
-def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
-    """Unpadded, non-causal Sinkhorn attention sees every key: it calls `attend_blocks` with `mask=None` (no
-    all-True mask to negate and reduce) and still equals the explicit-permutation reference."""
+def _record_masks(monkeypatch) -> list:
+    """The list that the `mask` of every `attend_blocks` call of Sinkhorn attention goes into, from now on."""
     from longattn import ops_sinkhorn
 
     masks = []
@@ -340,6 +334,13 @@ def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
         "attend_blocks",
         lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
     )
+    return masks
+
+
+def test_unpadded_sinkhorn_passes_no_mask(monkeypatch):
+    """Unpadded, non-causal Sinkhorn attention sees every key: it calls `attend_blocks` with `mask=None` (no
+    all-True mask to negate and reduce) and still equals the explicit-permutation reference."""
+    masks = _record_masks(monkeypatch)
     q, k, v, weight = _inputs(n=20, seed=3)
     kwargs = dict(causal=False, sortcut=None, scale=0.4, **SETTINGS)
     fast = sinkhorn_attention(q, k, v, weight, **kwargs)
@@ -352,15 +353,7 @@ def test_unpadded_sortcut_passes_no_mask(monkeypatch):
     """Unpadded, non-causal SortCut: every row of S sums to 1, so every mixed block exists and `attend_blocks` gets
     `mask=None` (no all-True mask to reduce and add); the output and gradients equal the masked path's (every token
     real) and the explicit reference."""
-    from longattn import ops_sinkhorn
-
-    masks = []
-    original = ops_sinkhorn.attend_blocks
-    monkeypatch.setattr(
-        ops_sinkhorn,
-        "attend_blocks",
-        lambda *args, **kwargs: masks.append(kwargs["mask"]) or original(*args, **kwargs),
-    )
+    masks = _record_masks(monkeypatch)
     q, k, v, weight = _inputs(n=20, seed=3)
     kwargs = dict(causal=False, sortcut=2, scale=0.4, **SETTINGS)
     every = torch.ones(2, 20, dtype=torch.bool)

@@ -17,8 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_recipes import _load_recipe, check_run, datasets_dir, recipe_args, run  # noqa: F401 (datasets_dir: fixture)
+from test_recipes import (  # noqa: F401 (datasets_dir: a fixture)
+    _load_recipe,
+    assert_same_run,
+    check_run,
+    datasets_dir,
+    recipe_args,
+    run,
+)
 
 from longattn.train import streaming, training
 
@@ -105,12 +111,7 @@ def test_streamed_run_resumed_mid_pass_matches_the_uninterrupted_run(datasets_di
     resumed = run("mlm", [*args, "--resume_from_checkpoint", "latest"])
     results = check_run("mlm", resumed, output_dir, processes=1, steps=9)
     assert results["resumed_from"].endswith("step_3") and "not what the checkpoint" not in resumed.stderr
-    for key in ("train_loss", "train_last_loss", "eval_loss", "eval_accuracy"):
-        assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
-    expected, actual = load_file(reference_dir / "model.safetensors"), load_file(output_dir / "model.safetensors")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], msg=name)
+    assert_same_run(results, reference, output_dir, reference_dir)
 
 
 def test_two_processes_each_read_their_own_half(datasets_dir, tmp_path):  # noqa: F811

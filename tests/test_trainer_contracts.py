@@ -13,7 +13,7 @@ import inspect
 import kind_configs
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import longattn
 
@@ -59,25 +59,21 @@ HEADS = {
 KIND_FIELDS = {"adaptive_span": dict(adaptive_span_max=8, adaptive_span_ramp=4, adaptive_span_loss_coef=0.05)}
 
 
+# Plain SGD steps: a constant rate of 0.5, no gradient clipping.
+SGD = dict(learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0)
+
+
 def _train(head: str, kind: str, tmp_path, *, batch_size: int, accumulation: int):
     torch.manual_seed(0)
     model = HEADS[head](tiny_config(kind, num_labels=3, **KIND_FIELDS.get(kind, {})))
-    args = TrainingArguments(
-        output_dir=str(tmp_path / f"{head}-{batch_size}x{accumulation}"),
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation,
-        max_steps=2,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
+    batches = dict(per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)
+    args = kind_configs.trainer_arguments(
+        tmp_path / f"{head}-{batch_size}x{accumulation}",
         eval_strategy="no",
-        use_cpu=True,
         seed=0,
         disable_tqdm=True,
-        max_grad_norm=0.0,
+        **batches,
+        **SGD,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_examples(head))
     trainer.train()

@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 import torch
+from kind_configs import tiny_causal_lm_config
 
-from longattn import LongAttnConfig, LongAttnForCausalLM
+from longattn import LongAttnForCausalLM
 from longattn.train import training
 
 STEP_FUNCTIONS = (
@@ -48,16 +49,7 @@ def _args(tmp_path, *extra: str):
 
 def _state(args):
     torch.manual_seed(0)
-    config = LongAttnConfig(
-        vocab_size=12,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        is_decoder=True,
-        attention_type="sliding",
-        sliding_window=2,
-    )
+    config = tiny_causal_lm_config()
     examples = [
         {"input_ids": [(i + j) % 12 for j in range(6)], "labels": [(i + j) % 12 for j in range(6)]} for i in range(8)
     ]

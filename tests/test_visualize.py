@@ -5,6 +5,7 @@ default picture of every kind shows a pattern."""
 import numpy as np
 import pytest
 import torch
+from attention_checks import tiny_config
 
 import longattn
 from longattn.config_overrides import format_config_overrides, parse_config_overrides
@@ -54,15 +55,9 @@ def drawn(monkeypatch):
 
 
 def test_picture_of_a_fixed_pattern_is_its_mask(tmp_path):
-    config = longattn.LongAttnConfig(
-        hidden_size=32,
-        num_attention_heads=2,
-        num_hidden_layers=1,
-        sliding_window=3,
-        sliding_dilation=[1, 3],
-        max_position_embeddings=64,
+    model = longattn.LongAttnModel(
+        tiny_config("sliding", num_hidden_layers=1, sliding_window=3, sliding_dilation=[1, 3])
     )
-    model = longattn.LongAttnModel(config)
     ids = torch.randint(4, 50, (1, 41))
     global_mask = torch.zeros_like(ids)
     global_mask[0, 17] = 1

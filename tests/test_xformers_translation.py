@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_checks import padding_and_global_masks, random_qkv
+from attention_checks import padding_and_global_masks, random_qkv, sliding_window_case
 
 from longattn import executor_xformers, ops, patterns
 
@@ -81,14 +81,7 @@ def _assert_built_layout_is_the_pattern(layouts, mask_fn, *, roll=None):
     ],
 )
 def test_sliding_window_layout_built_by_ops_is_the_pattern(layouts, n_q, causal, dilation, masks):
-    key_padding_mask, global_mask = padding_and_global_masks(B, N)
-    pattern = dict(
-        window=2,
-        dilation=dilation,
-        causal=causal,
-        key_padding_mask=key_padding_mask if "padding" in masks else None,
-        global_mask=global_mask if "global" in masks else None,
-    )
+    pattern = sliding_window_case(B, N, masks, dilation=dilation, causal=causal)
     q, k, v = random_qkv(B, H, n_q, D, n_k=N, requires_grad=False)
     ops.sliding_window_attention(q, k, v, scale=SCALE, backend="xformers", **pattern)
     _assert_built_layout_is_the_pattern(layouts, patterns.sliding_window_pattern(**pattern))
