@@ -91,14 +91,19 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "n/a" if value is None or not base else f"{value / base:.3f}x"
 
 
+def _lengthening_scores(study: Path) -> dict[tuple[str, int], float]:
+    """Bits per byte of a lengthening study's folders, by (model folder, context length): its 512 and 4,096 evals."""
+    return {
+        **_eval_rows(_json(study / "eval-512" / "results.json")),
+        **_eval_rows(_json(study / "eval-4096" / "results.json")),
+    }
+
+
 # ---------------------------------------------------------------------------------------------- lengthening
 def lengthening_section(study: Path, objective: str = "mlm") -> str:
     heading, head, global_first, scoring = LENGTHENING_OBJECTIVES[objective]
     side = " per side" if objective == "mlm" else " before each token"
-    bpb = {
-        **_eval_rows(_json(study / "eval-512" / "results.json")),
-        **_eval_rows(_json(study / "eval-4096" / "results.json")),
-    }
+    bpb = _lengthening_scores(study)
     base = bpb.get(("roberta-512", 512))
     control = bpb.get(("roberta-512-continued", 512))
     covering = bpb.get(("roberta-4096-w512", 512))
@@ -371,10 +376,7 @@ def _verdict(root: Path, unigram: float | None) -> list[str]:
             f"training CPU time ({', '.join(f'`{k}`' for k in better) or 'none'})"
             + (f"; {', '.join(worse)} end above it." if worse else ".")
         )
-    bpb = {
-        **_eval_rows(_json(lengthening / "eval-512" / "results.json")),
-        **_eval_rows(_json(lengthening / "eval-4096" / "results.json")),
-    }
+    bpb = _lengthening_scores(lengthening)
     base, copied, random_rows = (
         bpb.get(key) for key in (("roberta-512", 512), ("roberta-4096-copied", 4096), ("roberta-4096-random", 4096))
     )
@@ -395,10 +397,7 @@ def _verdict(root: Path, unigram: float | None) -> list[str]:
 def _causal_lengthening_verdict(study: Path) -> list[str]:
     """The causal RoBERTa's lengthening in one sentence: random new rows against the copied table, and continued
     training at 4,096 against the 512-token control."""
-    bpb = {
-        **_eval_rows(_json(study / "eval-512" / "results.json")),
-        **_eval_rows(_json(study / "eval-4096" / "results.json")),
-    }
+    bpb = _lengthening_scores(study)
     base, copied, random_rows, long_trained, control = (
         bpb.get(key)
         for key in (
@@ -414,8 +413,9 @@ def _causal_lengthening_verdict(study: Path) -> list[str]:
     sentence = (
         f"The causal RoBERTa leaves the plateau and reads positions, but copying its 512-row table does not lengthen "
         f"it: at 4,096 tokens it scores {copied / base:.2f}x its 512-token bits per byte with the copied table and "
-        f"{random_rows / base:.2f}x with random new rows (Longformer's copy works for a bidirectional model; in a "
-        f"causal one, each copy's first rows follow keys whose rows name later positions, an order it never saw)"
+        f"{random_rows / base:.2f}x with random new rows (Longformer's copy works for a bidirectional model; a likely "
+        f"cause, not tested here: in a causal one, each copy's first rows follow keys whose rows name later "
+        f"positions, an order it never saw)"
     )
     if long_trained and control:
         sentence += (
