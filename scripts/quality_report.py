@@ -100,6 +100,23 @@ def _lengthening_scores(study: Path) -> dict[tuple[str, int], float]:
 
 
 # ---------------------------------------------------------------------------------------------- lengthening
+def _seam_checks(study: Path) -> list[str]:
+    """The causal study's seam probe (`seam-probe.json`, written by quality_study's `_seam_probe`) as bullets."""
+    probe = _json(study / "seam-probe.json")
+    if not probe:
+        return []
+    copied, continued = probe["roberta-4096-copied"], probe["roberta-4096-continued"]
+    return [
+        f"- where the copy breaks: the {copied['queries']:,} test queries whose whole 256-token window lies inside "
+        f"one later copy of the table (every key's row at or before the query's, as in pretraining) score "
+        f"{copied['long']:.4f} bits per byte in the 4,096-token run and {copied['fresh']:.4f} when the same tokens "
+        f"are read as fresh 512-token windows. The window is not what breaks them: the layers below carried the "
+        f"seam into their keys (each layer reaches 256 tokens further back: {probe['reach_tokens']:,} tokens for "
+        f"the model's {probe['reach_tokens'] // 256} layers). After continued training at 4,096: "
+        f"{continued['long']:.4f} against {continued['fresh']:.4f}."
+    ]
+
+
 def lengthening_section(study: Path, objective: str = "mlm") -> str:
     heading, head, global_first, scoring = LENGTHENING_OBJECTIVES[objective]
     side = " per side" if objective == "mlm" else " before each token"
@@ -151,6 +168,7 @@ def lengthening_section(study: Path, objective: str = "mlm") -> str:
             f"- order test: the 512 model with each window's visible bytes shuffled (the masked slots kept) scores "
             f"{shuffled:.4f} bits per byte, {shuffled / base - 1:+.1%} against the same windows in order."
         )
+    checks.extend(_seam_checks(study))
     if base and long_trained:
         change = long_trained / base - 1
         note = f"; the 512-token control trained for the same steps: {control / base - 1:+.1%}" if control else ""
@@ -413,10 +431,16 @@ def _causal_lengthening_verdict(study: Path) -> list[str]:
     sentence = (
         f"The causal RoBERTa leaves the plateau and reads positions, but copying its 512-row table does not lengthen "
         f"it: at 4,096 tokens it scores {copied / base:.2f}x its 512-token bits per byte with the copied table and "
-        f"{random_rows / base:.2f}x with random new rows (Longformer's copy works for a bidirectional model; a likely "
-        f"cause, not tested here: in a causal one, each copy's first rows follow keys whose rows name later "
-        f"positions, an order it never saw)"
+        f"{random_rows / base:.2f}x with random new rows (Longformer's copy works for a bidirectional model)"
     )
+    probe = _json(study / "seam-probe.json")
+    if probe:
+        copied_probe = probe["roberta-4096-copied"]
+        sentence += (
+            f". What breaks it is the seam between copies, carried up through the layers: queries whose whole window "
+            f"lies inside one later copy score {copied_probe['long']:.2f} bits per byte, the same tokens read as "
+            f"fresh 512-token windows {copied_probe['fresh']:.2f}"
+        )
     if long_trained and control:
         sentence += (
             f"; after continued training at 4,096 tokens it scores {long_trained / base - 1:+.1%} against the 512 "

@@ -18,7 +18,9 @@ interrupted anywhere continues from its last checkpoint when the command is run 
 every token given its window's preceding context, no global token: a causal window ends at the query, so the first
 token adds nothing a window cannot reach) into `lengthening-clm`: at this budget the masked LM stays on the
 bag-of-bytes plateau (see the report's order test) while the causal one leaves it within a few hundred steps, so only
-the causal study can show what lengthening does to a model that reads positions.
+the causal study can show what lengthening does to a model that reads positions. It ends with a probe of where
+the copied table breaks (`seam-probe.json`: queries whose window lies inside one later copy, in the long run
+and read as fresh 512-token windows).
 
 `kinds`: every kind at the same size, data and token budget, from scratch at 2,048 tokens with the same
 hyper-parameters (chosen on full attention): causal LM for the kinds with a decoder form, masked LM for the
@@ -278,6 +280,55 @@ def lengthening(root: Path, data: Path, objective: str = "mlm") -> None:
                                    "roberta-4096-continued")],
         study / "eval-4096", data, lengths=[SHORT, LONG], extra=global_first,
     )  # fmt: skip
+    if not masked:
+        _seam_probe(study, data)
+
+
+def _seam_probe(study: Path, data: Path) -> None:
+    """Where the causal copy breaks: the lengthened models' bits per byte at 4,096 tokens on the queries whose whole
+    window lies inside one later copy of the table (position p >= 512 with p mod 512 >= 256: every key's row is at or
+    before the query's, as in pretraining), against the same queries read as fresh 512-token windows.
+
+    If the window itself were at fault the two would differ little (the window-256 row at 512 tokens already prices
+    the window); a large gap is what the layers below carried across the seam: each layer reaches `window` tokens
+    further back, so after the first copy every query's receptive field crosses a seam. Writes `seam-probe.json`.
+    """
+    import math
+
+    import torch
+
+    from longattn.tools.evaluate import load_folder, read_corpus, token_stream
+
+    output = study / "seam-probe.json"
+    if output.is_file():
+        print(f"{output}: done", flush=True)
+        return
+    torch.manual_seed(0)
+    results = {}
+    for name in ("roberta-4096-copied", "roberta-4096-continued"):
+        loaded = load_folder(study / name)
+        ids, special = token_stream(loaded.tokenizer, read_corpus([data / "test.jsonl"]), task="clm")
+        windows = ids[: EVAL_TOKENS - EVAL_TOKENS % LONG].view(-1, LONG)
+        scored = ~special[: windows.numel()].view_as(windows)[:, 1:]  # targets; a special target is never scored
+        row = torch.arange(LONG - 1) % SHORT  # the query's row in its copy; the target is the next token
+        inside = (torch.arange(LONG - 1) >= SHORT) & (row >= WINDOW) & (row < SHORT - 1)
+        sums = {"long": 0.0, "fresh": 0.0}
+        with torch.no_grad():
+            for window, keep in zip(windows, scored, strict=True):
+                fresh_input = window.view(-1, SHORT)  # the same tokens, each 512 a window of its own
+                for key, logits in (("long", loaded.model(input_ids=window[None]).logits[0, :-1]),
+                                    ("fresh", loaded.model(input_ids=fresh_input).logits[:, :-1])):  # fmt: skip
+                    targets = window[1:] if key == "long" else fresh_input[:, 1:]
+                    nll = -torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+                    if key == "fresh":  # [copies, 511] -> the long run's query positions (a copy's last query
+                        nll = torch.cat([nll, nll.new_zeros(nll.shape[0], 1)], 1).flatten()[:-1]  # has no target)
+                    sums[key] += nll[inside & keep].sum().item()
+        count = int((inside[None] & scored).sum())
+        results[name] = {key: value / count / math.log(2) for key, value in sums.items()} | {"queries": count}
+    config = loaded.model.config
+    results["reach_tokens"] = config.num_hidden_layers * WINDOW  # how far back the last layer's inputs reach
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2), flush=True)
 
 
 def kinds(root: Path, data: Path, only: list[str] | None, skip: list[str] | None = None) -> None:
