@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .numerics import compute_dtype, default_scale
+from .numerics import compute_dtype, default_scale, hide_exactly, zero_empty_shift
 from .ops_checks import (
     check_dropout,
     check_flag,
@@ -73,9 +73,9 @@ def _support_and_softmax(scores: Tensor, soft: Tensor, visible: Tensor) -> Tenso
     mask removes could otherwise make every kept key underflow.
     """
     support = visible & (soft > 0)
-    masked = scores.masked_fill(~support, float("-inf"))
+    masked = hide_exactly(scores, ~support)
     shift = masked.detach().amax(dim=-1, keepdim=True)
-    shift = shift.masked_fill(shift == float("-inf"), 0.0)
+    shift = zero_empty_shift(shift)
     weighted = torch.exp(masked - shift) * soft  # 0 off the support
     total = weighted.sum(dim=-1, keepdim=True)
     return weighted / torch.where(total > 0, total, torch.ones_like(total))
@@ -211,10 +211,10 @@ class _SoftBandAttention(torch.autograd.Function):
             keys = _windows(k_padded, start, stop, c, w).view(-1, w, d)
             queries = _query_blocks(q, start, stop, c, k_padded.dtype, scale)
             scores = torch.bmm(queries, keys.transpose(1, 2)).view(t, b, h, c, w)
-            scores.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
+            hide_exactly(hide_exactly(scores, outside_head, inplace=True), key_padding[start:stop], inplace=True)
             # Shift by the row max over the support; a row without support is shifted by 0 and stays all zeros.
             shift = scores.amax(dim=-1, keepdim=True)
-            shift.masked_fill_(shift == float("-inf"), 0.0)
+            zero_empty_shift(shift, inplace=True)
             scores.sub_(shift).exp_().mul_(soft)
             total = scores.sum(dim=-1, keepdim=True)
             inv = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
@@ -244,7 +244,7 @@ class _SoftBandAttention(torch.autograd.Function):
             v_c = _windows(v_padded, start, stop, c, w).view(-1, w, d_v)
             grad_out_c = _query_blocks(grad_out, start, stop, c, k_padded.dtype, 1.0)
             normalized = torch.bmm(q_c, k_c.transpose(1, 2)).view(t, b, h, c, w)
-            normalized.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
+            hide_exactly(hide_exactly(normalized, outside_head, inplace=True), key_padding[start:stop], inplace=True)
             normalized.sub_(row_max[start:stop]).exp_().mul_(inverse[start:stop])  # E / Z
             probs = (normalized * soft).view(-1, c, w)  # P
             _add_windows(grad_v, torch.bmm(probs.transpose(1, 2), grad_out_c), start, stop, c, w)
