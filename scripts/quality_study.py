@@ -14,6 +14,12 @@ interrupted anywhere continues from its last checkpoint when the command is run 
   4. evaluate every folder with `longattn-eval` (bits per byte of a fixed, seeded 15% mask on the test split, at
      512 and 4,096 tokens).
 
+`lengthening --objective clm` runs the same steps on a causal `RobertaForCausalLM` (`is_decoder`; bits per byte of
+every token given its window's preceding context, no global token: a causal window ends at the query, so the first
+token adds nothing a window cannot reach) into `lengthening-clm`: at this budget the masked LM stays on the
+bag-of-bytes plateau (see the report's order test) while the causal one leaves it within a few hundred steps, so only
+the causal study can show what lengthening does to a model that reads positions.
+
 `kinds`: every kind at the same size, data and token budget, from scratch at 2,048 tokens with the same
 hyper-parameters (chosen on full attention): causal LM for the kinds with a decoder form, masked LM for the
 encoder-only ones (with a full-attention masked-LM control). Training CPU seconds are the training process's CPU time
@@ -22,6 +28,7 @@ inside optimizer steps with one thread (`train_cpu_seconds` of the recipes), pea
 `report` writes docs/quality.md from the results (`--doc`), with the table, the plots and the commands.
 
     python scripts/quality_study.py lengthening --output_dir runs/quality
+    python scripts/quality_study.py lengthening --objective clm --output_dir runs/quality
     python scripts/quality_study.py kinds --output_dir runs/quality
     python scripts/quality_study.py report --output_dir runs/quality --doc docs/quality.md
 
@@ -53,7 +60,11 @@ ROBERTA = {  # a small byte-level RoBERTa: 4 layers of 128, 4 heads of 32 (about
 }
 SHORT, LONG, WINDOW = 512, 4096, 256
 PRETRAIN = {"steps": int(os.environ.get("QS_PRETRAIN_STEPS", 2400)), "batch": 8, "learning_rate": 1e-3, "warmup": 100}
-CONTINUE = {"steps": 300, "learning_rate": 3e-4, "warmup": 30}  # tokens per step as in pretraining
+CONTINUE = {
+    "steps": int(os.environ.get("QS_CONTINUE_STEPS", 300)),
+    "learning_rate": 3e-4,
+    "warmup": 30,
+}  # tokens per step as in pretraining
 
 # --------------------------------------------------------------------------------------------- the kinds study
 EVAL_DURING_TRAINING_BYTES = 160_000
@@ -186,27 +197,40 @@ def _sinusoidal_positions(table, config) -> None:
         table[config.pad_token_id + 1 :] = values * config.initializer_range * 2**0.5
 
 
-def lengthening(root: Path, data: Path) -> None:
+# objective -> (its stock RoBERTa head, the recipe that trains it, the study's folder)
+OBJECTIVES = {
+    "mlm": ("RobertaForMaskedLM", "mlm", "lengthening"),
+    "clm": ("RobertaForCausalLM", "clm", "lengthening-clm"),
+}
+
+
+def lengthening(root: Path, data: Path, objective: str = "mlm") -> None:
     import torch
-    from transformers import RobertaConfig, RobertaForMaskedLM
+    import transformers
+    from transformers import RobertaConfig
 
     import longattn
     from longattn.tokenization_longattn import byte_tokenizer
 
-    study = root / "lengthening"
+    head, recipe, folder_name = OBJECTIVES[objective]
+    masked = objective == "mlm"
+    # Longformer's first token is global; a causal window ends at its query, so there the flag would add nothing
+    global_first = ["--global_first_token"] if masked else []
+    study = root / folder_name
     init = study / "roberta-512-init"
     if not (init / "config.json").is_file():
-        tokenizer = byte_tokenizer(model_max_length=SHORT)
+        tokenizer = byte_tokenizer(model_max_length=SHORT, add_eos_token=masked)
         config = RobertaConfig(
             vocab_size=len(tokenizer),
             max_position_embeddings=SHORT + tokenizer.pad_token_id + 1,  # RoBERTa counts positions after padding_idx
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            is_decoder=not masked,
             **ROBERTA,
         )
         torch.manual_seed(0)
-        model = RobertaForMaskedLM(config)
+        model = getattr(transformers, head)(config)
         _sinusoidal_positions(model.roberta.embeddings.position_embeddings.weight, config)
         # longattn's `full` kind: dense attention as sdpa computes it, and the folder trains with the recipes
         longattn.apply_longattn(model, attention_type="full")
@@ -214,7 +238,7 @@ def lengthening(root: Path, data: Path) -> None:
         tokenizer.save_pretrained(init)
     base = study / "roberta-512"
     p = PRETRAIN
-    _train("mlm", base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
+    _train(recipe, base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
            length=SHORT, eval_every=400, source=["--model_name_or_path", str(init)])  # fmt: skip
 
     lengthened = {
@@ -234,26 +258,25 @@ def lengthening(root: Path, data: Path) -> None:
             with torch.no_grad():
                 new = torch.randn(positions[SHORT + 1 :].shape, generator=generator) * model.config.initializer_range
                 positions[SHORT + 1 :] = new
-        tokenizer = byte_tokenizer(model_max_length=LONG)
+        tokenizer = byte_tokenizer(model_max_length=LONG, add_eos_token=masked)
         longattn.save_lengthened(model, folder, tokenizer=tokenizer)
 
     c = CONTINUE
     tokens = p["batch"] * SHORT
-    _train("mlm", study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
+    _train(recipe, study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
            lr=c["learning_rate"], warmup=c["warmup"], length=LONG, eval_every=100,
-           source=["--model_name_or_path", str(study / "roberta-4096-copied")],
-           extra=["--global_first_token"])  # fmt: skip
-    _train("mlm", study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
+           source=["--model_name_or_path", str(study / "roberta-4096-copied")], extra=global_first)  # fmt: skip
+    _train(recipe, study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
            lr=c["learning_rate"], warmup=c["warmup"], length=SHORT, eval_every=100,
            source=["--model_name_or_path", str(base)])  # fmt: skip
 
     _evaluate([base, study / "roberta-512-continued"], study / "eval-512", data, lengths=[SHORT])
-    # The order test: does the pretrained model read positions at all, or its window as a bag of bytes?
-    _evaluate([base], study / "eval-512-shuffled", data, lengths=[SHORT], extra=["--shuffle_context"])
+    if masked:  # the order test: does the pretrained model read positions, or its window as a bag of bytes?
+        _evaluate([base], study / "eval-512-shuffled", data, lengths=[SHORT], extra=["--shuffle_context"])
     _evaluate(
         [study / name for name in ("roberta-4096-w512", "roberta-4096-copied", "roberta-4096-random",
                                    "roberta-4096-continued")],
-        study / "eval-4096", data, lengths=[SHORT, LONG], extra=["--global_first_token"],
+        study / "eval-4096", data, lengths=[SHORT, LONG], extra=global_first,
     )  # fmt: skip
 
 
@@ -281,13 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("study", choices=["lengthening", "kinds", "report"])
     parser.add_argument("--output_dir", default="runs/quality", help="where the runs go")
     parser.add_argument("--data_dir", default="data/stdlib", help="the stdlib corpus (written when absent)")
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="mlm",
+                        help="lengthening: the objective (clm: a causal RoBERTa, into lengthening-clm)")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="kinds: only these runs (names as in the table)")
     parser.add_argument("--skip", nargs="*", help="kinds: leave these runs out (their rows say where they stopped)")
     parser.add_argument("--doc", default="docs/quality.md", help="report: the page to write")
     args = parser.parse_args(argv)
     root, data = Path(args.output_dir), _corpus(Path(args.data_dir))
     if args.study == "lengthening":
-        lengthening(root, data)
+        lengthening(root, data, args.objective)
     elif args.study == "kinds":
         kinds(root, data, args.only, args.skip)
     else:
