@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .numerics import compute_dtype, default_scale
+from .numerics import NO_KEY_LSE, compute_dtype, default_scale, hide_exactly, zero_empty_shift
 from .ops_checks import (
     check_dropout,
     check_flag,
@@ -73,9 +73,9 @@ def _support_and_softmax(scores: Tensor, soft: Tensor, visible: Tensor) -> Tenso
     mask removes could otherwise make every kept key underflow.
     """
     support = visible & (soft > 0)
-    masked = scores.masked_fill(~support, float("-inf"))
+    masked = hide_exactly(scores, ~support)
     shift = masked.detach().amax(dim=-1, keepdim=True)
-    shift = shift.masked_fill(shift == float("-inf"), 0.0)
+    shift = zero_empty_shift(shift)
     weighted = torch.exp(masked - shift) * soft  # 0 off the support
     total = weighted.sum(dim=-1, keepdim=True)
     return weighted / torch.where(total > 0, total, torch.ones_like(total))
@@ -271,10 +271,10 @@ def _block_probs(q, k, bias, hidden, row, scale, may_be_empty, r0, r1, lo, hi, j
         bias[:, : r1 - r0, j0 : j0 + hi - lo], q[row, :, r0:r1], k[row, :, lo:hi].transpose(1, 2), alpha=scale
     )
     if hidden is not None:
-        scores.masked_fill_(hidden[row, lo:hi], float("-inf"))
+        hide_exactly(scores, hidden[row, lo:hi], inplace=True)
     probs = torch.softmax(scores, dim=-1)
     if may_be_empty:  # a row without any key: weights 0 (softmax of all -inf is NaN)
-        probs.masked_fill_(scores.amax(dim=-1, keepdim=True) == float("-inf"), 0.0)
+        probs.masked_fill_(scores.amax(dim=-1, keepdim=True) == NO_KEY_LSE, 0.0)
     return probs
 
 

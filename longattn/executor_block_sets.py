@@ -22,7 +22,6 @@ form `_attend_block_sets_traceable` runs instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from .executor_chunks import (
     block_mask,
 )
 from .executor_gathered import _attend_blocks_traceable
-from .numerics import compute_dtype, logit_bound, merge_attention, sees_a_key
+from .numerics import NO_KEY_LSE, compute_dtype, logit_bound, merge_attention, sees_a_key, zero_empty_shift
 from .patterns import MaskFn
 from .relative_logits import BiasFn, block_bias
 
@@ -237,7 +236,7 @@ class _BlockSetAttention(torch.autograd.Function):
         # One extra row n_q takes the writes of padding slots. [b, n_q + 1, h, d_v] memory seen as [b, h, n_q + 1, d_v]:
         # merging the heads of the result is a view.
         out = torch.zeros(b, n_q + 1, h, d_v, dtype=dtype, device=device).transpose(1, 2)
-        lse = torch.full((b, h, n_q + 1), -math.inf, dtype=dtype, device=device)
+        lse = torch.full((b, h, n_q + 1), NO_KEY_LSE, dtype=dtype, device=device)
         out_rows, out_base, out_step = _rows(out)
         lse_rows, lse_base, lse_step = _rows(lse.unsqueeze(-1))
         workspace = _Workspace(dtype, device)
@@ -251,7 +250,7 @@ class _BlockSetAttention(torch.autograd.Function):
                 probs = _chunk_scores(chunk, bias, workspace, bound)
                 row_lse = _softmax_rows(probs)
                 # A row whose keys are all hidden (by the mask, whatever its values): no key, lse = -inf.
-                chunk.view6(row_lse.view(*chunk.scores_shape[:2], 1)).masked_fill_(_blind_rows(chunk), -math.inf)
+                chunk.view6(row_lse.view(*chunk.scores_shape[:2], 1)).masked_fill_(_blind_rows(chunk), NO_KEY_LSE)
                 if generator is not None:
                     keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
                     probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
@@ -259,7 +258,7 @@ class _BlockSetAttention(torch.autograd.Function):
                 write = _query_rows(out_base, out_step, plan, plan.write, chunk.start, chunk.stop, b)
                 lse_write = _query_rows(lse_base, lse_step, plan, plan.write, chunk.start, chunk.stop, b)
                 if index == 0:  # nothing to merge with yet: the same values as a merge, without reading them
-                    chunk_out.masked_fill_((row_lse == -math.inf).unsqueeze(-1), 0.0)  # rows that saw no key
+                    chunk_out.masked_fill_((row_lse == NO_KEY_LSE).unsqueeze(-1), 0.0)  # rows that saw no key
                     out_rows.index_copy_(0, write, chunk_out)
                     lse_rows.view(-1).index_copy_(0, lse_write, row_lse)
                 else:
@@ -343,7 +342,7 @@ def _row_statistics(out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor
     b, h, n_q, d_v = grad_out.shape
     stats = torch.empty(b, h, n_q, 2 if grad_lse is None else 3, dtype=grad_out.dtype, device=grad_out.device)
     stats[..., 0] = lse
-    stats[..., 0].masked_fill_(stats[..., 0] == -math.inf, 0.0)
+    zero_empty_shift(stats[..., 0], inplace=True)
     step = _blocks_per_workspace(b * h * d_v, n_q)  # queries per slice
     for start in range(0, n_q, step):  # a slice at a time: no [b, h, n_q, d_v] temporary
         stop = min(n_q, start + step)
@@ -404,7 +403,7 @@ def _merge_rows(out_rows: Tensor, lse_rows: Tensor, write: Tensor, lse_write: Te
     """
     old_lse = lse_rows.index_select(0, lse_write)
     shift = torch.maximum(old_lse, chunk_lse)
-    shift.masked_fill_(shift == -math.inf, 0.0)
+    zero_empty_shift(shift, inplace=True)
     old_weight, new_weight = (old_lse - shift).exp_(), (chunk_lse - shift).exp_()
     total = old_weight + new_weight
     lse_rows.index_copy_(0, lse_write, total.log().add_(shift))
@@ -516,7 +515,7 @@ def _attend_block_sets_traceable(q, k, v, block_sets, *, scale, dropout_p, bias_
         write = torch.where(block_set.q_valid, row, n_q).reshape(1, -1)
         out = q.new_zeros(b, h, n_q + 1, v.shape[3], dtype=out_b.dtype)
         out[:, heads[:, None], write] = out_b.reshape(b, heads.shape[0], nb * c, -1)
-        lse = torch.full((b, h, n_q + 1), -math.inf, dtype=lse_b.dtype, device=q.device)
+        lse = torch.full((b, h, n_q + 1), NO_KEY_LSE, dtype=lse_b.dtype, device=q.device)
         lse[:, heads[:, None], write] = lse_b.reshape(b, heads.shape[0], nb * c)
         partials.append((out[:, :, :n_q], lse[:, :, :n_q]))
     return merge_attention(partials)

@@ -34,6 +34,7 @@ from .executor_xformers import (
     xformers_sliding_window_attention,
     xformers_strided_attention,
 )
+from .numerics import hide_exactly
 from .ops_checks import check_backend_support, inert_padding
 from .patterns import (
     MaskFn,
@@ -193,7 +194,7 @@ def torch_full(q: Tensor, k: Tensor, v: Tensor, call: PatternCall) -> Tensor:
         bias = materialize_bias(
             call.bias_fn, batch=b, heads=h, q_len=n_q, kv_len=n_k, q_offset=max(n_k - n_q, 0), device=q.device
         )  # [b, h, n_q, n_k]
-        attn_mask = bias.to(q.dtype).masked_fill(~attn_mask, float("-inf"))
+        attn_mask = hide_exactly(bias.to(q.dtype), ~attn_mask)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=call.scale)
     return out.masked_fill(~sees_a_key, 0.0)
 

@@ -24,7 +24,6 @@ Under `torch.compile` and `torch.export` the same function runs in plain differe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -43,7 +42,7 @@ from .executor_chunks import (
     _Workspace,
     _zeros_with_rows,
 )
-from .numerics import compute_dtype, hide_logits, logit_bound
+from .numerics import NO_KEY_LSE, compute_dtype, hide_logits, logit_bound
 
 
 def _weighted_bound(q: Tensor, k: Tensor, scale: float, bias: Tensor | None, kv_weight: Tensor | None) -> float:
@@ -163,7 +162,7 @@ class _BlockAttention(torch.autograd.Function):
                     has_key6 = _split_heads(has_key, h_kv)
                 chunk_has = has_key6[:, :, :, start:stop]
                 torch.logical_not(chunk.hidden.all(dim=-1, keepdim=True), out=chunk_has)
-                row_lse = row_lse.masked_fill(~chunk_has[..., 0], -math.inf)
+                row_lse = row_lse.masked_fill(~chunk_has[..., 0], NO_KEY_LSE)
             lse6[:, :, :, start:stop] = row_lse
             if generator is not None:
                 keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
@@ -625,4 +624,4 @@ def _attend_blocks_traceable(
     if mask is None:
         return out.to(q_blocks.dtype), lse
     has_key = mask.any(dim=-1)  # [b|1, h|1, nb, c]
-    return (out * has_key[..., None]).to(q_blocks.dtype), lse.masked_fill(~has_key, -math.inf)
+    return (out * has_key[..., None]).to(q_blocks.dtype), lse.masked_fill(~has_key, NO_KEY_LSE)

@@ -41,14 +41,13 @@ kernels on CPU, in float32 and float16; that is how the test suite checks them. 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .executor_band import global_token_index
-from .numerics import compute_dtype
+from .numerics import compute_dtype, hide_exactly
 
 try:  # inside `try`: transformers' remote-code loader does not require imports made here
     import triton
@@ -368,7 +367,7 @@ def _global_row_scores(q: Tensor, k: Tensor, real: Tensor, glob: _Globals, band:
     if band.causal:
         positions = glob.index.repeat(1, group)[:, None, :, None]
         visible = visible & (torch.arange(n, device=q.device) <= positions)
-    return q_g, scores.masked_fill(~visible, -math.inf)
+    return q_g, hide_exactly(scores, ~visible)
 
 
 def _global_key_scores(q: Tensor, k: Tensor, flags: Tensor, glob: _Globals, band: _Band) -> tuple[Tensor, Tensor]:
@@ -384,7 +383,7 @@ def _global_key_scores(q: Tensor, k: Tensor, flags: Tensor, glob: _Globals, band
     visible = real_global[:, None, None, None, :] & ~(flags & 2).bool()[:, None, None, :, None]  # [b, 1, 1, n, g]
     if band.causal:
         visible = visible & (glob.index[:, None, None, None, :] <= torch.arange(n, device=q.device)[:, None])
-    return k_g, scores.view(b, h_kv, h // h_kv, n, g).masked_fill(~visible, -math.inf).view(b, h_kv, -1, g)
+    return k_g, hide_exactly(scores.view(b, h_kv, h // h_kv, n, g), ~visible).view(b, h_kv, -1, g)
 
 
 def _probs(scores: Tensor, lse: Tensor) -> Tensor:

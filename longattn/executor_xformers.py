@@ -50,7 +50,7 @@ from torch import Tensor
 
 from .executor_band import global_token_index
 from .fused_kernel import ReferenceKernel, XformersKernel, current_kernel, import_xformers_ops, use_kernel
-from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, head_groups
+from .numerics import HALF_HIDDEN_PENALTY, NO_KEY_LSE, compute_dtype, head_groups
 
 __all__ = [
     "HIDDEN_PENALTY",
@@ -635,7 +635,7 @@ class _MergedParts(torch.autograd.Function):
         acc = compute_dtype(q.dtype)
         tables = _tables(q, k, v, parts)
         out = torch.zeros(b * n_q + 1, h, d_v, dtype=acc, device=q.device)
-        lse = torch.full((b * n_q + 1, h), -math.inf, dtype=acc, device=q.device)
+        lse = torch.full((b * n_q + 1, h), NO_KEY_LSE, dtype=acc, device=q.device)
         for part in parts:
             inputs = _part_inputs(part, q, k, v, tables, scale)
             out_part, lse_part = kernel.forward(inputs.q, inputs.k, inputs.v, inputs.bias, scale=scale)
@@ -652,7 +652,7 @@ class _MergedParts(torch.autograd.Function):
             lse[index] = new_lse
         has_key = lse > -HIDDEN_PENALTY / 2  # rows that saw only hidden keys (or nothing) see no key
         out = torch.where(has_key[..., None], out, 0.0)
-        lse = torch.where(has_key, lse, -math.inf)
+        lse = torch.where(has_key, lse, NO_KEY_LSE)
         out_q = out[: b * n_q].view(b, n_q, h, d_v).transpose(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         # The kernel of the forward also runs the backward, even if `use_kernel` has been left since.

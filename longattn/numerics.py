@@ -32,9 +32,16 @@
 
   The fused kernels' additive float biases (`HALF_HIDDEN_PENALTY`, the blocked band's `HIDDEN_LOGIT` bias) follow
   the same rule: they run only where the logits are bounded, and their rows without a key come from the mask.
-  `-inf` otherwise stays where a log-space entry must weigh exactly 0 in code that shifts by the row maximum and
-  zeroes the rows left without a finite entry, and it is the log-sum-exp of a row that sees no key
-  (`merge_attention` drops such parts).
+- -inf, only through these names (a test scans the package for any other -inf; Triton kernels are its allow-list):
+
+  - `EXACTLY_HIDDEN` and `hide_exactly(x, hidden)`: a log-space entry (logit, additive bias, log-weight, a score
+    before a maximum or top-k) that must weigh exactly 0 and never be picked, in code that guards its rows without
+    a visible entry itself: it shifts by the row maximum with `zero_empty_shift` and zeroes the rows whose sum is
+    0, or tells them from the mask and zeroes them around `softmax` / `logsumexp`.
+  - `zero_empty_shift(shift)`: the row maximum of such a row is -inf; shifted by 0 instead, exp(-inf - 0) = 0,
+    where -inf - (-inf) is NaN.
+  - `NO_KEY_LSE`: the log-sum-exp (log 0) and the running maximum of a row that sees no key, told apart by
+    comparing with it; `merge_attention` drops such parts.
 - `merge_attention`: exact log-sum-exp merge of partial attentions over disjoint key sets.
 - `head_groups`: query heads grouped by their dilation, so each group runs as one batched call.
 - `rotate_half`, `rotate`, `apply_rotary`, `rotary_inverse_frequencies`: rotary position embedding (Su et al. 2021,
@@ -52,15 +59,18 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "EXACTLY_HIDDEN",
     "HALF_HIDDEN_PENALTY",
     "HIDDEN_LOGIT",
     "LOG_SPACE_HIDDEN",
+    "NO_KEY_LSE",
     "apply_rotary",
     "compute_dtype",
     "default_scale",
     "head_groups",
     "SAFE_LOGIT_BOUND",
     "hidden_logit",
+    "hide_exactly",
     "hide_logits",
     "logit_bound",
     "sees_a_key",
@@ -68,6 +78,7 @@ __all__ = [
     "rotary_inverse_frequencies",
     "rotate",
     "rotate_half",
+    "zero_empty_shift",
 ]
 
 HIDDEN_LOGIT = -1e30
@@ -78,6 +89,15 @@ HALF_HIDDEN_PENALTY = 1e4
 
 LOG_SPACE_HIDDEN = -1e9
 """Log-space value of a forbidden entry during Sinkhorn's iterative normalisation (see the module table)."""
+
+EXACTLY_HIDDEN = -math.inf
+"""The value of a log-space entry that must weigh exactly 0 (exp() of it is 0) and never win a maximum or a top-k
+over a real entry: -inf, safe only where the code guards the rows left without a finite entry (`hide_exactly`)."""
+
+NO_KEY_LSE = -math.inf
+"""The log-sum-exp (log of an empty sum) and the row maximum of a row that sees no key: -inf, the start of running
+maxima and log-sum-exp merges. Safe because it is never shifted by itself: readers compare with it, shift by
+`zero_empty_shift`, or zero such rows from the mask (`merge_attention` drops such parts)."""
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -148,8 +168,34 @@ def hide_logits(
         # Bool bytes as uint8 (the same 0 / 1): ~3x faster than adding the bool tensor, ~10x than masked_fill_.
         flags = hidden.view(torch.uint8) if hidden.dtype == torch.bool else hidden
         return scores.add_(flags, alpha=HIDDEN_LOGIT) if inplace else scores.add(flags, alpha=HIDDEN_LOGIT)
-    scores = scores.masked_fill_(hidden, -math.inf) if inplace else scores.masked_fill(hidden, -math.inf)
+    scores = hide_exactly(scores, hidden, inplace=inplace)
     return scores.masked_fill_(~sees_a_key(hidden, dim), hidden_logit(scores.dtype))
+
+
+def hide_exactly(x: Tensor, hidden: Tensor, *, inplace: bool = False) -> Tensor:
+    """`x` with `EXACTLY_HIDDEN` (-inf) where `hidden` (bool, broadcastable, True = hidden): `masked_fill`, or
+    `masked_fill_` into x when `inplace`.
+
+    For log-space entries (logits, a 0 / -inf additive bias, log-weights, scores before a maximum or top-k) that
+    must weigh exactly 0 whatever the real values hold. -inf is safe here, unlike in `hide_logits`, only because the
+    caller guards the rows whose entries are all hidden: it shifts exp() by the row maximum made finite with
+    `zero_empty_shift` and zeroes rows whose sum is 0, or tells those rows from the mask and keeps them out of
+    `softmax` / `logsumexp` (their log-sum-exp is `NO_KEY_LSE`). An unguarded softmax of such a row is NaN: use
+    `hide_logits` there.
+    """
+    return x.masked_fill_(hidden, EXACTLY_HIDDEN) if inplace else x.masked_fill(hidden, EXACTLY_HIDDEN)
+
+
+def zero_empty_shift(shift: Tensor, *, inplace: bool = False) -> Tensor:
+    """The row maxima `shift` with -inf (a row without a finite entry, see `hide_exactly`) replaced by 0:
+    `masked_fill`, or `masked_fill_` into shift when `inplace`.
+
+    exp(x - shift) then stays exactly 0 on such a row (exp(-inf - 0) = 0) where -inf - (-inf) would be NaN, and the
+    row's sum of 0 tells the caller it saw no entry. Finite maxima are kept, so the shift still guards exp() against
+    overflow.
+    """
+    empty = shift == NO_KEY_LSE
+    return shift.masked_fill_(empty, 0.0) if inplace else shift.masked_fill(empty, 0.0)
 
 
 def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -169,12 +215,12 @@ def merge_attention(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, 
     lses = torch.stack([lse for _, lse in partials])  # [parts, ...]
     # The shift only guards exp() against overflow and cancels exactly, so it carries no gradient.
     shift = lses.detach().amax(dim=0)
-    shift = shift.masked_fill(shift == -math.inf, 0.0)
+    shift = zero_empty_shift(shift)
     weights = (lses - shift).exp()  # [parts, ...]
     total = weights.sum(dim=0)
     visible = total > 0
     safe_total = torch.where(visible, total, torch.ones_like(total))
-    lse = torch.where(visible, shift + safe_total.log(), torch.full_like(total, -math.inf))
+    lse = torch.where(visible, shift + safe_total.log(), torch.full_like(total, NO_KEY_LSE))
     # Summed in the lse dtype (float32 for half inputs) so that merging adds no rounding of its own.
     out = sum(
         (weight / safe_total).unsqueeze(-1) * part.to(weight.dtype)

@@ -28,7 +28,7 @@ from torch import Tensor
 from .attention_fields import EFFICIENT_NORMALIZATIONS
 from .backends import select_step_executor
 from .executor_families import StepExecutors
-from .numerics import compute_dtype, hide_logits
+from .numerics import NO_KEY_LSE, compute_dtype, hide_exactly, hide_logits, zero_empty_shift
 from .ops_checks import (
     check_flag,
     check_qkv,
@@ -217,25 +217,24 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, normalization: str, padding: Tensor
         out = inter + scores @ v_t  # [b, h, T, c, d_v]
         return out.reshape(b, h, n_chunks * c, d_v)[:, :, n_k - n_q : n_k]
 
-    neg_inf = float("-inf")
-    k_masked = k_t.masked_fill(~valid_t, neg_inf)
+    k_masked = hide_exactly(k_t, ~valid_t)
     # Stabilisers carry no gradient: the result does not depend on them. -inf = no real key up to there.
     prefix = torch.cummax(k_masked.detach().reshape(b, h, n_chunks * c, d), dim=2).values
     prefix = prefix.view(b, h, n_chunks, c, d)  # M_i
-    seen = prefix > neg_inf
+    seen = prefix > NO_KEY_LSE
     shift = torch.where(seen, prefix, torch.zeros_like(prefix))
     end, end_seen = shift[:, :, :, -1], seen[:, :, :, -1]  # R_t, [b, h, T, d]
     prev_end = torch.nn.functional.pad(end, (0, 0, 1, 0))[:, :, :-1]  # R_{t-1}
     prev_seen = torch.nn.functional.pad(end_seen, (0, 0, 1, 0), value=False)[:, :, :-1]
     # exp(R_{t-1} - x) <= 1; 0 where no real key came before the chunk (its state is 0 then anyway).
-    carried = torch.exp((prev_end.unsqueeze(3) - shift).masked_fill(~prev_seen.unsqueeze(3), neg_inf))  # [b,h,T,c,d]
-    decay = torch.exp((prev_end - end).masked_fill(~prev_seen, neg_inf))  # [b, h, T, d]: R_{t-1} -> R_t
+    carried = torch.exp(hide_exactly(prev_end.unsqueeze(3) - shift, ~prev_seen.unsqueeze(3)))  # [b, h, T, c, d]
+    decay = torch.exp(hide_exactly(prev_end - end, ~prev_seen))  # [b, h, T, d]: R_{t-1} -> R_t
 
     weights = torch.exp(k_masked - end.unsqueeze(3))  # [b, h, T, c, d]: exp(k_j - R_t), 0 on padding
     chunk_context = weights.transpose(-1, -2) @ v_t  # [b, h, T, d, d_v]
     context_in, mass_in = _carry(chunk_context, weights.sum(dim=3), decay)  # states entering chunk t, rel. R_{t-1}
     # exp(k_jf - M_if) for keys j <= i of the chunk; masked before exp() so that no inf reaches the backward.
-    within = (k_masked.unsqueeze(3) - shift.unsqueeze(4)).masked_fill(~tril[:, :, None], neg_inf)
+    within = hide_exactly(k_masked.unsqueeze(3) - shift.unsqueeze(4), ~tril[:, :, None])
     within = torch.exp(within)  # [b, h, T, c_i, c_j, d]
     mass = carried * mass_in.unsqueeze(3) + within.sum(dim=4)  # [b, h, T, c, d]: >= 1 once a real key is seen
     features = torch.softmax(q_t, dim=-1)
@@ -306,9 +305,9 @@ def efficient_attention_weights(
         # Every query sees the same keys: one key normalisation for all of them, [b, h, n_q, n_k] only.
         return torch.softmax(q, dim=-1) @ _softmax_over_positions(k, padding).transpose(-1, -2)
     # Per query i and feature f: exp(k_jf) / Σ_{j' visible} exp(k_j'f): a [n_q, n_k, d] tensor.
-    logits = k.unsqueeze(2).masked_fill(~visible.unsqueeze(-1), float("-inf"))  # [b, h, n_q, n_k, d]
+    logits = hide_exactly(k.unsqueeze(2), ~visible.unsqueeze(-1))  # [b, h, n_q, n_k, d]
     shift = logits.amax(dim=3, keepdim=True).detach()
-    shift = shift.masked_fill(shift == float("-inf"), 0.0)
+    shift = zero_empty_shift(shift)
     key_weights = torch.exp(logits - shift)
     total = key_weights.sum(dim=3, keepdim=True)
     key_weights = key_weights / torch.where(total > 0, total, torch.ones_like(total))

@@ -69,7 +69,7 @@ from torch import Tensor
 from .backends import select_step_executor
 from .executor_families import StepExecutors
 from .fused_kernel import current_kernel
-from .numerics import HALF_HIDDEN_PENALTY, compute_dtype, default_scale
+from .numerics import HALF_HIDDEN_PENALTY, NO_KEY_LSE, compute_dtype, default_scale, hide_exactly
 from .ops_checks import (
     check_document_ids,
     check_dropout,
@@ -499,8 +499,8 @@ def attend_windows(
     if w > stride and w % stride:
         raise ValueError(f"overlapping windows must be a multiple of the stride: w={w}, stride={stride}.")
     if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=compute_dtype(q.dtype), device=q.device).masked_fill_(
-            ~mask, -math.inf
+        bias = hide_exactly(
+            torch.zeros(mask.shape, dtype=compute_dtype(q.dtype), device=q.device), ~mask, inplace=True
         )  # added to the scores
     else:
         bias, mask = mask, ~torch.isneginf(mask)
@@ -510,7 +510,7 @@ def attend_windows(
     keys = _windows(k.contiguous(), 0, q.shape[0], stride, w).to(dtype)  # autograd folds the overlaps back
     values = _windows(v.contiguous(), 0, q.shape[0], stride, w).to(dtype)
     # masked_fill after the bias: a row with no visible key then sends no NaN gradient back (logsumexp of -inf).
-    scores = (torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)) + bias.to(dtype)).masked_fill(~mask, -math.inf)
+    scores = hide_exactly(torch.bmm(q.to(dtype) * scale, keys.transpose(1, 2)) + bias.to(dtype), ~mask)
     if self_column is not None:
         own = torch.zeros_like(scores, dtype=torch.bool)
         _self_diagonal(own, self_column).fill_(True)
@@ -768,14 +768,14 @@ def _hide(
         # One mask row per window (routing's used slots, LSH's real keys): adding a `[g, 1, w]` bias of 0 / -inf
         # runs ~10x faster than a `masked_fill_` broadcast over the c query rows (same scores).
         bias = torch.zeros(scores.shape[0], 1, scores.shape[2], dtype=scores.dtype, device=scores.device)
-        scores.add_(bias.masked_fill_(hidden[start:stop], -math.inf))
+        scores.add_(hide_exactly(bias, hidden[start:stop], inplace=True))
     elif hidden is not None:
-        scores.masked_fill_(hidden[start:stop], -math.inf)
+        hide_exactly(scores, hidden[start:stop], inplace=True)
     if first is not None:
         c, w = scores.shape[1], scores.shape[2]
         columns = torch.arange(w, device=scores.device)
         lo, hi = first[start * c : stop * c].view(-1, c, 1), last[start * c : stop * c].view(-1, c, 1)
-        scores.masked_fill_((columns < lo) | (columns >= hi), -math.inf)
+        hide_exactly(scores, (columns < lo) | (columns >= hi), inplace=True)
     if self_column is not None:
         _self_diagonal(scores, self_column).fill_(SELF_SCORE)
 
@@ -785,12 +785,12 @@ def _merge_slots(slot_out: Tensor, slot_lse: Tensor, out_index: Tensor, n_out: i
     `(out [n_out, d_v], lse [n_out])`, zeros and -inf for rows no slot answers or whose slots saw no key."""
     answered = out_index >= 0
     row = out_index.clamp(min=0)
-    lse_answered = slot_lse.masked_fill(~answered, -math.inf)
-    shift = slot_lse.new_full((n_out,), -math.inf).scatter_reduce_(0, row, lse_answered, reduce="amax")
+    lse_answered = slot_lse.masked_fill(~answered, NO_KEY_LSE)
+    shift = slot_lse.new_full((n_out,), NO_KEY_LSE).scatter_reduce_(0, row, lse_answered, reduce="amax")
     shift.masked_fill_(torch.isneginf(shift), 0.0)
     weight = (lse_answered - shift[row]).exp_()  # exactly 0 for dropped slots and slots without keys
     total = slot_lse.new_zeros(n_out).index_add_(0, row, weight)
-    lse = torch.where(total > 0, shift + total.log(), -math.inf)
+    lse = torch.where(total > 0, shift + total.log(), NO_KEY_LSE)
     weight.div_(torch.where(total > 0, total, 1.0)[row])
     out = slot_out.new_zeros(n_out, slot_out.shape[-1]).index_add_(0, row, slot_out.mul_(weight.unsqueeze(-1)))
     return out, lse
@@ -874,7 +874,7 @@ class _KernelWindows(torch.autograd.Function):
         out, lse = kernel.forward(q, k, v, bias, scale=scale)  # [B, c, 1, d_v], [B, 1, c]
         # seen: bool [B, 1, c], the rows the mask (or the self column) shows a key
         out = torch.where(seen.transpose(1, 2)[..., None], out, 0.0)
-        lse = torch.where(seen, lse, -math.inf)
+        lse = torch.where(seen, lse, NO_KEY_LSE)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.bias, ctx.scale, ctx.kernel = bias, scale, kernel
         return out, lse
@@ -1365,7 +1365,7 @@ def _copied_rounds(
         columns = RelativeColumns(
             relative["relative_table"], relative["query_position"], relative["key_position"], rounds.out_index, c, c, w
         )
-        mask = columns.bias(0, n_queries).masked_fill(~mask, -math.inf)  # [U, c, w], differentiable
+        mask = hide_exactly(columns.bias(0, n_queries), ~mask)  # [U, c, w], differentiable
     out, lse = windows(
         q_sorted, k_sorted, v_sorted, mask, stride=c, scale=1.0, dropout_p=call.dropout_p, self_column=lead
     )  # [U, c, d_v], [U, c]
@@ -1503,7 +1503,7 @@ def lsh_attention_dense(
             bias_fn, batch=b, heads=h, q_len=n, kv_len=m, q_offset=m - n, device=q.device
         )
     scores = scores[:, :, None]  # [b, h, 1, n, m]
-    scores = scores.masked_fill(~visible, -math.inf)
+    scores = hide_exactly(scores, ~visible)
     lonely = ~visible.any(dim=-1, keepdim=True)  # [b, h, r, n, 1]: only the query's own key is left
     scores = torch.where(lonely & same_position, torch.full_like(scores, SELF_SCORE), scores)
     lse = scores.logsumexp(dim=-1)  # [b, h, r, n]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .executor_families import StepExecutors
-from .numerics import compute_dtype
+from .numerics import EXACTLY_HIDDEN, NO_KEY_LSE, compute_dtype, hide_exactly
 from .ops_checks import (
     check_document_ids,
     check_dropout,
@@ -142,7 +142,7 @@ def _largest(values: Tensor, columns: Tensor, maxima: Tensor, size: int) -> Tens
     slot = keep.cumsum(dim=-1)
     kept = int(slot[:, -1].max())
     slot = torch.where(keep, slot - 1, kept)  # the others go to a last column, cut off
-    packed = values.new_full((rows, kept + 1), -math.inf).scatter_(-1, slot, values)[:, :kept]
+    packed = values.new_full((rows, kept + 1), EXACTLY_HIDDEN).scatter_(-1, slot, values)[:, :kept]
     packed_columns = columns.new_zeros((rows, kept + 1)).scatter_(-1, slot, columns)[:, :kept]
     return packed_columns.gather(-1, packed.topk(size, dim=-1).indices)
 
@@ -176,7 +176,7 @@ def _balanced_members(x: Tensor, centroids: Tensor, valid: Tensor | None, size: 
                 unit = x[bi, hi].detach().float() * inverse_norm[row_of(bi, hi, positions)].unsqueeze(-1)  # [n, d]
                 block = torch.matmul(centroids[hi].float(), unit.T)  # [C, n]
                 if valid is not None:
-                    block.masked_fill_(~valid[bi], -math.inf)
+                    hide_exactly(block, ~valid[bi], inplace=True)
                 top[bi, hi] = _top_members(block, size)
     else:
         # Similarities position-major, `[n, C]`, a strip of G positions at a time: `[G, d] @ [d, C]` with the small
@@ -193,7 +193,7 @@ def _balanced_members(x: Tensor, centroids: Tensor, valid: Tensor | None, size: 
                 for strip, (start, stop) in enumerate(strips):
                     part = torch.matmul(unit[start:stop], transposed, out=scores[start:stop])
                     if valid is not None:
-                        part.masked_fill_(~valid[bi, start:stop, None], -math.inf)
+                        hide_exactly(part, ~valid[bi, start:stop, None], inplace=True)
                     if strip == 0:
                         maxima.copy_(part)
                     elif strip < group:
@@ -494,7 +494,7 @@ def _balanced_head(
     mask = slot_used.reshape(-1, 1, size)
     if relative:
         columns = RelativeColumns(table, relative["query_position"], relative["key_position"], slots, size, size, size)
-        mask = columns.bias(0, b * clusters).masked_fill(~mask, -math.inf)  # [b·C, k, k], differentiable
+        mask = hide_exactly(columns.bias(0, b * clusters), ~mask)  # [b·C, k, k], differentiable
     out, lse = windows(
         q.index_select(0, query_index).view(-1, size, d),
         k.index_select(0, key_index),
@@ -510,8 +510,8 @@ def _balanced_head(
     compute = compute_dtype(q.dtype)
     slot_used = slot_used.reshape(-1)
     with torch.no_grad():
-        shift = torch.full((b * n,), -math.inf, dtype=lse.dtype, device=q.device).scatter_reduce(
-            0, query_index, lse.detach().reshape(-1).masked_fill(~slot_used, -math.inf), reduce="amax"
+        shift = torch.full((b * n,), NO_KEY_LSE, dtype=lse.dtype, device=q.device).scatter_reduce(
+            0, query_index, lse.detach().reshape(-1).masked_fill(~slot_used, NO_KEY_LSE), reduce="amax"
         )
         shift = shift.masked_fill(torch.isneginf(shift), 0.0)[query_index]  # the largest lse of each slot's query
     weight = ((lse.reshape(-1) - shift).exp() * slot_used).to(compute)  # exactly 0 where lse = -inf or unused
@@ -706,10 +706,9 @@ def _visible_bias(tasks: _CausalTasks, window: int, dtype: torch.dtype) -> Tenso
     device = tasks.first.device
     columns = torch.arange(2 * window, device=device)
     visible = (columns >= tasks.first.unsqueeze(-1)) & (columns < tasks.last.unsqueeze(-1))  # [b, h, n, 2W]
-    bias = torch.full((tasks.query_index.shape[0], 2 * window), -math.inf, dtype=dtype, device=device)
-    bias[tasks.query_row.reshape(-1)] = (
-        torch.zeros((), dtype=dtype, device=device).masked_fill(~visible, -math.inf).reshape(-1, 2 * window)
-    )
+    bias = torch.full((tasks.query_index.shape[0], 2 * window), EXACTLY_HIDDEN, dtype=dtype, device=device)
+    visible_bias = hide_exactly(torch.zeros((), dtype=dtype, device=device), ~visible)  # [b, h, n, 2W]
+    bias[tasks.query_row.reshape(-1)] = visible_bias.reshape(-1, 2 * window)
     return bias.view(-1, tasks.chunk, 2 * window)
 
 
@@ -767,7 +766,7 @@ def _dense_routing(
             same &= same_document
         same &= q_pos[:, None] >= torch.arange(m, device=q.device)
         back = same.flip(-1).cumsum(-1).flip(-1)  # same-cluster keys from this one up to the query
-        bias = torch.zeros_like(scores).masked_fill_(~(same & (back <= causal_window)), -math.inf)
+        bias = hide_exactly(torch.zeros_like(scores), ~(same & (back <= causal_window)), inplace=True)
         query_valid = valid[:, m - n :]
     else:
         if n != m:
@@ -834,7 +833,7 @@ def _masked_attention(q, k, v, mask, scale, dropout_p, relative_embedding=None):
     dtype = compute_dtype(q.dtype)
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), k.to(dtype)) * scale
     scores = scores + _dense_relative(q, relative_embedding, scale, k.shape[2])
-    scores = scores.masked_fill(~mask, -math.inf)
+    scores = hide_exactly(scores, ~mask)
     sees = mask.any(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~sees, 0.0), dim=-1) * sees
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights

@@ -60,7 +60,7 @@ from .backends import runs_dense_form, select_step_executor
 from .executor_families import StepExecutors
 from .executor_gathered import attend_blocks
 from .fused_kernel import current_kernel
-from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale
+from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale, hide_exactly
 from .ops_checks import (
     check_document_ids,
     check_dropout,
@@ -752,7 +752,7 @@ def _dense_sortcut_weights(scores: Tensor, mix: Tensor, s: int) -> Tensor:
     per_block = scores.view(b, h, n, blocks, s)
     mixed = torch.einsum("bhpj,bhnjt->bhnpt", mix, per_block).reshape(b, h, n, kept * s)
     present = (mix.sum(-1) > 0)[:, :, None, :, None].expand(b, h, n, kept, s).reshape(b, h, n, kept * s)
-    probs = _softmax_or_zero(mixed.masked_fill(~present, -math.inf))  # [b, h, n, p·s]
+    probs = _softmax_or_zero(hide_exactly(mixed, ~present))  # [b, h, n, p·s]
     # Spread back: weight of layout key j·s + t = Σ_p probs[p, t] · S_pj.
     return torch.einsum("bhnpt,bhpj->bhnjt", probs.view(b, h, n, kept, s), mix).reshape(b, h, n, m_pad)
 
@@ -776,8 +776,8 @@ def _dense_sorted_weights(
     other = (key_block == q_source[..., None]) & valid[:, None, None, :] & q_has[..., None]  # [b, h, n, m_pad]
     both = torch.cat(
         [
-            (scores + bias).masked_fill(~own, -math.inf),
-            (scores * q_weight[..., None] + bias).masked_fill(~other, -math.inf),
+            hide_exactly(scores + bias, ~own),
+            hide_exactly(scores * q_weight[..., None] + bias, ~other),
         ],
         dim=-1,
     )

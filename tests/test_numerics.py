@@ -5,6 +5,7 @@ Shape legend: b batch, h heads, n queries, m keys, d head dim.
 
 from __future__ import annotations
 
+import ast
 import io
 import math
 import re
@@ -18,15 +19,18 @@ from attention_checks import DOUBLE
 
 import longattn
 from longattn.numerics import (
+    EXACTLY_HIDDEN,
     HALF_HIDDEN_PENALTY,
     HIDDEN_LOGIT,
     LOG_SPACE_HIDDEN,
+    NO_KEY_LSE,
     SAFE_LOGIT_BOUND,
     apply_rotary,
     compute_dtype,
     default_scale,
     head_groups,
     hidden_logit,
+    hide_exactly,
     hide_logits,
     logit_bound,
     merge_attention,
@@ -34,6 +38,7 @@ from longattn.numerics import (
     rotate,
     rotate_half,
     sees_a_key,
+    zero_empty_shift,
 )
 
 PACKAGE = Path(longattn.__file__).parent
@@ -164,6 +169,144 @@ def test_rule_scan_ignores_docstrings_comments_and_messages():
         '    raise ValueError(f"scale must be finite (or None for 1/sqrt({d})), 1e4")\n'
     )
     assert _violations({"attention_new.py": source})[0] == []
+
+
+# ---------------------------------------------------------------------------------------------- -inf only by name
+
+# -inf written out in the package outside numerics.py, allowed by (file, enclosing function) -> why. Everything else
+# goes through numerics' names (EXACTLY_HIDDEN / hide_exactly, zero_empty_shift, NO_KEY_LSE), whose docstrings say
+# why -inf is safe there.
+RAW_NEG_INF_ALLOWED = {
+    # Triton kernels (@_jit, i.e. triton.jit): compiled from their own source, where a Python float global such as
+    # NO_KEY_LSE is not a constant the compiler folds; the running softmax there keeps its own -inf guards.
+    ("executor_triton.py", "_query_rows"): "Triton kernel: lse -inf -> 0 before the base-2 conversion",
+    ("executor_triton.py", "_band_forward_kernel"): "Triton kernel: the lse of a row without a visible key",
+    ("executor_triton.py", "_softmax_start"): "Triton kernel: the running maximum before any key",
+    ("executor_triton.py", "_softmax_step"): "Triton kernel: hidden scores and the zero shift of empty rows",
+}
+
+_INF_NAMES = {"inf", "infinity"}
+
+
+def _is_inf(node: ast.AST) -> bool:
+    """`node` spells +inf: math.inf / torch.inf / np.inf, a bare `inf`, float("inf"), or a float literal that is."""
+    if isinstance(node, ast.Attribute):
+        return node.attr.lower() in _INF_NAMES
+    if isinstance(node, ast.Name):
+        return node.id.lower() in _INF_NAMES
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, float) and node.value == math.inf
+    return _float_of(node) in ("inf", "+inf", "infinity", "+infinity")
+
+
+def _float_of(node: ast.AST) -> str | None:
+    """The lower-cased string argument of a `float("...")` call, else None."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "float"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return node.args[0].value.strip().lower()
+    return None
+
+
+def _is_neg_inf(node: ast.AST) -> bool:
+    """`node` spells -inf: -<inf> (see `_is_inf`), float("-inf"), or math / numpy's NINF."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return _is_inf(node.operand)
+    if isinstance(node, ast.Attribute) and node.attr == "NINF":
+        return True
+    return _float_of(node) in ("-inf", "-infinity")
+
+
+def _raw_neg_inf(files: dict[str, str]) -> tuple[list[str], set[tuple[str, str]]]:
+    """The -inf spelled out in `files` (name -> source) that RAW_NEG_INF_ALLOWED does not cover, and the entries
+    that were used. Strings, comments and docstrings are not code, so they may name -inf freely."""
+    found, used = [], set()
+    for name, source in sorted(files.items()):
+        tree = ast.parse(source, filename=name)
+        scopes = {}  # node -> name of its innermost enclosing function
+        for outer in ast.walk(tree):
+            if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(outer):
+                    if inner is not outer:
+                        scopes[inner] = outer.name  # inner functions are walked later and overwrite
+        for node in ast.walk(tree):
+            if not _is_neg_inf(node):
+                continue
+            key = (name, scopes.get(node, "<module>"))
+            if key in RAW_NEG_INF_ALLOWED:
+                used.add(key)
+            else:
+                found.append(f"{name}:{node.lineno}: {key[1]}: {ast.get_source_segment(source, node)}")
+    return found, used
+
+
+def test_neg_inf_is_written_only_in_numerics():
+    found, used = _raw_neg_inf(_package_sources())
+    assert not found, (
+        "-inf written outside longattn/numerics.py (use EXACTLY_HIDDEN / hide_exactly, zero_empty_shift or "
+        "NO_KEY_LSE, or hide_logits where the softmax is not guarded):\n" + "\n".join(found)
+    )
+    stale = set(RAW_NEG_INF_ALLOWED) - used
+    assert not stale, f"allow-list entries that no longer match any -inf (remove them): {sorted(stale)}"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "scores = scores.masked_fill(~mask, -math.inf)",
+        "scores.masked_fill_(~mask, float('-inf'))",
+        'scores.masked_fill_(~mask, float("-Infinity"))',
+        "neg_inf = float('-inf')",
+        "lse = torch.full((3,), -torch.inf)",
+        "lse = torch.where(seen, lse, -float('inf'))",
+        "lse = torch.where(seen, lse, -np.inf)",
+        "shift = shift.masked_fill(shift == -inf, 0.0)",
+        "shift = shift.masked_fill(shift == -1e999, 0.0)",
+        "bias = np.NINF",
+    ],
+)
+def test_neg_inf_scan_catches_a_new_site(line):
+    source = f"def f(scores, mask, seen, lse, shift):\n    {line}\n"
+    assert len(_raw_neg_inf({"ops_new.py": source})[0]) == 1
+    # The allow-list names a file and a function: the same line elsewhere is still caught.
+    assert len(_raw_neg_inf({"executor_triton.py": source})[0]) == 1
+    assert _raw_neg_inf({"executor_triton.py": source.replace("def f(", "def _softmax_step(")})[0] == []
+
+
+def test_neg_inf_scan_ignores_text_and_positive_inf():
+    source = (
+        "def f(lse):\n"
+        '    """Rows without a key have lse = -inf (masked_fill(~mask, -math.inf) is not used)."""\n'
+        "    lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # +inf: exp(s - inf) = 0, never -inf\n"
+        '    raise ValueError(f"lse must not be {float(\'-inf\')!r}"[:0] + "-inf")\n'
+    )
+    found, _ = _raw_neg_inf({"ops_new.py": source})
+    assert len(found) == 1 and "float('-inf')" in found[0]  # an f-string's expression is code
+    assert _raw_neg_inf({"ops_new.py": source.replace("{float('-inf')!r}", "x")})[0] == []
+
+
+def test_exact_hiding_helpers():
+    # hide_exactly: -inf where hidden, a copy unless in place; the guarded softmax leaves hidden keys at exactly 0
+    # and a row with every key hidden at zeros, never NaN.
+    scores = torch.tensor([[3.0, 1e30, -2.0], [5.0, 6.0, 7.0]])
+    hidden = torch.tensor([[False, True, False], [True, True, True]])
+    hid = hide_exactly(scores, hidden)
+    assert hid.tolist() == [[3.0, -math.inf, -2.0], [-math.inf] * 3] and scores[0, 1] == 1e30
+    assert EXACTLY_HIDDEN == NO_KEY_LSE == -math.inf
+    shift = hid.amax(dim=-1, keepdim=True)
+    assert shift[1].item() == NO_KEY_LSE and torch.isnan((hid - shift).exp()[1]).all()  # the unguarded shift
+    safe = zero_empty_shift(shift)
+    assert safe.tolist() == [[3.0], [0.0]] and shift[1].item() == NO_KEY_LSE  # a copy unless in place
+    weights = (hid - safe).exp()
+    assert weights[0, 1] == 0 and (weights[1] == 0).all() and torch.isfinite(weights).all()
+    # In place: the same tensor back, written into.
+    assert hide_exactly(scores, hidden, inplace=True) is scores and torch.equal(scores, hid)
+    assert zero_empty_shift(shift, inplace=True) is shift and torch.equal(shift, safe)
 
 
 # ---------------------------------------------------------------------------------------------- scale and dtypes
