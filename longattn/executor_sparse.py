@@ -12,8 +12,9 @@ Both patterns are a union of two key sets, and each set has a layout in which it
   by every query. Cost O(n · (l + c · n / l)).
 
 The parts are `BlockSet`s of one `executor_block_sets.attend_block_sets` call: one softmax over their union, each
-chunk's partial attention merged into its queries' output by log-sum-exp, one set of gradients, and no mask, gathered
-query or partial output kept for backward (O(n · d) memory besides the chunk workspaces).
+chunk's partial attention merged into its queries' output by log-sum-exp, one set of gradients, and no gathered query
+or partial output kept for backward (O(n · d) memory besides the chunk workspaces and each part's mask, kept as its
+few distinct rows).
 
 A key in both sets must be counted once: the first part takes the pattern restricted to its geometry (`|i - j| <= l`,
 or the same block) and the second the pattern restricted to the complement, so every visible key lies in exactly one

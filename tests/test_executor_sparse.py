@@ -109,10 +109,10 @@ def test_a_narrower_predicate_inside_the_geometry_is_followed():
 )
 def test_backward_keeps_rows_not_masks_gathered_queries_or_partial_outputs(executor, kwargs, causal, monkeypatch):
     """Saved for backward: q, k, v, the merged output and one log-sum-exp per query (O(n·d) floats), no bool mask
-    (the predicates are evaluated again), no gathered copy of q and no part's own output. Forward + backward, with
-    chunk workspaces made small, peak below 7 q-sized tensors (the output, the three gradients, masks and
-    workspaces of a chunk); the parts as separate autograd calls merged afterwards took 10.3-11 (two sets of
-    gradients, the parts' outputs and masks, gathered and reordered copies)."""
+    (each set's is kept as its few distinct rows, within the peak below), no gathered copy of q and no part's own
+    output. Forward + backward, with chunk workspaces made small, peak below 7 q-sized tensors (the output, the
+    three gradients, masks and workspaces of a chunk); the parts as separate autograd calls merged afterwards took
+    10.3-11 (two sets of gradients, the parts' outputs and masks, gathered and reordered copies)."""
     from attention_checks import peak_tensor_bytes, saved_tensor_bytes
 
     from longattn import executor_chunks
@@ -265,6 +265,51 @@ def test_attend_block_sets_dropout_has_matching_gradients():
 
     assert not torch.equal(run(q, k, v), attend_block_sets(q, k, v, sets, scale=SCALE)[0]), "dropout must act"
     assert torch.autograd.gradcheck(run, (q, k, v))
+
+
+@pytest.mark.parametrize("book", ["kept", "hash-collisions"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("kind", ["strided", "fixed"])
+def test_masks_kept_for_backward_equal_the_predicate_under_padding_and_documents(kind, causal, book, monkeypatch):
+    """Forward keeps each set's mask as its distinct rows (`_MaskBook`) and backward reads them instead of the
+    predicate: outputs and gradients (float64) equal the dense reference of the same pattern with padding (left,
+    right, a row of padding only) AND packed documents, at an odd length, in chunks far smaller than a set (forward's
+    and backward's chunks then differ). With every row hashed alike the book finds different rows under one hash,
+    is dropped, and backward evaluates the predicate again, with the same results."""
+    from longattn import executor_block_sets, executor_chunks, ops
+
+    monkeypatch.setattr(executor_chunks, "_WORKSPACE_ELEMENTS", 2**12)
+    if book == "hash-collisions":
+
+        def every_row_alike(self, words, workspace):
+            return torch.zeros(words.shape[0], dtype=torch.int64)
+
+        monkeypatch.setattr(executor_block_sets._MaskBook, "_hash", every_row_alike)
+    n = 203
+    padding = three_padded_rows(n)
+    documents = (torch.arange(n) >= 61).long() + (torch.arange(n) >= 150).long()  # three packed documents
+    documents = documents.expand(3, n).clone()
+    documents[1] = (torch.arange(n) >= 97).long()
+    if kind == "strided":
+        sizes, fn = dict(stride=9), ops.strided_attention
+        pattern = patterns.strided_pattern(causal=causal, key_padding_mask=padding, document_ids=documents, **sizes)
+    else:
+        sizes, fn = dict(block_size=16, num_summary=3), ops.fixed_attention
+        pattern = patterns.fixed_pattern(causal=causal, key_padding_mask=padding, document_ids=documents, **sizes)
+    evaluated = []
+    mask = executor_block_sets.BlockSet.mask
+    monkeypatch.setattr(
+        executor_block_sets.BlockSet, "mask", lambda self, *args: evaluated.append(1) or mask(self, *args)
+    )
+    q, k, v = random_qkv(3, 2, n, D, seed=3)
+    out = fn(q, k, v, causal=causal, key_padding_mask=padding, document_ids=documents, scale=SCALE, **sizes)
+    in_forward = len(evaluated)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    actual = (out, *torch.autograd.grad(out, (q, k, v), cotangent))
+    assert in_forward > 0
+    assert (len(evaluated) > in_forward) == (book == "hash-collisions"), (in_forward, len(evaluated))
+    expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v, scale=SCALE), q, k, v)
+    assert_all_close(actual, expected, **TIGHT)
 
 
 @pytest.mark.parametrize("shared_keys", [False, True])
