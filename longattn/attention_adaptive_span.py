@@ -88,11 +88,11 @@ def adaptive_span_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Soft-masked attention over the keys within each head's span, banded: O(n · (c + reach)) time and memory.
 
-    Blocks of c consecutive queries gather their band of keys as strided windows of the (zero-padded) keys; the
-    distance of query slot i to gathered key j is the same in every block (i + reach - j), so the soft mask is one
-    `[h, c, w]` table. A hand-written backward (`_SoftBandAttention`) recomputes the weights block by block, so no
-    `[n, w]` tensor is kept; gradients reach q, k, v and the spans. With attention dropout the plain autograd path
-    runs instead.
+    Blocks of c consecutive queries attend to their band of keys, a slice of the keys (clipped at the sequence's
+    ends); the distance of query slot i to window key j is the same in every block (i + reach - j), so the soft mask
+    is one `[h, c, w]` table, added to the scores as log m. A hand-written backward (`_SoftBandAttention`)
+    recomputes the weights block by block, so no `[n, w]` tensor is kept; gradients reach q, k, v and the spans.
+    With attention dropout the plain autograd path (over gathered copies of the windows) runs instead.
 
     Args:
         q: Queries `[b, h, n, d]`, the last n of the m key positions (n < m in cached decoding).
@@ -120,7 +120,7 @@ def adaptive_span_attention(
             `scale`.
     """
     b, h, n_q, d = q.shape
-    n_k, d_v = k.shape[2], v.shape[3]
+    n_k = k.shape[2]
     _check_span_arguments(span, h, q.device, max_span=max_span, ramp=ramp, block_size=block_size)
     causal, dense = check_flag("causal", causal), check_flag("dense", dense)
     dropout_p = check_dropout(dropout_p)
@@ -137,169 +137,145 @@ def adaptive_span_attention(
     q_offset = n_k - n_q
     # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
     # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
-    largest = max_span if torch.compiler.is_compiling() else int(math.floor(float(span.detach().max()))) + ramp
-    reach = min(max_span, largest, max(n_k - 1, 0))
+    if torch.compiler.is_compiling():
+        largest, may_be_empty = max_span, True
+    else:
+        low, high = torch.stack([span.detach().min(), span.detach().max()]).tolist()
+        largest = int(math.floor(high)) + ramp
+        # A query always sees its own key (distance 0, m = 1) unless a span is at most -R or keys are padded.
+        may_be_empty = key_padding_mask is not None or low <= -ramp
+    reach = max(0, min(max_span, largest, n_k - 1))
     left, right = reach, 0 if causal else reach
     c = max(1, min(block_size, n_q))
-    nb = -(-n_q // c)
     w = c + left + right
 
+    # Query slot i of a block and key slot j of its window are i + left - j apart in every block, so the soft mask
+    # is one [h, c, w] table (blocks at the sequence's ends use a slice of it).
+    relative = torch.arange(c, device=q.device)[:, None] + left - torch.arange(w, device=q.device)[None, :]  # i - j
+    in_band = (relative <= left) & (relative >= (0 if causal else -right))  # [c, w]
+    soft = soft_span_mask(relative.abs().to(dtype), span.to(dtype).view(h, 1, 1), ramp) * in_band  # [h, c, w]
+    if dropout_p > 0:
+        return _dropout_band_attention(
+            q, k, v, soft, in_band, key_padding_mask, q_offset, left, right, scale, dropout_p, dtype
+        )
+    hidden = None if key_padding_mask is None else ~key_padding_mask
+    out = _SoftBandAttention.apply(
+        q.to(dtype), k.to(dtype), v.to(dtype), soft, hidden, q_offset, left, scale, may_be_empty
+    )  # [b, h, n, d_v]
+    return out.to(q.dtype)
+
+
+def _dropout_band_attention(q, k, v, soft, in_band, key_padding_mask, q_offset, left, right, scale, dropout_p, dtype):
+    """The band with attention dropout: plain autograd over gathered key windows (weights and windows kept)."""
+    b, h, n_q, d = q.shape
+    n_k, d_v = k.shape[2], v.shape[3]
+    c, w = in_band.shape
+    nb = -(-n_q // c)
     # Keys padded so that block t's window starts at index q_offset + t·c (key position q_offset + t·c - left).
-    # The block tensors below (mask rows) put blocks first, so that a chunk of blocks is a contiguous slice; q and
-    # the output keep their [b, h, n, d] layout and the kernel cuts a chunk's blocks out of them when needed.
     extra = q_offset + nb * c + right - n_k
     k_padded = nn.functional.pad(k.to(dtype), (0, 0, left, extra))[:, :, q_offset:]  # [b, h, nb·c + left + right, d]
     v_padded = nn.functional.pad(v.to(dtype), (0, 0, left, extra))[:, :, q_offset:]
     q_padded = q if nb * c == n_q else nn.functional.pad(q, (0, 0, 0, nb * c - n_q))  # [b, h, nb·c, d]
-
-    relative = torch.arange(c, device=q.device)[:, None] + left - torch.arange(w, device=q.device)[None, :]  # i - j
-    in_band = (relative <= left) & (relative >= (0 if causal else -right))  # [c, w]
-    soft = soft_span_mask(relative.abs().to(dtype), span.to(dtype).view(h, 1, 1), ramp) * in_band  # [h, c, w]
     key_real = torch.ones(b, n_k, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     key_real = nn.functional.pad(key_real, (left, extra), value=False)[:, q_offset:].unfold(1, w, c)  # [b, nb, w]
     key_real = key_real.transpose(0, 1)  # [nb, b, w]
-
-    if dropout_p > 0:
-        # Training with attention dropout: plain autograd (the weights and the key windows are kept for backward).
-        q_blocks = (q_padded.to(dtype) * scale).view(b, h, nb, c, d).permute(2, 0, 1, 3, 4)  # [nb, b, h, c, d]
-        k_windows = _windows(k_padded, 0, nb, c, w)  # [nb, b, h, w, d]
-        scores = q_blocks @ k_windows.transpose(-1, -2)  # [nb, b, h, c, w]
-        visible = key_real[:, :, None, None, :] & in_band  # [nb, b, 1, c, w]
-        weights = _support_and_softmax(scores, soft, visible)
-        out = nn.functional.dropout(weights, p=dropout_p) @ _windows(v_padded, 0, nb, c, w)  # [nb, b, h, c, d_v]
-        out = out.permute(1, 2, 0, 3, 4).reshape(b, h, nb * c, d_v)
-    else:
-        out = _SoftBandAttention.apply(
-            q_padded, k_padded.contiguous(), v_padded.contiguous(), soft, key_real, in_band, scale
-        )  # [b, h, nb·c, d_v]
-    return out[:, :, :n_q].to(q.dtype)
+    q_blocks = (q_padded.to(dtype) * scale).view(b, h, nb, c, d).permute(2, 0, 1, 3, 4)  # [nb, b, h, c, d]
+    k_windows = _windows(k_padded, nb, c, w)  # [nb, b, h, w, d]
+    scores = q_blocks @ k_windows.transpose(-1, -2)  # [nb, b, h, c, w]
+    visible = key_real[:, :, None, None, :] & in_band  # [nb, b, 1, c, w]
+    weights = _support_and_softmax(scores, soft, visible)
+    out = nn.functional.dropout(weights, p=dropout_p) @ _windows(v_padded, nb, c, w)  # [nb, b, h, c, d_v]
+    return out.permute(1, 2, 0, 3, 4).reshape(b, h, nb * c, d_v)[:, :, :n_q].to(q.dtype)
 
 
-# Elements of one chunk's score tensor [blocks, b, h, c, w]: 2**18 floats (1 MB in float32) keeps a chunk's
-# workspaces in cache-sized pieces that the allocator reuses, instead of page-faulting one [n, w] tensor per pass.
-# A chunk holds about eight such workspaces (scores, probabilities, their gradients, gathered windows), all the
-# kernel adds to peak memory beyond its O(n·d) tensors; at least one block per chunk whatever its size.
-_CHUNK_ELEMENTS = 2**18
+def _windows(padded: Tensor, blocks: int, c: int, w: int) -> Tensor:
+    """Key windows of blocks 0..blocks-1 (w rows from row t·c each) of `padded` `[b, h, rows, d]`.
+
+    Returns a contiguous copy `[blocks, b, h, w, d]`: a batched matmul over the overlapping strided views would fall
+    back to a slow loop.
+    """
+    rows = padded[:, :, : (blocks - 1) * c + w]
+    return rows.unfold(2, w, c).permute(2, 0, 1, 4, 3).contiguous()
+
+
+def _band_blocks(n_q: int, n_k: int, c: int, w: int, q_offset: int, left: int):
+    """`(r0, r1, lo, hi, j0)` per block of c queries: its query rows r0..r1, its window's keys lo..hi (the band of
+    w keys from key q_offset + r0 - left, clipped to the sequence) and the table column j0 of key lo."""
+    for r0 in range(0, n_q, c):
+        first = q_offset + r0 - left  # the key at table column 0
+        lo, hi = max(0, first), min(n_k, first + w)
+        yield r0, min(n_q, r0 + c), lo, hi, lo - first
 
 
 class _SoftBandAttention(torch.autograd.Function):
-    """Soft-masked banded attention with a hand-written backward that recomputes the weights chunk by chunk.
+    """Soft-masked banded attention with a hand-written backward that recomputes the weights block by block.
 
-    Forward, per block: E = exp(S - max) on the support (visible keys with m > 0), P = m ∘ E / Z with Z = Σ m ∘ E,
-    O = P V. Saved: q (as given: no scaled or block-ordered copy), the padded k and v, O and two numbers per query
-    (max and 1/Z); the queries and key windows of a chunk of blocks are cut out when needed, so nothing of size
-    n · w is ever kept, and the output is written in place in its final `[b, h, n, d_v]` layout.
-    Backward, with G = dO Vᵀ - rowsum(dO ∘ O): dV = Pᵀ dO, dS = P ∘ G, dQ = dS K, dK = dSᵀ Q (window gradients added
-    back to their overlapping key rows), and for the mask dm = (E / Z) ∘ G, summed over batch rows and blocks into
-    the `[h, c, w]` table (its gradient reaches z).
+    The soft mask enters as the additive table log m (-inf where m = 0 or outside the band): softmax(s + log m) =
+    m ∘ exp(s) / Σ m ∘ exp(s), the paper's weights. Per batch row and block of c queries (all heads at once), the
+    keys of its window are a slice of the rows (no gathered copy: the band is clipped at the sequence's ends, so
+    nothing is padded), P = softmax(scale · Q Kᵀ + log m) and O = P V, written in place into the output. q, k, v
+    are read in whatever strides they come in (the heads of a projection, `[b, n, h, d]` in memory, need no copy);
+    the output is laid out `[b, n, h, d_v]` in memory, so merging its heads is a view, and the gradients take their
+    inputs' layouts. Saved: q, k, v, the output and the table: nothing of size n · w.
+    Backward, with G = dO Vᵀ - rowsum(dO ∘ O): dV = Pᵀ dO, dS = P ∘ G, dQ = scale · dS K, dK = scale · dSᵀ Q (window
+    gradients added onto their overlapping key rows), and for the mask dm = (P / m) ∘ G = dS / m, summed over batch
+    rows and blocks into the `[h, c, w]` table (its gradient reaches z).
 
-    Shapes: q `[b, h, nb·c, d]`, k_padded `[b, h, (nb - 1)·c + w, d]` (block t's window starts at row t·c), v_padded
-    likewise with d_v, soft `[h, c, w]`, key_real bool `[nb, b, w]`, in_band bool `[c, w]`; out `[b, h, nb·c, d_v]`.
+    Shapes: q `[b, h, n, d]`, k `[b, h, m, d]`, v `[b, h, m, d_v]`, soft `[h, c, w]`, hidden (padded keys) bool
+    `[b, m]` or None; out `[b, h, n, d_v]`.
     """
 
     @staticmethod
-    def forward(ctx, q, k_padded, v_padded, soft, key_real, in_band, scale):
-        b, h, _, d = q.shape
-        nb, c, w, d_v = key_real.shape[0], in_band.shape[0], in_band.shape[1], v_padded.shape[3]
-        outside_head = ~(in_band & (soft > 0))  # [h, c, w]: the mask removes these keys for every query
-        key_padding = ~key_real[:, :, None, None, :]  # [nb, b, 1, 1, w]
-        out = k_padded.new_empty(b, h, nb * c, d_v)
-        row_max = k_padded.new_empty(nb, b, h, c, 1)
-        inverse = k_padded.new_empty(nb, b, h, c, 1)
-        for start, stop in _chunks(b * h * c * w, nb):
-            t = stop - start
-            keys = _windows(k_padded, start, stop, c, w).view(-1, w, d)
-            queries = _query_blocks(q, start, stop, c, k_padded.dtype, scale)
-            scores = torch.bmm(queries, keys.transpose(1, 2)).view(t, b, h, c, w)
-            scores.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
-            # Shift by the row max over the support; a row without support is shifted by 0 and stays all zeros.
-            shift = scores.amax(dim=-1, keepdim=True)
-            shift.masked_fill_(shift == float("-inf"), 0.0)
-            scores.sub_(shift).exp_().mul_(soft)
-            total = scores.sum(dim=-1, keepdim=True)
-            inv = torch.where(total > 0, total.reciprocal(), torch.zeros_like(total))
-            values = _windows(v_padded, start, stop, c, w).view(-1, w, d_v)
-            _put_blocks(out, torch.bmm(scores.mul_(inv).view(-1, c, w), values), start, stop)
-            row_max[start:stop] = shift
-            inverse[start:stop] = inv
-        ctx.save_for_backward(q, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, soft, hidden, q_offset, left, scale, may_be_empty):
+        b, h, n_q, _ = q.shape
+        bias = soft.log()  # [h, c, w]: -inf off the support
+        out = v.new_empty(b, n_q, h, v.shape[3]).transpose(1, 2)
+        for row in range(b):
+            for r0, r1, lo, hi, j0 in _band_blocks(n_q, k.shape[2], *soft.shape[1:], q_offset, left):
+                probs = _block_probs(q, k, bias, hidden, row, scale, may_be_empty, r0, r1, lo, hi, j0)
+                out[row, :, r0:r1] = torch.bmm(probs, v[row, :, lo:hi])  # (dynamo refuses strided `out=`)
+        ctx.save_for_backward(q, k, v, soft, hidden, out)
+        ctx.settings = q_offset, left, scale, may_be_empty
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_padded, v_padded, soft, key_real, in_band, out, row_max, inverse = ctx.saved_tensors
-        b, h, _, d = q.shape
-        nb, c, w, d_v = key_real.shape[0], in_band.shape[0], in_band.shape[1], v_padded.shape[3]
-        delta = (grad_out * out).sum(dim=-1).view(b, h, nb, c).permute(2, 0, 1, 3).unsqueeze(-1)  # [nb, b, h, c, 1]
-        outside_head = ~(in_band & (soft > 0))
-        key_padding = ~key_real[:, :, None, None, :]
-        grad_q = torch.empty(q.shape, dtype=k_padded.dtype, device=q.device)
-        grad_k, grad_v = torch.zeros_like(k_padded), torch.zeros_like(v_padded)
-        grad_soft = torch.zeros_like(soft) if ctx.needs_input_grad[3] else None
-        for start, stop in _chunks(b * h * c * w, nb):
-            t = stop - start
-            q_c = _query_blocks(q, start, stop, c, k_padded.dtype, ctx.scale)
-            k_c = _windows(k_padded, start, stop, c, w).view(-1, w, d)
-            v_c = _windows(v_padded, start, stop, c, w).view(-1, w, d_v)
-            grad_out_c = _query_blocks(grad_out, start, stop, c, k_padded.dtype, 1.0)
-            normalized = torch.bmm(q_c, k_c.transpose(1, 2)).view(t, b, h, c, w)
-            normalized.masked_fill_(outside_head, float("-inf")).masked_fill_(key_padding[start:stop], float("-inf"))
-            normalized.sub_(row_max[start:stop]).exp_().mul_(inverse[start:stop])  # E / Z
-            probs = (normalized * soft).view(-1, c, w)  # P
-            _add_windows(grad_v, torch.bmm(probs.transpose(1, 2), grad_out_c), start, stop, c, w)
-            g = torch.bmm(grad_out_c, v_c.transpose(1, 2)).view(t, b, h, c, w).sub_(delta[start:stop])  # dP - D
-            if grad_soft is not None:
-                grad_soft += (normalized * g).sum(dim=(0, 1))
-            grad_scores = g.view(-1, c, w).mul_(probs)  # dS = P ∘ G
-            _put_blocks(grad_q, torch.bmm(grad_scores, k_c).mul_(ctx.scale), start, stop)
-            _add_windows(grad_k, torch.bmm(grad_scores.transpose(1, 2), q_c), start, stop, c, w)
-        return grad_q.to(q.dtype), grad_k, grad_v, grad_soft, None, None, None
+        q, k, v, soft, hidden, out = ctx.saved_tensors
+        q_offset, left, scale, may_be_empty = ctx.settings
+        b, _, n_q, _ = q.shape
+        bias = soft.log()
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        dsum = torch.zeros_like(soft) if ctx.needs_input_grad[3] else None  # Σ dS per table entry
+        for row in range(b):
+            for r0, r1, lo, hi, j0 in _band_blocks(n_q, k.shape[2], *soft.shape[1:], q_offset, left):
+                probs = _block_probs(q, k, bias, hidden, row, scale, may_be_empty, r0, r1, lo, hi, j0)
+                grad_out_c = grad_out[row, :, r0:r1]  # [h, c, d_v]
+                grad_v[row, :, lo:hi].baddbmm_(probs.transpose(1, 2), grad_out_c)
+                minus_delta = (grad_out_c * out[row, :, r0:r1]).sum(dim=-1, keepdim=True).neg_()  # -rowsum(dO ∘ O)
+                grad_scores = torch.baddbmm(minus_delta, grad_out_c, v[row, :, lo:hi].transpose(1, 2)).mul_(probs)
+                if dsum is not None:
+                    dsum[:, : r1 - r0, j0 : j0 + hi - lo] += grad_scores
+                grad_q[row, :, r0:r1] = torch.bmm(grad_scores, k[row, :, lo:hi])
+                grad_k[row, :, lo:hi].baddbmm_(grad_scores.transpose(1, 2), q[row, :, r0:r1], alpha=scale)
+        grad_soft = None
+        if dsum is not None:  # dm = dS / m where m > 0; 0 off the support, as the weights do not depend on m there
+            grad_soft = torch.where(soft > 0, dsum / soft, torch.zeros_like(soft))
+        return grad_q.mul_(scale), grad_k, grad_v, grad_soft, *([None] * 5)
 
 
-def _query_blocks(rows: Tensor, start: int, stop: int, c: int, dtype: torch.dtype, scale: float) -> Tensor:
-    """Rows of blocks start..stop of `rows [b, h, nb·c, d]` as a contiguous `[(stop - start)·b·h, c, d]` in
-    `dtype`, times `scale`: the block-major order of one chunk's batched matmuls."""
-    b, h, _, d = rows.shape
-    blocks = rows[:, :, start * c : stop * c].reshape(b, h, stop - start, c, d).permute(2, 0, 1, 3, 4)
-    blocks = blocks.to(dtype).reshape(-1, c, d)
-    return blocks * scale if scale != 1.0 else blocks
-
-
-def _put_blocks(target: Tensor, blocks: Tensor, start: int, stop: int) -> None:
-    """Write `blocks [(stop - start)·b·h, c, d]` (block-major) into rows of blocks start..stop of `target`
-    `[b, h, nb·c, d]`."""
-    b, h, _, d = target.shape
-    c = blocks.shape[1]
-    target[:, :, start * c : stop * c].view(b, h, stop - start, c, d).copy_(
-        blocks.view(stop - start, b, h, c, d).permute(1, 2, 0, 3, 4)
+def _block_probs(q, k, bias, hidden, row, scale, may_be_empty, r0, r1, lo, hi, j0) -> Tensor:
+    """The weights `[h, r1 - r0, hi - lo]` of batch row `row`'s queries r0..r1 over its keys lo..hi (table columns
+    from j0)."""
+    scores = torch.baddbmm(
+        bias[:, : r1 - r0, j0 : j0 + hi - lo], q[row, :, r0:r1], k[row, :, lo:hi].transpose(1, 2), alpha=scale
     )
-
-
-def _chunks(elements_per_block: int, blocks: int):
-    step = max(1, min(blocks, _CHUNK_ELEMENTS // max(1, elements_per_block)))
-    for start in range(0, blocks, step):
-        yield start, min(blocks, start + step)
-
-
-def _windows(padded: Tensor, start: int, stop: int, c: int, w: int) -> Tensor:
-    """Key windows of blocks start..stop-1 (w rows from row t·c each) of `padded` `[b, h, rows, d]`.
-
-    Returns a contiguous copy `[stop - start, b, h, w, d]`: a batched matmul over the overlapping strided views
-    would fall back to a slow loop.
-    """
-    rows = padded[:, :, start * c : (stop - 1) * c + w]
-    return rows.unfold(2, w, c).permute(2, 0, 1, 4, 3).contiguous()
-
-
-def _add_windows(target: Tensor, grad_windows: Tensor, start: int, stop: int, c: int, w: int) -> None:
-    """Add window gradients `[(stop - start)·b·h, w, d]` back onto the overlapping rows of `target` `[b, h, rows,
-    d]`."""
-    b, h, _, d = target.shape
-    t = stop - start
-    rows = (torch.arange(t, device=target.device)[:, None] * c + torch.arange(w, device=target.device)).view(-1)
-    source = grad_windows.view(t, b, h, w, d).permute(1, 2, 0, 3, 4).reshape(b, h, t * w, d)
-    target[:, :, start * c : (stop - 1) * c + w].index_add_(2, rows, source)
+    if hidden is not None:
+        scores.masked_fill_(hidden[row, lo:hi], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if may_be_empty:  # a row without any key: weights 0 (softmax of all -inf is NaN)
+        probs.masked_fill_(scores.amax(dim=-1, keepdim=True) == float("-inf"), 0.0)
+    return probs
 
 
 def _check_span_arguments(span, heads: int, device: torch.device, *, max_span, ramp, block_size) -> None:

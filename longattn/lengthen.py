@@ -10,7 +10,8 @@ What changes, by family (`max_length` is a token count; each table's size follow
   did: BERT's and ELECTRA's `position_embeddings` (`max_length` rows), RoBERTa's and XLM-RoBERTa's
   (`padding_idx + 1` more rows, kept in front: roberta-base has 514 rows for 512 tokens, 4098 for 4096), GPT-2's
   `wpe`, OPT's `embed_positions` and BART's encoder and decoder `embed_positions` (2 offset rows each); the
-  embeddings' `position_ids` / `token_type_ids` buffers follow;
+  embeddings' `position_ids` / `token_type_ids` buffers follow. A model with causal self-attention gets a warning:
+  the copy does not lengthen a causal model before long training (docs/quality.md measures why);
 - rotary models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma): `max_position_embeddings` is raised, and
   `rope_type` ("linear", "dynamic" or "yarn") optionally scales the rotation by
   `max_length / max_position_embeddings`, written as transformers 5.x `rope_parameters`;
@@ -25,6 +26,7 @@ unknown attention implementation, never a silent full-attention model.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +69,20 @@ def _extend_table(table: nn.Embedding, rows: int, offset: int) -> None:
     table.num_embeddings = rows
 
 
+CAUSAL_COPY_WARNING = (
+    "{model} has causal self-attention: its learned position table is extended by copying, which lengthens "
+    "bidirectional encoders (Longformer's result) but not a causal model before long training. Measured on a small "
+    "causal RoBERTa (docs/quality.md, 'Lengthening a pretrained causal model'): each copy's seam reaches later "
+    "queries through the layers below, and loss at 4,096 tokens more than doubles. Train at the new length before "
+    "relying on it, or prefer a rotary model."
+)
+
+
 def _extend_learned_positions(model: nn.Module, max_length: int) -> None:
     config = model.config
     tables = _position_tables(model)
+    if any(getattr(module, "is_causal", False) is True for module in model.modules()):
+        warnings.warn(CAUSAL_COPY_WARNING.format(model=type(model).__name__), UserWarning, stacklevel=3)
     for owner, name, offset, config_counts_offset in tables:
         table = owner._modules[name]
         tokens = table.num_embeddings - offset

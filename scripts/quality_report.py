@@ -34,12 +34,29 @@ UNIGRAM_TEXT = _paragraph("""
 A model that ignores all context (the training split's byte frequencies) scores {unigram} bits per byte on the test
 split: how far a model gets below that line is what its context bought it.""")
 LENGTHENING_TEXT = _paragraph("""
-As {longformer}, at small scale: a stock `RobertaForMaskedLM` built by transformers (bytes, {layers} layers of
+As {longformer}, at small scale: a stock `{head}` built by transformers (bytes, {layers} layers of
 {hidden}, {heads} heads) pretrained with full attention at 512 tokens for {steps} steps of {batch} x 512 tokens
-({cpu} CPU seconds), then `longattn.lengthen` to 4,096 tokens with the sliding kind (first token global).
-Masked-LM bits per byte on the test split, the same seeded 15% of tokens masked for every model and length
+({cpu} CPU seconds), then `longattn.lengthen` to 4,096 tokens with the sliding kind{global_first}. {scoring}
 (non-overlapping windows). Continued training: {continued_steps} steps of {continued_batch} x 4,096 tokens, as many
 tokens per step as pretraining; the control continues the 512 model at 512 tokens for the same steps and tokens.""")
+# objective -> (heading, stock head class, the global token, how the tokens are scored)
+LENGTHENING_OBJECTIVES = {
+    "mlm": (
+        "## Lengthening a pretrained model",
+        "RobertaForMaskedLM",
+        " (first token global)",
+        "Masked-LM bits per byte on the test split, the same seeded 15% of tokens masked for every model and length",
+    ),
+    "clm": (
+        "## Lengthening a pretrained causal model",
+        "RobertaForCausalLM",
+        " (its window ends at the query, so no global token)",
+        "The same study with RoBERTa as a decoder (`is_decoder`, `python scripts/quality_study.py lengthening "
+        "--objective clm`), because the masked LM above stays on its bag-of-bytes plateau at this budget while the "
+        "causal one leaves it within a few hundred steps. Causal-LM bits per byte of every test-split token given the "
+        "preceding tokens of its window",
+    ),
+}
 KINDS_TEXT = _paragraph("""
 Every kind trained from scratch with the same model ({model}), data, seed and hyper-parameters ({steps} optimizer
 steps of {batch} x 2,048 tokens, learning rate {lr} after {warmup} warm-up steps, linear decay), chosen on full
@@ -74,19 +91,43 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "n/a" if value is None or not base else f"{value / base:.3f}x"
 
 
-# ---------------------------------------------------------------------------------------------- lengthening
-def lengthening_section(study: Path) -> str:
-    bpb = {
+def _lengthening_scores(study: Path) -> dict[tuple[str, int], float]:
+    """Bits per byte of a lengthening study's folders, by (model folder, context length): its 512 and 4,096 evals."""
+    return {
         **_eval_rows(_json(study / "eval-512" / "results.json")),
         **_eval_rows(_json(study / "eval-4096" / "results.json")),
     }
+
+
+# ---------------------------------------------------------------------------------------------- lengthening
+def _seam_checks(study: Path) -> list[str]:
+    """The causal study's seam probe (`seam-probe.json`, written by quality_study's `_seam_probe`) as bullets."""
+    probe = _json(study / "seam-probe.json")
+    if not probe:
+        return []
+    copied, continued = probe["roberta-4096-copied"], probe["roberta-4096-continued"]
+    return [
+        f"- where the copy breaks: the {copied['queries']:,} test queries whose whole 256-token window lies inside "
+        f"one later copy of the table (every key's row at or before the query's, as in pretraining) score "
+        f"{copied['long']:.4f} bits per byte in the 4,096-token run and {copied['fresh']:.4f} when the same tokens "
+        f"are read as fresh 512-token windows. The window is not what breaks them: the layers below carried the "
+        f"seam into their keys (each layer reaches 256 tokens further back: {probe['reach_tokens']:,} tokens for "
+        f"the model's {probe['reach_tokens'] // 256} layers). After continued training at 4,096: "
+        f"{continued['long']:.4f} against {continued['fresh']:.4f}."
+    ]
+
+
+def lengthening_section(study: Path, objective: str = "mlm") -> str:
+    heading, head, global_first, scoring = LENGTHENING_OBJECTIVES[objective]
+    side = " per side" if objective == "mlm" else " before each token"
+    bpb = _lengthening_scores(study)
     base = bpb.get(("roberta-512", 512))
     control = bpb.get(("roberta-512-continued", 512))
     covering = bpb.get(("roberta-4096-w512", 512))
     rows = [
         ("the 512 model (pretrained, full attention)", "roberta-512", 512),
-        ("lengthened, window 512 per side (covers every 512 window)", "roberta-4096-w512", 512),
-        ("lengthened, window 256 per side", "roberta-4096-copied", 512),
+        (f"lengthened, window 512{side} (covers every 512 window)", "roberta-4096-w512", 512),
+        (f"lengthened, window 256{side}", "roberta-4096-copied", 512),
         ("lengthened, copied position table", "roberta-4096-copied", 4096),
         ("lengthened, new position rows drawn at random", "roberta-4096-random", 4096),
         ("lengthened, copied table, then continued training at 4,096", "roberta-4096-continued", 4096),
@@ -127,6 +168,7 @@ def lengthening_section(study: Path) -> str:
             f"- order test: the 512 model with each window's visible bytes shuffled (the masked slots kept) scores "
             f"{shuffled:.4f} bits per byte, {shuffled / base - 1:+.1%} against the same windows in order."
         )
+    checks.extend(_seam_checks(study))
     if base and long_trained:
         change = long_trained / base - 1
         note = f"; the 512-token control trained for the same steps: {control / base - 1:+.1%}" if control else ""
@@ -138,10 +180,13 @@ def lengthening_section(study: Path) -> str:
         )
     return "\n".join(
         [
-            "## Lengthening a pretrained model",
+            heading,
             "",
             LENGTHENING_TEXT.format(
                 longformer=LONGFORMER,
+                head=head,
+                global_first=global_first,
+                scoring=scoring,
                 layers=config.get("num_hidden_layers", "n/a"),
                 hidden=config.get("hidden_size", "n/a"),
                 heads=config.get("num_attention_heads", "n/a"),
@@ -349,10 +394,7 @@ def _verdict(root: Path, unigram: float | None) -> list[str]:
             f"training CPU time ({', '.join(f'`{k}`' for k in better) or 'none'})"
             + (f"; {', '.join(worse)} end above it." if worse else ".")
         )
-    bpb = {
-        **_eval_rows(_json(lengthening / "eval-512" / "results.json")),
-        **_eval_rows(_json(lengthening / "eval-4096" / "results.json")),
-    }
+    bpb = _lengthening_scores(lengthening)
     base, copied, random_rows = (
         bpb.get(key) for key in (("roberta-512", 512), ("roberta-4096-copied", 4096), ("roberta-4096-random", 4096))
     )
@@ -366,7 +408,45 @@ def _verdict(root: Path, unigram: float | None) -> list[str]:
             "which reads positions (random rows at least 3x worse, a gain from the longer window) are not shown by "
             "this run; the exact check of the lengthening itself holds."
         )
+    sentences += _causal_lengthening_verdict(root / "lengthening-clm")
     return [" ".join(sentences), ""]
+
+
+def _causal_lengthening_verdict(study: Path) -> list[str]:
+    """The causal RoBERTa's lengthening in one sentence: random new rows against the copied table, and continued
+    training at 4,096 against the 512-token control."""
+    bpb = _lengthening_scores(study)
+    base, copied, random_rows, long_trained, control = (
+        bpb.get(key)
+        for key in (
+            ("roberta-512", 512),
+            ("roberta-4096-copied", 4096),
+            ("roberta-4096-random", 4096),
+            ("roberta-4096-continued", 4096),
+            ("roberta-512-continued", 512),
+        )
+    )
+    if not (base and copied and random_rows):
+        return []
+    sentence = (
+        f"The causal RoBERTa leaves the plateau and reads positions, but copying its 512-row table does not lengthen "
+        f"it: at 4,096 tokens it scores {copied / base:.2f}x its 512-token bits per byte with the copied table and "
+        f"{random_rows / base:.2f}x with random new rows (Longformer's copy works for a bidirectional model)"
+    )
+    probe = _json(study / "seam-probe.json")
+    if probe:
+        copied_probe = probe["roberta-4096-copied"]
+        sentence += (
+            f". What breaks it is the seam between copies, carried up through the layers: queries whose whole window "
+            f"lies inside one later copy score {copied_probe['long']:.2f} bits per byte, the same tokens read as "
+            f"fresh 512-token windows {copied_probe['fresh']:.2f}"
+        )
+    if long_trained and control:
+        sentence += (
+            f"; after continued training at 4,096 tokens it scores {long_trained / base - 1:+.1%} against the 512 "
+            f"model, the 512-token control trained for the same steps {control / base - 1:+.1%}"
+        )
+    return [sentence + "."]
 
 
 # ---------------------------------------------------------------------------------------------- the page
@@ -385,6 +465,7 @@ def write_report(root: Path, doc: Path) -> Path:
             "",
             "```bash",
             "python scripts/quality_study.py lengthening --output_dir runs/quality   # resumable",
+            "python scripts/quality_study.py lengthening --objective clm --output_dir runs/quality   # resumable",
             "python scripts/quality_study.py kinds --output_dir runs/quality --skip clm-synthesizer  # resumable",
             "python scripts/quality_study.py report --output_dir runs/quality --doc docs/quality.md",
             "```",
@@ -400,6 +481,7 @@ def write_report(root: Path, doc: Path) -> Path:
         header,
         lengthening_section(root / "lengthening"),
         "",
+        *([lengthening_section(root / "lengthening-clm", "clm"), ""] if (root / "lengthening-clm").is_dir() else []),
         kinds_section(root / "kinds", plot),
         loss_by_length_section(root / "kinds", doc.parent),
     ]

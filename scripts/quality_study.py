@@ -14,6 +14,14 @@ interrupted anywhere continues from its last checkpoint when the command is run 
   4. evaluate every folder with `longattn-eval` (bits per byte of a fixed, seeded 15% mask on the test split, at
      512 and 4,096 tokens).
 
+`lengthening --objective clm` runs the same steps on a causal `RobertaForCausalLM` (`is_decoder`; bits per byte of
+every token given its window's preceding context, no global token: a causal window ends at the query, so the first
+token adds nothing a window cannot reach) into `lengthening-clm`: at this budget the masked LM stays on the
+bag-of-bytes plateau (see the report's order test) while the causal one leaves it within a few hundred steps, so only
+the causal study can show what lengthening does to a model that reads positions. It ends with a probe of where
+the copied table breaks (`seam-probe.json`: queries whose window lies inside one later copy, in the long run
+and read as fresh 512-token windows).
+
 `kinds`: every kind at the same size, data and token budget, from scratch at 2,048 tokens with the same
 hyper-parameters (chosen on full attention): causal LM for the kinds with a decoder form, masked LM for the
 encoder-only ones (with a full-attention masked-LM control). Training CPU seconds are the training process's CPU time
@@ -22,6 +30,7 @@ inside optimizer steps with one thread (`train_cpu_seconds` of the recipes), pea
 `report` writes docs/quality.md from the results (`--doc`), with the table, the plots and the commands.
 
     python scripts/quality_study.py lengthening --output_dir runs/quality
+    python scripts/quality_study.py lengthening --objective clm --output_dir runs/quality
     python scripts/quality_study.py kinds --output_dir runs/quality
     python scripts/quality_study.py report --output_dir runs/quality --doc docs/quality.md
 
@@ -53,7 +62,11 @@ ROBERTA = {  # a small byte-level RoBERTa: 4 layers of 128, 4 heads of 32 (about
 }
 SHORT, LONG, WINDOW = 512, 4096, 256
 PRETRAIN = {"steps": int(os.environ.get("QS_PRETRAIN_STEPS", 2400)), "batch": 8, "learning_rate": 1e-3, "warmup": 100}
-CONTINUE = {"steps": 300, "learning_rate": 3e-4, "warmup": 30}  # tokens per step as in pretraining
+CONTINUE = {
+    "steps": int(os.environ.get("QS_CONTINUE_STEPS", 300)),
+    "learning_rate": 3e-4,
+    "warmup": 30,
+}  # tokens per step as in pretraining
 
 # --------------------------------------------------------------------------------------------- the kinds study
 EVAL_DURING_TRAINING_BYTES = 160_000
@@ -186,27 +199,40 @@ def _sinusoidal_positions(table, config) -> None:
         table[config.pad_token_id + 1 :] = values * config.initializer_range * 2**0.5
 
 
-def lengthening(root: Path, data: Path) -> None:
+# objective -> (its stock RoBERTa head, the recipe that trains it, the study's folder)
+OBJECTIVES = {
+    "mlm": ("RobertaForMaskedLM", "mlm", "lengthening"),
+    "clm": ("RobertaForCausalLM", "clm", "lengthening-clm"),
+}
+
+
+def lengthening(root: Path, data: Path, objective: str = "mlm") -> None:
     import torch
-    from transformers import RobertaConfig, RobertaForMaskedLM
+    import transformers
+    from transformers import RobertaConfig
 
     import longattn
     from longattn.tokenization_longattn import byte_tokenizer
 
-    study = root / "lengthening"
+    head, recipe, folder_name = OBJECTIVES[objective]
+    masked = objective == "mlm"
+    # Longformer's first token is global; a causal window ends at its query, so there the flag would add nothing
+    global_first = ["--global_first_token"] if masked else []
+    study = root / folder_name
     init = study / "roberta-512-init"
     if not (init / "config.json").is_file():
-        tokenizer = byte_tokenizer(model_max_length=SHORT)
+        tokenizer = byte_tokenizer(model_max_length=SHORT, add_eos_token=masked)
         config = RobertaConfig(
             vocab_size=len(tokenizer),
             max_position_embeddings=SHORT + tokenizer.pad_token_id + 1,  # RoBERTa counts positions after padding_idx
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            is_decoder=not masked,
             **ROBERTA,
         )
         torch.manual_seed(0)
-        model = RobertaForMaskedLM(config)
+        model = getattr(transformers, head)(config)
         _sinusoidal_positions(model.roberta.embeddings.position_embeddings.weight, config)
         # longattn's `full` kind: dense attention as sdpa computes it, and the folder trains with the recipes
         longattn.apply_longattn(model, attention_type="full")
@@ -214,7 +240,7 @@ def lengthening(root: Path, data: Path) -> None:
         tokenizer.save_pretrained(init)
     base = study / "roberta-512"
     p = PRETRAIN
-    _train("mlm", base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
+    _train(recipe, base, data, steps=p["steps"], batch=p["batch"], lr=p["learning_rate"], warmup=p["warmup"],
            length=SHORT, eval_every=400, source=["--model_name_or_path", str(init)])  # fmt: skip
 
     lengthened = {
@@ -234,27 +260,75 @@ def lengthening(root: Path, data: Path) -> None:
             with torch.no_grad():
                 new = torch.randn(positions[SHORT + 1 :].shape, generator=generator) * model.config.initializer_range
                 positions[SHORT + 1 :] = new
-        tokenizer = byte_tokenizer(model_max_length=LONG)
+        tokenizer = byte_tokenizer(model_max_length=LONG, add_eos_token=masked)
         longattn.save_lengthened(model, folder, tokenizer=tokenizer)
 
     c = CONTINUE
     tokens = p["batch"] * SHORT
-    _train("mlm", study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
+    _train(recipe, study / "roberta-4096-continued", data, steps=c["steps"], batch=tokens // LONG,
            lr=c["learning_rate"], warmup=c["warmup"], length=LONG, eval_every=100,
-           source=["--model_name_or_path", str(study / "roberta-4096-copied")],
-           extra=["--global_first_token"])  # fmt: skip
-    _train("mlm", study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
+           source=["--model_name_or_path", str(study / "roberta-4096-copied")], extra=global_first)  # fmt: skip
+    _train(recipe, study / "roberta-512-continued", data, steps=c["steps"], batch=p["batch"],
            lr=c["learning_rate"], warmup=c["warmup"], length=SHORT, eval_every=100,
            source=["--model_name_or_path", str(base)])  # fmt: skip
 
     _evaluate([base, study / "roberta-512-continued"], study / "eval-512", data, lengths=[SHORT])
-    # The order test: does the pretrained model read positions at all, or its window as a bag of bytes?
-    _evaluate([base], study / "eval-512-shuffled", data, lengths=[SHORT], extra=["--shuffle_context"])
+    if masked:  # the order test: does the pretrained model read positions, or its window as a bag of bytes?
+        _evaluate([base], study / "eval-512-shuffled", data, lengths=[SHORT], extra=["--shuffle_context"])
     _evaluate(
         [study / name for name in ("roberta-4096-w512", "roberta-4096-copied", "roberta-4096-random",
                                    "roberta-4096-continued")],
-        study / "eval-4096", data, lengths=[SHORT, LONG], extra=["--global_first_token"],
+        study / "eval-4096", data, lengths=[SHORT, LONG], extra=global_first,
     )  # fmt: skip
+    if not masked:
+        _seam_probe(study, data)
+
+
+def _seam_probe(study: Path, data: Path) -> None:
+    """Where the causal copy breaks: the lengthened models' bits per byte at 4,096 tokens on the queries whose whole
+    window lies inside one later copy of the table (position p >= 512 with p mod 512 >= 256: every key's row is at or
+    before the query's, as in pretraining), against the same queries read as fresh 512-token windows.
+
+    If the window itself were at fault the two would differ little (the window-256 row at 512 tokens already prices
+    the window); a large gap is what the layers below carried across the seam: each layer reaches `window` tokens
+    further back, so after the first copy every query's receptive field crosses a seam. Writes `seam-probe.json`.
+    """
+    import math
+
+    import torch
+
+    from longattn.tools.evaluate import load_folder, read_corpus, token_stream
+
+    output = study / "seam-probe.json"
+    if output.is_file():
+        print(f"{output}: done", flush=True)
+        return
+    torch.manual_seed(0)
+    results = {}
+    for name in ("roberta-4096-copied", "roberta-4096-continued"):
+        loaded = load_folder(study / name)
+        ids, special = token_stream(loaded.tokenizer, read_corpus([data / "test.jsonl"]), task="clm")
+        windows = ids[: EVAL_TOKENS - EVAL_TOKENS % LONG].view(-1, LONG)
+        scored = ~special[: windows.numel()].view_as(windows)[:, 1:]  # targets; a special target is never scored
+        row = torch.arange(LONG - 1) % SHORT  # the query's row in its copy; the target is the next token
+        inside = (torch.arange(LONG - 1) >= SHORT) & (row >= WINDOW) & (row < SHORT - 1)
+        sums = {"long": 0.0, "fresh": 0.0}
+        with torch.no_grad():
+            for window, keep in zip(windows, scored, strict=True):
+                fresh_input = window.view(-1, SHORT)  # the same tokens, each 512 a window of its own
+                for key, logits in (("long", loaded.model(input_ids=window[None]).logits[0, :-1]),
+                                    ("fresh", loaded.model(input_ids=fresh_input).logits[:, :-1])):  # fmt: skip
+                    targets = window[1:] if key == "long" else fresh_input[:, 1:]
+                    nll = -torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+                    if key == "fresh":  # [copies, 511] -> the long run's query positions (a copy's last query
+                        nll = torch.cat([nll, nll.new_zeros(nll.shape[0], 1)], 1).flatten()[:-1]  # has no target)
+                    sums[key] += nll[inside & keep].sum().item()
+        count = int((inside[None] & scored).sum())
+        results[name] = {key: value / count / math.log(2) for key, value in sums.items()} | {"queries": count}
+    config = loaded.model.config
+    results["reach_tokens"] = config.num_hidden_layers * WINDOW  # how far back the last layer's inputs reach
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2), flush=True)
 
 
 def kinds(root: Path, data: Path, only: list[str] | None, skip: list[str] | None = None) -> None:
@@ -281,13 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("study", choices=["lengthening", "kinds", "report"])
     parser.add_argument("--output_dir", default="runs/quality", help="where the runs go")
     parser.add_argument("--data_dir", default="data/stdlib", help="the stdlib corpus (written when absent)")
+    parser.add_argument("--objective", choices=sorted(OBJECTIVES), default="mlm",
+                        help="lengthening: the objective (clm: a causal RoBERTa, into lengthening-clm)")  # fmt: skip
     parser.add_argument("--only", nargs="*", help="kinds: only these runs (names as in the table)")
     parser.add_argument("--skip", nargs="*", help="kinds: leave these runs out (their rows say where they stopped)")
     parser.add_argument("--doc", default="docs/quality.md", help="report: the page to write")
     args = parser.parse_args(argv)
     root, data = Path(args.output_dir), _corpus(Path(args.data_dir))
     if args.study == "lengthening":
-        lengthening(root, data)
+        lengthening(root, data, args.objective)
     elif args.study == "kinds":
         kinds(root, data, args.only, args.skip)
     else:

@@ -76,6 +76,25 @@ def test_banded_executor_equals_the_dense_reference(causal, n_q, dropout_p):
     assert grads[3].abs().sum() > 0  # the spans learn through the ramp
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_heads_whose_span_hides_every_key_give_zeros_not_nan(causal):
+    """A span at most -R gives m = 0 even at distance 0: that head's rows see no key (zeros, as the dense form),
+    while the other head still learns its span through the hand-written backward."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 23, 4, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    span = torch.tensor([-5.0, 2.5], dtype=torch.float64, requires_grad=True)
+    kwargs = dict(span=span, max_span=6, ramp=3, causal=causal)
+    out = adaptive_span_attention(q, k, v, block_size=4, **kwargs)
+    expected, _ = adaptive_span_reference(q, k, v, **kwargs)
+    torch.testing.assert_close(out, expected)
+    assert (out[:, 0] == 0).all() and not out.isnan().any()
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v, span), grad_out)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v, span), grad_out)):
+        torch.testing.assert_close(got, want)
+    assert grads[3][0] == 0 and grads[3][1] != 0
+
+
 def test_keys_beyond_the_largest_span_are_never_read():
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 200, 4, generator=generator) for _ in range(3))

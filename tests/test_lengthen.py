@@ -97,6 +97,15 @@ def test_lengthen_refusals(tmp_path):
         save_lengthened(build("bert"), tmp_path / "out")
 
 
+def test_lengthen_warns_that_a_copied_table_does_not_lengthen_a_causal_model(recwarn):
+    """GPT-2 and BART (whose decoder table is copied too) are warned; BERT and Llama (rotary) are not."""
+    for family, warned in (("gpt2", True), ("bart", True), ("bert", False), ("llama", False)):
+        recwarn.clear()
+        lengthen(build(family), NEW_TOKENS)
+        messages = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
+        assert any("causal self-attention" in m for m in messages) == warned, (family, messages)
+
+
 # ------------------------------------------------------------------------------------------ RoBERTa, end to end
 @pytest.fixture(scope="module")
 def lengthened_roberta(tmp_path_factory) -> Path:
