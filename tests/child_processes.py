@@ -110,13 +110,17 @@ def run(command: list[str], *, timeout: float, check: bool = False, **popen_kwar
 
 def _rank_with_stacks(rank: int, worker, stacks_dir: str, *args) -> None:
     """`worker(rank, *args)`, with every thread's Python stack written to `stacks_dir/rank<rank>.txt` on SIGUSR1
-    (faulthandler's handler runs even while the rank waits in C, in a collective)."""
-    with open(Path(stacks_dir) / f"rank{rank}.txt", "w") as stacks:
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-        try:
-            worker(rank, *args)
-        finally:
-            faulthandler.unregister(signal.SIGUSR1)
+    (faulthandler's handler runs even while the rank waits in C, in a collective).
+
+    A rank that returns leaves at once with `os._exit(0)`, as a forked child should: the interpreter's exit path
+    (multiprocessing's finalizers, then flushing sys.stdout and sys.stderr) takes locks that another thread of the
+    test process (pytest's, tqdm's monitor) may have held at the moment of the fork, and a lock copied held is held
+    forever. The rank's results are in files it has already closed; a rank that raises goes through
+    `start_processes`' own error path, which records the exception first."""
+    stacks = open(Path(stacks_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    worker(rank, *args)
+    os._exit(0)
 
 
 def _stacks_of(ranks: list[tuple[int, mp.Process]], stacks_dir: Path) -> str:
