@@ -58,15 +58,9 @@ from .ops_checks import (
     empty_attention,
     is_empty,
 )
-from .ops_lsh import (
-    RelativeColumns,
-    attend_gathered_windows,
-    attend_windows,
-    attend_windows_on_kernel,
-    gather_rows,
-    head_rows,
-    select_windows_executor,
-)
+from .ops_lsh_chunks import attend_windows, attend_windows_on_kernel, select_windows_executor
+from .ops_lsh_gathered import RelativeColumns, attend_gathered_windows
+from .ops_lsh_sorting import gather_rows, head_rows
 from .patterns import document_index
 from .relative_logits import check_relative_embedding, materialize_bias, relative_bias, relative_logit_table
 

@@ -10,9 +10,11 @@ Neither standard way is enough on its own:
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -106,20 +108,61 @@ def run(command: list[str], *, timeout: float, check: bool = False, **popen_kwar
     return done
 
 
+def _rank_with_stacks(rank: int, worker, stacks_dir: str, *args) -> None:
+    """`worker(rank, *args)`, with every thread's Python stack written to `stacks_dir/rank<rank>.txt` on SIGUSR1
+    (faulthandler's handler runs even while the rank waits in C, in a collective).
+
+    A rank that returns leaves at once with `os._exit(0)`, as a forked child should: the interpreter's exit path
+    (multiprocessing's finalizers, then flushing sys.stdout and sys.stderr) takes locks that another thread of the
+    test process (pytest's, tqdm's monitor) may have held at the moment of the fork, and a lock copied held is held
+    forever. The rank's results are in files it has already closed; a rank that raises goes through
+    `start_processes`' own error path, which records the exception first."""
+    stacks = open(Path(stacks_dir) / f"rank{rank}.txt", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    worker(rank, *args)
+    os._exit(0)
+
+
+def _stacks_of(ranks: list[tuple[int, mp.Process]], stacks_dir: Path) -> str:
+    """The Python stacks of these (rank, process) pairs, each asked for them by SIGUSR1 (a few seconds at most)."""
+    for _, process in ranks:
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    files = {rank: stacks_dir / f"rank{rank}.txt" for rank, _ in ranks}
+    give_up = time.monotonic() + 5
+    while time.monotonic() < give_up and not all(path.exists() and path.stat().st_size for path in files.values()):
+        time.sleep(0.1)
+    return "".join(
+        # Most recent call first: the head is where the rank waits (the tail is the test process's stack, forked).
+        f"\n--- rank {rank} (pid {process.pid})\n" + (files[rank].read_text()[:TAIL] or "(no stacks)")
+        for rank, process in ranks
+    )
+
+
 def start_ranks(worker, args: tuple, nprocs: int, *, timeout: float = 300.0) -> None:
     """`torch.multiprocessing.start_processes(worker, args, nprocs, start_method="fork")` joined with a deadline: a
     rank that raises fails the test at once (the others are terminated, as `start_processes` does); ranks still
-    running at the deadline are killed and the test fails.
+    running at the deadline are killed and the test fails with their Python stacks (every thread's, where each
+    waited).
 
     Forked, not spawned: a spawned process imports torch, transformers and longattn again (about 5 s of CPU each,
     more than the ranks' own work); a forked one starts with them."""
     if "fork" not in mp.get_all_start_methods():
         pytest.skip("forks its processes")
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="fork", join=False)
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            running = [process for process in context.processes if process.is_alive()]
-            for process in running:
-                kill_tree(process.pid)
-            pytest.fail(f"{len(running)} of {nprocs} ranks still ran after {timeout:.0f} s: killed", pytrace=False)
+    with tempfile.TemporaryDirectory(prefix="rank-stacks-") as stacks_dir:
+        context = mp.start_processes(
+            _rank_with_stacks, args=(worker, stacks_dir, *args), nprocs=nprocs, start_method="fork", join=False
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                ranks = [(rank, process) for rank, process in enumerate(context.processes) if process.is_alive()]
+                stacks = _stacks_of(ranks, Path(stacks_dir))
+                for _, process in ranks:
+                    kill_tree(process.pid)
+                pytest.fail(
+                    f"{len(ranks)} of {nprocs} ranks still ran after {timeout:.0f} s: killed. Their stacks:{stacks}",
+                    pytrace=False,
+                )

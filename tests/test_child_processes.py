@@ -70,8 +70,10 @@ def _failing_rank(rank: int) -> None:
 def test_start_ranks_kills_ranks_past_the_deadline():
     start = time.monotonic()
     # Rank 0 returns at once, rank 1 sleeps (on a loaded machine rank 0 may not have ended yet either).
-    with pytest.raises(pytest.fail.Exception, match="[12] of 2 ranks still ran after 3 s: killed"):
+    with pytest.raises(pytest.fail.Exception, match="[12] of 2 ranks still ran after 3 s: killed") as failed:
         start_ranks(_sleeping_rank, args=(), nprocs=2, timeout=3)
+    # The failure shows where the ranks that ran on waited: rank 1 in its sleep.
+    assert "--- rank 1 (pid " in str(failed.value) and "in _sleeping_rank" in str(failed.value)
     assert time.monotonic() - start < 30
 
 

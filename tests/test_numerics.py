@@ -65,13 +65,13 @@ ALLOWED = {
         "math.sqrt(self.max_len + self.proj_len)",
     ): "the init std of E and F (1/sqrt(fan)), not a softmax scale",
     ("ops_routing.py", "math.sqrt(n / size)"): "the group size that minimises G + size·g, not a softmax scale",
-    ("ops_lsh.py", "math.sqrt(length // bucket_size)"): "the bound on the number of hash buckets",
+    ("ops_lsh_hashing.py", "math.sqrt(length // bucket_size)"): "the bound on the number of hash buckets",
     (
-        "ops_lsh.py",
+        "ops_lsh_hashing.py",
         "torch.rsqrt(mean_square) / math.sqrt(x.shape[-1])",
     ): "unit-length shared-QK keys x / sqrt(|x|² + d·eps); LSH scores are not scaled",
     (
-        "ops_lsh.py",
+        "ops_lsh_chunks.py",
         "SELF_SCORE = -1e5",
     ): "Reformer's score of a query's own key (transformers' value): a real score, not a hidden logit",
     (
