@@ -997,6 +997,7 @@ def test_ops_dispatch_down_to_leaf_executors():
         "executor_sparse",
         "executor_flex",
         "executor_xformers",
+        "executor_xformers_layouts",
         "executor_families",
     ):
         assert not _sibling_imports(module) & {"ops", "ops_linear", "ops_lsh", "ops_routing", "ops_sinkhorn"}, module
