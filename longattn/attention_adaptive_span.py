@@ -135,16 +135,7 @@ def adaptive_span_attention(
             q, k, v, span.to(dtype), max_span, ramp, causal, key_padding_mask, scale, dropout_p
         )
     q_offset = n_k - n_q
-    # Farthest distance with a nonzero mask: x < R + z. One host sync: the band width is a shape. A compiled graph
-    # cannot read a value back (it would break there), so it takes the largest span S: the same output, S's cost.
-    if torch.compiler.is_compiling():
-        largest, may_be_empty = max_span, True
-    else:
-        low, high = torch.stack([span.detach().min(), span.detach().max()]).tolist()
-        largest = int(math.floor(high)) + ramp
-        # A query always sees its own key (distance 0, m = 1) unless a span is at most -R or keys are padded.
-        may_be_empty = key_padding_mask is not None or low <= -ramp
-    reach = max(0, min(max_span, largest, n_k - 1))
+    reach, may_be_empty = _span_reach(span, max_span, ramp, n_k, padded=key_padding_mask is not None)
     left, right = reach, 0 if causal else reach
     c = max(1, min(block_size, n_q))
     w = c + left + right
@@ -163,6 +154,22 @@ def adaptive_span_attention(
         q.to(dtype), k.to(dtype), v.to(dtype), soft, hidden, q_offset, left, scale, may_be_empty
     )  # [b, h, n, d_v]
     return out.to(q.dtype)
+
+
+def _span_reach(span: Tensor, max_span: int, ramp: int, n_k: int, *, padded: bool) -> tuple[int, bool]:
+    """The band's reach on each side (the farthest distance with a nonzero mask, x < R + z, within the `n_k` keys),
+    and whether a query may see no key (`padded`: keys are padded).
+
+    One host sync: the band width is a shape. A compiled graph cannot read a value back (it would break there), so
+    it takes the largest span S: the same output, S's cost."""
+    if torch.compiler.is_compiling():
+        largest, may_be_empty = max_span, True
+    else:
+        low, high = torch.stack([span.detach().min(), span.detach().max()]).tolist()
+        largest = int(math.floor(high)) + ramp
+        # A query always sees its own key (distance 0, m = 1) unless a span is at most -R or keys are padded.
+        may_be_empty = padded or low <= -ramp
+    return max(0, min(max_span, largest, n_k - 1)), may_be_empty
 
 
 def _dropout_band_attention(q, k, v, soft, in_band, key_padding_mask, q_offset, left, right, scale, dropout_p, dtype):

@@ -134,6 +134,18 @@ class _Shard:
     right: list[int]  # halo keys after it
     rank: int
 
+    @classmethod
+    def of(cls, lengths: list[int], *, reach: int, causal: bool, rank: int) -> _Shard:
+        """The shard of chunks of `lengths` tokens for keys at most `reach` away (causal: before the query only)."""
+        bounds = [0, *itertools.accumulate(lengths)]
+        total = bounds[-1]
+        return cls(
+            bounds=bounds,
+            left=[min(reach, bounds[r]) for r in range(len(lengths))],
+            right=[0 if causal else min(reach, total - bounds[r + 1]) for r in range(len(lengths))],
+            rank=rank,
+        )
+
     @property
     def start(self) -> int:
         return self.bounds[self.rank]
@@ -250,23 +262,11 @@ def context_parallel_sliding_attention(
     window = check_window(window)
     dilation = check_dilation(dilation, heads=h)
     lengths, (padding, is_global) = _gather_masks(n, [(key_padding_mask, True), (global_mask, False)], cp, b, q.device)
-    bounds = [0, *itertools.accumulate(lengths)]
-    total = bounds[-1]
     reach = window * (dilation if isinstance(dilation, int) else max(dilation))
-    shard = _Shard(
-        bounds=bounds,
-        left=[min(reach, bounds[r]) for r in range(cp.size)],
-        right=[0 if causal else min(reach, total - bounds[r + 1]) for r in range(cp.size)],
-        rank=cp.rank,
-    )
+    shard = _Shard.of(lengths, reach=reach, causal=causal, rank=cp.rank)
     mask_fn = sliding_window_pattern(
         window=window, dilation=dilation, causal=causal, global_mask=is_global, key_padding_mask=padding
     )
-    global_index = global_valid = None
-    if is_global is not None:
-        global_index, global_valid = global_token_index(is_global)  # [b, g], global positions
-        if global_index.shape[1] == 0:
-            global_index = None
 
     # Keys and values with their halo: [b, h_kv, m, d + d_v], sequence first for the exchange.
     d_k = k.shape[3]
@@ -275,34 +275,93 @@ def context_parallel_sliding_attention(
     left = shard.left[cp.rank]
     m = kv_halo.shape[2]
 
-    local_fn = mask_fn
-    global_keys = None
-    if global_index is not None:
-        g = global_index.shape[1]
-        owned = global_valid & (global_index >= shard.start) & (global_index < shard.stop)  # [b, g]
-        # Each rank contributes the global rows it holds; the sum over the group has every global token's keys,
-        # values and queries (and sends their gradients back to their owners).
-        kv_global = funcol.all_reduce(_owned_rows(kv, global_index, owned, shard.start), "sum", cp.group)
-        q_global = funcol.all_reduce(_owned_rows(q, global_index, owned, shard.start), "sum", cp.group)  # [b, h, g, d]
-        kv_halo = torch.cat([kv_halo, kv_global], dim=2)  # global keys after the band's: [b, h_kv, m + g, d + d_v]
-        slots = (m + torch.arange(g, device=q.device)).expand(b, g)
-        global_keys = (slots, global_index, global_valid)
-        # Their copies inside the band are hidden, so every key counts once in the softmax.
-        local_fn = and_masks(mask_fn, _not_global_key(is_global))
-    k_halo, v_halo = kv_halo[..., :d_k], kv_halo[..., d_k:]
+    local_fn, global_keys = mask_fn, None
+    rows = None if is_global is None else _global_rows(q, kv, is_global, shard, cp)
+    if rows is not None:
+        kv_halo, local_fn, global_keys = _append_global_keys(kv_halo, rows, mask_fn, is_global)
 
-    groups = head_groups(dilation, h)
-    if len(groups) > 1 and k_halo.shape[1] != h:  # per-head dilations split the heads across key/value groups
-        k_halo, v_halo = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k_halo, v_halo))
     # What every head group shares: its band over this rank's queries and halo keys, and how its blocks are attended.
     band = dict(q_len=n, kv_len=m, window_left=window, window_right=0 if causal else window, q_offset=left)
     attend = dict(local_fn=local_fn, mask_fn=mask_fn, q_offset=left, global_keys=global_keys, scale=scale)
+    out = _attend_head_groups(
+        q,
+        kv_halo[..., :d_k],
+        kv_halo[..., d_k:],
+        dilation,
+        band=band,
+        attend=attend,
+        position_offset=shard.start - left,
+        dropout_p=dropout_p,
+    )
+    if rows is not None:
+        out = _global_queries(
+            rows.q, k, v, out, mask_fn, rows.index, rows.valid, rows.owned, shard, cp, scale, dropout_p
+        )
+    return out
+
+
+@dataclass
+class _GlobalRows:
+    """The global tokens of a batch as every rank of the group holds them (g: the most any batch row has)."""
+
+    index: Tensor  # [b, g], their global positions
+    valid: Tensor  # [b, g], False on the slots of rows with fewer global tokens
+    owned: Tensor  # [b, g], held by this rank
+    kv: Tensor  # [b, h_kv, g, d + d_v], their keys and values
+    q: Tensor  # [b, h, g, d], their queries
+
+
+def _global_rows(q: Tensor, kv: Tensor, is_global: Tensor, shard: _Shard, cp: ContextParallel) -> _GlobalRows | None:
+    """The global tokens' queries `q` and keys and values `kv` (this rank's, `[b, h, n, d]` and
+    `[b, h_kv, n, d + d_v]`) on every rank, from the gathered global mask `is_global` `[b, N]`; None without any.
+
+    Each rank contributes the global rows it holds; the sum over the group has every global token's keys, values
+    and queries (and sends their gradients back to their owners)."""
+    global_index, global_valid = global_token_index(is_global)  # [b, g], global positions
+    if global_index.shape[1] == 0:
+        return None
+    owned = global_valid & (global_index >= shard.start) & (global_index < shard.stop)  # [b, g]
+    kv_global = funcol.all_reduce(_owned_rows(kv, global_index, owned, shard.start), "sum", cp.group)
+    q_global = funcol.all_reduce(_owned_rows(q, global_index, owned, shard.start), "sum", cp.group)  # [b, h, g, d]
+    return _GlobalRows(index=global_index, valid=global_valid, owned=owned, kv=kv_global, q=q_global)
+
+
+def _append_global_keys(
+    kv_halo: Tensor, rows: _GlobalRows, mask_fn: MaskFn, is_global: Tensor
+) -> tuple[Tensor, MaskFn, tuple[Tensor, Tensor, Tensor]]:
+    """The keys and values with their halo `kv_halo` `[b, h_kv, m, d + d_v]` followed by the global ones
+    (`[b, h_kv, m + g, d + d_v]`), the band's predicate with the global keys' copies inside the band hidden (so
+    every key counts once in the softmax), and `band_block_attention`'s `global_keys` (slots, positions, valid)."""
+    b, _, m, _ = kv_halo.shape
+    g = rows.index.shape[1]
+    kv_halo = torch.cat([kv_halo, rows.kv], dim=2)  # global keys after the band's
+    slots = (m + torch.arange(g, device=kv_halo.device)).expand(b, g)
+    return kv_halo, and_masks(mask_fn, _not_global_key(is_global)), (slots, rows.index, rows.valid)
+
+
+def _attend_head_groups(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dilation: int | Sequence[int],
+    *,
+    band: dict,
+    attend: dict,
+    position_offset: int,
+    dropout_p: float,
+) -> Tensor:
+    """`band_block_attention` of this rank's queries `q` `[b, h, n, d]` over the keys and values with their halo
+    (and the global ones after them) `k`, `v` `[b, h_kv, m (+ g), d]`, one call per group of heads sharing a
+    dilation: `band` is `band_layout`'s band, `attend` what every call shares. Returns `[b, h, n, d_v]`, the heads
+    in order."""
+    h = q.shape[1]
+    groups = head_groups(dilation, h)
+    if len(groups) > 1 and k.shape[1] != h:  # per-head dilations split the heads across key/value groups
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     outputs, order = [], []
     for d, heads in groups:
         heads_t = torch.tensor(heads, device=q.device)
-        q_g, k_g, v_g = (
-            (q, k_halo, v_halo) if len(heads) == h else (t.index_select(1, heads_t) for t in (q, k_halo, v_halo))
-        )
+        q_g, k_g, v_g = (q, k, v) if len(heads) == h else (t.index_select(1, heads_t) for t in (q, k, v))
         layout = band_layout(**band, dilation=d, block_size=128, device=q.device)  # banded_attention's block size
         outputs.append(
             band_block_attention(
@@ -311,22 +370,15 @@ def context_parallel_sliding_attention(
                 v_g,
                 layout=layout,
                 heads=heads_t,
-                position_offset=shard.start - left,
+                position_offset=position_offset,
                 dropout_p=dropout_p,
                 **attend,
             )
         )
         order.extend(heads)
-    out = (
-        outputs[0]
-        if len(outputs) == 1
-        else torch.cat(outputs, dim=1).index_select(1, torch.tensor(order, device=q.device).argsort())
-    )
-    if global_index is not None:
-        out = _global_queries(
-            q_global, k, v, out, mask_fn, global_index, global_valid, owned, shard, cp, scale, dropout_p
-        )
-    return out
+    if len(outputs) == 1:
+        return outputs[0]
+    return torch.cat(outputs, dim=1).index_select(1, torch.tensor(order, device=q.device).argsort())
 
 
 def _global_queries(

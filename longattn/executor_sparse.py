@@ -191,6 +191,32 @@ def _fixed_summary_count(limit: int, block_size: int, num_summary: int, group: i
     return (limit // block_size) * num_summary + min(num_summary, max(0, limit % block_size - first_cell))
 
 
+def _fixed_query_blocks(
+    n_q: int, n_k: int, block_size: int, max_block_rows: int, *, device
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The query blocks of `fixed_blocked_attention` (queries: the last `n_q` of `n_k` positions): the pattern blocks
+    `first_block ...` that hold a query, each cut into `subs` sub-blocks of at most `max_block_rows` rows.
+
+    Returns:
+        `(block_start [nbq], q_pos [nb, rows], q_valid [nb, rows], subs)`: the pattern blocks' first positions, and
+        the sub-blocks' query positions and validity (nb = nbq · subs).
+    """
+    q_offset = n_k - n_q
+    first_block = q_offset // block_size
+    q_pattern_blocks = -(-n_k // block_size) - first_block
+    keys_per_block = min(block_size, n_k)
+    rows = min(keys_per_block, max_block_rows)
+    subs = -(-keys_per_block // rows)
+    block_start = (first_block + torch.arange(q_pattern_blocks, device=device)) * block_size  # [nbq]
+    offset_in_block = torch.arange(subs, device=device).view(subs, 1) * rows + torch.arange(rows, device=device).view(
+        1, rows
+    )  # [subs, rows]
+    q_pos = block_start.view(-1, 1, 1) + offset_in_block  # [nbq, subs, rows]
+    q_valid = (offset_in_block < block_size) & (q_pos >= q_offset) & (q_pos < n_k)
+    q_pos = q_pos.clamp(q_offset, n_k - 1).reshape(-1, rows)  # [nb, rows], nb = nbq · subs
+    return block_start, q_pos, q_valid.reshape(-1, rows), subs
+
+
 def fixed_blocked_attention(
     q: Tensor,
     k: Tensor,
@@ -231,43 +257,67 @@ def fixed_blocked_attention(
     """
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    q_offset = n_k - n_q
     device = q.device
     if n_q == 0:
         return q.new_zeros(b, h, 0, v.shape[3])
 
-    # Query blocks: pattern blocks `first_block ...` that hold a query, each cut into `subs` sub-blocks.
-    first_block = q_offset // block_size
-    q_pattern_blocks = -(-n_k // block_size) - first_block
-    keys_per_block = min(block_size, n_k)
-    rows = min(keys_per_block, max_block_rows)
-    subs = -(-keys_per_block // rows)
-    block_start = (first_block + torch.arange(q_pattern_blocks, device=device)) * block_size  # [nbq]
-    offset_in_block = torch.arange(subs, device=device).view(subs, 1) * rows + torch.arange(rows, device=device).view(
-        1, rows
-    )  # [subs, rows]
-    q_pos = block_start.view(-1, 1, 1) + offset_in_block  # [nbq, subs, rows]
-    q_valid = (offset_in_block < block_size) & (q_pos >= q_offset) & (q_pos < n_k)
-    q_pos = q_pos.clamp(q_offset, n_k - 1).reshape(-1, rows)  # [nb, rows], nb = nbq · subs
-    q_valid = q_valid.reshape(-1, rows)
-
+    block_start, q_pos, q_valid, subs = _fixed_query_blocks(n_q, n_k, block_size, max_block_rows, device=device)
     # Block part: every sub-block gathers its whole pattern block.
+    keys_per_block = min(block_size, n_k)
     kv_pos = block_start.view(-1, 1) + torch.arange(keys_per_block, device=device)  # [nbq, m]
     kv_valid = kv_pos < n_k
     kv_pos = kv_pos.clamp(max=n_k - 1).repeat_interleave(subs, dim=0)  # [nb, m]
     kv_valid = kv_valid.repeat_interleave(subs, dim=0)
     sets = [BlockSet(and_masks(mask_fn, _same_block(block_size, True)), q_pos, q_valid, kv_pos, kv_valid)]
+    # Summary part: per group of heads sharing summary cells, per group of query blocks sharing a key budget.
+    sets += _fixed_summary_sets(
+        and_masks(mask_fn, _same_block(block_size, False)),
+        q_pos,
+        q_valid,
+        n_k=n_k,
+        num_heads=h,
+        block_size=block_size,
+        num_summary=num_summary,
+        summary_per_head=summary_per_head,
+        causal=causal,
+        causal_groups=causal_groups,
+        first_block=(n_k - n_q) // block_size,
+        subs=subs,
+    )
+    out, _ = attend_block_sets(q, k, v, sets, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
+    return out
 
-    # Summary part: per group of heads sharing summary cells, per group of query blocks sharing a key budget; the
-    # summary keys of a set are shared by all its blocks.
-    other_block_fn = and_masks(mask_fn, _same_block(block_size, False))
+
+def _fixed_summary_sets(
+    other_block_fn: MaskFn,
+    q_pos: Tensor,
+    q_valid: Tensor,
+    *,
+    n_k: int,
+    num_heads: int,
+    block_size: int,
+    num_summary: int,
+    summary_per_head: bool,
+    causal: bool,
+    causal_groups: int,
+    first_block: int,
+    subs: int,
+) -> list[BlockSet]:
+    """The summary part of `fixed_blocked_attention`: the query sub-blocks `q_pos`, `q_valid` `[nb, rows]` (`subs`
+    per pattern block, from pattern block `first_block`) over the summary cells of the other blocks
+    (`other_block_fn`), one set per group of heads sharing summary cells and per group of query blocks sharing a
+    key budget."""
+    device = q_pos.device
+    q_pattern_blocks = q_pos.shape[0] // subs
+    # The summary keys of a set are shared by all its blocks.
     head_groups = (block_size // num_summary) if summary_per_head else 1
-    head_groups = min(head_groups, h)
+    head_groups = min(head_groups, num_heads)
     group_count = min(q_pattern_blocks, causal_groups) if causal else 1
     # Query-block groups, in pattern blocks: [bounds[i], bounds[i + 1]).
     bounds = [round(i * q_pattern_blocks / group_count) for i in range(group_count + 1)]
+    sets = []
     for group in range(head_groups):
-        heads = None if head_groups == 1 else torch.arange(group, h, head_groups, device=device)
+        heads = None if head_groups == 1 else torch.arange(group, num_heads, head_groups, device=device)
         positions = _fixed_summary_positions(n_k, block_size, num_summary, group, device)  # [S]
         for start, stop in zip(bounds[:-1], bounds[1:]):
             if causal:
@@ -280,5 +330,4 @@ def fixed_blocked_attention(
                 sets.append(
                     BlockSet(other_block_fn, q_pos[blocks], q_valid[blocks], positions[None, :keys], heads=heads)
                 )
-    out, _ = attend_block_sets(q, k, v, sets, scale=scale, dropout_p=dropout_p, bias_fn=bias_fn)
-    return out
+    return sets

@@ -1,10 +1,11 @@
-"""longattn models: embeddings, one transformer layer, the encoder / decoder stacks and the task heads.
+"""longattn models: the pretrained base, the bare model (encoder, causal decoder or encoder-decoder) and the task
+heads, with the Auto classes a saved folder answers to.
 
 Shape legend: b batch, n length (new tokens), m length of all keys (cached ones included), D hidden size, V vocab.
 
-Nothing here knows which attention a layer holds: each layer asks the registry for the class named by
-`config.attention_type` (one name or one per layer) and calls it through the `LongAttnAttention` interface.
-Layers are pre-LayerNorm (Xiong et al. 2020), which trains from scratch without warm-up tricks.
+The layers are in sibling modules, importable from here as well: the embeddings, one layer and the stacks in
+`modeling_blocks`, the input checks and the shared body of every model in `modeling_inputs`, the heads' own layers
+and losses in `modeling_heads`. Nothing here knows which attention a layer holds (see `modeling_blocks`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 from transformers.generation.utils import ALL_CACHE_NAMES
-from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss, fixed_cross_entropy
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.loss.loss_utils import ForCausalLMLoss, fixed_cross_entropy
 from transformers.modeling_outputs import (
     BaseModelOutput,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -34,365 +33,38 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput
 
 from .attention_base import LongAttnAttention
-from .attention_full import CrossAttention
-from .attention_registry import attention_class
 from .configuration_longattn import LongAttnConfig
-from .numerics import rotary_inverse_frequencies
-from .ops_checks import check_input_mask, check_tensor_on
-from .packing import packed_document_ids
-from .patterns import document_starts
-
-logger = logging.get_logger(__name__)
-
-# transformers 5.x renamed the KV cache argument and output field `past_key_values` to `cache` (generate passes
-# `cache=` since): the models take both names and fill the output field under the installed release's name.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _cache_argument(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The KV cache given as `cache` or, by its older name, as `past_key_values`."""
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("Pass the KV cache as `cache` or as `past_key_values` (its older name), not both.")
-    return cache if cache is not None else past_key_values
-
-
-# ---------------------------------------------------------------------------------------------- building blocks
-class LongAttnRotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021): relative, so it works at any length."""
-
-    def __init__(self, config: LongAttnConfig):
-        super().__init__()
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.theta = config.rope_theta
-        # Derived from the config: not saved, so checkpoints hold only learned weights (and recomputed in
-        # `_init_weights`, because `from_pretrained` builds modules on the meta device).
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
-
-    def compute_inv_freq(self) -> torch.Tensor:
-        return rotary_inverse_frequencies(self.head_dim, self.theta)
-
-    @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids `[b, n]` -> (cos, sin) `[b, n, d]` in float32."""
-        angles = position_ids[..., None].float() * self.inv_freq  # [b, n, d/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [b, n, d]
-        return angles.cos(), angles.sin()
-
-
-class LongAttnEmbeddings(nn.Module):
-    """Token embeddings, plus learned absolute positions when `position_embedding_type="learned"`."""
-
-    def __init__(self, config: LongAttnConfig):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            if config.position_embedding_type == "learned"
-            else None
-        )
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.position_embeddings is not None:
-            inputs_embeds = inputs_embeds + self.position_embeddings(position_ids)
-        return self.dropout(inputs_embeds)
-
-
-class LongAttnMLP(nn.Module):
-    def __init__(self, config: LongAttnConfig):
-        super().__init__()
-        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc_out(self.act(self.fc_in(hidden_states))))
-
-
-class LongAttnLayer(GradientCheckpointingLayer):
-    """One pre-LN transformer layer: self-attention (any registered kind), optional cross-attention, MLP.
-
-    Args:
-        config: The model config.
-        layer_idx: Position in the stack.
-        attention_type: Registered name of the self-attention kind.
-        is_causal: Causal self-attention.
-        has_cross_attention: Add decoder-to-encoder attention (seq2seq decoders).
-    """
-
-    def __init__(
-        self, config: LongAttnConfig, *, layer_idx: int, attention_type: str, is_causal: bool, has_cross_attention: bool
-    ):
-        super().__init__()
-        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = attention_class(attention_type)(config, layer_idx=layer_idx, is_causal=is_causal)
-        if has_cross_attention:
-            self.cross_attn_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-            self.cross_attn = CrossAttention(config, layer_idx=layer_idx)
-        else:
-            self.cross_attn = None
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = LongAttnMLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        global_attention_mask: torch.Tensor | None = None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        output_attentions: bool = False,
-        document_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """hidden_states `[b, n, D]` -> (`[b, n, D]`, self-attention weights, cross-attention weights);
-        `document_ids` `[b, n]`: the documents of packed rows (None: one per row)."""
-        self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-        attn_out, self_weights = self.self_attn(
-            self.self_attn_layer_norm(hidden_states),
-            attention_mask=attention_mask,
-            global_attention_mask=global_attention_mask,
-            position_embeddings=position_embeddings,
-            past_key_values=self_cache,
-            output_attentions=output_attentions,
-            document_ids=document_ids,
-        )
-        hidden_states = hidden_states + self.dropout(attn_out)
-        cross_weights = None
-        if self.cross_attn is not None:
-            cross_out, cross_weights = self.cross_attn(
-                self.cross_attn_layer_norm(hidden_states),
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask,
-                past_key_values=past_key_values if isinstance(past_key_values, EncoderDecoderCache) else None,
-                output_attentions=output_attentions,
-            )
-            hidden_states = hidden_states + self.dropout(cross_out)
-        hidden_states = hidden_states + self.mlp(self.final_layer_norm(hidden_states))
-        return hidden_states, self_weights, cross_weights
-
-
-class LongAttnStack(nn.Module):
-    """A stack of `LongAttnLayer`s with a final LayerNorm; the same class is the encoder and the decoder."""
-
-    def __init__(
-        self, config: LongAttnConfig, *, attention_types: list[str], is_causal: bool, has_cross_attention: bool
-    ):
-        super().__init__()
-        self.layers = nn.ModuleList(
-            LongAttnLayer(
-                config,
-                layer_idx=layer_idx,
-                attention_type=attention_type,
-                is_causal=is_causal,
-                has_cross_attention=has_cross_attention,
-            )
-            for layer_idx, attention_type in enumerate(attention_types)
-        )
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        *,
-        attention_mask: torch.Tensor | None,
-        global_attention_mask: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        output_hidden_states: bool = False,
-        output_attentions: bool = False,
-        document_ids: torch.Tensor | None = None,
-    ) -> BaseModelOutputWithPastAndCrossAttentions:
-        if (
-            past_key_values is not None
-            and self.training
-            and torch.is_grad_enabled()
-            and any(layer.gradient_checkpointing for layer in self.layers)
-        ):
-            # The backward pass runs each checkpointed layer again, which would write its keys into the cache twice.
-            logger.warning_once("Gradient checkpointing in training: the KV cache is not used (`use_cache=False`).")
-            past_key_values = None
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
-        for layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            # Tensors go in by position: reentrant gradient checkpointing passes gradients only to positional
-            # arguments, and the decoder's cross-attention must reach the encoder through `encoder_hidden_states`.
-            hidden_states, self_weights, cross_weights = layer(
-                hidden_states,
-                attention_mask,
-                global_attention_mask,
-                position_embeddings,
-                encoder_hidden_states,
-                encoder_attention_mask,
-                past_key_values=past_key_values,
-                output_attentions=output_attentions,
-                document_ids=document_ids,
-            )
-            if output_attentions:
-                all_attentions += (self_weights,)
-                if all_cross_attentions is not None:
-                    all_cross_attentions += (cross_weights,)
-        hidden_states = self.final_layer_norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
-            **{_CACHE_FIELD: past_key_values},
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-            cross_attentions=all_cross_attentions,
-        )
-
-    def auxiliary_loss(self) -> torch.Tensor | None:
-        """Sum of the attention kinds' auxiliary losses (e.g. adaptive span's penalty), None when none has one."""
-        losses = [layer.self_attn.auxiliary_loss() for layer in self.layers]  # no walrus: torch.compile breaks on it
-        losses = [loss for loss in losses if loss is not None]
-        return torch.stack(losses).sum() if losses else None
-
-
-def _is_integer(tensor: torch.Tensor) -> bool:
-    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
-
-
-def _check_range(name: str, tensor: torch.Tensor, limit: int, what: str) -> None:
-    """Raise `ValueError` unless every value of an integer tensor is in [0, limit) (`what` names the limit).
-
-    One `aminmax` and one host sync in eager mode. Skipped while `torch.compile` or `torch.export` traces: reading
-    the values there would break the graph (a compiled model with a bad id fails in the embedding lookup instead).
-    """
-    if tensor.numel() == 0 or torch.compiler.is_compiling():
-        return
-    low, high = (int(value) for value in torch.aminmax(tensor))
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise ValueError(f"`{name}` holds {bad}: expected values in [0, {limit}) ({what}={limit}).")
-
-
-def _check_token_inputs(
-    config: LongAttnConfig,
-    embeddings: LongAttnEmbeddings,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-    *,
-    prefix: str = "",
-    check_values: bool = True,
-) -> tuple[int, int]:
-    """Check the token inputs of one stack and return (b, n): exactly one of `input_ids` `[b, n]` (integer ids in
-    [0, vocab_size)) and `inputs_embeds` `[b, n, D]` (floating point, in the embedding table's dtype unless autocast
-    is on). `prefix` is "decoder_" for the seq2seq decoder, whose arguments are named so. `check_values=False` checks
-    types and shapes only (no host sync), for a head that reads the shapes before the backbone checks the ids.
-
-    Raises:
-        ValueError: naming the argument, its shape, dtype or offending value, and what is allowed.
-    """
-    ids_name, embeds_name = f"{prefix}input_ids", f"{prefix}inputs_embeds"
-    if (input_ids is None) == (inputs_embeds is None):
-        made_from = " (or `labels`, from which the decoder inputs are made)" if prefix else ""
-        raise ValueError(f"Pass exactly one of `{ids_name}` and `{embeds_name}`{made_from}.")
-    if input_ids is not None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            shape = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"`{ids_name}` has shape {shape}: expected a tensor [batch, length].")
-        if not _is_integer(input_ids):
-            raise ValueError(
-                f"`{ids_name}` has dtype {input_ids.dtype}: {ids_name} must be integer token ids "
-                f"(torch.long); pass vectors as `{embeds_name}`."
-            )
-        if check_values:
-            _check_range(ids_name, input_ids, config.vocab_size, "vocab_size")
-        return input_ids.shape[0], input_ids.shape[1]
-    hidden = config.hidden_size
-    if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
-        shape = list(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
-        raise ValueError(f"`{embeds_name}` has shape {shape}: expected [batch, length, hidden_size={hidden}].")
-    table_dtype = embeddings.word_embeddings.weight.dtype
-    # Under autocast the layers cast their inputs themselves; otherwise LayerNorm and the linear layers need the
-    # model's dtype.
-    autocast = torch.is_autocast_enabled(inputs_embeds.device.type)
-    if not inputs_embeds.is_floating_point() or (inputs_embeds.dtype != table_dtype and not autocast):
-        raise ValueError(
-            f"`{embeds_name}` has dtype {inputs_embeds.dtype}: expected the model's {table_dtype} "
-            f"(e.g. `{embeds_name}.to({table_dtype})`)."
-        )
-    return inputs_embeds.shape[0], inputs_embeds.shape[1]
-
-
-def _check_position_ids(
-    position_ids: torch.Tensor | None, config: LongAttnConfig, *, batch: int, length: int, device: torch.device
-) -> None:
-    """`position_ids`, when given: integer `[b, n]` or `[1, n]` on the inputs' device; with learned positions, in
-    [0, max_position_embeddings) (they index a table).
-
-    Raises:
-        ValueError: naming `position_ids`, its shape, dtype, device or offending value.
-    """
-    if position_ids is None:
-        return
-    check_tensor_on("position_ids", position_ids, device)
-    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
-        raise ValueError(
-            f"`position_ids` has shape {list(position_ids.shape)}: expected [batch, length] = "
-            f"[{batch}, {length}] (or [1, {length}])."
-        )
-    if not _is_integer(position_ids):
-        raise ValueError(f"`position_ids` has dtype {position_ids.dtype}: expected integer positions (torch.long).")
-    if config.position_embedding_type == "learned":
-        _check_range("position_ids", position_ids, config.max_position_embeddings, "max_position_embeddings")
-
-
-IGNORE_INDEX = -100  # a label position the loss skips (PyTorch's cross-entropy default, transformers' convention)
-
-
-def _check_labels(
-    name: str,
-    labels: torch.Tensor | None,
-    shapes: list[tuple[int, ...]],
-    *,
-    integer: bool = True,
-    classes: int | None = None,
-    what: str = "num_labels",
-) -> None:
-    """Raise `ValueError` unless `labels` (when given) is a tensor of one of `shapes`, of an integer dtype when
-    `integer`, holding class ids in [0, `classes`) or -100 (ignored) when `classes` is given (`what` names that
-    limit). The range is read once per forward, as token ids are, and not while `torch.compile` traces (see
-    `_check_range`)."""
-    if labels is None:
-        return
-    if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(labels).__name__}.")
-    if tuple(labels.shape) not in [tuple(shape) for shape in shapes]:
-        expected = " or ".join(str(list(shape)) for shape in shapes)
-        raise ValueError(f"`{name}` has shape {list(labels.shape)}: expected {expected}.")
-    if integer and not _is_integer(labels):
-        raise ValueError(f"`{name}` has dtype {labels.dtype}: expected integer class ids (torch.long; -100 = ignored).")
-    if classes is None or labels.numel() == 0 or torch.compiler.is_compiling():
-        return
-    counted = labels.masked_fill(labels == IGNORE_INDEX, 0)  # an ignored position is in range
-    low, high = (int(value) for value in torch.aminmax(counted))
-    if low < 0 or high >= classes:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"`{name}` holds {bad}: expected class ids in [0, {classes}) ({what}={classes}) or {IGNORE_INDEX} "
-            "(ignored)."
-        )
-
-
-def _position_ids(attention_mask: torch.Tensor | None, *, batch: int, past: int, length: int, device) -> torch.Tensor:
-    """Positions of the new tokens `[b, n]`: counted over real tokens, so that left padding does not shift them."""
-    if attention_mask is None:
-        return torch.arange(past, past + length, device=device).expand(batch, length)
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+from .modeling_blocks import (
+    _CACHE_FIELD,
+    LongAttnEmbeddings,
+    LongAttnRotaryEmbedding,
+    LongAttnStack,
+    _cache_argument,
+)
+from .modeling_blocks import LongAttnLayer as LongAttnLayer
+from .modeling_blocks import LongAttnMLP as LongAttnMLP
+from .modeling_heads import (
+    LongAttnClassificationHead,
+    LongAttnLMHead,
+    _classification_loss,
+    _classifier_dropout,
+    _masked_lm_loss,
+    _mean_over_tokens,
+    _with_auxiliary_loss,
+)
+from .modeling_inputs import IGNORE_INDEX as IGNORE_INDEX
+from .modeling_inputs import VARLEN_KWARGS as VARLEN_KWARGS
+from .modeling_inputs import (
+    _check_labels,
+    _check_token_inputs,
+    _is_packed,
+    _return_dict,
+    _run_backbone,
+    _varlen_kwargs,
+)
 
 
 # ---------------------------------------------------------------------------------------------- pretrained base
@@ -498,108 +170,6 @@ CLASSIFIER_V0_RENAMINGS = [
 register_checkpoint_conversion_mapping(
     LongAttnConfig.model_type, SEQ2SEQ_V0_RENAMINGS + CLASSIFIER_V0_RENAMINGS, overwrite=True
 )
-
-
-def _run_backbone(
-    embeddings: LongAttnEmbeddings,
-    rotary: LongAttnRotaryEmbedding | None,
-    stack: LongAttnStack,
-    config: LongAttnConfig,
-    *,
-    input_ids: torch.Tensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    global_attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,
-    encoder_hidden_states: torch.Tensor | None = None,
-    encoder_attention_mask: torch.Tensor | None = None,
-    output_hidden_states: bool | None = None,
-    output_attentions: bool | None = None,
-    prefix: str = "",
-    **varlen: torch.Tensor | None,
-) -> BaseModelOutputWithPastAndCrossAttentions:
-    """Validate inputs, embed, add positions, and run `stack`: the shared body of every model (`prefix`: the
-    arguments' prefix in error messages, "decoder_" for the seq2seq decoder).
-
-    Packed rows (several documents per row) are recognised once here, from `position_ids` that restart or the
-    varlen keywords `cu_seq_lens_q` / `cu_seq_lens_k` (`varlen`, as `longattn.packing.packed_document_ids` takes
-    them), and their `document_ids` `[b, n]` go to every layer; positions (learned or rotary) restart per
-    document."""
-    batch, length = _check_token_inputs(config, embeddings, input_ids, inputs_embeds, prefix=prefix)
-    device = (input_ids if input_ids is not None else inputs_embeds).device
-    _check_position_ids(position_ids, config, batch=batch, length=length, device=device)
-    if inputs_embeds is None:
-        inputs_embeds = embeddings.word_embeddings(input_ids)
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
-    if past + length > config.max_position_embeddings:
-        raise ValueError(
-            f"sequence length {past + length} exceeds `max_position_embeddings`={config.max_position_embeddings}: "
-            f"pass at most {config.max_position_embeddings} tokens or build the model with a larger limit."
-        )
-    attention_mask = check_input_mask(
-        attention_mask, name=f"{prefix}attention_mask", batch=batch, length=past + length, device=device
-    )
-    global_attention_mask = check_input_mask(
-        global_attention_mask, name="global_attention_mask", batch=batch, length=past + length, device=device
-    )
-    if encoder_hidden_states is not None:
-        encoder_attention_mask = check_input_mask(
-            encoder_attention_mask,
-            name="encoder_attention_mask",
-            batch=batch,
-            length=encoder_hidden_states.shape[1],
-            device=device,
-        )
-    document_ids = None
-    if past == 0:  # with a cache the new tokens continue the cached ones: packing is a training-time layout
-        document_ids = packed_document_ids(
-            position_ids=position_ids, batch=batch, length=length, attention_mask=attention_mask, **varlen
-        )
-    if position_ids is None and document_ids is not None:  # varlen keywords alone: positions restart per document
-        position_ids = torch.arange(length, device=device) - document_starts(document_ids)
-    if position_ids is None:
-        position_ids = _position_ids(attention_mask, batch=batch, past=past, length=length, device=inputs_embeds.device)
-    hidden_states = embeddings(inputs_embeds, position_ids)
-    position_embeddings = rotary(position_ids) if rotary is not None else None
-    return stack(
-        hidden_states,
-        attention_mask=attention_mask,
-        global_attention_mask=global_attention_mask,
-        position_embeddings=position_embeddings,
-        encoder_hidden_states=encoder_hidden_states,
-        encoder_attention_mask=encoder_attention_mask,
-        past_key_values=past_key_values,
-        output_hidden_states=_flag(config, "output_hidden_states", output_hidden_states),
-        output_attentions=_flag(config, "output_attentions", output_attentions),
-        document_ids=document_ids,
-    )
-
-
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-"""transformers' keywords for packed (varlen) attention, as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
-produces them; the lengths are read from `cu_seq_lens_*` (the maxima only size flash kernels)."""
-
-
-def _varlen_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The varlen keywords among a forward's `kwargs`, to pass on to the backbone."""
-    return {name: kwargs[name] for name in VARLEN_KWARGS if kwargs.get(name) is not None}
-
-
-def _is_packed(
-    position_ids: Any, varlen: dict[str, Any], *, batch: int | None = None, length: int | None = None
-) -> bool:
-    """Whether a model that cannot pack (classification, encoder-decoder) is given packed documents. Invalid
-    `position_ids` are not packed here: the backbone refuses them, naming the argument."""
-    if varlen:
-        return True
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or not _is_integer(position_ids):
-        return False
-    batch = position_ids.shape[0] if batch is None else batch
-    length = position_ids.shape[1] if length is None else length
-    if position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != length:
-        return False
-    return packed_document_ids(position_ids=position_ids, batch=batch, length=length) is not None
 
 
 # ---------------------------------------------------------------------------------------------- the base model
@@ -846,43 +416,7 @@ class LongAttnEncoder(nn.Module):
         return self._model[0].encode(**inputs)
 
 
-def _with_auxiliary_loss(
-    loss: torch.Tensor | None,
-    model: LongAttnModel | Any,
-    *,
-    labels: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | int | None = None,
-) -> torch.Tensor | None:
-    """Add the attention kinds' auxiliary losses to a task loss (only when there is a task loss).
-
-    With `num_items_in_batch` (transformers' Trainer: the labelled items of every micro-batch of one optimizer step,
-    on every device with `average_tokens_across_devices`) the task loss is this micro-batch's share of the step's
-    loss, and the auxiliary loss gets the same share, `labels`' labelled items / `num_items_in_batch`. The shares of
-    one step add up to one, so accumulating micro-batches adds the auxiliary loss once, as one large batch does.
-    """
-    extra = model.auxiliary_loss()
-    if loss is None or extra is None:
-        return loss
-    if num_items_in_batch is not None:
-        extra = extra * (labels.ne(-100).sum().to(extra.device) / num_items_in_batch)
-    return loss + extra.to(loss.dtype)
-
-
 # ---------------------------------------------------------------------------------------------- encoder heads
-class LongAttnLMHead(nn.Module):
-    """dense -> activation -> LayerNorm -> vocabulary projection (tied to the token embeddings)."""
-
-    def __init__(self, config: LongAttnConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.layer_norm(self.act(self.dense(hidden_states))))
-
-
 class _LongAttnHead(LongAttnPreTrainedModel):
     """A task head on `longattn` (a `LongAttnModel`): the forward pass every head shares.
 
@@ -1002,47 +536,6 @@ class LongAttnForMaskedLM(_LongAttnEncoderHead):
         return logits, _masked_lm_loss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
 
-def _flag(config: LongAttnConfig, name: str, value: bool | None) -> bool:
-    """The caller's flag `value`, or the config's field `name` where it is None."""
-    return bool(value if value is not None else getattr(config, name))
-
-
-def _return_dict(model: PreTrainedModel, return_dict: bool | None) -> bool:
-    return return_dict if return_dict is not None else model.config.return_dict
-
-
-def _masked_lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor | None,
-    vocab_size: int,
-    *,
-    num_items_in_batch: torch.Tensor | int | None = None,
-) -> torch.Tensor | None:
-    """Token cross-entropy of `logits` `[b, n, V]` against `labels` `[b, n]` (-100 ignored, checked); None without
-    labels."""
-    _check_labels("labels", labels, [logits.shape[:2]], classes=vocab_size, what="vocab_size")
-    if labels is None:
-        return None
-    return ForMaskedLMLoss(logits, labels.contiguous(), vocab_size, num_items_in_batch=num_items_in_batch)
-
-
-def _classifier_dropout(config: LongAttnConfig) -> float:
-    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-
-
-class LongAttnClassificationHead(nn.Module):
-    """RoBERTa's sentence head, `[b, D] -> [b, num_labels]`: dropout, dense, tanh, dropout, projection to the labels."""
-
-    def __init__(self, config: LongAttnConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(_classifier_dropout(config))
-        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
-
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))
-
-
 class LongAttnForSequenceClassification(_LongAttnEncoderHead):
     """Classification from the first token's state, or the mean state of the real tokens with
     `config.classifier_pooling="mean"`. The first token is global unless `global_attention_mask` is given
@@ -1088,55 +581,6 @@ class LongAttnForSequenceClassification(_LongAttnEncoderHead):
             pooled = hidden_states[:, 0]  # [b, D]
         logits = self.classifier(pooled)  # [b, num_labels]
         return logits, _classification_loss(self.config, logits, labels, num_items_in_batch=num_items_in_batch)
-
-
-def _mean_over_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """`[b, n, D]` -> `[b, D]`: the mean over the real tokens (`attention_mask` `[b, n]`, 1 = token), so that padding
-    does not change a sequence's pooled state."""
-    if attention_mask is None:
-        return hidden_states.mean(dim=1)
-    weights = attention_mask.to(hidden_states.dtype).unsqueeze(-1)  # [b, n, 1]
-    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
-
-
-def _classification_loss(
-    config: LongAttnConfig,
-    logits: torch.Tensor,
-    labels: torch.Tensor | None,
-    *,
-    num_items_in_batch: torch.Tensor | int | None = None,
-) -> torch.Tensor | None:
-    """transformers' problem types: regression (1 label), single-label (int labels), multi-label (float labels).
-
-    The mean over labels, or with `num_items_in_batch` (transformers' Trainer, which counts the items of `labels`
-    that are not -100: one per example, one per example and label for multi-label and multi-output regression) the
-    sum over them divided by it, so that accumulated micro-batches give the loss of one large batch.
-    """
-    if labels is None:
-        return None
-    labels = labels.to(logits.device)
-    if config.problem_type is None:
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-    batch, num_labels = logits.shape
-    if config.problem_type == "single_label_classification":
-        _check_labels("labels", labels, [(batch,), (batch, 1)], classes=num_labels)
-    elif config.problem_type == "regression":
-        _check_labels("labels", labels, [(batch, num_labels)] + ([(batch,)] if num_labels == 1 else []), integer=False)
-    else:
-        _check_labels("labels", labels, [(batch, num_labels)], integer=False)
-    if config.problem_type == "single_label_classification":
-        return fixed_cross_entropy(logits.view(-1, config.num_labels).float(), labels.view(-1), num_items_in_batch)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    if config.problem_type == "regression":
-        loss = F.mse_loss(logits.float().view(labels.shape), labels.float(), reduction=reduction)
-    else:
-        loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction=reduction)
-    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 class LongAttnForTokenClassification(_LongAttnEncoderHead):
@@ -1419,11 +863,5 @@ for _auto_class, _target in AUTO_MAP.items():
 
 __all__ = [
     "LongAttnPreTrainedModel",
-    "LongAttnModel",
-    "LongAttnForMaskedLM",
-    "LongAttnForSequenceClassification",
-    "LongAttnForTokenClassification",
-    "LongAttnForQuestionAnswering",
-    "LongAttnForCausalLM",
-    "LongAttnForSeq2SeqLM",
+    *(target.split(".")[1] for auto_class, target in AUTO_MAP.items() if auto_class != "AutoConfig"),
 ]

@@ -1001,6 +1001,7 @@ def test_ops_dispatch_down_to_leaf_executors():
         "executor_sparse",
         "executor_flex",
         "executor_xformers",
+        "executor_xformers_layouts",
         "executor_families",
     ):
         assert not _sibling_imports(module) & {"ops", "ops_linear", *LSH_MODULES, "ops_routing", "ops_sinkhorn"}, module

@@ -79,7 +79,14 @@ def test_code_closure_holds_every_registered_kind():
     closure = hub.code_closure()
     for kind_class in ATTENTION_CLASSES.values():
         assert Path(sys.modules[kind_class.__module__].__file__).name in closure, kind_class
-    assert {"modeling_longattn.py", "configuration_longattn.py", "attention_registry.py"} <= set(closure)
+    assert {
+        "modeling_longattn.py",
+        "modeling_blocks.py",
+        "modeling_inputs.py",
+        "modeling_heads.py",
+        "configuration_longattn.py",
+        "attention_registry.py",
+    } <= set(closure)
     # Every executor the ops dispatch to is a flat sibling the walk reaches.
     assert {
         "ops.py",
@@ -93,6 +100,7 @@ def test_code_closure_holds_every_registered_kind():
         "executor_sparse.py",
         "executor_flex.py",
         "executor_xformers.py",
+        "executor_xformers_layouts.py",
         "executor_triton.py",
         "patterns.py",
         "numerics.py",

@@ -242,7 +242,6 @@ def loss_by_length(
         ValueError: a task other than clm/mlm, a bad length, a corpus shorter than the longest length, or
             `shuffle_context` with a causal LM.
     """
-    import torch
     from tqdm.auto import tqdm
 
     if task not in ("clm", "mlm"):
@@ -251,6 +250,63 @@ def loss_by_length(
         raise ValueError("shuffle_context is the masked-LM order test: a causal LM's context is its order.")
     if not lengths or any(not isinstance(n, int) or n < 2 for n in lengths):
         raise ValueError(f"lengths={list(lengths)!r} must be integers >= 2.")
+    ids, inputs, scored, bytes_per_token = _scored_stream(
+        tokenizer, documents, lengths, task=task, seed=seed, mask_probability=mask_probability, max_tokens=max_tokens
+    )
+    total = len(ids)
+    rows = []
+    bar = tqdm(total=sum(total // n for n in lengths), desc="windows", disable=not progress, leave=False)
+    for length in lengths:
+        nll_sum, count = _windows_nll(
+            model,
+            ids,
+            inputs,
+            scored,
+            length,
+            task=task,
+            seed=seed,
+            tokens_per_batch=tokens_per_batch,
+            global_first_token=global_first_token,
+            shuffle_context=shuffle_context,
+            bar=bar,
+        )
+        rows.append(_length_row(length, total // length, nll_sum, count, bytes_per_token))
+    bar.close()
+    return rows
+
+
+def _length_row(length: int, windows: int, nll_sum: float, count: int, bytes_per_token: float) -> dict[str, Any]:
+    """One row of `loss_by_length`, from the summed negative log-likelihood (nats) of `count` scored tokens."""
+    bits_per_token = nll_sum / max(count, 1) / math.log(2)
+    return {
+        "length": length,
+        "windows": windows,
+        "tokens_scored": count,
+        "bits_per_token": bits_per_token,
+        "bits_per_byte": bits_per_token / bytes_per_token,
+        "bytes_per_token": bytes_per_token,
+    }
+
+
+def _scored_stream(
+    tokenizer,
+    documents: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    task: str,
+    seed: int,
+    mask_probability: float,
+    max_tokens: int | None,
+):
+    """The stream `loss_by_length` scores, cut to a multiple of the longest length (T tokens): the target ids `[T]`,
+    the model's inputs `[T]` (the masked LM's with its mask tokens), which targets are scored (bool `[T]`) and the
+    stream's UTF-8 bytes per text token.
+
+    Raises:
+        ValueError: a corpus shorter than the longest length.
+    """
+    import torch
+
     ids, special = token_stream(tokenizer, documents, task=task)
     longest = max(lengths)
     total = len(ids) if max_tokens is None else min(len(ids), max_tokens)
@@ -275,41 +331,47 @@ def loss_by_length(
         for length in lengths:
             scored &= positions % length != 0
         inputs = ids
+    return ids, inputs, scored, bytes_per_token
 
-    rows = []
-    bar = tqdm(total=sum(total // n for n in lengths), desc="windows", disable=not progress, leave=False)
-    for length in lengths:
-        windows = total // length
-        batch = max(1, tokens_per_batch // length)
-        nll_sum, count = 0.0, 0
-        for start in range(0, windows, batch):
-            stop = min(windows, start + batch)
-            window_inputs = inputs[start * length : stop * length].view(-1, length)
-            targets = ids[start * length : stop * length].view(-1, length)
-            mask = scored[start * length : stop * length].view(-1, length)
-            if shuffle_context:
-                window_inputs = _shuffle_visible(window_inputs, mask, seed=seed + start)
-            with torch.no_grad():
-                logits = _forward_logits(model, window_inputs, global_first_token=global_first_token)
-            if task == "clm":  # the logits at i predict the token at i + 1
-                logits, targets, mask = logits[:, :-1], targets[:, 1:], mask[:, 1:]
-            nll = torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum")
-            nll_sum += float(nll)
-            count += int(mask.sum())
-            bar.update(stop - start)
-        bits_per_token = nll_sum / max(count, 1) / math.log(2)
-        rows.append(
-            {
-                "length": length,
-                "windows": windows,
-                "tokens_scored": count,
-                "bits_per_token": bits_per_token,
-                "bits_per_byte": bits_per_token / bytes_per_token,
-                "bytes_per_token": bytes_per_token,
-            }
-        )
-    bar.close()
-    return rows
+
+def _windows_nll(
+    model,
+    ids,
+    inputs,
+    scored,
+    length: int,
+    *,
+    task: str,
+    seed: int,
+    tokens_per_batch: int,
+    global_first_token: bool,
+    shuffle_context: bool,
+    bar,
+) -> tuple[float, int]:
+    """The summed negative log-likelihood (nats) of the `scored` targets `ids` of the stream, read in
+    non-overlapping windows of `length` `inputs` (a batch of windows per forward pass), and how many were scored;
+    `bar` counts the windows."""
+    import torch
+
+    windows = len(ids) // length
+    batch = max(1, tokens_per_batch // length)
+    nll_sum, count = 0.0, 0
+    for start in range(0, windows, batch):
+        stop = min(windows, start + batch)
+        window_inputs = inputs[start * length : stop * length].view(-1, length)
+        targets = ids[start * length : stop * length].view(-1, length)
+        mask = scored[start * length : stop * length].view(-1, length)
+        if shuffle_context:
+            window_inputs = _shuffle_visible(window_inputs, mask, seed=seed + start)
+        with torch.no_grad():
+            logits = _forward_logits(model, window_inputs, global_first_token=global_first_token)
+        if task == "clm":  # the logits at i predict the token at i + 1
+            logits, targets, mask = logits[:, :-1], targets[:, 1:], mask[:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum")
+        nll_sum += float(nll)
+        count += int(mask.sum())
+        bar.update(stop - start)
+    return nll_sum, count
 
 
 # ---------------------------------------------------------------------------------------------- passkey, needle

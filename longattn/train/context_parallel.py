@@ -172,7 +172,7 @@ def context_parallel_paused(model: nn.Module) -> Iterator[None]:
 
 def _global_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A forward pre-hook of `LongAttnModel` giving it the global `position_ids` of this rank's chunk: those of the
-    single-process model (counted over real tokens, as `modeling_longattn._position_ids`)."""
+    single-process model (counted over real tokens, as `modeling_inputs._position_ids`)."""
     cp = getattr(module, "context_parallel", None)
     if cp is None or kwargs.get("position_ids") is not None or len(args) > 1:
         return args, kwargs
