@@ -416,6 +416,32 @@ def _copied_rounds(
 
 
 # ---------------------------------------------------------------------------------------------- dense form
+def _dense_visibility(
+    key_buckets: Tensor, valid: Tensor, n: int, same_position: Tensor, *, bucket_size: int, num_chunks_before: int,
+    num_chunks_after: int, causal: bool, document_ids: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """Bool `[b, h, r, n, m]`: the keys each of the last n queries sees in each hash round, as `lsh_attention`'s
+    sorted chunks decide (see `lsh_attention_dense`); key_buckets `[b, h, r, m]`, valid `[b, m]`, same_position
+    `[n, m]` (the query's own key)."""
+    m = key_buckets.shape[-1]
+    positions = torch.arange(m, device=key_buckets.device)
+    if causal:
+        query_buckets = key_buckets[..., m - n :]  # shared QK: a query hashes like its key
+        same = (query_buckets[..., :, None] == key_buckets[..., None, :]) & valid[:, None, None, None, :]
+        same &= positions[m - n :, None] > positions  # [b, h, r, n, m], earlier keys of the bucket
+        # Places back in sorted order = same-bucket keys from this one up to the query.
+        back = same.flip(-1).cumsum(-1).flip(-1)
+        return same & (back <= bucket_size * num_chunks_before)
+    rank = (key_buckets * m + positions).argsort(-1).argsort(-1)  # [b, h, r, m], sorted index in its round
+    chunk = torch.div(rank, bucket_size, rounding_mode="floor")
+    distance = chunk[..., None, :] - chunk[..., :, None]  # [b, h, r, n, m]: key chunk - query chunk
+    visible = (distance >= -num_chunks_before) & (distance <= num_chunks_after) & valid[:, None, None, None, :]
+    visible &= ~same_position
+    if document_ids is not None:  # chunk neighbours may hold another document
+        visible &= (document_ids[:, :, None] == document_ids[:, None, :])[:, None, None]
+    return visible
+
+
 def lsh_attention_dense(
     q: Tensor,
     k: Tensor,
@@ -468,23 +494,11 @@ def lsh_attention_dense(
     if document_ids is not None:
         factors = (2 * rotations.shape[-1],) if num_buckets is None else hash_factors(num_buckets)
         key_buckets, _ = document_buckets(key_buckets, document_ids, math.prod(factors))
-    query_buckets = key_buckets[..., m - n :]  # shared QK: a query hashes like its key
     same_position = q_pos[:, None] == torch.arange(m, device=q.device)  # [n, m]
-    if causal:
-        same = (query_buckets[..., :, None] == key_buckets[..., None, :]) & valid[:, None, None, None, :]
-        same &= q_pos[:, None] > torch.arange(m, device=q.device)  # [b, h, r, n, m], earlier keys of the bucket
-        # Places back in sorted order = same-bucket keys from this one up to the query.
-        back = same.flip(-1).cumsum(-1).flip(-1)
-        visible = same & (back <= bucket_size * num_chunks_before)
-    else:
-        rank = key_buckets * m + torch.arange(m, device=q.device)
-        rank = rank.argsort(-1).argsort(-1)  # [b, h, r, m], sorted index of each position in its round
-        chunk = torch.div(rank, bucket_size, rounding_mode="floor")
-        distance = chunk[..., None, :] - chunk[..., :, None]  # [b, h, r, n, m]: key chunk - query chunk
-        visible = (distance >= -num_chunks_before) & (distance <= num_chunks_after) & valid[:, None, None, None, :]
-        visible &= ~same_position
-        if document_ids is not None:  # chunk neighbours may hold another document
-            visible &= (document_ids[:, :, None] == document_ids[:, None, :])[:, None, None]
+    visible = _dense_visibility(
+        key_buckets, valid, n, same_position, bucket_size=bucket_size, num_chunks_before=num_chunks_before,
+        num_chunks_after=num_chunks_after, causal=causal, document_ids=document_ids,
+    )  # fmt: skip
     scores = torch.einsum("bhnd,bhmd->bhnm", q.to(dtype), normalize_keys(k.to(dtype)))  # [b, h, n, m]
     bias_fn = relative_bias(
         q, check_relative_embedding(relative_embedding, q), scale=default_scale(q.shape[-1]), kv_len=m
