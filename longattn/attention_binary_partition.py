@@ -240,21 +240,22 @@ def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int, first:
     b, h, n, d = x.shape
     dtype = compute_dtype(x.dtype)
     real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
-    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
-    span_sums, node_counts = [sums.new_zeros(b, h, 0, d)], [counts]
+    offsets = level_offsets(n, levels)
+    base = offsets[min(first, levels)]
+    # Written level by level into one buffer, divided in place: no full-size temporaries besides the masked tokens.
+    spans = x.new_empty(b, h, offsets[-1] - base, d, dtype=dtype)
+    sums = x.to(dtype) if key_padding_mask is None else x.to(dtype) * real[:, None, :, None]  # [b, h, n, d]
+    counts, node_counts = real, [real]
     for level in range(1, levels):
         if sums.shape[2] % 2:
             sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
         sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
         counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
         if level >= first:
-            span_sums.append(sums)
+            spans[:, :, offsets[level] - base : offsets[level + 1] - base] = sums
         node_counts.append(counts)
     counts = torch.cat(node_counts, 1)  # [b, N]
-    spans = (
-        torch.cat(span_sums, 2)
-        / counts[:, level_offsets(n, levels)[min(first, levels)] :].clamp(min=1)[:, None, :, None]
-    )
+    spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None])
     return spans.to(x.dtype), counts
 
 
@@ -466,8 +467,11 @@ def _rows(x: Tensor, start: int, stop: int) -> Tensor:
     return part
 
 
-_CHUNK_ELEMENTS = workspace_elements() // 2
-"""Scores of one chunk of rows (every tier of one side): half the blocked executors' workspace budget."""
+_CHUNK_ELEMENTS = workspace_elements() // 8
+"""Scores of one chunk of rows (every tier of one side): an eighth of the blocked executors' workspace budget (2**18
+where it is 2**21), since a chunk's gathered windows and their gradients take about 8x its scores (M x d per group
+of 16 rows). At 16K tokens (one layer, forward + backward, one thread) 2**17 to 2**20 ran within this machine's
+noise of each other; the smaller chunk keeps the peak memory down."""
 
 
 class _Nodes(NamedTuple):
@@ -626,16 +630,16 @@ def _forward_levels(q, k, v, key_padding_mask, relative_bias, table, context, ca
     dtype = compute_dtype(q.dtype)
     sides = _layout(n, context, causal, q.device)
     nodes = _level_nodes(k, v, key_padding_mask, num_levels(n, context))
-    qs = q.to(dtype) * scale
     inplace = mode == "inplace"
-    out = qs.new_zeros(b, h, n, d) if inplace else None
-    lse = qs.new_full((b, h, n), NO_KEY_LSE) if inplace else None
+    out = q.new_zeros(b, h, n, d, dtype=dtype) if inplace else None
+    lse = q.new_full((b, h, n), NO_KEY_LSE, dtype=dtype) if inplace else None
     for number, side in enumerate(sides):
         biases = _side_biases(side, relative_bias, table, dtype)
         outs, lses = [], []
         for y0, r0, r1, a, z in _side_chunk_rows(side, n, b, h):
             table_rows = None if table is None else _rows(table, r0, r1)
-            args = (_rows(qs, r0, r1), nodes, side, y0, biases, table_rows, dropout_p, inplace)
+            q_rows = _rows(q, r0, r1).to(dtype) * scale  # scaled per chunk: no scaled copy of q
+            args = (q_rows, nodes, side, y0, biases, table_rows, dropout_p, inplace)
             if mode == "checkpoint":
                 part = checkpoint(_side_chunk, *args, use_reentrant=False)
             else:
@@ -682,8 +686,7 @@ class _LevelAttention(torch.autograd.Function):
         grad_out = grad_out.to(dtype)
         delta = (grad_out * out.to(dtype)).sum(-1)  # [b, h, n]: sum_j p_ij (dO_i · v_j)
         lse = zero_empty_shift(lse)  # a row that sees no key: its scores are all -inf, exp(-inf - 0) = 0
-        qs = q.to(dtype) * scale
-        grad_q = torch.zeros_like(qs)
+        grad_q = q.new_zeros(q.shape, dtype=dtype)
         grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
         grad_spans_k = nodes.spans_k.new_zeros(nodes.spans_k.shape, dtype=dtype)
         grad_spans_v = nodes.spans_v.new_zeros(nodes.spans_v.shape, dtype=dtype)
@@ -692,7 +695,7 @@ class _LevelAttention(torch.autograd.Function):
         for side in sides:
             biases = _side_biases(side, relative_bias, table, dtype)
             for y0, r0, r1, a, z in _side_chunk_rows(side, n, b, h):
-                q_rows, do_rows = _rows(qs, r0, r1), _rows(grad_out, r0, r1)
+                q_rows, do_rows = _rows(q, r0, r1).to(dtype) * scale, _rows(grad_out, r0, r1)
                 delta_rows, lse_rows = _rows(delta, r0, r1), _rows(lse, r0, r1)
                 table_rows = None if table is None else _rows(table, r0, r1)
                 grad_q_rows = torch.zeros_like(q_rows)
@@ -724,7 +727,7 @@ class _LevelAttention(torch.autograd.Function):
                         grad_table_rows.view(*q_groups.shape[:4], -1).scatter_add_(
                             -1, columns.expand(*token_grads.shape), token_grads
                         )
-                grad_q[:, :, a:z] += grad_q_rows[:, :, a - r0 : z - r0]
+                grad_q[:, :, a:z].add_(grad_q_rows[:, :, a - r0 : z - r0], alpha=scale)  # d(scale·q)/dq
                 if grad_table is not None:
                     grad_table[:, :, a:z] += grad_table_rows[:, :, a - r0 : z - r0]
         counts = nodes.counts
@@ -733,7 +736,7 @@ class _LevelAttention(torch.autograd.Function):
             _unpool(grad_k, grad_spans_k, counts, levels, 1)
             _unpool(grad_v, grad_spans_v, counts, levels, 1)
         return (
-            (grad_q * scale).to(q.dtype),
+            grad_q.to(q.dtype),
             grad_k.to(k.dtype),
             grad_v.to(v.dtype),
             None,
