@@ -2,7 +2,7 @@
 Partitioning"): each token attends to its neighbours and to span nodes of a binary partition tree, at growing scales.
 
 Shape legend: b batch, h heads, n length (m keys: the cached tokens in decoding), d head dim, L levels,
-N nodes (n tokens, then the spans of levels 1 .. L-1), nb query blocks of c, m nodes gathered per block.
+N nodes (n tokens, then the spans of levels 1 .. L-1), G queries per group, M window nodes per group.
 
 **The tree.** Level l cuts the sequence into aligned spans of 2^l tokens ([t·2^l, (t+1)·2^l), the last one cut at
 n); level 0 are the tokens themselves. A query i sees itself and, on each side, `binary_partition_context` (k)
@@ -45,16 +45,21 @@ node has no single distance to the query; its (side, level, offset) edge type al
 span edges keep that bias alone. The two combine by addition: the edge-type bias is a learned scalar per head, the
 relative term depends on the query's content.
 
-**Executors.** `binary_partition_attention` cuts the queries into blocks of `QUERY_BLOCK` (c = 32); each block
-gathers one set of node keys and values (indices into [token keys ; span keys]): at each level the window of nodes
-its queries can reach, about 2c + L·(4k + 5) in all, shared by the c queries, so the scores are small matrix products
-and never an n x n tensor. The edge type of every (query, gathered node) pair comes from the same predicate as the
-dense table, gives the bias and hides the nodes a query does not see. It does not go through
-`executor_blocked.attend_blocks`, which takes no additive bias. In training forward keeps only q, k, v (and the
-bias and relative tables) for backward, O(n · d): backward pools the spans again and recomputes each chunk's gathered
-nodes, scores and probabilities, adding the gathered nodes' gradients back by index (`_BlockedNodes`; with attention
-dropout, whose masks must be replayed, `torch.utils.checkpoint` around each chunk). Span levels 1 and 2, 3/4 of the
-span rows, are never kept: each chunk reads their nodes as means of the tokens (`_TOKEN_LEVELS`).
+**Executors.** `binary_partition_attention` runs level by level (`level_layout`). On each side a query's nodes at
+level l are k or k + 1 consecutive level-l nodes, shared by runs of 2^l queries, so the softmax over a query's
+disjoint node sets is computed per side as one softmax over a few contiguous windows, one per level: each side's
+rows are shifted by the runs' phase, and a group of G rows (`GROUP` = 16, `HIGH_GROUP` = 128 from level
+`HIGH_LEVEL` up) reads one window per level, k + 1 nodes where the group lies in one run (G/2^l + k where it spans
+several; level 0 is read once, on the left side, as the c + 2k + 2 tokens around the group). The windows of a
+group sit side by side, so each group's scores are one small matrix product and never an n x n tensor; the edge
+type of every (query, window node) pair comes from the same predicate as the dense table, gives the bias (one
+pattern per tier: the tree is the same around every group) and hides the nodes the query does not see. The two
+sides' node sets are disjoint: their partial attentions are merged exactly by their log-sum-exp
+(`numerics.merge_attention`). In training forward keeps q, k, v (and the bias and relative tables), its output and
+log-sum-exp for backward, O(n · d): backward pools the spans again and, chunk by chunk, recomputes each window's
+scores, takes the probabilities from the final log-sum-exp (flash-attention style: no side needs the other) and
+adds the windows' gradients back into the nodes by index (`_LevelAttention`; with attention dropout, whose masks
+must be replayed, `torch.utils.checkpoint` around each chunk).
 `binary_partition_reference` is the dense form: an explicit `[n, N]` edge table over all nodes (cached decoding,
 where queries are the last positions of the cache, `output_attentions` with the span weights spread evenly over
 their real tokens, the "reference" back end, and the tests).
@@ -63,7 +68,7 @@ their real tokens, the "reference" back end, and the tests).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +77,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
-from .numerics import compute_dtype, hide_logits
+from .numerics import NO_KEY_LSE, compute_dtype, hide_exactly, hide_logits, merge_attention, zero_empty_shift
 from .ops_checks import (
     check_dropout,
     check_flag,
@@ -89,13 +94,12 @@ from .tuning import workspace_elements
 
 __all__ = [
     "MAX_LEVELS",
-    "QUERY_BLOCK",
     "BinaryPartitionAttention",
     "binary_partition_attention",
     "binary_partition_edges",
     "binary_partition_levels",
     "binary_partition_reference",
-    "block_layout",
+    "level_layout",
     "level_offsets",
     "num_levels",
     "num_edge_types",
@@ -104,18 +108,6 @@ __all__ = [
 
 MAX_LEVELS = 32
 """Levels the relative bias table holds (2^31 tokens): fixed, so the parameter does not depend on the length."""
-
-QUERY_BLOCK = 32
-"""Queries per block of the blocked executor (a power of two, so that blocks align with the tree)."""
-
-# Elements of one chunk's scores [b, h, blocks, c, m]: an eighth of the blocked executors' workspace budget for this
-# machine (`tuning.workspace_elements()`; 2**18, 1 MB, where the budget is 2**21), since its gathered keys and values
-# (m x d per block, about twice the c x m scores at d = 64) and their gradients take a few times more, recomputed in
-# backward. One layer, forward + backward, one thread, CPU time, median of 2 alternated rounds: 4K tokens 2**17
-# 0.97 s, 2**18 0.84 s, 2**19 0.69 s, 2**20 0.76 s, 2**21 1.02 s; 8K tokens 2**18 1.55 s, 2**19 1.43 s, 2**20 1.51 s.
-# A quarter of the budget (2**19) would be 8-17% faster, for 12% more peak memory (174 MB against 155 at 4K): kept at
-# an eighth, as BP-Transformer's peak is already the largest of the kinds.
-_CHUNK_ELEMENTS = workspace_elements() // 8
 
 
 def num_levels(n: int, context: int) -> int:
@@ -216,46 +208,6 @@ def binary_partition_edges(m: int, *, context: int, causal: bool, q_offset: int 
     return _edges(torch.arange(q_offset, m), node_level, node_start, n=m, context=context, causal=causal)
 
 
-def block_layout(
-    n: int, *, context: int, causal: bool, block: int = QUERY_BLOCK, device: torch.device | None = None
-) -> tuple[Tensor, Tensor]:
-    """The blocked executor's layout: each block of `block` queries gathers one shared set of nodes.
-
-    At level l the queries of block [s, s + c) see nodes of index in [s/2^l − 2(k+1), (s+c)/2^l + 2(k+1)] (a
-    right-side cursor moves at most (k+1)·(2^(l+1) − 1) past the query, the left one alike), so the block gathers
-    that window of every level: about 2c + L·(4k + 5) nodes, shared by c queries. The edge types come from `_edges`.
-
-    Returns:
-        (nodes `[nb, m]` long, indices into the node list; edges `[nb, c, m]` long, -1 where the query does not see
-        the node, also for window slots outside the level).
-    """
-    levels = num_levels(n, context)
-    offsets = level_offsets(n, levels)
-    blocks = -(-n // block)
-    first = torch.arange(blocks, device=device) * block  # [nb]
-    nodes, node_level, node_start, exists = [], [], [], []
-    reach = 2 * (context + 1)
-    for level in range(levels):
-        size, count = 2**level, offsets[level + 1] - offsets[level]
-        width = max(block // size, 1) + reach * (1 if causal else 2) + 1
-        index = torch.div(first, size, rounding_mode="floor")[:, None] - reach + torch.arange(width, device=device)
-        exists.append((index >= 0) & (index < count))  # [nb, w]
-        nodes.append(offsets[level] + index.clamp(0, count - 1))
-        node_level.append(torch.full_like(index, level))
-        node_start.append(index * size)
-    nodes, exists = torch.cat(nodes, 1), torch.cat(exists, 1)  # [nb, m]
-    positions = first[:, None] + torch.arange(block, device=device)  # [nb, c]; positions >= n are padding
-    edges = _edges(
-        positions,
-        torch.cat(node_level, 1)[:, None],
-        torch.cat(node_start, 1)[:, None],
-        n=n,
-        context=context,
-        causal=causal,
-    )  # [nb, c, m]
-    return nodes, edges.masked_fill(~exists[:, None], -1)
-
-
 def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
     """For pictures and tests: the level of the node through which query i sees token j, -1 where it does not.
 
@@ -288,21 +240,22 @@ def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int, first:
     b, h, n, d = x.shape
     dtype = compute_dtype(x.dtype)
     real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
-    sums, counts = x.to(dtype) * real[:, None, :, None], real  # [b, h, n, d], [b, n]
-    span_sums, node_counts = [sums.new_zeros(b, h, 0, d)], [counts]
+    offsets = level_offsets(n, levels)
+    base = offsets[min(first, levels)]
+    # Written level by level into one buffer, divided in place: no full-size temporaries besides the masked tokens.
+    spans = x.new_empty(b, h, offsets[-1] - base, d, dtype=dtype)
+    sums = x.to(dtype) if key_padding_mask is None else x.to(dtype) * real[:, None, :, None]  # [b, h, n, d]
+    counts, node_counts = real, [real]
     for level in range(1, levels):
         if sums.shape[2] % 2:
             sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
         sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
         counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
         if level >= first:
-            span_sums.append(sums)
+            spans[:, :, offsets[level] - base : offsets[level + 1] - base] = sums
         node_counts.append(counts)
     counts = torch.cat(node_counts, 1)  # [b, N]
-    spans = (
-        torch.cat(span_sums, 2)
-        / counts[:, level_offsets(n, levels)[min(first, levels)] :].clamp(min=1)[:, None, :, None]
-    )
+    spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None])
     return spans.to(x.dtype), counts
 
 
@@ -327,16 +280,6 @@ def _softmax_rows(scores: Tensor, visible: Tensor, dropout_p: float) -> Tensor:
     return F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
 
 
-@lru_cache(maxsize=4)
-def _cached_block_layout(n: int, context: int, causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """`block_layout`, kept narrow: it stays in memory, and in int64 its edge table `[nb, c, m]` is 45 MB at 16K
-    tokens (k = 4); edge types fit int16 (at most `num_edge_types`, 1 + 64·(k+1)), node indices int32. Each chunk
-    widens its own slice back to int64."""
-    nodes, edges = block_layout(n, context=context, causal=causal, device=device)
-    narrow = torch.int16 if num_edge_types(context) < 2**15 else torch.int32
-    return nodes.to(torch.int32), edges.to(narrow)  # N < 2n nodes: int32 up to 2^30 tokens
-
-
 def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_offset: int = 0) -> Tensor:
     """Relative logits of token edges: `table` `[b, h, n_q, 2M + 1]` of the queries at positions q_offset .. read at
     queries `q_pos` (positions) and nodes `node` (indices into the node list, broadcastable with q_pos), 0 for span
@@ -348,225 +291,12 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-_TOKEN_LEVELS = 2
-"""Span levels 1 .. this one are read from the tokens by each chunk (a level-l node is the mean of its 2^l real
-tokens) instead of being pooled and kept: they hold 3/4 of the spans, and a block reads only about
-c + 2^l · (2(k+1)·2 + 1) of their tokens, so forward and backward keep n/4 span rows per tensor instead of n."""
-
-
-def _level_widths(levels: int, context: int, causal: bool, block: int = QUERY_BLOCK) -> list[int]:
-    """Columns of each level in `block_layout`'s node sets, level 0 first (the same windows)."""
-    reach = 2 * (context + 1)
-    return [max(block // 2**level, 1) + reach * (1 if causal else 2) + 1 for level in range(levels)]
-
-
-class _Chunk:
-    """One chunk of query blocks [start, stop) of the blocked executor: its slices of the layout, and its inputs
-    gathered from the O(n · d) tensors (queries, tokens, the kept spans), so that forward and backward read the
-    same. Node columns: level 0 (tokens), levels 1 .. G (`_TOKEN_LEVELS`, means of tokens), levels above (kept
-    spans)."""
-
-    def __init__(self, start: int, stop: int, n: int, nodes: Tensor, edges: Tensor, widths: list[int]):
-        self.start, self.stop, self.n = start, stop, n
-        self._nodes, self._edges = nodes[start:stop], edges[start:stop]  # views of the (narrow) layout
-        self.c = edges.shape[1]
-        self.first, self.last = start * self.c, min(n, stop * self.c)  # the queries [first, last)
-        levels = len(widths)
-        offsets = level_offsets(n, levels)
-        self.low = min(_TOKEN_LEVELS, levels - 1)
-        columns = [0]
-        for width in widths:
-            columns.append(columns[-1] + width)
-        self.columns = columns  # level l in columns [columns[l], columns[l + 1])
-        self.span_base = offsets[self.low + 1]  # node index of the first kept span
-        self.tokens = {}  # level -> (node columns, token index [nbc, w, 2^l] unclamped)
-        for level in range(1, self.low + 1):
-            node = self._nodes[:, columns[level] : columns[level + 1]].long()  # [nbc, w]
-            size = 2**level
-            token = (node - offsets[level])[..., None] * size + torch.arange(size, device=node.device)
-            self.tokens[level] = (node, token)
-
-    @property
-    def nodes(self) -> Tensor:
-        """Long `[nbc, m]`, widened when used: the chunks of a whole pass exist at once, their int64 copies not."""
-        return self._nodes.long()
-
-    @property
-    def edges(self) -> Tensor:
-        """Long `[nbc, c, m]`, widened when used."""
-        return self._edges.long()
-
-    def _token_weights(self, level: int, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """(token index `[nbc, w, 2^l]`, weights `[b, nbc, w, 2^l]`) of the level's nodes as means of their real
-        tokens (`counts` `[b, N]`, tokens first)."""
-        node, token = self.tokens[level]
-        index = token.clamp(max=self.n - 1)
-        weight = _take(counts, 1, index) * (token < self.n) / _take(counts, 1, node).clamp(min=1)[..., None]
-        return index, weight
-
-    def gather(self, tokens: Tensor, spans: Tensor, counts: Tensor) -> Tensor:
-        """The node keys or values of the chunk's blocks -> `[b, h, nbc, m, d]` (tokens `[b, h, n, d]`, kept spans
-        `[b, h, N - offsets[G + 1], d]`, counts `[b, N]`)."""
-        dtype = compute_dtype(tokens.dtype)
-        parts = [_take(tokens, 2, self.nodes[:, : self.columns[1]])]
-        for level in range(1, self.low + 1):
-            index, weight = self._token_weights(level, counts)
-            mean = torch.einsum("bhnwrd,bnwr->bhnwd", _take(tokens, 2, index).to(dtype), weight.to(dtype))
-            parts.append(mean.to(tokens.dtype))
-        parts.append(_take(spans, 2, self.nodes[:, self.columns[self.low + 1] :] - self.span_base))
-        return torch.cat(parts, 3)
-
-    def scatter(self, grad: Tensor, grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor) -> None:
-        """Adds the gradient of `gather`'s output `[b, h, nbc, m, d]` into the tokens' and kept spans' gradients."""
-        dtype = grad_tokens.dtype
-        split = self.columns[1]
-        grad_tokens.index_add_(2, self.nodes[:, :split].flatten(), grad[:, :, :, :split].flatten(2, 3).to(dtype))
-        for level in range(1, self.low + 1):
-            index, weight = self._token_weights(level, counts)
-            part = grad[:, :, :, self.columns[level] : self.columns[level + 1]].to(dtype)  # [b, h, nbc, w, d]
-            shares = part[:, :, :, :, None, :] * weight[:, None, :, :, :, None].to(dtype)  # [b, h, nbc, w, 2^l, d]
-            grad_tokens.index_add_(2, index.flatten(), shares.flatten(2, 4))
-        split = self.columns[self.low + 1]
-        spans = (self.nodes[:, split:] - self.span_base).flatten()
-        grad_spans.index_add_(2, spans, grad[:, :, :, split:].flatten(2, 3).to(dtype))
-
-    def blocks(self, x: Tensor) -> Tensor:
-        """Rows [first, last) of `[b, h, n, d]` as blocks `[b, h, nbc, c, d]`, the last block padded with zeros."""
-        x = x[:, :, self.first : self.last]
-        return F.pad(x, (0, 0, 0, (self.stop - self.start) * self.c - x.shape[2])).unflatten(2, (-1, self.c))
-
-    def visible(self, real: Tensor) -> Tensor:
-        """`[b, 1, nbc, c, m]`: the edges the queries have to real nodes (`real` `[b, N]`)."""
-        return ((self.edges >= 0) & _take(real, 1, self.nodes)[:, :, None, :])[:, None]
-
-    def attend(self, q_blocks, keys, values, relative_bias, table_rows, visible, scale, dropout_p) -> Tensor:
-        """q_blocks `[b, h, nbc, c, d]`, keys and values `[b, h, nbc, m, d]`, relative_bias `[h, E]`, the relative
-        table's rows [first, last) `[b, h, q, 2M + 1]` or None -> out `[b, h, nbc, c, d]`."""
-        dtype = compute_dtype(q_blocks.dtype)
-        bias = _take(relative_bias, 1, self.edges.clamp(min=0)).to(dtype)  # [h, nbc, c, m]
-        scores = (q_blocks.to(dtype) * scale) @ keys.to(dtype).transpose(-1, -2) + bias  # [b, h, nbc, c, m]
-        if table_rows is not None:
-            q_pos = torch.arange(self.first, self.stop * self.c, device=q_blocks.device).view(-1, self.c)  # [nbc, c]
-            logits = _token_edge_logits(table_rows, q_pos[:, :, None], self.nodes[:, None, :], self.n, self.first)
-            scores = scores + logits.to(dtype)
-        return (_softmax_rows(scores, visible, dropout_p) @ values.to(dtype)).to(q_blocks.dtype)
-
-
 def _take(x: Tensor, dim: int, index: Tensor) -> Tensor:
     """`x` indexed by the integer tensor `index` along `dim` (`x[:, index]` for dim 1, `x[:, :, index]` for dim 2):
     the same values through `index_select`, whose contiguous row copies run 2-4x faster on CPU than advanced
     indexing's generic gather."""
     picked = x.index_select(dim, index.flatten())
     return picked.view(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
-
-
-def _layout_chunks(n: int, b: int, h: int, context: int, causal: bool, device: torch.device) -> list[_Chunk]:
-    """The blocked layout of n queries cut into chunks of about `_CHUNK_ELEMENTS` scores."""
-    if torch.compiler.is_compiling():
-        nodes, edges = block_layout(n, context=context, causal=causal, device=device)  # [nb, m], [nb, c, m]
-    else:  # the layout depends on the length only: built once per length, not in every layer and step
-        nodes, edges = _cached_block_layout(n, context, causal, device)
-    blocks, c, m = edges.shape
-    step = max(1, _CHUNK_ELEMENTS // max(1, b * h * c * m))
-    widths = _level_widths(num_levels(n, context), context, causal, c)
-    return [_Chunk(start, min(blocks, start + step), n, nodes, edges, widths) for start in range(0, blocks, step)]
-
-
-def _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, recompute):
-    """The blocked executor's forward: spans pooled once, then chunk by chunk -> `[b, h, n, d]`. With `recompute`
-    each chunk runs under `torch.utils.checkpoint` (the path with attention dropout, whose masks it replays)."""
-    b, h, n, d = q.shape
-    levels = num_levels(n, context)
-    spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)  # [b, h, N', d], [b, N]
-    spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
-    real = counts > 0
-    chunks = _layout_chunks(n, b, h, context, causal, q.device)
-
-    def run(chunk: _Chunk, q, k, v, spans_k, spans_v, relative_bias, table) -> Tensor:
-        keys, values = chunk.gather(k, spans_k, counts), chunk.gather(v, spans_v, counts)
-        table_rows = None if table is None else table[:, :, chunk.first : chunk.last]
-        out = chunk.attend(
-            chunk.blocks(q), keys, values, relative_bias, table_rows, chunk.visible(real), scale, dropout_p
-        )
-        return out.flatten(2, 3)[:, :, : chunk.last - chunk.first]
-
-    if not torch.is_grad_enabled():  # written into one output, no list of chunks and no concatenation
-        out = q.new_empty(b, h, n, d)
-        for chunk in chunks:
-            out[:, :, chunk.first : chunk.last] = run(chunk, q, k, v, spans_k, spans_v, relative_bias, table)
-        return out
-    args = (q, k, v, spans_k, spans_v, relative_bias, table)
-    if recompute:  # recomputed in backward: the gathered keys, values and scores are not kept
-        return torch.cat([checkpoint(run, chunk, *args, use_reentrant=False) for chunk in chunks], 2)
-    return torch.cat([run(chunk, *args) for chunk in chunks], 2)
-
-
-class _BlockedNodes(torch.autograd.Function):
-    """The blocked executor with its own backward: forward keeps only its inputs (q, k, v `[b, h, n, d]`, the bias
-    table and the relative table); backward pools the spans again and recomputes each chunk's gathered nodes,
-    scores and probabilities, one chunk at a time, adding the gradients of the gathered nodes into the tokens'
-    and spans' gradients by index. Nothing larger than O(n · d) outlives a chunk."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, relative_bias, table, context, causal, scale):
-        ctx.save_for_backward(q, k, v, key_padding_mask, relative_bias, table)
-        ctx.settings = (context, causal, scale)
-        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, 0.0, False)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, key_padding_mask, relative_bias, table = ctx.saved_tensors
-        context, causal, scale = ctx.settings
-        b, h, n, d = q.shape
-        levels = num_levels(n, context)
-        spans_k, counts = _pool_levels(k, key_padding_mask, levels, _TOKEN_LEVELS + 1)
-        spans_v = _pool_levels(v, key_padding_mask, levels, _TOKEN_LEVELS + 1)[0]
-        real = counts > 0
-        dtype = compute_dtype(q.dtype)  # gradients gathered from many chunks add up in the compute dtype
-        grad_q = torch.empty_like(q)
-        grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
-        grad_spans_k, grad_spans_v = (x.new_zeros(x.shape, dtype=dtype) for x in (spans_k, spans_v))
-        grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
-        grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
-        for chunk in _layout_chunks(n, b, h, context, causal, q.device):
-            leaves = [
-                chunk.blocks(q),
-                chunk.gather(k, spans_k, counts),
-                chunk.gather(v, spans_v, counts),
-                relative_bias,
-            ]
-            if table is not None:
-                leaves.append(table[:, :, chunk.first : chunk.last])
-            leaves = [x.detach().requires_grad_() for x in leaves]
-            with torch.enable_grad():
-                out = chunk.attend(
-                    *leaves[:4], leaves[4] if table is not None else None, chunk.visible(real), scale, 0.0
-                )
-            grads = torch.autograd.grad(out, leaves, chunk.blocks(grad_out))
-            grad_q[:, :, chunk.first : chunk.last] = grads[0].flatten(2, 3)[:, :, : chunk.last - chunk.first]
-            chunk.scatter(grads[1], grad_k, grad_spans_k, counts)
-            chunk.scatter(grads[2], grad_v, grad_spans_v, counts)
-            grad_bias += grads[3]
-            if table is not None:
-                grad_table[:, :, chunk.first : chunk.last] += grads[4]
-            del leaves, out, grads  # before the next chunk's, not while it is built
-        del spans_k, spans_v
-        # The spans are linear in the tokens: their gradients go back through the pooling (`_unpool`).
-        if grad_spans_k.shape[2]:
-            _unpool(grad_k, grad_spans_k, counts, levels, _TOKEN_LEVELS + 1)
-            _unpool(grad_v, grad_spans_v, counts, levels, _TOKEN_LEVELS + 1)
-        grad_table = None if table is None else grad_table.to(table.dtype)
-        return (
-            grad_q,
-            grad_k.to(k.dtype),
-            grad_v.to(v.dtype),
-            None,
-            grad_bias.to(relative_bias.dtype),
-            grad_table,
-            None,
-            None,
-            None,
-        )
 
 
 def _unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int, first: int) -> None:
@@ -594,19 +324,446 @@ def _unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int
         grad_tokens[:, :, whole * size :].addcmul_(share[0][:, :, whole:], real[:, None, whole * size :, None])
 
 
-def _attend_gathered_nodes(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
-    """`binary_partition_attention`'s blocked executor on token q, k, v `[b, h, n, d]` (padding mask `[b, n]` or
+GROUP = 16
+"""Queries per group at the low levels of the level-wise executor (`level_layout`): at level l < log2(c) a group of c
+queries reads one window of c/2^l + k nodes (c + 2k + 2 tokens at level 0, both sides); a power of two."""
+
+HIGH_GROUP = 128
+"""Queries per group from level `HIGH_LEVEL` up, where runs of 2^l >= c queries share their k + 1 nodes: larger
+products for the levels that have the fewest nodes (a power of two, a multiple of `GROUP`)."""
+
+HIGH_LEVEL = 7
+"""The first level read by groups of `HIGH_GROUP` queries (2^7 = 128: one window of k + 1 nodes per group)."""
+
+
+class _Tier(NamedTuple):
+    """Levels read by groups of the same size: each group of `group` consecutive rows reads one window per level,
+    the windows side by side (M columns)."""
+
+    group: int
+    index: Tensor  # long [groups, M]: node indices into the node list [tokens ; spans], each inside its level
+    types: Tensor  # long [G, M] (every group alike) or [groups, G, M]: edge type, 0 where hidden
+    hidden: Tensor  # bool [groups, G, M]: no edge (another side's node, a node outside its level, a padding row)
+    tokens: int  # columns [0, tokens) are level-0 nodes (the tokens), the rest span nodes
+    distance: Tensor | None  # long [G, tokens] or [groups, G, tokens]: token position minus query position
+
+
+class _Side(NamedTuple):
+    """One side of `level_layout`: row y holds query y - shift; `rows` a multiple of every tier's group."""
+
+    shift: int
+    rows: int
+    tiers: list[_Tier]
+
+
+def _pattern(x: Tensor, hidden: Tensor) -> Tensor:
+    """`x` `[groups, G, M]` as one `[G, M]` pattern where every group agrees with it on its visible entries (the
+    tree is the same around every group, up to translation), else `x` itself; 0 where hidden. Under
+    `torch.compile` always `x` (the check reads a value on the host)."""
+    x = x.masked_fill(hidden, 0)
+    if torch.compiler.is_compiling():
+        return x
+    lowest = torch.iinfo(x.dtype).min
+    pattern = torch.where(hidden, lowest, x).amax(0)  # [G, M]
+    pattern = pattern.masked_fill(pattern == lowest, 0)
+    return pattern if bool(((x == pattern) | hidden).all()) else x
+
+
+def _group_size(level: int) -> int:
+    return HIGH_GROUP if level >= HIGH_LEVEL else GROUP
+
+
+def level_layout(n: int, *, context: int, causal: bool, device: torch.device | None = None) -> list[_Side]:
+    """The level-wise executor's layout: two sides (one when causal), each a set of query groups that read one
+    contiguous window of nodes per level.
+
+    On one side, a query's nodes at level l are k or k + 1 consecutive level-l nodes; the cursor that places them
+    moves by one node every 2^l queries (runs of 2^l queries share them), and the runs start at i = k mod 2^l on the
+    right and i = -k mod 2^l on the left, the same phase at every level. Each side's rows are therefore shifted by
+    that phase (row y holds query y - shift), so that a group of G rows reads one window per level: k + 1 nodes
+    where G <= 2^l (the group lies in one run), G/2^l + k where it spans G/2^l runs. Level 0 is read once, by the
+    left side: the tokens [left[1], right[1]) around the query (the query itself included), G + 2k + 2 per group.
+    The edge types come from `_edges` (the dense table's predicate), each kept by the side that reads it, so the
+    two sides together hold every node a query sees exactly once.
+
+    Returns:
+        `[left]` (causal) or `[left, right]` `_Side`s.
+    """
+    levels = num_levels(n, context)
+    offsets = level_offsets(n, levels)
+    top = max(_group_size(level) for level in range(levels))
+    sides = []
+    for left in (True,) if causal else (True, False):
+        shift = (context if left else -context) % top
+        rows = -(-(n + shift) // top) * top
+        positions = torch.arange(rows, device=device) - shift
+        valid = (positions >= 0) & (positions < n)
+        right_cursor, left_cursor = _cursors(positions, n, context)  # [rows, L+1], translation-invariant
+        parts: dict[int, list] = {}
+        for level in range(levels) if left else range(1, levels):
+            size, count, g = 2**level, -(-n // 2**level), _group_size(level)
+            groups = rows // g
+            if level == 0:  # [left[1], right[1]): both sides and the query itself
+                lo, hi = left_cursor[:, 1], right_cursor[:, 1] if not causal else positions + 1
+                width = g + (context + 1) * (1 if causal else 2) + (0 if causal else 1)
+            elif left:  # [left[l+1], left[l])
+                lo = torch.div(left_cursor[:, level + 1], size, rounding_mode="floor")
+                hi = torch.div(left_cursor[:, level], size, rounding_mode="floor")
+                width = max(g // size, 1) + context
+            else:  # [right[l], right[l+1])
+                lo = torch.div(right_cursor[:, level], size, rounding_mode="floor")
+                hi = torch.div(right_cursor[:, level + 1], size, rounding_mode="floor")
+                width = max(g // size, 1) + context
+            # the left windows end at the group's nearest node, so that the outward offsets line up across groups
+            start = hi.view(groups, g).amax(1) - width if left and level else lo.view(groups, g).amin(1)
+            index = start[:, None] + torch.arange(width, device=device)  # [groups, W]
+            edges = _edges(
+                positions.view(groups, g),
+                torch.full((1, 1, width), level, device=device),
+                (index * size)[:, None, :],
+                n=n,
+                context=context,
+                causal=causal,
+            )  # [groups, G, W]
+            mine = (edges % 2 == 0) | (edges <= 2 * (context + 1)) if left else (edges % 2 == 1)
+            hidden = ~(
+                mine & (edges >= 0) & ((index >= 0) & (index < count))[:, None, :] & valid.view(groups, g)[:, :, None]
+            )
+            distance = index[:, None, :] - positions.view(groups, g)[:, :, None] if level == 0 else None
+            parts.setdefault(g, []).append((offsets[level] + index.clamp(0, count - 1), edges, hidden, distance))
+        tiers = []
+        for g, tier in parts.items():
+            index, edges, hidden = (torch.cat(x, -1) for x in list(zip(*tier))[:3])
+            distance = tier[0][3]  # level 0 comes first in its tier
+            tokens = 0 if distance is None else distance.shape[-1]
+            distance = None if distance is None else _pattern(distance, hidden[..., :tokens])
+            tiers.append(_Tier(g, index, _pattern(edges, hidden), hidden, tokens, distance))
+        if tiers:  # the right side of a one-level tree has no node (level 0 is the left side's)
+            sides.append(_Side(shift, rows, tiers))
+    return sides
+
+
+@lru_cache(maxsize=4)
+def _cached_level_layout(n: int, context: int, causal: bool, device: torch.device) -> list[_Side]:
+    """`level_layout`, built once per length (it depends on nothing else): a few bytes per query and window entry."""
+    return level_layout(n, context=context, causal=causal, device=device)
+
+
+def _layout(n: int, context: int, causal: bool, device: torch.device) -> list[_Side]:
+    if torch.compiler.is_compiling():
+        return level_layout(n, context=context, causal=causal, device=device)
+    return _cached_level_layout(n, context, causal, device)
+
+
+def _rows(x: Tensor, start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of `x` `[b, h, n, ...]` along dim 2, zeros where outside [0, n)."""
+    n = x.shape[2]
+    a, z = min(max(start, 0), n), max(min(stop, n), 0)
+    part = x[:, :, a : max(a, z)]
+    before = a - start
+    after = stop - start - before - part.shape[2]
+    if before or after:
+        part = F.pad(part, (0, 0) * (x.dim() - 3) + (before, after))
+    return part
+
+
+_CHUNK_ELEMENTS = workspace_elements() // 8
+"""Scores of one chunk of rows (every tier of one side): an eighth of the blocked executors' workspace budget (2**18
+where it is 2**21), since a chunk's gathered windows and their gradients take about 8x its scores (M x d per group
+of 16 rows). At 16K tokens (one layer, forward + backward, one thread) 2**17 to 2**20 ran within this machine's
+noise of each other; the smaller chunk keeps the peak memory down."""
+
+
+class _Nodes(NamedTuple):
+    """Per call: token keys and values `[b, h, n, d]`, span keys and values `[b, h, N - n, d]` (`level_offsets`
+    order), real flags `[b, N]` (None without padding) and real-token counts `[b, N]`."""
+
+    keys: Tensor
+    values: Tensor
+    spans_k: Tensor
+    spans_v: Tensor
+    real: Tensor | None
+    counts: Tensor
+
+
+def _level_nodes(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, levels: int) -> _Nodes:
+    spans_k, counts = _pool_levels(k, key_padding_mask, levels, 1)
+    spans_v = _pool_levels(v, key_padding_mask, levels, 1)[0]
+    real = None if key_padding_mask is None else counts > 0
+    return _Nodes(k, v, spans_k, spans_v, real, counts)
+
+
+def _gather(tokens: Tensor, spans: Tensor, tier: _Tier, g0: int, g1: int) -> Tensor:
+    """The windows of groups [g0, g1) -> `[b, h, ng, M, d]`: level-0 columns from the tokens, the rest from the
+    spans."""
+    index, n = tier.index[g0:g1], tokens.shape[2]
+    if not tier.tokens:
+        return _take(spans, 2, index - n)
+    if tier.tokens == index.shape[1]:
+        return _take(tokens, 2, index)
+    return torch.cat([_take(tokens, 2, index[:, : tier.tokens]), _take(spans, 2, index[:, tier.tokens :] - n)], 3)
+
+
+def _scatter(grad: Tensor, grad_tokens: Tensor, grad_spans: Tensor, tier: _Tier, g0: int, g1: int) -> None:
+    """Adds the gradient of `_gather`'s windows `[b, h, ng, M, d]` into the tokens' and spans' gradients."""
+    index, n, t = tier.index[g0:g1], grad_tokens.shape[2], tier.tokens
+    if t:
+        grad_tokens.index_add_(2, index[:, :t].flatten(), grad[:, :, :, :t].flatten(2, 3))
+    if t < index.shape[1]:
+        grad_spans.index_add_(2, (index[:, t:] - n).flatten(), grad[:, :, :, t:].flatten(2, 3))
+
+
+def _chunk_rows(side: _Side, b: int, h: int) -> int:
+    """Rows per chunk: a multiple of every tier's group, the scores of all tiers within budget."""
+    columns = sum(tier.index.shape[1] for tier in side.tiers)
+    top = max(tier.group for tier in side.tiers)
+    rows = _CHUNK_ELEMENTS // max(1, b * h * columns)
+    return max(top, rows // top * top)
+
+
+class _Biases(NamedTuple):
+    """Per call, per tier: the relative bias `[h, 1, G, M]` or `[h, groups, G, M]`, and the relative table's
+    columns of the level-0 nodes (`[G, tokens]` or `[groups, G, tokens]`, None without a table)."""
+
+    bias: list[Tensor]
+    columns: list[Tensor | None]
+
+
+def _side_biases(side: _Side, relative_bias: Tensor, table: Tensor | None, dtype) -> _Biases:
+    bias = [_take(relative_bias, 1, tier.types).to(dtype) for tier in side.tiers]
+    bias = [x[:, None] if x.dim() == 3 else x for x in bias]
+    columns = []
+    for tier in side.tiers:
+        if table is None or not tier.tokens:
+            columns.append(None)
+            continue
+        reach = (table.shape[-1] - 1) // 2
+        columns.append(tier.distance.clamp(-reach, reach) + reach)
+    return _Biases(bias, columns)
+
+
+def _tier_scores(q_groups, keys, tier: _Tier, number: int, g0: int, g1: int, biases: _Biases, table_rows, real):
+    """Scores `[b, h, ng, G, M]` of one tier for the groups [g0, g1): q·k (q already scaled) + bias (+ relative
+    logits on the token columns), hidden entries -inf (`hide_exactly`: the caller guards rows without a visible
+    entry). In place on the fresh product: runs without autograd (`_LevelAttention`) or on its own product."""
+    scores = q_groups @ keys.transpose(-1, -2)
+    bias = biases.bias[number]
+    scores.add_(bias if tier.types.dim() == 2 else bias[:, g0:g1])
+    columns = biases.columns[number]
+    if table_rows is not None and columns is not None:
+        b, h, ng, g = scores.shape[:4]
+        columns = columns if columns.dim() == 2 else columns[g0:g1]
+        logits = table_rows.view(b, h, ng, g, -1).gather(-1, columns.expand(b, h, ng, g, -1))
+        scores[..., : tier.tokens].add_(logits.to(scores.dtype))
+    hidden = tier.hidden[g0:g1]
+    if real is not None:
+        hidden = hidden | ~_take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
+    return hide_exactly(scores, hidden, inplace=True)
+
+
+def _tier_scores_autograd(q_groups, keys, tier, number, g0, g1, biases, table_rows, real):
+    """`_tier_scores` out of place, for autograd (`torch.compile`, attention dropout)."""
+    scores = q_groups @ keys.transpose(-1, -2)
+    bias = biases.bias[number]
+    scores = scores + (bias if tier.types.dim() == 2 else bias[:, g0:g1])
+    columns = biases.columns[number]
+    if table_rows is not None and columns is not None:
+        b, h, ng, g = scores.shape[:4]
+        columns = columns if columns.dim() == 2 else columns[g0:g1]
+        logits = table_rows.view(b, h, ng, g, -1).gather(-1, columns.expand(b, h, ng, g, -1)).to(scores.dtype)
+        scores = torch.cat([scores[..., : tier.tokens] + logits, scores[..., tier.tokens :]], -1)
+    hidden = tier.hidden[g0:g1]
+    if real is not None:
+        hidden = hidden | ~_take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
+    return hide_exactly(scores, hidden)
+
+
+def _side_chunk(q_rows, nodes: _Nodes, side: _Side, y0: int, biases: _Biases, table_rows, dropout_p, inplace):
+    """One side's attention for rows [y0, y0 + C) (`q_rows` `[b, h, C, d]`, scaled, compute dtype) ->
+    (out `[b, h, C, d]`, lse `[b, h, C]`): one softmax over every tier's windows (a shared row maximum), each tier's
+    products one batched matmul over its groups."""
+    b, h, c, d = q_rows.shape
+    scores, windows = [], []
+    score = _tier_scores if inplace else _tier_scores_autograd
+    for number, tier in enumerate(side.tiers):
+        g0, g1 = y0 // tier.group, (y0 + c) // tier.group
+        keys = _gather(nodes.keys, nodes.spans_k, tier, g0, g1).to(q_rows.dtype)  # [b, h, ng, M, d]
+        q_groups = q_rows.unflatten(2, (g1 - g0, tier.group))
+        scores.append(score(q_groups, keys, tier, number, g0, g1, biases, table_rows, nodes.real))
+        windows.append((tier, g0, g1))
+    shift = torch.stack([s.detach().amax(-1).view(b, h, c) for s in scores]).amax(0)  # [b, h, C]
+    shift = zero_empty_shift(shift, inplace=True)
+    total, out = None, None
+    for s, (tier, g0, g1) in zip(scores, windows, strict=True):
+        rows_shift = shift.view(b, h, g1 - g0, tier.group, 1)
+        e = s.sub_(rows_shift).exp_() if inplace else torch.exp(s - rows_shift)
+        part_total = e.sum(-1).view(b, h, c)
+        total = part_total if total is None else total + part_total
+        if dropout_p > 0:
+            e = F.dropout(e, p=dropout_p)
+        values = _gather(nodes.values, nodes.spans_v, tier, g0, g1).to(q_rows.dtype)
+        part = (e @ values).view(b, h, c, d)
+        out = part if out is None else out + part
+    seen = total > 0
+    safe = torch.where(seen, total, torch.ones_like(total))
+    out = out / safe[..., None]
+    lse = torch.where(seen, shift + safe.log(), torch.full_like(total, NO_KEY_LSE))
+    return out, lse
+
+
+def _side_chunk_rows(side: _Side, n: int, b: int, h: int):
+    """(y0, r0, r1, a, z) of each chunk of one side: rows [y0, ..) hold queries [r0, r1), of which [a, z) exist."""
+    step = _chunk_rows(side, b, h)
+    for y0 in range(0, side.rows, step):
+        r0, r1 = y0 - side.shift, min(side.rows, y0 + step) - side.shift
+        a, z = max(r0, 0), min(r1, n)
+        if z > a:
+            yield y0, r0, r1, a, z
+
+
+def _forward_levels(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, mode):
+    """Both sides' chunks, merged (`merge_attention`: the sides' node sets are disjoint) -> (out `[b, h, n, d]`,
+    lse `[b, h, n]`) in the compute dtype. `mode`: "inplace" (no autograd: chunks written into one output),
+    "autograd" (differentiable ops; traced by `torch.compile`), "checkpoint" (each chunk under
+    `torch.utils.checkpoint`, which replays attention dropout's masks in backward)."""
+    b, h, n, d = q.shape
+    dtype = compute_dtype(q.dtype)
+    sides = _layout(n, context, causal, q.device)
+    nodes = _level_nodes(k, v, key_padding_mask, num_levels(n, context))
+    inplace = mode == "inplace"
+    out = q.new_zeros(b, h, n, d, dtype=dtype) if inplace else None
+    lse = q.new_full((b, h, n), NO_KEY_LSE, dtype=dtype) if inplace else None
+    for number, side in enumerate(sides):
+        biases = _side_biases(side, relative_bias, table, dtype)
+        outs, lses = [], []
+        for y0, r0, r1, a, z in _side_chunk_rows(side, n, b, h):
+            table_rows = None if table is None else _rows(table, r0, r1)
+            q_rows = _rows(q, r0, r1).to(dtype) * scale  # scaled per chunk: no scaled copy of q
+            args = (q_rows, nodes, side, y0, biases, table_rows, dropout_p, inplace)
+            if mode == "checkpoint":
+                part = checkpoint(_side_chunk, *args, use_reentrant=False)
+            else:
+                part = _side_chunk(*args)
+            part = tuple(x[:, :, a - r0 : z - r0] for x in part)
+            if not inplace:
+                outs.append(part[0])
+                lses.append(part[1])
+            elif number == 0:
+                out[:, :, a:z], lse[:, :, a:z] = part
+            else:
+                out[:, :, a:z], lse[:, :, a:z] = merge_attention([(out[:, :, a:z], lse[:, :, a:z]), part])
+        if not inplace:
+            whole = torch.cat(outs, 2), torch.cat(lses, 2)
+            out, lse = whole if out is None else merge_attention([(out, lse), whole])
+    return out, lse
+
+
+class _LevelAttention(torch.autograd.Function):
+    """The level-wise executor with its own backward (flash-attention style): forward keeps its inputs (q, k, v,
+    the bias and relative tables), its output and the log-sum-exp (O(n · d)); backward pools the spans again and,
+    chunk by chunk, recomputes each tier's scores, takes the probabilities from the final log-sum-exp
+    (exp(s - lse): the sides stay independent) and adds the windows' gradients back into the nodes by index."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, relative_bias, table, context, causal, scale):
+        out, lse = _forward_levels(
+            q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, 0.0, "inplace"
+        )
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, key_padding_mask, relative_bias, table, out, lse)
+        ctx.settings = (context, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, key_padding_mask, relative_bias, table, out, lse = ctx.saved_tensors
+        context, causal, scale = ctx.settings
+        b, h, n, d = q.shape
+        dtype = compute_dtype(q.dtype)
+        levels = num_levels(n, context)
+        sides = _layout(n, context, causal, q.device)
+        nodes = _level_nodes(k, v, key_padding_mask, levels)
+        grad_out = grad_out.to(dtype)
+        delta = (grad_out * out.to(dtype)).sum(-1)  # [b, h, n]: sum_j p_ij (dO_i · v_j)
+        lse = zero_empty_shift(lse)  # a row that sees no key: its scores are all -inf, exp(-inf - 0) = 0
+        grad_q = q.new_zeros(q.shape, dtype=dtype)
+        grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
+        grad_spans_k = nodes.spans_k.new_zeros(nodes.spans_k.shape, dtype=dtype)
+        grad_spans_v = nodes.spans_v.new_zeros(nodes.spans_v.shape, dtype=dtype)
+        grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
+        grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
+        for side in sides:
+            biases = _side_biases(side, relative_bias, table, dtype)
+            for y0, r0, r1, a, z in _side_chunk_rows(side, n, b, h):
+                q_rows, do_rows = _rows(q, r0, r1).to(dtype) * scale, _rows(grad_out, r0, r1)
+                delta_rows, lse_rows = _rows(delta, r0, r1), _rows(lse, r0, r1)
+                table_rows = None if table is None else _rows(table, r0, r1)
+                grad_q_rows = torch.zeros_like(q_rows)
+                grad_table_rows = None if table is None else torch.zeros_like(table_rows, dtype=dtype)
+                for number, tier in enumerate(side.tiers):
+                    g = tier.group
+                    g0, g1 = y0 // g, y0 // g + q_rows.shape[2] // g
+                    keys = _gather(nodes.keys, nodes.spans_k, tier, g0, g1).to(dtype)  # [b, h, ng, M, d]
+                    values = _gather(nodes.values, nodes.spans_v, tier, g0, g1).to(dtype)
+                    q_groups, do_groups = q_rows.unflatten(2, (g1 - g0, g)), do_rows.unflatten(2, (g1 - g0, g))
+                    scores = _tier_scores(q_groups, keys, tier, number, g0, g1, biases, table_rows, nodes.real)
+                    probs = scores.sub_(lse_rows.unflatten(2, (g1 - g0, g))[..., None]).exp_()
+                    grad_scores = do_groups @ values.transpose(-1, -2)
+                    grad_scores.sub_(delta_rows.unflatten(2, (g1 - g0, g))[..., None]).mul_(probs)  # [b, h, ng, G, M]
+                    _scatter(probs.transpose(-1, -2) @ do_groups, grad_v, grad_spans_v, tier, g0, g1)
+                    _scatter(grad_scores.transpose(-1, -2) @ q_groups, grad_k, grad_spans_k, tier, g0, g1)
+                    grad_q_rows.view(q_groups.shape).add_(grad_scores @ keys)
+                    per_type = grad_scores.sum(0)  # [h, ng, G, M]
+                    types = tier.types
+                    if types.dim() == 2:
+                        per_type = per_type.sum(1)
+                    else:
+                        types = types[g0:g1]
+                    grad_bias.index_add_(1, types.flatten(), per_type.flatten(1))
+                    columns = biases.columns[number]
+                    if grad_table_rows is not None and columns is not None:
+                        columns = columns if columns.dim() == 2 else columns[g0:g1]
+                        token_grads = grad_scores[..., : tier.tokens]
+                        grad_table_rows.view(*q_groups.shape[:4], -1).scatter_add_(
+                            -1, columns.expand(*token_grads.shape), token_grads
+                        )
+                grad_q[:, :, a:z].add_(grad_q_rows[:, :, a - r0 : z - r0], alpha=scale)  # d(scale·q)/dq
+                if grad_table is not None:
+                    grad_table[:, :, a:z] += grad_table_rows[:, :, a - r0 : z - r0]
+        counts = nodes.counts
+        del nodes
+        if levels > 1:  # the spans are linear in the tokens: their gradients go back through the pooling
+            _unpool(grad_k, grad_spans_k, counts, levels, 1)
+            _unpool(grad_v, grad_spans_v, counts, levels, 1)
+        return (
+            grad_q.to(q.dtype),
+            grad_k.to(k.dtype),
+            grad_v.to(v.dtype),
+            None,
+            grad_bias.to(relative_bias.dtype),
+            None if table is None else grad_table.to(table.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _attend_levels(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
+    """`binary_partition_attention`'s level-wise executor on token q, k, v `[b, h, n, d]` (padding mask `[b, n]` or
     None) and the relative table `[b, h, n, 2M + 1]` or None -> `[b, h, n, d]`.
 
-    In training it keeps for backward only O(n · d) tensors: `_BlockedNodes`, or, with attention dropout (whose
+    In training it keeps for backward only O(n · d) tensors: `_LevelAttention`, or, with attention dropout (whose
     masks must be replayed), `torch.utils.checkpoint` around each chunk. `torch.compile` traces the plain chunks."""
     tensors = (q, k, v, relative_bias) + (() if table is None else (table,))
     training = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-    if training and not torch.compiler.is_compiling():
-        if dropout_p == 0:
-            return _BlockedNodes.apply(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale)
-        return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, True)
-    return _attend_chunks(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p, False)
+    args = (q, k, v, key_padding_mask, relative_bias, table, context, causal, scale)
+    if not training:
+        return _forward_levels(*args, dropout_p, "inplace")[0].to(q.dtype)
+    if torch.compiler.is_compiling():
+        return _forward_levels(*args, dropout_p, "autograd")[0].to(q.dtype)
+    if dropout_p == 0:
+        return _LevelAttention.apply(*args)
+    return _forward_levels(*args, dropout_p, "checkpoint")[0].to(q.dtype)
 
 
 def binary_partition_attention(
@@ -656,9 +813,7 @@ def binary_partition_attention(
     relative_bias = relative_bias[:, : num_edge_types(context)]
     table = None if relative_embedding is None else relative_logit_table(q, relative_embedding, scale)
     if not dense:
-        return _attend_gathered_nodes(
-            q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p
-        )
+        return _attend_levels(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p)
     levels = num_levels(k.shape[2], context)
     nodes_k, real, counts = pool_spans(k, key_padding_mask, levels)  # [b, h, N, d], [b, N]
     nodes_v = pool_spans(v, key_padding_mask, levels)[0]

@@ -18,7 +18,7 @@ from longattn.attention_binary_partition import (
     binary_partition_edges,
     binary_partition_levels,
     binary_partition_reference,
-    block_layout,
+    level_layout,
     level_offsets,
     num_edge_types,
     num_levels,
@@ -69,20 +69,26 @@ def test_the_nodes_a_token_sees_are_disjoint_and_cover_the_sequence(context, cau
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("context", [1, 3])
-def test_each_query_block_gathers_every_node_its_queries_see(context, causal):
-    """The blocked layout's windows hold every node of the dense table, with the same edge types, once."""
-    for n in (1, 5, 31, 32, 33, 70, 257):
-        for block in (1, 4, 32):
-            nodes, edges = block_layout(n, context=context, causal=causal, block=block)  # [nb, m], [nb, c, m]
-            dense = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
-            blocks, c, m = edges.shape
-            table = torch.full((blocks, c, dense.shape[1] + 1), -1)
-            index = torch.where(edges >= 0, nodes[:, None, :].expand(-1, c, -1), dense.shape[1])  # unused: last
-            table = table.scatter(2, index, edges)[..., :-1].flatten(0, 1)[:n]
-            assert torch.equal(table, dense), (n, context, causal, block)
-            real_queries = edges.flatten(0, 1)[:n]  # positions past n only pad the last block
-            assert int((real_queries >= 0).sum()) == int((dense >= 0).sum())  # no node twice in a window
+@pytest.mark.parametrize("context", [1, 3, 4])
+def test_the_level_windows_hold_every_node_a_query_sees_once(context, causal):
+    """Both sides' windows (every tier, every group) hold every node of the dense table with its edge type, and no
+    (query, node) pair twice; the one-pattern bias of a tier agrees with every group's visible edges."""
+    for n in (1, 2, 5, 31, 32, 33, 70, 257, 600):
+        dense = binary_partition_edges(n, context=context, causal=causal)  # [n, N]
+        table = torch.full((n, dense.shape[1]), -1)
+        seen = torch.zeros(n, dense.shape[1], dtype=torch.long)
+        for side in level_layout(n, context=context, causal=causal):
+            for tier in side.tiers:
+                groups, g, m = tier.hidden.shape
+                query = (torch.arange(groups * g) - side.shift).view(groups, g, 1).expand(-1, -1, m)
+                node = tier.index[:, None, :].expand(-1, g, -1)
+                types = tier.types.expand(groups, g, m)
+                keep = ~tier.hidden
+                assert bool(((query >= 0) & (query < n))[keep].all())
+                table[query[keep], node[keep]] = types[keep]
+                seen.index_put_((query[keep], node[keep]), torch.ones_like(node[keep]), accumulate=True)
+        assert torch.equal(table, dense), (n, context, causal)
+        assert int(seen.max()) <= 1, (n, context, causal)
 
 
 def test_levels_of_the_documented_example():
@@ -214,8 +220,8 @@ def _saved_bytes(fn, *tensors) -> int:
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_training_keeps_only_its_inputs_for_backward(causal):
-    """Forward keeps q, k, v, the bias and the relative table for backward, nothing per node, edge or chunk: the
-    spans (about n rows), gathered node blocks and per-block biases are recomputed in backward."""
+    """Forward keeps q, k, v, the bias and the relative table for backward, with its output and log-sum-exp,
+    nothing per node, edge or chunk: the spans (about n rows), gathered windows and biases are recomputed."""
     n, h, d = 1027, 2, 16
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, generator=generator, requires_grad=True) for _ in range(3))
@@ -225,16 +231,17 @@ def test_training_keeps_only_its_inputs_for_backward(causal):
     mask[0, -5:] = False
     kwargs = dict(context=2, causal=causal, key_padding_mask=mask, relative_bias=bias, scale=0.25)
     saved = _saved_bytes(lambda *x: binary_partition_attention(*x, relative_embedding=embedding, **kwargs), q, k, v)
-    # q, k, v, the relative table [b, h, n, 9] (and what builds it from q: q itself), bias, embedding and mask.
-    inputs = 3 * q.nbytes + h * n * 9 * 4 + bias.nbytes + embedding.nbytes + mask.nbytes
+    # q, k, v, the relative table [b, h, n, 9] (and what builds it from q: q itself), bias, embedding and mask; the
+    # output and its log-sum-exp [b, h, n] (the flash-attention backward reads them).
+    inputs = 3 * q.nbytes + h * n * 9 * 4 + bias.nbytes + embedding.nbytes + mask.nbytes + q.nbytes + h * n * 4
     assert saved <= inputs + 4096, (saved, inputs)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [97, 150])
+@pytest.mark.parametrize("n", [150, 301])
 def test_chunked_backward_equals_the_dense_reference(n, causal, monkeypatch):
-    """Many chunks (one block each), more levels than the chunks read from the tokens, padding on both sides and
-    the relative-position logits: outputs and every gradient equal the dense form in float64."""
+    """Many chunks (the fewest rows each), levels in both tiers, padding on both sides and the relative-position
+    logits: outputs and every gradient equal the dense form in float64."""
     import longattn.attention_binary_partition as bp
 
     monkeypatch.setattr(bp, "_CHUNK_ELEMENTS", 1)
@@ -242,7 +249,7 @@ def test_chunked_backward_equals_the_dense_reference(n, causal, monkeypatch):
     embedding = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
     kwargs = dict(context=1, causal=causal, key_padding_mask=mask, relative_bias=bias, scale=0.35)
     kwargs["relative_embedding"] = embedding
-    assert num_levels(n, 1) > bp._TOKEN_LEVELS + 1  # some span levels are kept, some read from the tokens
+    assert num_levels(n, 1) > bp.HIGH_LEVEL  # both tiers: groups of GROUP and of HIGH_GROUP queries
     fast = binary_partition_attention(q, k, v, **kwargs)
     dense = binary_partition_reference(q, k, v, **kwargs)[0]
     torch.testing.assert_close(fast, dense)
@@ -263,7 +270,7 @@ def test_attention_dropout_path_runs_forward_and_backward():
     assert all(torch.isfinite(g).all() for g in grads)
     import longattn.attention_binary_partition as bp
 
-    recomputed = bp._attend_chunks(q, k, v, mask, bias, None, 2, False, 0.35, 0.0, True)  # the same path, p = 0
+    recomputed = bp._forward_levels(q, k, v, mask, bias, None, 2, False, 0.35, 0.0, "checkpoint")[0]  # p = 0
     dense = binary_partition_reference(q, k, v, **kwargs)[0]
     torch.testing.assert_close(recomputed, dense)
     grad = torch.randn_like(dense)
