@@ -1273,16 +1273,16 @@ IDEAL_TARGET = 1.5  # issue 36: every kind within 1.5x its ideal
 
 def attention_work(kind: str, length: int, args: argparse.Namespace) -> float | None:
     """Multiply-adds of `kind`'s attention in one forward at `length`, its q/k/v/o projections left out: dense
-    attention's 2·D per (query, key) pair for `full`, else the FLOP model of scripts/growth.py (what the kind's
+    attention's 2·D per (query, key) pair for `full`, else the FLOP model of scripts/flop_models.py (what the kind's
     pattern keeps, plus what it adds: sorting, pooling, assignment...); None for a kind it has no model of."""
     if kind == "full":
         return 2 * args.hidden * length**2
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import growth
+    import flop_models
 
-    if kind not in growth.KINDS:
+    if kind not in flop_models.KINDS:
         return None
-    flops, _ = growth.flop_model(kind, length, args)
+    flops, _ = flop_models.flop_model(kind, length, args)
     return flops - 4 * length * args.hidden**2
 
 
@@ -1308,7 +1308,7 @@ def cost_vs_ideal(args: argparse.Namespace, by_key: dict, mode: str) -> list[str
         f"### cost / ideal ({mode})",
         "",
         "Ideal = floor + (full - floor) x share, share = the kind's attention multiply-adds over dense attention's "
-        "(FLOP models of scripts/growth.py: the (query, key) pairs its pattern keeps plus what it adds; backward "
+        "(FLOP models of scripts/flop_models.py: the (query, key) pairs its pattern keeps plus what it adds; backward "
         "taken as the same multiple of forward for every term), `floor` and `full` measured in the same run. "
         "Attention cost = time - floor. Peak vs full: the row's peak RSS over `full`'s (memory the step adds).",
         "",

@@ -206,7 +206,7 @@ def lengthening_section(study: Path, objective: str = "mlm") -> str:
 
 # ---------------------------------------------------------------------------------------------- kinds
 def _kind_runs(study: Path) -> list[dict[str, Any]]:
-    from quality_study import KINDS  # scripts/quality_study.py
+    from quality_settings import KINDS  # scripts/quality_settings.py
 
     runs = []
     for name, recipe, kind, settings in KINDS:
@@ -260,7 +260,7 @@ def kinds_section(study: Path, plot: Path | None) -> str:
         )
     if plot is not None:
         _plot_kinds(runs, plot)
-    from quality_study import EVAL_DURING_TRAINING_BYTES, KINDS_MODEL, KINDS_TRAIN  # scripts/quality_study.py
+    from quality_settings import EVAL_DURING_TRAINING_BYTES, KINDS_MODEL, KINDS_TRAIN  # scripts/quality_settings.py
 
     settings = dict(item.split("=") for item in KINDS_MODEL.split(","))
     model = (

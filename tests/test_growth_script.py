@@ -1,4 +1,5 @@
-"""scripts/growth.py: the FLOP model each kind's measured growth is held against, and the report's verdicts."""
+"""scripts/growth.py and scripts/flop_models.py: the FLOP model each kind's measured growth is held against, and the
+report's verdicts."""
 
 from __future__ import annotations
 
@@ -13,16 +14,22 @@ def growth():
     return load_script("scripts/growth.py", "longattn_growth_script")
 
 
+@pytest.fixture(scope="module")
+def flop_models():
+    return load_script("scripts/flop_models.py", "longattn_flop_models_script")
+
+
 ARGS = argparse.Namespace(hidden=256, heads=4, window=256)
 
 
-def test_pattern_pairs_are_counted_exactly_from_the_predicates(growth):
+def test_pattern_pairs_are_counted_exactly_from_the_predicates(flop_models):
     from longattn import patterns
 
     n, w = 700, 5  # rows near both ends see fewer keys
     expected = sum(min(n - 1, i + w) - max(0, i - w) + 1 for i in range(n))
-    assert growth._pattern_pairs(patterns.sliding_window_mask(w), n) == expected  # every query: exact
-    assert growth._pattern_pairs(patterns.sliding_window_mask(w), n, samples=99) == pytest.approx(expected, rel=0.01)
+    count = flop_models._pattern_pairs
+    assert count(patterns.sliding_window_mask(w), n) == expected  # every query: exact
+    assert count(patterns.sliding_window_mask(w), n, samples=99) == pytest.approx(expected, rel=0.01)
 
 
 def test_flop_model_grows_linearly_for_linear_kinds_and_faster_where_the_pattern_does(growth):
