@@ -473,7 +473,7 @@ def needle_accuracy(
     import torch
     from tqdm.auto import tqdm
 
-    from ..train.data import needle_examples
+    from .needles import needle_examples
 
     id2label = getattr(model.config, "id2label", None) or {}
     rows = []
