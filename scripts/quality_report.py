@@ -13,6 +13,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from quality_settings import EVAL_DURING_TRAINING_BYTES, KINDS, KINDS_MODEL, KINDS_TRAIN  # the sibling script
+
 LN2 = math.log(2)
 
 
@@ -206,8 +208,6 @@ def lengthening_section(study: Path, objective: str = "mlm") -> str:
 
 # ---------------------------------------------------------------------------------------------- kinds
 def _kind_runs(study: Path) -> list[dict[str, Any]]:
-    from quality_settings import KINDS  # scripts/quality_settings.py
-
     runs = []
     for name, recipe, kind, settings in KINDS:
         results = _json(study / name / "all_results.json")
@@ -236,6 +236,8 @@ def kinds_section(study: Path, plot: Path | None) -> str:
                 status = f"stopped at step {steps[-1]['step']}: {per_step:.1f} CPU s per step"
                 if control and control.get("train_steps"):
                     status += f" (full: {control['train_cpu_seconds'] / control['train_steps']:.1f})"
+                budget = KINDS_TRAIN["steps"] * per_step / 60
+                status += f"; the {KINDS_TRAIN['steps']} steps need ~{budget:.0f} CPU minutes (resumable)"
             table.append(
                 f"| `{run['kind']}` | {run['recipe']} | {run['settings'] or 'defaults'} | {status} | | | | | |"
             )
@@ -260,8 +262,6 @@ def kinds_section(study: Path, plot: Path | None) -> str:
         )
     if plot is not None:
         _plot_kinds(runs, plot)
-    from quality_settings import EVAL_DURING_TRAINING_BYTES, KINDS_MODEL, KINDS_TRAIN  # scripts/quality_settings.py
-
     settings = dict(item.split("=") for item in KINDS_MODEL.split(","))
     model = (
         f"{settings['num_hidden_layers']} layers of {settings['hidden_size']}, {settings['num_attention_heads']} "
@@ -466,7 +466,7 @@ def write_report(root: Path, doc: Path) -> Path:
             "```bash",
             "python scripts/quality_study.py lengthening --output_dir runs/quality   # resumable",
             "python scripts/quality_study.py lengthening --objective clm --output_dir runs/quality   # resumable",
-            "python scripts/quality_study.py kinds --output_dir runs/quality --skip clm-synthesizer  # resumable",
+            "python scripts/quality_study.py kinds --output_dir runs/quality  # resumable",
             "python scripts/quality_study.py report --output_dir runs/quality --doc docs/quality.md",
             "```",
             "",
