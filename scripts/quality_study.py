@@ -275,15 +275,16 @@ def _seam_probe(study: Path, data: Path) -> None:
     if output.is_file():
         print(f"{output}: done", flush=True)
         return
-    torch.manual_seed(0)
+    names = ("roberta-4096-copied", "roberta-4096-continued")
+    models = {name: load_folder(study / name) for name in names}
+    # Both folders carry the same byte-level tokenizer: one stream, one set of windows.
+    ids, special = token_stream(models[names[0]].tokenizer, read_corpus([data / "test.jsonl"]), task="clm")
+    windows = ids[: EVAL_TOKENS - EVAL_TOKENS % LONG].view(-1, LONG)
+    scored = ~special[: windows.numel()].view_as(windows)[:, 1:]  # targets; a special target is never scored
+    row = torch.arange(LONG - 1) % SHORT  # the query's row in its copy; the target is the next token
+    inside = (torch.arange(LONG - 1) >= SHORT) & (row >= WINDOW) & (row < SHORT - 1)
     results = {}
-    for name in ("roberta-4096-copied", "roberta-4096-continued"):
-        loaded = load_folder(study / name)
-        ids, special = token_stream(loaded.tokenizer, read_corpus([data / "test.jsonl"]), task="clm")
-        windows = ids[: EVAL_TOKENS - EVAL_TOKENS % LONG].view(-1, LONG)
-        scored = ~special[: windows.numel()].view_as(windows)[:, 1:]  # targets; a special target is never scored
-        row = torch.arange(LONG - 1) % SHORT  # the query's row in its copy; the target is the next token
-        inside = (torch.arange(LONG - 1) >= SHORT) & (row >= WINDOW) & (row < SHORT - 1)
+    for name, loaded in models.items():
         sums = {"long": 0.0, "fresh": 0.0}
         with torch.no_grad():
             for window, keep in zip(windows, scored, strict=True):
