@@ -78,18 +78,9 @@ from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
 from .numerics import NO_KEY_LSE, compute_dtype, hide_exactly, hide_logits, merge_attention, zero_empty_shift
-from .ops_checks import (
-    check_dropout,
-    check_flag,
-    check_positive_int,
-    check_qkv,
-    check_scale,
-    check_token_mask,
-    empty_attention,
-    is_empty,
-)
+from .ops_checks import check_attention_inputs, check_positive_int, empty_attention, is_empty
 from .patterns import first_real_token
-from .relative_logits import check_relative_embedding, relative_logit_table
+from .relative_logits import relative_logit_table
 from .tuning import workspace_elements
 
 __all__ = [
@@ -798,13 +789,14 @@ def binary_partition_attention(
             that is not a bool `[b, m]` tensor on q's device, a `relative_bias` that is not a floating
             `[h, num_edge_types(context)]` tensor on q's device, a non-finite `scale`, `dropout_p` outside [0, 1).
     """
-    b, h, _, n_k = check_qkv(q, k, v)
+    given = check_attention_inputs(
+        q, k, v, scale=scale, dropout_p=dropout_p, key_padding_mask=key_padding_mask,
+        relative_embedding=relative_embedding, flags={"causal": causal, "dense": dense},
+    )  # fmt: skip
     context = check_positive_int("context", context, meaning="nodes per level and side")
-    causal, dense = check_flag("causal", causal), check_flag("dense", dense)
-    key_padding_mask = check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device)
-    _check_relative_bias(relative_bias, h, context, q.device)
-    scale, dropout_p = check_scale(scale, q.shape[-1]), check_dropout(dropout_p)
-    relative_embedding = check_relative_embedding(relative_embedding, q)
+    _check_relative_bias(relative_bias, given.heads, context, q.device)
+    scale, dropout_p, key_padding_mask = given.scale, given.dropout_p, given.key_padding_mask
+    relative_embedding = given.relative_embedding
     if is_empty(q, k):
         return (empty_attention(q, k, v), q.new_zeros(*q.shape[:3], k.shape[2])) if dense else empty_attention(q, k, v)
     # A context of m - 1 nodes per side already shows every key at level 0 (one level, whose edge types do not

@@ -1,21 +1,26 @@
-"""Input checks shared by the functional attentions (`ops`, `ops_linear`): one wording for every error.
+"""Input checks shared by the functional attentions (`ops`, `ops_linear`, `ops_<family>`): one wording for every
+error.
 
-Shape legend: b batch, h heads, n_q queries, n_k keys, d head dim (d_v for values). This module depends on torch and
-the back-end names (`longattn.backends`) only.
+Shape legend: b batch, h heads, n_q queries, n_k keys, d head dim (d_v for values). This module depends on torch, the
+back-end names (`longattn.attention_fields`) and the relative-embedding check (`longattn.relative_logits`) only.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .attention_fields import check_backend_name
 from .numerics import default_scale
+from .relative_logits import check_relative_embedding
 
 __all__ = [
+    "AttentionInputs",
+    "check_attention_inputs",
     "check_backend_support",
     "check_bool_mask",
     "check_dropout",
@@ -311,3 +316,67 @@ def inert_padding(padding: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...
         return tensors
     padded = ~padding[:, None, :, None]  # [b, 1, n_k, 1]
     return tuple(t.masked_fill(padded, 0.0) for t in tensors)
+
+
+class AttentionInputs(NamedTuple):
+    """The arguments that every functional attention takes and checks alike, checked (`check_attention_inputs`)."""
+
+    batch: int
+    heads: int
+    queries: int
+    keys: int
+    scale: float
+    dropout_p: float
+    key_padding_mask: Tensor | None
+    document_ids: Tensor | None
+    relative_embedding: Tensor | None
+
+
+def check_attention_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_padding_mask: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    relative_embedding: Tensor | None = None,
+    flags: dict[str, bool] | None = None,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+) -> AttentionInputs:
+    """Check the arguments a functional attention shares with the others, in one order and one wording.
+
+    Args:
+        q: Queries `[b, h, n_q, d]`, the last n_q of the n_k key positions.
+        k: Keys `[b, h, n_k, d]`.
+        v: Values `[b, h, n_k, d_v]`.
+        scale: The multiplier of q·k, None for 1/sqrt(d).
+        dropout_p: Dropout on the attention probabilities.
+        key_padding_mask: Bool `[b, n_k]`, True = real key.
+        document_ids: Integer `[b, n_k]`: the document of each key of packed rows.
+        relative_embedding: Relative-position logits r `[2M + 1, d]` (`longattn.relative_logits`).
+        flags: The call's bool options by name (e.g. `{"causal": causal}`), checked to be bools.
+        names: q, k and v's names in messages (`("qk", "qk", "v")` for shared-QK attention).
+
+    Returns:
+        An `AttentionInputs`: the sizes, and scale, dropout and the masks as the call runs with them.
+
+    Raises:
+        ValueError: Naming the argument, as `check_qkv`, `check_flag`, `check_scale`, `check_dropout`,
+            `check_token_mask`, `check_document_ids` and `relative_logits.check_relative_embedding` word it.
+    """
+    b, h, n_q, n_k = check_qkv(q, k, v, names=names)
+    for name, value in (flags or {}).items():
+        check_flag(name, value)
+    return AttentionInputs(
+        batch=b,
+        heads=h,
+        queries=n_q,
+        keys=n_k,
+        scale=check_scale(scale, q.shape[-1]),
+        dropout_p=check_dropout(dropout_p),
+        key_padding_mask=check_token_mask("key_padding_mask", key_padding_mask, b, n_k, device=q.device),
+        document_ids=check_document_ids(document_ids, b, n_k, device=q.device),
+        relative_embedding=check_relative_embedding(relative_embedding, q),
+    )

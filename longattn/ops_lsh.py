@@ -75,11 +75,9 @@ from torch import Tensor
 from .executor_families import StepExecutors
 from .numerics import compute_dtype, default_scale, hide_exactly
 from .ops_checks import (
+    check_attention_inputs,
     check_document_ids,
-    check_dropout,
-    check_flag,
     check_positive_int,
-    check_qkv,
     check_token_mask,
     empty_attention,
     inert_padding,
@@ -236,19 +234,19 @@ def _checked_call(qk: Tensor, v: Tensor, given: _LshCall, *, num_hashes: int, se
     Raises:
         ValueError: As `lsh_attention`.
     """
-    b, h, n, _ = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
-    d = qk.shape[3]
+    inputs = check_attention_inputs(
+        qk, qk, v, dropout_p=given.dropout_p, key_padding_mask=given.key_padding_mask,
+        document_ids=given.document_ids, relative_embedding=given.relative_embedding,
+        flags={"causal": given.causal}, names=("qk", "qk", "v"),
+    )  # fmt: skip
     bucket_size = check_positive_int(
         "bucket_size", given.bucket_size, meaning="the chunk length of the sorted sequence"
     )
     num_chunks_before = check_positive_int("num_chunks_before", given.num_chunks_before, minimum=0)
     num_chunks_after = check_positive_int("num_chunks_after", given.num_chunks_after, minimum=0)
-    causal = check_flag("causal", given.causal)
+    causal = given.causal
     if causal and num_chunks_before < 1:
         raise ValueError("causal LSH needs num_chunks_before >= 1 (the band of earlier keys is empty otherwise).")
-    key_padding_mask = check_token_mask("key_padding_mask", given.key_padding_mask, b, n, device=qk.device)
-    document_ids = check_document_ids(given.document_ids, b, n, device=qk.device)
-    dropout_p = check_dropout(given.dropout_p)
     if given.num_buckets is not None:
         hash_factors(given.num_buckets)
     if given.rotations is None:
@@ -256,17 +254,16 @@ def _checked_call(qk: Tensor, v: Tensor, given: _LshCall, *, num_hashes: int, se
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
     else:
-        _check_rotations(given.rotations, heads=h, head_dim=d, num_buckets=given.num_buckets)
+        _check_rotations(given.rotations, heads=inputs.heads, head_dim=qk.shape[3], num_buckets=given.num_buckets)
     LSH_STEPS.check(backend)
     return given._replace(
         bucket_size=bucket_size,
         num_chunks_before=num_chunks_before,
         num_chunks_after=num_chunks_after,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        dropout_p=dropout_p,
-        document_ids=document_ids,
-        relative_embedding=check_relative_embedding(given.relative_embedding, qk),
+        key_padding_mask=inputs.key_padding_mask,
+        dropout_p=inputs.dropout_p,
+        document_ids=inputs.document_ids,
+        relative_embedding=inputs.relative_embedding,
     )
 
 

@@ -47,22 +47,12 @@ from torch import Tensor
 
 from .executor_families import StepExecutors
 from .numerics import EXACTLY_HIDDEN, NO_KEY_LSE, compute_dtype, hide_exactly
-from .ops_checks import (
-    check_document_ids,
-    check_dropout,
-    check_flag,
-    check_positive_int,
-    check_qkv,
-    check_scale,
-    check_token_mask,
-    empty_attention,
-    is_empty,
-)
+from .ops_checks import check_attention_inputs, check_positive_int, check_token_mask, empty_attention, is_empty
 from .ops_lsh_chunks import attend_windows, attend_windows_on_kernel, select_windows_executor
 from .ops_lsh_gathered import RelativeColumns, attend_gathered_windows
 from .ops_lsh_sorting import gather_rows, head_rows
 from .patterns import document_index
-from .relative_logits import check_relative_embedding, materialize_bias, relative_bias, relative_logit_table
+from .relative_logits import materialize_bias, relative_bias, relative_logit_table
 
 __all__ = [
     "ROUTING_WINDOWS",
@@ -336,16 +326,16 @@ def routing_attention(
             `causal_window` below 1, a non-finite `scale`, `dropout_p` outside [0, 1); a `key_padding_mask` that is
             not a bool `[b, n]` tensor on q's device, or a `backend` that cannot run it.
     """
-    _, h, _, _ = check_qkv(q, k, v)
-    _check_centroids(centroids, h, q)
-    causal, dense = check_flag("causal", causal), check_flag("dense", dense)
+    given = check_attention_inputs(
+        q, k, v, scale=scale, dropout_p=dropout_p, key_padding_mask=key_padding_mask, document_ids=document_ids,
+        relative_embedding=relative_embedding, flags={"causal": causal, "dense": dense},
+    )  # fmt: skip
+    _check_centroids(centroids, given.heads, q)
     causal_window = check_positive_int("causal_window", causal_window, meaning="keys of the query's cluster")
-    scale, dropout_p = check_scale(scale, q.shape[-1]), check_dropout(dropout_p)
     # A window of more keys than there are changes nothing: clamped, never allocated (the causal tasks are [c, 2W]).
-    causal_window = min(causal_window, max(k.shape[2], 1))
-    valid = check_token_mask("key_padding_mask", key_padding_mask, k.shape[0], k.shape[2], device=q.device)
-    documents = check_document_ids(document_ids, k.shape[0], k.shape[2], device=q.device)
-    relative_embedding = check_relative_embedding(relative_embedding, q)
+    causal_window = min(causal_window, max(given.keys, 1))
+    scale, dropout_p, valid = given.scale, given.dropout_p, given.key_padding_mask
+    documents, relative_embedding = given.document_ids, given.relative_embedding
     if dense:
         return _dense_routing(
             q, k, v, centroids, causal, causal_window, valid, scale, dropout_p, documents, relative_embedding

@@ -61,19 +61,9 @@ from .executor_families import StepExecutors
 from .executor_gathered import attend_blocks
 from .fused_kernel import current_kernel
 from .numerics import HALF_HIDDEN_PENALTY, LOG_SPACE_HIDDEN, compute_dtype, default_scale, hide_exactly
-from .ops_checks import (
-    check_document_ids,
-    check_dropout,
-    check_flag,
-    check_positive_int,
-    check_qkv,
-    check_scale,
-    check_token_mask,
-    empty_attention,
-    is_empty,
-)
+from .ops_checks import check_attention_inputs, check_positive_int, empty_attention, is_empty
 from .patterns import document_layout
-from .relative_logits import block_bias, check_relative_embedding, relative_bias
+from .relative_logits import block_bias, relative_bias
 
 __all__ = [
     "SINKHORN_STEPS",
@@ -307,13 +297,12 @@ def sinkhorn_attention(
             `return_weights` with another back end than `"reference"`, or a back end that cannot run this call (the
             message says why).
     """
-    check_qkv(q, k, v)
     given = _SinkhornCall(
         block_size, iterations, temperature, causal, sortcut, key_padding_mask, scale, noise, dropout_p,
         relative_embedding, _block_documents,
     )  # fmt: skip
     call, document_ids = _checked_call(
-        q, k, given, backend=backend, return_weights=return_weights, documents=document_ids
+        q, k, v, given, backend=backend, return_weights=return_weights, documents=document_ids
     )
     if document_ids is not None:
         return _per_document(q, k, v, sort_weight, document_ids, call, backend=backend, return_weights=return_weights)
@@ -337,7 +326,14 @@ def sinkhorn_attention(
 
 
 def _checked_call(
-    q: Tensor, k: Tensor, given: _SinkhornCall, *, backend: str, return_weights: bool, documents: Tensor | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    given: _SinkhornCall,
+    *,
+    backend: str,
+    return_weights: bool,
+    documents: Tensor | None,
 ) -> tuple[_SinkhornCall, Tensor | None]:
     """The arguments of `sinkhorn_attention` checked, in its documented order (the block size clamped to the keys),
     and its document ids.
@@ -345,6 +341,11 @@ def _checked_call(
     Raises:
         ValueError: As `sinkhorn_attention`.
     """
+    inputs = check_attention_inputs(
+        q, k, v, scale=given.scale, dropout_p=given.dropout_p, key_padding_mask=given.key_padding_mask,
+        document_ids=documents, relative_embedding=given.relative_embedding,
+        flags={"causal": given.causal, "noise": given.noise, "return_weights": return_weights},
+    )  # fmt: skip
     check_positive_int("block_size", given.block_size, meaning="tokens per block")
     check_positive_int("iterations", given.iterations, minimum=0, meaning="Sinkhorn rounds")
     if (
@@ -355,18 +356,12 @@ def _checked_call(
         raise ValueError(f"temperature must be a finite float > 0 (Sinkhorn temperature), got {given.temperature!r}")
     if given.sortcut is not None:
         check_positive_int("sortcut", given.sortcut, meaning="SortCut's budget of mixed blocks, or None")
-    for name, flag in (("causal", given.causal), ("noise", given.noise), ("return_weights", return_weights)):
-        check_flag(name, flag)
-    given = given._replace(scale=check_scale(given.scale, q.shape[-1]), dropout_p=check_dropout(given.dropout_p))
     sortcut = given.sortcut
     if given.causal and sortcut:
         raise ValueError("SortCut has no causal form: every query attends to sorted mixtures of the whole sequence.")
     if return_weights and not runs_dense_form(backend):
         raise ValueError(f"`return_weights`=True needs backend='reference' (the dense form), got backend={backend!r}.")
-    b, n = k.shape[0], k.shape[2]
-    key_padding_mask = check_token_mask("key_padding_mask", given.key_padding_mask, b, n, device=q.device)
-    documents = check_document_ids(documents, b, n, device=q.device)
-    relative_embedding = check_relative_embedding(given.relative_embedding, q)
+    documents, relative_embedding = inputs.document_ids, inputs.relative_embedding
     if relative_embedding is not None and sortcut:
         raise ValueError(
             f"relative_embedding cannot be used with SortCut (sortcut={sortcut}): its keys are mixtures of blocks, "
@@ -378,10 +373,11 @@ def _checked_call(
             "mixtures of every block of the row. Pad each document to its own row, or use Sinkhorn attention."
         )
     # A block longer than the keys is one block of them all: clamped to the keys, never allocated by its size.
-    block_size = min(given.block_size, max(n, 1))
+    block_size = min(given.block_size, max(inputs.keys, 1))
     call = given._replace(
-        block_size=block_size, key_padding_mask=key_padding_mask, relative_embedding=relative_embedding
-    )
+        block_size=block_size, scale=inputs.scale, dropout_p=inputs.dropout_p,
+        key_padding_mask=inputs.key_padding_mask, relative_embedding=relative_embedding,
+    )  # fmt: skip
     return call, documents
 
 
