@@ -217,15 +217,9 @@ def _band_group(q, k, v, dilation: int, heads: list[int], call: _BandCall, bound
     class_len = -(-n_k // dilation)
     window_left, window_right = min(call.window_left, class_len), min(call.window_right, class_len)
     layout = band_layout(
-        q_len=n_q,
-        kv_len=n_k,
-        window_left=window_left,
-        window_right=window_right,
-        dilation=dilation,
-        block_size=c,
-        q_offset=q_offset,
-        device=q.device,
-    )
+        q_len=n_q, kv_len=n_k, window_left=window_left, window_right=window_right, dilation=dilation, block_size=c,
+        q_offset=q_offset, device=q.device,
+    )  # fmt: skip
     global_index, global_valid = call.global_index, call.global_valid
     if fused:
         first_key = q_offset - window_left

@@ -257,14 +257,10 @@ def _checked_call(qk: Tensor, v: Tensor, given: _LshCall, *, num_hashes: int, se
         _check_rotations(given.rotations, heads=inputs.heads, head_dim=qk.shape[3], num_buckets=given.num_buckets)
     LSH_STEPS.check(backend)
     return given._replace(
-        bucket_size=bucket_size,
-        num_chunks_before=num_chunks_before,
-        num_chunks_after=num_chunks_after,
-        key_padding_mask=inputs.key_padding_mask,
-        dropout_p=inputs.dropout_p,
-        document_ids=inputs.document_ids,
+        bucket_size=bucket_size, num_chunks_before=num_chunks_before, num_chunks_after=num_chunks_after,
+        key_padding_mask=inputs.key_padding_mask, dropout_p=inputs.dropout_p, document_ids=inputs.document_ids,
         relative_embedding=inputs.relative_embedding,
-    )
+    )  # fmt: skip
 
 
 def _with_rotations(call: _LshCall, qk: Tensor, *, num_hashes: int, seed: int | None) -> _LshCall:

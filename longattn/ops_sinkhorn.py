@@ -471,17 +471,10 @@ def _sinkhorn_on_blocks(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor, ca
         keys, values, own_keys = blocks.k, blocks.v, s
     bias = None if bias_fn is None else _relative_block_bias(bias_fn, blocks.rotation, kv_index, n, s)
     out, _ = attend_blocks(
-        blocks.q.view(b, h, n_blocks, s, d),
-        keys,
-        values,
-        kv_index=kv_index,
-        mask=mask,
-        scale=blocks.scale,
-        dropout_p=call.dropout_p,
-        kv_weight=kv_weight,
-        bias=bias,
-        own_keys=own_keys,
-    )  # [b, h, B, s, d_v]
+        blocks.q.view(b, h, n_blocks, s, d), keys, values, kv_index=kv_index, mask=mask, scale=blocks.scale,
+        dropout_p=call.dropout_p, kv_weight=kv_weight, bias=bias, own_keys=own_keys,
+    )  # fmt: skip
+    # out: [b, h, B, s, d_v]
     return _restore(out.flatten(2, 3), n, blocks.rotation), None
 
 
@@ -500,14 +493,9 @@ def _sinkhorn_on_kernel(q: Tensor, k: Tensor, v: Tensor, sort_weight: Tensor, ca
         visible = None if mask is None else mask(0, blocks.q.shape[2] // s)
         queries_per_key_block = s
     out = _attend_on_kernel(
-        blocks.q,
-        keys,
-        values,
-        visible=visible,
-        queries_per_key_block=queries_per_key_block,
-        scale=blocks.scale,
+        blocks.q, keys, values, visible=visible, queries_per_key_block=queries_per_key_block, scale=blocks.scale,
         dropout_p=call.dropout_p,
-    )
+    )  # fmt: skip
     return _restore(out, n, blocks.rotation), None
 
 

@@ -388,8 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.task == "stdlib":
-        return _write_stdlib(parser, args)
+    write = _write_stdlib if args.task == "stdlib" else _write_generated
+    try:
+        write(parser, args)
+    except ValueError as error:  # a setting the task refuses: a usage error, said without a traceback
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _write_generated(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A generated task (`generate_task`): its splits, and ListOps' tokenizer when asked."""
     sizes = LISTOPS_LRA_SIZES if getattr(args, "lra", False) else DEFAULT_SIZES
     for name, default in sizes.items():  # an explicit size wins over --lra's
         if getattr(args, name) is None:
@@ -397,52 +406,28 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be >= 0")
     tokenizer_dir = getattr(args, "tokenizer_dir", None)
-    knobs = {
-        k: v
-        for k, v in vars(args).items()
-        if k not in {"task", "output_dir", "num_train", "num_validation", "num_test", "seed", "lra", "tokenizer_dir"}
-    }
-    try:
-        paths = generate_task(
-            args.task,
-            args.output_dir,
-            num_train=args.num_train,
-            num_validation=args.num_validation,
-            num_test=args.num_test,
-            seed=args.seed,
-            **knobs,
-        )
-    except ValueError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+    settings = {"task", "output_dir", "num_train", "num_validation", "num_test", "seed", "lra", "tokenizer_dir"}
+    knobs = {k: v for k, v in vars(args).items() if k not in settings}
+    split_sizes = {name: getattr(args, name) for name in sizes}
+    paths = generate_task(args.task, args.output_dir, seed=args.seed, **split_sizes, **knobs)
     for split, path in paths.items():
         print(f"{split}: {path}")
     if tokenizer_dir:
         # The longest expression (max_length - 1 tokens) with <s> and </s>.
         listops_tokenizer(model_max_length=args.max_length + 1).save_pretrained(tokenizer_dir)
         print(f"tokenizer: {tokenizer_dir}")
-    return 0
 
 
-def _write_stdlib(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _write_stdlib(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The standard-library corpus (`corpus.write_stdlib_corpus`): its splits and their sizes."""
     from . import corpus
 
-    try:
-        paths = corpus.write_stdlib_corpus(
-            args.output_dir,
-            root=args.root,
-            validation_percent=args.validation_percent,
-            test_percent=args.test_percent,
-            include_tests=args.include_tests,
-        )
-    except ValueError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
+    options = ("root", "validation_percent", "test_percent", "include_tests")
+    paths = corpus.write_stdlib_corpus(args.output_dir, **{name: getattr(args, name) for name in options})
     info = json.loads((Path(args.output_dir) / "info.json").read_text())
     for split, path in paths.items():
         print(f"{split}: {path} ({info['files'][split]} files, {info['bytes'][split]:,} bytes)")
     print(f"Python {info['python_version']}")
-    return 0
 
 
 if __name__ == "__main__":
