@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -62,10 +63,31 @@ def _blocks_per_workspace(per_block: int, total_blocks: int, fixed: int = 0) -> 
 
 
 class _Workspace:
-    """Flat buffers reused by every chunk, viewed at the size each chunk needs (the last chunk may be smaller)."""
+    """What one pass over the chunks reuses: flat buffers, viewed at the size each chunk needs (the last chunk may be
+    smaller), and the pass's dropout stream.
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
+    Dropout masks are drawn chunk by chunk from one generator seeded with the call's `seed`, so that backward, walking
+    the chunks in the same order, draws forward's masks again instead of keeping them.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, *, dropout_p: float = 0.0, seed: int | None = None):
         self.dtype, self.device, self.buffers = dtype, device, {}
+        self.dropout_p = dropout_p
+        self.generator = _dropout_generator(seed, device) if dropout_p > 0 else None
+
+    @staticmethod
+    def blocks_per_chunk(per_block: int, total_blocks: int, fixed: int = 0) -> int:
+        """Blocks per chunk so that `fixed + blocks · per_block` workspace elements stay within the budget."""
+        return max(1, min(total_blocks, (_WORKSPACE_ELEMENTS - fixed) // max(1, per_block)))
+
+    def drop(self, x: Tensor) -> Tensor | None:
+        """Dropout on a chunk's probabilities (or their gradient) x, in place: x · keep / (1 − p) with the pass's next
+        mask. Returns that scaled mask (the "keep" workspace), None without dropout (x unchanged)."""
+        if self.generator is None:
+            return None
+        keep = self.get("keep", x.shape).bernoulli_(1.0 - self.dropout_p, generator=self.generator)
+        x.mul_(keep.mul_(1.0 / (1.0 - self.dropout_p)))
+        return keep
 
     def get(self, name: str, shape: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
         size = math.prod(shape)
@@ -87,15 +109,37 @@ def _row_strides(t: Tensor) -> tuple[int, int, int] | None:
     return strides[0] // d, strides[1] // d, strides[2] // d
 
 
-def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
+class _RowView(NamedTuple):
+    """A `[b, h, n, d]` tensor seen as `flat` `[rows, d]` (`_rows`): the row of (batch·head i, position p) is
+    `base[i] + p · step`, base `[b·h]`."""
+
+    flat: Tensor
+    base: Tensor
+    step: int
+
+    def index(self, kv_index: Tensor, start: int, stop: int) -> Tensor:
+        """Flat row numbers `[b·h·n_blk·m]` of the keys that blocks `start:stop` gather.
+
+        kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row, `[b, h, nb, m]` one per row and
+        head (h: the heads of this view, e.g. the key/value heads)."""
+        base, step = self.base, self.step
+        if kv_index.dim() == 2:
+            return (base.view(-1, 1) + kv_index[start:stop].reshape(1, -1) * step).view(-1)
+        if kv_index.dim() == 4:
+            return (base.view(-1, 1) + kv_index[:, :, start:stop].reshape(base.shape[0], -1) * step).view(-1)
+        b = kv_index.shape[0]
+        return (base.view(b, -1, 1) + kv_index[:, start:stop].reshape(b, 1, -1) * step).view(-1)
+
+
+def _rows(t: Tensor) -> _RowView:
     """A `[rows, d]` view of t `[b, h, n, d]` without copying, for gathering and scatter-adding whole rows.
 
     Works for any layout with a unit stride on d whose other strides are multiples of d, e.g. the `[b, n, h, d]`
     buffer behind the usual `split_heads` transpose; other layouts are copied first.
 
     Returns:
-        `(flat, base, step)`: flat `[rows, d]`; the row of (batch·head i, position p) is `base[i] + p · step`,
-        base `[b·h]`.
+        A `_RowView` `(flat, base, step)`: flat `[rows, d]`; the row of (batch·head i, position p) is
+        `base[i] + p · step`, base `[b·h]`.
     """
     b, h, n, d = t.shape
     row_strides = _row_strides(t)
@@ -106,10 +150,10 @@ def _rows(t: Tensor) -> tuple[Tensor, Tensor, int]:
     rows = (b - 1) * s0 + (h - 1) * s1 + (n - 1) * s2 + 1
     flat = t.as_strided((rows, d), (d, 1))
     base = torch.arange(b, device=t.device).view(b, 1) * s0 + torch.arange(h, device=t.device).view(1, h) * s1
-    return flat, base.view(b * h), s2
+    return _RowView(flat, base.view(b * h), s2)
 
 
-def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor, int]]:
+def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, _RowView]:
     """Zeros shaped like `like`, in its layout when that is row-addressable without gaps (so gradients of
     transposed views come back as the same views), and their `_rows` view."""
     zeros = torch.zeros_like(like, dtype=dtype)
@@ -233,6 +277,35 @@ class _Chunk:
         if self.q.shape[0] == b * h_kv:  # all keys: the group is outside the blocks
             return tensor.view(b, h_kv, group, n_blk, c, tensor.shape[-1])
         return tensor.view(b, h_kv, n_blk, group, c, tensor.shape[-1]).transpose(2, 3)
+
+    def scores(self, bias6: Tensor | None, workspace: _Workspace, bound: float | None) -> Tensor:
+        """The chunk's scores `[rows, queries, m]` (q is scaled already) plus the bias (`[b, h_kv, group, n_blk, c, m]`,
+        the layout of `view6`; None: no bias), hidden keys hidden (`_hide` under the call's logit `bound`), in the
+        "probs" workspace (forward and backward compute them alike)."""
+        probs = workspace.get("probs", self.scores_shape)
+        torch.bmm(self.q, self.keys.transpose(1, 2), out=probs)
+        if bias6 is not None:
+            self.view6(probs).add_(bias6)
+        if self.hidden is not None:
+            _hide(self.view6(probs), self.hidden, bound)
+        return probs
+
+    def gradients(
+        self, probs: Tensor, grad_scores: Tensor, grad_out: Tensor, workspace: _Workspace, accumulate: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K of the chunk (q and the keys as the chunk holds them: dK and dQ still
+        need the scale where the other side was scaled), in the "grad_values", "grad_keys", "grad_q" workspaces;
+        with `accumulate`, dV and dK are added to what those workspaces hold (keys shared by the chunks)."""
+        grad_values = workspace.get("grad_values", self.values.shape)
+        grad_keys = workspace.get("grad_keys", self.keys.shape)
+        if accumulate:
+            grad_values.baddbmm_(probs.transpose(1, 2), grad_out)
+            grad_keys.baddbmm_(grad_scores.transpose(1, 2), self.q)
+        else:
+            torch.bmm(probs.transpose(1, 2), grad_out, out=grad_values)
+            torch.bmm(grad_scores.transpose(1, 2), self.q, out=grad_keys)
+        grad_q = torch.bmm(grad_scores, self.keys, out=workspace.get("grad_q", self.q.shape))
+        return grad_values, grad_keys, grad_q
 
 
 def block_mask(

@@ -29,19 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .executor_chunks import (
-    _blocks_per_chunk,
-    _blocks_per_workspace,
-    _Chunk,
-    _chunk_scores,
-    _dropout_generator,
-    _gather_rows,
-    _product_gradients,
-    _rows,
-    _split_heads,
-    _Workspace,
-    _zeros_with_rows,
-)
+from .executor_chunks import _blocks_per_chunk, _Chunk, _rows, _split_heads, _Workspace, _zeros_with_rows
 from .numerics import NO_KEY_LSE, compute_dtype, hide_logits, logit_bound
 
 
@@ -144,13 +132,12 @@ class _BlockAttention(torch.autograd.Function):
         # None (no mask: every key visible) skips the hidden-score addition and the "row sees no key" zeroing.
         # Otherwise [b|1, h|1, nb, c, 1], filled chunk by chunk (its batch and head dims are the mask's).
         has_key = has_key6 = None
-        workspace = _Workspace(dtype, device)
-        generator = _dropout_generator(seed, device) if dropout_p > 0 else None
+        workspace = _Workspace(dtype, device, dropout_p=dropout_p, seed=seed)
         k_c, v_c = k.to(dtype), v.to(dtype)
         bound = None if mask is None else _weighted_bound(q_blocks, k, scale, bias, kv_weight)
         for chunk in _chunks(q_blocks, k_c, v_c, kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = _chunk_scores(chunk, _chunk_bias(bias, chunk, h_kv), workspace, bound)
+            probs = chunk.scores(_chunk_bias(bias, chunk, h_kv), workspace, bound)
             score_max = chunk.view6(probs).amax(dim=-1)  # [b, h_kv, group, n_blk, c]
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             # The largest probability is exp(score_max - lse): one cheap reduction instead of a separate exp-sum.
@@ -164,9 +151,7 @@ class _BlockAttention(torch.autograd.Function):
                 torch.logical_not(chunk.hidden.all(dim=-1, keepdim=True), out=chunk_has)
                 row_lse = row_lse.masked_fill(~chunk_has[..., 0], NO_KEY_LSE)
             lse6[:, :, :, start:stop] = row_lse
-            if generator is not None:
-                keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
-                probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
+            workspace.drop(probs)
             chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape))
             if has_key6 is None:
                 out6[:, :, :, start:stop].copy_(chunk.view6(chunk_out))
@@ -206,30 +191,25 @@ class _BlockAttention(torch.autograd.Function):
         grad_out6 = None if grad_out is None else _split_heads(grad_out, h_kv)
         grads = _KeyGradients(k, v, kv_weight, nb, own_keys, dtype, device)
         grad_bias = torch.empty(bias.shape, dtype=dtype, device=device) if ctx.needs_input_grad[9] else None
-        workspace = _Workspace(dtype, device)
-        generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
+        workspace = _Workspace(dtype, device, dropout_p=dropout_p, seed=ctx.seed)
 
         for chunk in _chunks(q_blocks, k.to(dtype), v.to(dtype), kv_index, mask, scale, workspace, kv_weight, own_keys):
             start, stop = chunk.start, chunk.stop
-            probs = _chunk_scores(chunk, _chunk_bias(bias, chunk, h_kv), workspace, ctx.bound)
+            probs = chunk.scores(_chunk_bias(bias, chunk, h_kv), workspace, ctx.bound)
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             grad_out_chunk = _chunk_grad_out(chunk, grad_out6, has_key6, workspace)
             grad_scores = workspace.get("grad_scores", chunk.scores_shape)
             torch.bmm(grad_out_chunk, chunk.values.transpose(1, 2), out=grad_scores)  # dP
-            if generator is not None:
-                keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
-                grad_scores.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
+            keep = workspace.drop(grad_scores)  # forward's mask, drawn again
             # P ∘ (dP − rowsum(P ∘ dP)); with dropout rowsum(P ∘ dP) is still rowsum(dO ∘ O).
             torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, dtype, grad_input=grad_scores)
             if grad_lse is not None:
                 chunk.view6(grad_scores).addcmul_(chunk.view6(probs), grad_lse[:, :, :, start:stop])
             if grad_bias is not None:  # the bias is added to the scores as they are: its gradient is dS
                 _split_heads(grad_bias, h_kv)[:, :, :, start:stop] = chunk.view6(grad_scores)
-            if generator is not None:
+            if keep is not None:
                 probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-            grad_values, grad_keys, grad_q_chunk = _product_gradients(
-                chunk, probs, grad_scores, grad_out_chunk, workspace
-            )
+            grad_values, grad_keys, grad_q_chunk = chunk.gradients(probs, grad_scores, grad_out_chunk, workspace)
             torch.mul(chunk.view6(grad_q_chunk), scale, out=grad_q6[:, :, :, start:stop])
             grads.add(chunk, kv_index, grad_keys, grad_values, workspace)
 
@@ -268,8 +248,8 @@ class _KeyGradients:
     `_zeros_with_rows`), and the gradient of `kv_weight`; `add` adds each chunk's to the rows it read."""
 
     def __init__(self, k: Tensor, v: Tensor, kv_weight: Tensor | None, nb: int, own_keys: int, dtype, device):
-        self.k, self.k_rows = _zeros_with_rows(k, dtype)
-        self.v, self.v_rows = _zeros_with_rows(v, dtype)
+        self.k, self.k_view = _zeros_with_rows(k, dtype)
+        self.v, self.v_view = _zeros_with_rows(v, dtype)
         # The blocks' own keys: [b, h_kv, nb, own_keys, d] views of the gradients, added to in place.
         self.own_keys = own_keys
         self.k_own, self.v_own = (_own_blocks(t, nb, own_keys) for t in (self.k, self.v))
@@ -290,8 +270,8 @@ class _KeyGradients:
             self.k_own[:, :, start:stop] += grad_keys.view(b, h_kv, n_blk, -1, d)[:, :, :, :own]
             self.v_own[:, :, start:stop] += grad_values.view(b, h_kv, n_blk, -1, d_v)[:, :, :, :own]
         grad_keys, grad_values = _gathered_gradients(chunk, grad_keys, grad_values, self.weight, workspace)
-        for (rows, base, step), grad, width in ((self.k_rows, grad_keys, d), (self.v_rows, grad_values, d_v)):
-            rows.index_add_(0, _gather_rows(base, step, kv_index, start, stop), grad.reshape(-1, width))
+        for view, grad, width in ((self.k_view, grad_keys, d), (self.v_view, grad_values, d_v)):
+            view.flat.index_add_(0, view.index(kv_index, start, stop), grad.reshape(-1, width))
 
 
 def _own_blocks(t: Tensor, nb: int, own_keys: int) -> Tensor | None:
@@ -346,12 +326,11 @@ def _chunks(
     h_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     group = h // h_kv
     gathered = 0 if kv_index is None else kv_index.shape[-1]
-    step = _blocks_per_workspace(_elements_per_block(q_blocks, k, v, kv_index, kv_weight, own_keys), nb)
+    step = _Workspace.blocks_per_chunk(_elements_per_block(q_blocks, k, v, kv_index, kv_weight, own_keys), nb)
     if kv_index is None:
         all_keys, all_values = k.reshape(b * h_kv, n_k, d), v.reshape(b * h_kv, n_k, d_v)  # views, usual layouts
     else:
-        k_rows, k_base, k_step = _rows(k)
-        v_rows, v_base, v_step = _rows(v)
+        k_view, v_view = _rows(k), _rows(v)
         own = (_own_blocks(k, nb, own_keys), _own_blocks(v, nb, own_keys)) if own_keys else None
     for start in range(0, nb, step):
         stop = min(nb, start + step)
@@ -377,17 +356,13 @@ def _chunks(
         plain = kv_weight is None and not own_keys  # the gathered rows are the keys themselves
         count = batches * gathered
         gathered_keys = torch.index_select(
-            k_rows,
-            0,
-            _gather_rows(k_base, k_step, kv_index, start, stop),
+            k_view.flat, 0, k_view.index(kv_index, start, stop),
             out=workspace.get("keys" if plain else "gathered_keys", (count, d)),
-        ).view(batches, gathered, d)
+        ).view(batches, gathered, d)  # fmt: skip
         gathered_values = torch.index_select(
-            v_rows,
-            0,
-            _gather_rows(v_base, v_step, kv_index, start, stop),
+            v_view.flat, 0, v_view.index(kv_index, start, stop),
             out=workspace.get("values" if plain else "gathered_values", (count, d_v)),
-        ).view(batches, gathered, d_v)
+        ).view(batches, gathered, d_v)  # fmt: skip
         if plain:
             yield _Chunk(
                 start, stop, q_scaled.view(batches, group * c, d), gathered_keys, gathered_values, hidden, shape6
