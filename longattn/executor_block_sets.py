@@ -280,9 +280,10 @@ class _MaskTemplate:
         if period is None or q_pos.device.type != "cpu" or kv_pos.shape[0] != nb or nb < 4 or q_pos.numel() == 0:
             return None
         base = q_pos[:, :1] - torch.remainder(q_pos[:, :1], period)  # a multiple of the period per block
-        parts = [q_pos - base, kv_pos - base, block_set.q_valid.long()]
-        if block_set.kv_valid is not None:
-            parts.append(block_set.kv_valid.long())
+        # Padding slots and keys see nothing wherever they point: their validity is compared, their positions not.
+        q_valid, kv_valid = block_set.q_valid, block_set.kv_valid
+        parts = [torch.where(q_valid, q_pos - base, 0), q_valid.long()]
+        parts += [kv_pos - base] if kv_valid is None else [torch.where(kv_valid, kv_pos - base, 0), kv_valid.long()]
         unique, group = torch.unique(torch.cat(parts, dim=1), dim=0, return_inverse=True)
         if unique.shape[0] * 4 > nb:
             return None
