@@ -41,10 +41,11 @@ from .executor_chunks import (
     _Workspace,
     _zeros_with_rows,
     block_mask,
+    evaluate_block_mask,
 )
 from .executor_gathered import _attend_blocks_traceable
 from .numerics import NO_KEY_LSE, compute_dtype, logit_bound, merge_attention, sees_a_key, zero_empty_shift
-from .patterns import MaskFn
+from .patterns import MaskFn, mask_period
 from .relative_logits import BiasFn, block_bias
 
 
@@ -138,6 +139,7 @@ class _MaskBook:
     is cheap.
     """
 
+    ready = False  # forward evaluates the predicate and adds its rows (`add`); backward reads them (`hidden`)
     # Times an int64 word of 8 bool bytes (0 or 1): the 8 bools as the bits of the product's top byte.
     _PACK = 0x0102040810204080
     _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -247,6 +249,68 @@ class _MaskBook:
         return hidden, self.hidden_all.index_select(0, ids).view(*shape, 1)
 
 
+class _MaskTemplate:
+    """The negated mask of a set whose predicate is periodic (`patterns.mask_period`), evaluated ONCE per call: on
+    one block of each group of blocks that are alike up to a shift by a multiple of the period (the same query and
+    key positions relative to the block's period-aligned start, the same valid slots and keys), then read per chunk,
+    in forward and backward alike, by one gather of the chunk's blocks' templates (`hidden`, as `_MaskBook.hidden`).
+
+    A band's interior blocks, the residue classes of the strided pattern and the fixed pattern's blocks are each one
+    group (plus a few edge blocks): at 16K tokens the predicate runs on a handful of blocks instead of every chunk
+    (its ~14 int64 passes over each chunk's pairs were ~40% of a strided forward beside the products). Sets whose
+    blocks share their keys (the fixed summary cells) are not shifts of each other and keep `_MaskBook`, as do
+    predicates without a period (padding, documents) and sets where the groups would not be few (a quarter of the
+    blocks at most). CPU only, like the book (finding the groups reads back a count).
+    """
+
+    ready = True  # forward reads the mask from here too
+    kept = True
+
+    def __init__(self, hidden: Tensor, group: Tensor):
+        self.templates = hidden  # [b|1, h_s|1, g, c, m], contiguous
+        self.blind = hidden.all(dim=-1, keepdim=True)  # [b|1, h_s|1, g, c, 1], the rows that see no key
+        self.group = group  # [nb], the template of each block
+
+    @staticmethod
+    def of(plan: _SetPlan, batch: int) -> _MaskTemplate | None:
+        block_set = plan.block_set
+        period = mask_period(block_set.mask_fn)
+        q_pos, kv_pos = block_set.q_pos, block_set.kv_pos
+        nb = q_pos.shape[0]
+        if period is None or q_pos.device.type != "cpu" or kv_pos.shape[0] != nb or nb < 4 or q_pos.numel() == 0:
+            return None
+        base = q_pos[:, :1] - torch.remainder(q_pos[:, :1], period)  # a multiple of the period per block
+        # Padding slots and keys see nothing wherever they point: their validity is compared, their positions not.
+        q_valid, kv_valid = block_set.q_valid, block_set.kv_valid
+        parts = [torch.where(q_valid, q_pos - base, 0), q_valid.long()]
+        parts += [kv_pos - base] if kv_valid is None else [torch.where(kv_valid, kv_pos - base, 0), kv_valid.long()]
+        unique, group = torch.unique(torch.cat(parts, dim=1), dim=0, return_inverse=True)
+        if unique.shape[0] * 4 > nb:
+            return None
+        first = torch.full((unique.shape[0],), nb, dtype=torch.long, device=q_pos.device)
+        first.scatter_reduce_(0, group, torch.arange(nb, device=q_pos.device), "amin")  # each group's first block
+        kv_valid = None if block_set.kv_valid is None else block_set.kv_valid[first][None]
+        mask = evaluate_block_mask(
+            block_set.mask_fn,
+            batch=batch,
+            heads=plan.heads,
+            q_pos=q_pos[first][None],
+            kv_pos=kv_pos[first][None],
+            q_valid=block_set.q_valid[first][None],
+            kv_valid=kv_valid,
+        )
+        return _MaskTemplate(torch.logical_not(mask), group)
+
+    def hidden(self, start: int, stop: int, workspace: _Workspace) -> tuple[Tensor, Tensor]:
+        """Blocks start:stop of the negated mask, `[b|1, h_s|1, n_blk, c, m]` in the "hidden" workspace, and their
+        rows that hide every key, `[b|1, h_s|1, n_blk, c, 1]`."""
+        group = self.group[start:stop]
+        shape = self.templates.shape
+        hidden = workspace.get("hidden", (*shape[:2], stop - start, *shape[3:]), torch.bool)
+        torch.index_select(self.templates, 2, group, out=hidden)
+        return hidden, self.blind.index_select(2, group)
+
+
 def _set_plans(block_sets: Sequence[BlockSet], h: int, h_kv: int, n_q: int, q_offset: int, device) -> list[_SetPlan]:
     plans = []
     for block_set in block_sets:
@@ -291,15 +355,15 @@ def _set_chunks(
     scale: float,
     workspace: _Workspace,
     backward: bool = False,
-    book: _MaskBook | None = None,
+    book: _MaskBook | _MaskTemplate | None = None,
 ):
     """Yield `(chunk, kv_rows, blind)` per group of the set's blocks: the `_Chunk` of gathered (scaled) queries, keys
     and values with the negated mask of the predicate, the flat rows `_gather_rows` of its keys in k's `_rows` view
     (the same positions index the key gradients), and the chunk's rows that see no key (`_blind_rows`; None: not
     known from the book).
 
-    The mask: in forward the predicate's, added to `book` (if any); in backward the book's where it was kept, else
-    the predicate's again.
+    The mask: a `_MaskTemplate`'s in both passes; else in forward the predicate's, added to a `_MaskBook` (if any),
+    and in backward the book's where it was kept, else the predicate's again.
 
     Chunks are sized by the workspaces of their pass: backward holds the scores and their gradient, the keys, values
     and their gradients; forward only the scores, keys and values, so its chunks take up to twice the blocks (fewer
@@ -335,7 +399,7 @@ def _set_chunks(
         stop = min(nb, start + step)
         n_blk = stop - start
         shape6 = (b, plan.h_kv, plan.group, n_blk, c)
-        if backward and book is not None and book.kept:
+        if book is not None and book.kept and (backward or book.ready):
             hidden, blind = book.hidden(start, stop, workspace)
         else:
             hidden = block_set.mask(b, plan.heads, start, stop)
@@ -394,7 +458,7 @@ class _BlockSetAttention(torch.autograd.Function):
         # A bias function's values are not bounded in advance: hidden logits are then -inf exactly.
         bound = logit_bound(q, k, scale) if bias_fn is None else None
         k, v = k.to(dtype), v.to(dtype)
-        books = [_MaskBook.of(plan, device) for plan in plans]
+        books = [_MaskTemplate.of(plan, b) or _MaskBook.of(plan, device) for plan in plans]
         for index, (plan, book) in enumerate(zip(plans, books)):
             for chunk, _, blind in _set_chunks(q.to(dtype), k, v, plan, scale, workspace, book=book):
                 bias = None if bias_fn is None else _set_bias(bias_fn, plan, b, chunk)

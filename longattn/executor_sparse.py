@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .executor_band import band_layout
 from .executor_block_sets import BlockSet, attend_block_sets
-from .patterns import MaskFn, and_masks
+from .patterns import MaskFn, and_masks, periodic
 from .relative_logits import BiasFn
 
 __all__ = ["strided_blocked_attention", "fixed_blocked_attention"]
@@ -47,14 +47,14 @@ def _within_band(reach: int) -> MaskFn:
     def within_band(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx - kv_idx).abs() <= reach
 
-    return within_band
+    return periodic(within_band, 1)
 
 
 def _beyond_band(reach: int) -> MaskFn:
     def beyond_band(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx - kv_idx).abs() > reach
 
-    return beyond_band
+    return periodic(beyond_band, 1)
 
 
 def _same_block(block_size: int, same: bool) -> MaskFn:
@@ -64,7 +64,7 @@ def _same_block(block_size: int, same: bool) -> MaskFn:
         )
         return equal if same else ~equal
 
-    return block_test
+    return periodic(block_test, block_size)
 
 
 # ---------------------------------------------------------------------------------------------- strided

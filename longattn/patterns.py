@@ -15,6 +15,7 @@ This module depends on torch only (no other longattn module), so every layer abo
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -41,7 +42,9 @@ __all__ = [
     "fixed_pattern",
     "first_real_token",
     "from_first_real_token",
+    "mask_period",
     "mask_reach",
+    "periodic",
     "same_document_mask",
     "document_starts",
     "document_index",
@@ -55,11 +58,29 @@ MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """`(b, h, q_idx, kv_idx)` broadcastable int64 index tensors -> bool tensor, True = the query may see the key."""
 
 
-def _named(fn: MaskFn, name: str, *, reach: int | None = None) -> MaskFn:
+def _named(fn: MaskFn, name: str, *, reach: int | None = None, period: int | None = None) -> MaskFn:
     fn.__name__ = name
     fn.__qualname__ = name
     fn.reach = reach
+    fn.period = period
     return fn
+
+
+def periodic(mask_fn: MaskFn, period: int) -> MaskFn:
+    """Declare (on mask_fn itself, which it returns) that shifting both positions by a multiple of `period` never
+    changes the predicate: `mask_fn(b, h, q + s·period, kv + s·period) == mask_fn(b, h, q, kv)` for every integer s.
+    See `mask_period`."""
+    mask_fn.period = period
+    return mask_fn
+
+
+def mask_period(mask_fn: MaskFn) -> int | None:
+    """The shift a predicate is invariant under (see `periodic`): 1 for predicates of the distance q − kv alone
+    (causal, strided), the block length for block patterns (fixed); None = not known (anything that reads a
+    position-indexed tensor, e.g. padding or documents). `and_masks` / `or_masks` keep the least common multiple of
+    their parts' periods, None as soon as one part has none. Executors use it to evaluate a predicate once per
+    distinct block of a layout (`executor_block_sets`)."""
+    return getattr(mask_fn, "period", None)
 
 
 def mask_reach(mask_fn: MaskFn) -> int | None:
@@ -134,7 +155,7 @@ def causal_mask() -> MaskFn:
     def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx
 
-    return _named(causal, "causal")
+    return _named(causal, "causal", period=1)
 
 
 def sliding_window_mask(window: int, dilation: int | Sequence[int] = 1) -> MaskFn:
@@ -250,13 +271,17 @@ def _fold_masks(mask_fns: tuple[MaskFn, ...], *, every: bool, reach: int | None)
     combine = operator.and_ if every else operator.or_
 
     def folded(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = torch.full((), every, dtype=torch.bool, device=q_idx.device)
-        for fn in mask_fns:
+        if not mask_fns:
+            return torch.full((), every, dtype=torch.bool, device=q_idx.device)
+        result = mask_fns[0](b, h, q_idx, kv_idx)
+        for fn in mask_fns[1:]:
             result = combine(result, fn(b, h, q_idx, kv_idx))
         return result
 
     name = ("and(" if every else "or(") + ", ".join(fn.__name__ for fn in mask_fns) + ")"
-    return _named(folded, name, reach=reach)
+    periods = [mask_period(fn) for fn in mask_fns]
+    period = None if None in periods else math.lcm(*periods)
+    return _named(folded, name, reach=reach, period=period)
 
 
 def and_masks(*mask_fns: MaskFn) -> MaskFn:
@@ -440,13 +465,13 @@ def strided_mask(stride: int, causal: bool = False) -> MaskFn:
             distance = q_idx - kv_idx
             return (distance >= 0) & ((distance <= stride) | (distance % stride == 0))
 
-        return _named(strided_causal, f"strided_causal_{stride}")
+        return _named(strided_causal, f"strided_causal_{stride}", period=1)
 
     def strided(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = q_idx - kv_idx
         return (distance.abs() <= stride) | (distance % stride == 0)
 
-    return _named(strided, f"strided_{stride}")
+    return _named(strided, f"strided_{stride}", period=1)
 
 
 def fixed_mask(block_size: int, num_summary: int, summary_per_head: bool = False) -> MaskFn:
@@ -495,7 +520,7 @@ def fixed_mask(block_size: int, num_summary: int, summary_per_head: bool = False
             )
             return same_block | (kv_idx % block_size >= first_summary)
 
-        return _named(fixed, f"fixed_{block_size}_{num_summary}")
+        return _named(fixed, f"fixed_{block_size}_{num_summary}", period=block_size)
 
     groups = block_size // num_summary
 
@@ -508,7 +533,7 @@ def fixed_mask(block_size: int, num_summary: int, summary_per_head: bool = False
         group = h % groups
         return same_block | ((from_end >= group * num_summary) & (from_end < (group + 1) * num_summary))
 
-    return _named(fixed_per_head, f"fixed_{block_size}_{num_summary}_per_head")
+    return _named(fixed_per_head, f"fixed_{block_size}_{num_summary}_per_head", period=block_size)
 
 
 def first_real_token(key_padding_mask: Tensor) -> Tensor:

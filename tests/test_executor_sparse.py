@@ -312,6 +312,48 @@ def test_masks_kept_for_backward_equal_the_predicate_under_padding_and_documents
     assert_all_close(actual, expected, **TIGHT)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("kind", ["strided", "fixed", "fixed-per-head"])
+def test_periodic_masks_evaluated_once_equal_the_predicate(kind, causal, monkeypatch):
+    """Sets whose predicate is periodic (`patterns.mask_period`) evaluate it once per call on one block of each group
+    of alike blocks (`_MaskTemplate`): every block's template equals the predicate evaluated on that block (edges,
+    padding slots and keys of an odd length included), and outputs and gradients (float64, chunks far smaller than a
+    set) equal the dense reference of the pattern."""
+    from longattn import executor_block_sets, executor_chunks, ops
+
+    monkeypatch.setattr(executor_chunks, "_WORKSPACE_ELEMENTS", 2**12)
+    n = 203
+    if kind == "strided":
+        sizes, fn = dict(stride=9), ops.strided_attention
+        pattern = patterns.strided_pattern(causal=causal, **sizes)
+    else:
+        sizes = dict(block_size=16, num_summary=3, summary_per_head=kind == "fixed-per-head")
+        fn, pattern = ops.fixed_attention, patterns.fixed_pattern(causal=causal, **sizes)
+    templates = []
+    template_of = executor_block_sets._MaskTemplate.of
+
+    def recorded(plan, batch):
+        template = template_of(plan, batch)
+        if template is not None:
+            templates.append((plan, template))
+        return template
+
+    monkeypatch.setattr(executor_block_sets._MaskTemplate, "of", staticmethod(recorded))
+    q, k, v = random_qkv(2, 4, n, D, seed=4)
+    out = fn(q, k, v, causal=causal, scale=SCALE, **sizes)
+    assert templates, "a periodic pattern must take templates"
+    for plan, template in templates:
+        nb = plan.block_set.q_pos.shape[0]
+        hidden, blind = template.hidden(0, nb, executor_chunks._Workspace(torch.float64, q.device))
+        evaluated = ~plan.block_set.mask(2, plan.heads, 0, nb)
+        assert torch.equal(hidden, evaluated.expand_as(hidden))
+        assert torch.equal(blind, evaluated.expand_as(hidden).all(-1, keepdim=True))
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    actual = (out, *torch.autograd.grad(out, (q, k, v), cotangent))
+    expected = outputs_and_grads(lambda q, k, v: dense_reference(pattern, q, k, v, scale=SCALE), q, k, v)
+    assert_all_close(actual, expected, **TIGHT)
+
+
 @pytest.mark.parametrize("shared_keys", [False, True])
 def test_attend_blocks_with_a_mask_function_equals_the_mask_and_keeps_no_mask(shared_keys, monkeypatch):
     """`executor_blocked.block_mask` hands `attend_blocks` the predicate as a function of the chunk: outputs,
