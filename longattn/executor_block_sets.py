@@ -30,13 +30,9 @@ import torch
 from torch import Tensor
 
 from .executor_chunks import (
-    _blocks_per_workspace,
     _Chunk,
-    _chunk_scores,
-    _dropout_generator,
-    _gather_rows,
-    _product_gradients,
     _rows,
+    _RowView,
     _split_heads,
     _Workspace,
     _zeros_with_rows,
@@ -336,12 +332,17 @@ def _head_rows(base: Tensor, plan: _SetPlan, b: int) -> Tensor:
     return base.view(b, -1) if plan.block_set.heads is None else base.view(b, -1)[:, plan.heads]
 
 
-def _query_rows(base: Tensor, step: int, plan: _SetPlan, index: Tensor, start: int, stop: int, b: int) -> Tensor:
+def _set_view(view: _RowView, plan: _SetPlan, b: int) -> _RowView:
+    """A `_rows` view of a `[b, h, n, ·]` tensor narrowed to the set's heads (its `base` `[b·h_s]`)."""
+    return view._replace(base=_head_rows(view.base, plan, b).reshape(-1))
+
+
+def _query_rows(view: _RowView, plan: _SetPlan, index: Tensor, start: int, stop: int, b: int) -> Tensor:
     """Flat row numbers of the slots of blocks start:stop for a `_rows` view of a `[b, h, n, ·]` tensor, in the
     chunk's order: `[b, h_kv, n_blk, group, c]` (blocks gathering their own keys) or `[b, h_kv, group, n_blk, c]`
     (shared keys)."""
-    base = _head_rows(base, plan, b).reshape(b, plan.h_kv, plan.group)
-    slots = index[start:stop] * step  # [n_blk, c]
+    base = _head_rows(view.base, plan, b).reshape(b, plan.h_kv, plan.group)
+    slots = index[start:stop] * view.step  # [n_blk, c]
     if plan.shared:
         return (base[:, :, :, None, None] + slots[None, None, None]).reshape(-1)
     return (base[:, :, None, :, None] + slots[None, None, :, None, :]).reshape(-1)
@@ -357,10 +358,10 @@ def _set_chunks(
     backward: bool = False,
     book: _MaskBook | _MaskTemplate | None = None,
 ):
-    """Yield `(chunk, kv_rows, blind)` per group of the set's blocks: the `_Chunk` of gathered (scaled) queries, keys
-    and values with the negated mask of the predicate, the flat rows `_gather_rows` of its keys in k's `_rows` view
-    (the same positions index the key gradients), and the chunk's rows that see no key (`_blind_rows`; None: not
-    known from the book).
+    """Yield `(chunk, (kv_start, kv_stop), blind)` per group of the set's blocks: the `_Chunk` of gathered (scaled)
+    queries, keys and values with the negated mask of the predicate, the blocks of `kv_pos` its keys came from (the
+    same positions index the key gradients: `_RowView.index`), and the chunk's rows that see no key (`_blind_rows`;
+    None: not known from the book).
 
     The mask: a `_MaskTemplate`'s in both passes; else in forward the predicate's, added to a `_MaskBook` (if any),
     and in backward the book's where it was kept, else the predicate's again.
@@ -375,23 +376,21 @@ def _set_chunks(
     nb, c = block_set.q_pos.shape
     m = block_set.kv_pos.shape[1]
     h_s = plan.h_kv * plan.group
-    q_rows, q_base, q_step = _rows(q)
-    k_rows, k_base, k_step = _rows(k)
-    v_rows, v_base, v_step = _rows(v)
-    k_base, v_base = (_head_rows(base, plan, b).reshape(-1) for base in (k_base, v_base))
+    q_view = _rows(q)
+    k_view, v_view = (_set_view(_rows(t), plan, b) for t in (k, v))
     buffers = 2 if backward else 1  # scores (and their gradient); keys and values (and their gradients)
     keys_once = 2 * buffers * b * plan.h_kv * m * max(d, d_v) if plan.shared else 0
     per_block = buffers * b * h_s * c * m + 4 * b * h_s * c * max(d, d_v)
     if not plan.shared:
         per_block += 2 * buffers * b * plan.h_kv * m * max(d, d_v)
-    step = _blocks_per_workspace(per_block, nb, keys_once)
+    step = _Workspace.blocks_per_chunk(per_block, nb, keys_once)
 
     def gather_keys(kv_start: int, kv_stop: int) -> tuple[Tensor, Tensor]:
         kv_count = b * plan.h_kv * (kv_stop - kv_start) * m
-        key_rows = _gather_rows(k_base, k_step, block_set.kv_pos, kv_start, kv_stop)
-        keys = torch.index_select(k_rows, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
-        value_rows = _gather_rows(v_base, v_step, block_set.kv_pos, kv_start, kv_stop)
-        return keys, torch.index_select(v_rows, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
+        key_rows = k_view.index(block_set.kv_pos, kv_start, kv_stop)
+        keys = torch.index_select(k_view.flat, 0, key_rows, out=workspace.get("keys", (kv_count, d)))
+        value_rows = v_view.index(block_set.kv_pos, kv_start, kv_stop)
+        return keys, torch.index_select(v_view.flat, 0, value_rows, out=workspace.get("values", (kv_count, d_v)))
 
     if plan.shared:  # the same keys for every block: gathered once for the set
         keys, values = gather_keys(0, 1)
@@ -406,8 +405,8 @@ def _set_chunks(
             hidden = torch.logical_not(hidden, out=workspace.get("hidden", hidden.shape, torch.bool))
             blind = book.add(start, stop, hidden, workspace) if book is not None and not backward else None
         hidden6 = _split_heads(hidden, plan.h_kv)
-        rows = _query_rows(q_base, q_step, plan, plan.read, start, stop, b)
-        q_chunk = torch.index_select(q_rows, 0, rows, out=workspace.get("q", (rows.shape[0], d))).mul_(scale)
+        rows = _query_rows(q_view, plan, plan.read, start, stop, b)
+        q_chunk = torch.index_select(q_view.flat, 0, rows, out=workspace.get("q", (rows.shape[0], d))).mul_(scale)
         kv_start, kv_stop = (0, 1) if plan.shared else (start, stop)
         if not plan.shared:
             keys, values = gather_keys(start, stop)
@@ -421,7 +420,7 @@ def _set_chunks(
             hidden6,
             shape6,
         )
-        yield chunk, (k_base, k_step, kv_start, kv_stop), None if blind is None else _split_heads(blind, plan.h_kv)
+        yield chunk, (kv_start, kv_stop), None if blind is None else _split_heads(blind, plan.h_kv)
 
 
 class _BlockSetAttention(torch.autograd.Function):
@@ -451,10 +450,8 @@ class _BlockSetAttention(torch.autograd.Function):
         # merging the heads of the result is a view.
         out = torch.zeros(b, n_q + 1, h, d_v, dtype=dtype, device=device).transpose(1, 2)
         lse = torch.full((b, h, n_q + 1), NO_KEY_LSE, dtype=dtype, device=device)
-        out_rows, out_base, out_step = _rows(out)
-        lse_rows, lse_base, lse_step = _rows(lse.unsqueeze(-1))
-        workspace = _Workspace(dtype, device)
-        generator = _dropout_generator(seed, device) if dropout_p > 0 else None
+        out_view, lse_view = _rows(out), _rows(lse.unsqueeze(-1))
+        workspace = _Workspace(dtype, device, dropout_p=dropout_p, seed=seed)
         # A bias function's values are not bounded in advance: hidden logits are then -inf exactly.
         bound = logit_bound(q, k, scale) if bias_fn is None else None
         k, v = k.to(dtype), v.to(dtype)
@@ -462,23 +459,21 @@ class _BlockSetAttention(torch.autograd.Function):
         for index, (plan, book) in enumerate(zip(plans, books)):
             for chunk, _, blind in _set_chunks(q.to(dtype), k, v, plan, scale, workspace, book=book):
                 bias = None if bias_fn is None else _set_bias(bias_fn, plan, b, chunk)
-                probs = _chunk_scores(chunk, bias, workspace, bound)
+                probs = chunk.scores(bias, workspace, bound)
                 row_lse = _softmax_rows(probs)
                 # A row whose keys are all hidden (by the mask, whatever its values): no key, lse = -inf.
                 blind = _blind_rows(chunk) if blind is None else blind
                 chunk.view6(row_lse.view(*chunk.scores_shape[:2], 1)).masked_fill_(blind, NO_KEY_LSE)
-                if generator is not None:
-                    keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
-                    probs.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
+                workspace.drop(probs)
                 chunk_out = torch.bmm(probs, chunk.values, out=workspace.get("out", chunk.out_shape)).view(-1, d_v)
-                write = _query_rows(out_base, out_step, plan, plan.write, chunk.start, chunk.stop, b)
-                lse_write = _query_rows(lse_base, lse_step, plan, plan.write, chunk.start, chunk.stop, b)
+                write = _query_rows(out_view, plan, plan.write, chunk.start, chunk.stop, b)
+                lse_write = _query_rows(lse_view, plan, plan.write, chunk.start, chunk.stop, b)
                 if index == 0:  # nothing to merge with yet: the same values as a merge, without reading them
                     chunk_out.masked_fill_((row_lse == NO_KEY_LSE).unsqueeze(-1), 0.0)  # rows that saw no key
-                    out_rows.index_copy_(0, write, chunk_out)
-                    lse_rows.view(-1).index_copy_(0, lse_write, row_lse)
+                    out_view.flat.index_copy_(0, write, chunk_out)
+                    lse_view.flat.view(-1).index_copy_(0, lse_write, row_lse)
                 else:
-                    _merge_rows(out_rows, lse_rows.view(-1), write, lse_write, chunk_out, row_lse)
+                    _merge_rows(out_view.flat, lse_view.flat.view(-1), write, lse_write, chunk_out, row_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale, ctx.dropout_p, ctx.seed, ctx.bound = plans, scale, dropout_p, seed, bound
         ctx.books = books
@@ -500,19 +495,18 @@ class _BlockSetAttention(torch.autograd.Function):
         grad_out = grad_out.to(dtype)
         stat_rows = _rows(_row_statistics(out[:, :, :n_q], lse[:, :, :n_q], grad_out, grad_lse))
         grad_out_rows = _rows(grad_out)
-        grad_q, (grad_q_rows, grad_q_base, grad_q_step) = _zeros_with_rows(q, dtype)
-        grad_k, (grad_k_rows, grad_k_base, grad_k_step) = _zeros_with_rows(k, dtype)
-        grad_v, (grad_v_rows, grad_v_base, grad_v_step) = _zeros_with_rows(v, dtype)
-        workspace = _Workspace(dtype, device)
-        generator = _dropout_generator(ctx.seed, device) if dropout_p > 0 else None
+        (grad_q, grad_q_view), (grad_k, grad_k_view), (grad_v, grad_v_view) = (
+            _zeros_with_rows(t, dtype) for t in (q, k, v)
+        )
+        workspace = _Workspace(dtype, device, dropout_p=dropout_p, seed=ctx.seed)
         k_c, v_c = k.to(dtype), v.to(dtype)
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[8:]) if need]  # bias tensors needing a gradient
         grad_bias = [None] * len(ctx.bias_tensors)
         for plan, book in zip(plans, ctx.books):
             kv_pos = plan.block_set.kv_pos
-            grad_k_set, grad_v_set = (_head_rows(base, plan, b).reshape(-1) for base in (grad_k_base, grad_v_base))
+            grad_k_set, grad_v_set = (_set_view(view, plan, b) for view in (grad_k_view, grad_v_view))
             chunks = _set_chunks(q.to(dtype), k_c, v_c, plan, scale, workspace, backward=True, book=book)
-            for chunk, (_, _, kv_start, kv_stop), blind in chunks:
+            for chunk, (kv_start, kv_stop), blind in chunks:
                 # Keys shared by every block of the set: their gradients add up over the chunks in one workspace,
                 # scattered back once after the last chunk.
                 accumulate = plan.shared and chunk.start > 0
@@ -525,30 +519,24 @@ class _BlockSetAttention(torch.autograd.Function):
                 grad_out_chunk = grad_out_chunk.view(batches, queries, d_v)
                 grad_scores = workspace.get("grad_scores", chunk.scores_shape)
                 torch.bmm(grad_out_chunk, chunk.values.transpose(1, 2), out=grad_scores)  # dP
-                if generator is not None:
-                    keep = workspace.get("keep", chunk.scores_shape).bernoulli_(1.0 - dropout_p, generator=generator)
-                    grad_scores.mul_(keep.mul_(1.0 / (1.0 - dropout_p)))
+                keep = workspace.drop(grad_scores)  # forward's mask, drawn again
                 grad_scores.sub_(row_d).mul_(probs)  # dS = P ∘ (dP − D)
                 if row_dl:
                     grad_scores.addcmul_(probs, row_dl[0])
                 if wanted:  # the bias adds to the scores: its gradient is dS
                     _add_bias_gradients(bias, ctx.bias_tensors, wanted, chunk.view6(grad_scores), grad_bias)
-                if generator is not None:
+                if keep is not None:
                     probs.mul_(keep)  # dV needs the dropped probabilities, dS needed the undropped ones
-                grad_values, grad_keys, grad_q_chunk = _product_gradients(
-                    chunk, probs, grad_scores, grad_out_chunk, workspace, accumulate=accumulate
+                grad_values, grad_keys, grad_q_chunk = chunk.gradients(
+                    probs, grad_scores, grad_out_chunk, workspace, accumulate=accumulate
                 )
-                grad_q_index = _query_rows(grad_q_base, grad_q_step, plan, plan.read, start, stop, b)
+                grad_q_index = _query_rows(grad_q_view, plan, plan.read, start, stop, b)
                 # Padding slots read row 0 of their head: their P, hence their gradients, are exactly 0.
-                grad_q_rows.index_add_(0, grad_q_index, grad_q_chunk.view(-1, d), alpha=scale)
+                grad_q_view.flat.index_add_(0, grad_q_index, grad_q_chunk.view(-1, d), alpha=scale)
                 if plan.shared and stop < plan.block_set.q_pos.shape[0]:
                     continue  # more chunks add to the shared keys' gradients
-                grad_k_rows.index_add_(
-                    0, _gather_rows(grad_k_set, grad_k_step, kv_pos, kv_start, kv_stop), grad_keys.view(-1, d)
-                )
-                grad_v_rows.index_add_(
-                    0, _gather_rows(grad_v_set, grad_v_step, kv_pos, kv_start, kv_stop), grad_values.view(-1, d_v)
-                )
+                grad_k_view.flat.index_add_(0, grad_k_set.index(kv_pos, kv_start, kv_stop), grad_keys.view(-1, d))
+                grad_v_view.flat.index_add_(0, grad_v_set.index(kv_pos, kv_start, kv_stop), grad_values.view(-1, d_v))
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, *grad_bias
 
 
@@ -560,7 +548,7 @@ def _row_statistics(out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor
     stats = torch.empty(b, h, n_q, 2 if grad_lse is None else 3, dtype=grad_out.dtype, device=grad_out.device)
     stats[..., 0] = lse
     zero_empty_shift(stats[..., 0], inplace=True)
-    step = _blocks_per_workspace(b * h * d_v, n_q)  # queries per slice
+    step = _Workspace.blocks_per_chunk(b * h * d_v, n_q)  # queries per slice
     for start in range(0, n_q, step):  # a slice at a time: no [b, h, n_q, d_v] temporary
         stop = min(n_q, start + step)
         stats[:, :, start:stop, 1] = torch.linalg.vecdot(grad_out[:, :, start:stop], out[:, :, start:stop])
@@ -569,12 +557,11 @@ def _row_statistics(out: Tensor, lse: Tensor, grad_out: Tensor, grad_lse: Tensor
     return stats
 
 
-def _read_slots(rows: tuple[Tensor, Tensor, int], plan: _SetPlan, chunk: _Chunk, b: int, workspace, name: str):
+def _read_slots(view: _RowView, plan: _SetPlan, chunk: _Chunk, b: int, workspace, name: str):
     """The rows of a `[b, h, n_q, width]` tensor (its `_rows` view) that the chunk's query slots read (`plan.read`),
     `[rows·queries, width]` in the chunk's order, gathered into the workspace `name`."""
-    flat, base, step = rows
-    index = _query_rows(base, step, plan, plan.read, chunk.start, chunk.stop, b)
-    return torch.index_select(flat, 0, index, out=workspace.get(name, (index.shape[0], flat.shape[1])))
+    index = _query_rows(view, plan, plan.read, chunk.start, chunk.stop, b)
+    return torch.index_select(view.flat, 0, index, out=workspace.get(name, (index.shape[0], view.flat.shape[1])))
 
 
 def _union_probs(
@@ -588,7 +575,7 @@ def _union_probs(
     if bias_fn is not None:
         with torch.enable_grad():  # the chunk's read of the bias tensors, differentiated in `_add_bias_gradients`
             bias = _set_bias(bias_fn, plan, b, chunk)
-    probs = _chunk_scores(chunk, None if bias is None else bias.detach(), workspace, bound)
+    probs = chunk.scores(None if bias is None else bias.detach(), workspace, bound)
     # P of the union's softmax, exp(S − L), as the chunk's softmax times exp(lse_chunk − L): torch's softmax kernel
     # exponentiates the hidden keys' scores (near HIDDEN_LOGIT) ~10x faster than `exp_`. The chunk's rows that see no
     # key (by their mask) get P = 0.

@@ -10,12 +10,15 @@ band) keep no scores or probabilities for backward: they walk the query blocks i
 workspace elements (`_WORKSPACE_ELEMENTS`, chosen per machine by `tuning`), every chunk viewing the same flat buffers
 (`_Workspace`), and recompute the probabilities in backward. What they share lives here, stated once:
 
-- Row views (`_rows`, `_zeros_with_rows`, `_gather_rows`): a `[b, h, n, d]` tensor in any layout with a unit stride
+- Row views (`_rows`, `_zeros_with_rows`: a `_RowView`): a `[b, h, n, d]` tensor in any layout with a unit stride
   on d (e.g. the `[b, n, h, d]` memory behind the usual `split_heads` transpose) seen as `[rows, d]`, so that key
-  sets are gathered, and their gradients scatter-added, by one dim-0 `index_select` / `index_add_` without a copy.
+  sets are gathered, and their gradients scatter-added, by one dim-0 `index_select` / `index_add_` of the row
+  numbers `_RowView.index` gives, without a copy.
 - `_Chunk`: one chunk of query blocks laid out for `bmm`, a group of query heads sharing its key/value head's rows
-  (keys are gathered once per key/value head, never repeated per query head); `_product_gradients` gives its
-  dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K.
+  (keys are gathered once per key/value head, never repeated per query head); `_Chunk.scores` gives its scores and
+  `_Chunk.gradients` its dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K.
+- `_Workspace`: the buffers one pass over the chunks reuses, its budget (`_Workspace.blocks_per_chunk`) and its
+  dropout stream (`_Workspace.drop`: backward draws forward's masks again, chunk by chunk).
 - `evaluate_block_mask` / `block_mask`: the block masks are never written by hand. They come from evaluating the
   pattern's `MaskFn` (`longattn.patterns`) on the ORIGINAL positions of each block's queries and gathered keys, so
   the dense reference (`materialize_mask`) and the engines share one definition; `block_mask` is the same evaluation
@@ -55,11 +58,6 @@ _CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2
 
 def _blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
     return max(1, min(total_blocks, _CHUNK_ELEMENTS // max(1, rows * per_block)))
-
-
-def _blocks_per_workspace(per_block: int, total_blocks: int, fixed: int = 0) -> int:
-    """Blocks per chunk so that `fixed + blocks · per_block` workspace elements stay within the budget."""
-    return max(1, min(total_blocks, (_WORKSPACE_ELEMENTS - fixed) // max(1, per_block)))
 
 
 class _Workspace:
@@ -166,19 +164,6 @@ def _zeros_with_rows(like: Tensor, dtype: torch.dtype) -> tuple[Tensor, _RowView
     return zeros, _rows(zeros)
 
 
-def _gather_rows(base: Tensor, step: int, kv_index: Tensor, start: int, stop: int) -> Tensor:
-    """Flat row numbers `[b·h_kv·n_blk·m]` of the keys blocks `start:stop` gather, for `_rows` views.
-
-    kv_index `[nb, m]` is shared by the batch rows, `[b, nb, m]` has one per row, `[b, h_kv, nb, m]` one per row and
-    key/value head; base `[b·h_kv]` (see `_rows`)."""
-    if kv_index.dim() == 2:
-        return (base.view(-1, 1) + kv_index[start:stop].reshape(1, -1) * step).view(-1)
-    if kv_index.dim() == 4:
-        return (base.view(-1, 1) + kv_index[:, :, start:stop].reshape(base.shape[0], -1) * step).view(-1)
-    b = kv_index.shape[0]
-    return (base.view(b, -1, 1) + kv_index[:, start:stop].reshape(b, 1, -1) * step).view(-1)
-
-
 def _split_heads(t: Tensor, h_kv: int) -> Tensor:
     """`[b, h|1, ...]` -> `[b, h_kv|1, h / h_kv|1, ...]` (a view): query heads grouped by the key/value head they
     read."""
@@ -200,42 +185,6 @@ def _hide(scores: Tensor, hidden: Tensor, bound: float | None) -> None:
     bool addition); beyond it (huge logits), -inf exactly. Rows without a visible key are told from the mask.
     """
     hide_logits(scores, hidden, bound=bound, inplace=True)
-
-
-def _chunk_scores(chunk: _Chunk, bias6: Tensor | None, workspace: _Workspace, bound: float | None) -> Tensor:
-    """The chunk's scores `[rows, queries, m]` (q is scaled already) plus the bias (`[b, h_kv, group, n_blk, c, m]`,
-    the layout of `chunk.view6`; None: no bias), hidden keys hidden (`_hide` under the call's logit `bound`), in the
-    "probs" workspace (forward and backward compute them alike)."""
-    probs = workspace.get("probs", chunk.scores_shape)
-    torch.bmm(chunk.q, chunk.keys.transpose(1, 2), out=probs)
-    if bias6 is not None:
-        chunk.view6(probs).add_(bias6)
-    if chunk.hidden is not None:
-        _hide(chunk.view6(probs), chunk.hidden, bound)
-    return probs
-
-
-def _product_gradients(
-    chunk: _Chunk,
-    probs: Tensor,
-    grad_scores: Tensor,
-    grad_out_chunk: Tensor,
-    workspace: _Workspace,
-    accumulate: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dV = Pᵀ dO, dK = dSᵀ Q and dQ = dS K of a chunk (q and the keys as the chunk holds them: dK and dQ still
-    need the scale where the other side was scaled), in the "grad_values", "grad_keys", "grad_q" workspaces; with
-    `accumulate`, dV and dK are added to what those workspaces hold (keys shared by the chunks)."""
-    grad_values = workspace.get("grad_values", chunk.values.shape)
-    grad_keys = workspace.get("grad_keys", chunk.keys.shape)
-    if accumulate:
-        grad_values.baddbmm_(probs.transpose(1, 2), grad_out_chunk)
-        grad_keys.baddbmm_(grad_scores.transpose(1, 2), chunk.q)
-    else:
-        torch.bmm(probs.transpose(1, 2), grad_out_chunk, out=grad_values)
-        torch.bmm(grad_scores.transpose(1, 2), chunk.q, out=grad_keys)
-    grad_q = torch.bmm(grad_scores, chunk.keys, out=workspace.get("grad_q", chunk.q.shape))
-    return grad_values, grad_keys, grad_q
 
 
 @dataclass
