@@ -77,6 +77,17 @@ from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 
 from .attention_base import LongAttnAttention
+from .attention_binary_partition_levels import (
+    LOCAL_LEVELS,
+    ChunkNodes,
+    add_chunk_grads,
+    chunk_index,
+    chunk_nodes,
+    level_offsets,
+)
+from .attention_binary_partition_levels import pool_levels as _pool_levels
+from .attention_binary_partition_levels import take as _take
+from .attention_binary_partition_levels import unpool as _unpool
 from .numerics import NO_KEY_LSE, compute_dtype, hide_exactly, hide_logits, merge_attention, zero_empty_shift
 from .ops_checks import check_attention_inputs, check_positive_int, empty_attention, is_empty
 from .patterns import first_real_token
@@ -139,16 +150,6 @@ def _cursors(positions: Tensor, n: int, context: int) -> tuple[Tensor, Tensor]:
         right.append(torch.div(right[-1] + context * size + 2 * size - 1, 2 * size, rounding_mode="floor") * 2 * size)
         left.append(torch.div(left[-1] - context * size, 2 * size, rounding_mode="floor") * 2 * size)
     return torch.stack(right, dim=1), torch.stack(left, dim=1)
-
-
-def level_offsets(n: int, levels: int) -> list[int]:
-    """Index of each level's first node in the node list [tokens ; level 1 ; level 2 ; ...]; the last entry is N."""
-    offsets, total = [0], n
-    for level in range(1, levels):
-        offsets.append(total)
-        total += -(-n // 2**level)
-    offsets.append(total)
-    return offsets
 
 
 def _edges(positions: Tensor, node_level: Tensor, node_start: Tensor, *, n: int, context: int, causal: bool) -> Tensor:
@@ -216,40 +217,6 @@ def binary_partition_levels(n: int, *, context: int, causal: bool) -> Tensor:
     return result  # -2 would mark a token covered twice (never, checked by the tests)
 
 
-def _pool_levels(x: Tensor, key_padding_mask: Tensor | None, levels: int, first: int = 1) -> tuple[Tensor, Tensor]:
-    """The span nodes alone: the spans of levels first .. L-1 as the mean of their real tokens.
-
-    Args:
-        x: `[b, h, n, d]` token keys or values.
-        key_padding_mask: `[b, n]` bool, True = real token; None = none.
-        first: The lowest level kept (>= 1); the blocked executor reads the levels below from the tokens.
-
-    Returns:
-        (spans `[b, h, N - offsets[first], d]` in x's dtype, `level_offsets`' order; counts `[b, N]`, real tokens
-        per node, tokens included).
-    """
-    b, h, n, d = x.shape
-    dtype = compute_dtype(x.dtype)
-    real = torch.ones(b, n, dtype=dtype, device=x.device) if key_padding_mask is None else key_padding_mask.to(dtype)
-    offsets = level_offsets(n, levels)
-    base = offsets[min(first, levels)]
-    # Written level by level into one buffer, divided in place: no full-size temporaries besides the masked tokens.
-    spans = x.new_empty(b, h, offsets[-1] - base, d, dtype=dtype)
-    sums = x.to(dtype) if key_padding_mask is None else x.to(dtype) * real[:, None, :, None]  # [b, h, n, d]
-    counts, node_counts = real, [real]
-    for level in range(1, levels):
-        if sums.shape[2] % 2:
-            sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
-        sums = sums.unflatten(2, (-1, 2)).sum(3)  # [b, h, n_l, d]
-        counts = counts.unflatten(1, (-1, 2)).sum(2)  # [b, n_l]
-        if level >= first:
-            spans[:, :, offsets[level] - base : offsets[level + 1] - base] = sums
-        node_counts.append(counts)
-    counts = torch.cat(node_counts, 1)  # [b, N]
-    spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None])
-    return spans.to(x.dtype), counts
-
-
 def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple[Tensor, Tensor, Tensor]:
     """The node list: the tokens, then each level's spans as the mean of their real tokens.
 
@@ -282,39 +249,6 @@ def _token_edge_logits(table: Tensor, q_pos: Tensor, node: Tensor, n: int, q_off
     return table[:, :, row, column] * token
 
 
-def _take(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    """`x` indexed by the integer tensor `index` along `dim` (`x[:, index]` for dim 1, `x[:, :, index]` for dim 2):
-    the same values through `index_select`, whose contiguous row copies run 2-4x faster on CPU than advanced
-    indexing's generic gather."""
-    picked = x.index_select(dim, index.flatten())
-    return picked.view(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
-
-
-def _unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int, first: int) -> None:
-    """The adjoint of `_pool_levels(.., levels, first)`: adds the gradient of the kept spans `[b, h, N', d]`
-    (overwritten), with the node counts `[b, N]`, into the tokens' gradient `[b, h, n, d]` (in place: no temporary
-    of the tokens' size).
-
-    A span is the sum of its real tokens over its count, so a real token receives the sum over its ancestor spans
-    of their gradient over their count: each level's share over its count, then from the top level down each
-    level adds its parent's share (repeated twice), and level `first` gives its share to its 2^first tokens."""
-    b, h, n, d = grad_tokens.shape
-    sizes = [-(-n // 2**level) for level in range(first, levels)]
-    base = level_offsets(n, levels)[first]
-    share = grad_spans.div_(counts[:, base:].clamp(min=1)[:, None, :, None]).split(
-        sizes, 2
-    )  # views, level `first` first
-    for level in range(len(sizes) - 2, -1, -1):
-        share[level].add_(share[level + 1].repeat_interleave(2, 2)[:, :, : sizes[level]])
-    size = 2**first
-    whole, real = n // size, counts[:, :n]
-    grad_tokens[:, :, : whole * size].view(b, h, whole, size, d).addcmul_(
-        share[0][:, :, :whole, None, :], real[:, : whole * size].view(b, 1, whole, size, 1)
-    )
-    if n > whole * size:  # the last span, cut at n
-        grad_tokens[:, :, whole * size :].addcmul_(share[0][:, :, whole:], real[:, None, whole * size :, None])
-
-
 GROUP = 16
 """Queries per group at the low levels of the level-wise executor (`level_layout`): at level l < log2(c) a group of c
 queries reads one window of c/2^l + k nodes (c + 2k + 2 tokens at level 0, both sides); a power of two."""
@@ -337,6 +271,9 @@ class _Tier(NamedTuple):
     hidden: Tensor  # bool [groups, G, M]: no edge (another side's node, a node outside its level, a padding row)
     tokens: int  # columns [0, tokens) are level-0 nodes (the tokens), the rest span nodes
     distance: Tensor | None  # long [G, tokens] or [groups, G, tokens]: token position minus query position
+    levels: Tensor  # long [M]: the level of each column
+    low: int  # the lowest and highest level it reads
+    high: int
 
 
 class _Side(NamedTuple):
@@ -362,6 +299,11 @@ def _pattern(x: Tensor, hidden: Tensor) -> Tensor:
 
 def _group_size(level: int) -> int:
     return HIGH_GROUP if level >= HIGH_LEVEL else GROUP
+
+
+def _group_levels(group: int, levels: int, left: bool) -> list[int]:
+    """The levels a side's tier of `group` queries reads (level 0 on the left side only)."""
+    return [level for level in range(0 if left else 1, levels) if _group_size(level) == group]
 
 
 def level_layout(n: int, *, context: int, causal: bool, device: torch.device | None = None) -> list[_Side]:
@@ -421,14 +363,18 @@ def level_layout(n: int, *, context: int, causal: bool, device: torch.device | N
                 mine & (edges >= 0) & ((index >= 0) & (index < count))[:, None, :] & valid.view(groups, g)[:, :, None]
             )
             distance = index[:, None, :] - positions.view(groups, g)[:, :, None] if level == 0 else None
-            parts.setdefault(g, []).append((offsets[level] + index.clamp(0, count - 1), edges, hidden, distance))
+            column = torch.full((width,), level, device=device)
+            parts.setdefault(g, []).append(
+                (offsets[level] + index.clamp(0, count - 1), edges, hidden, column, distance)
+            )
         tiers = []
         for g, tier in parts.items():
-            index, edges, hidden = (torch.cat(x, -1) for x in list(zip(*tier))[:3])
-            distance = tier[0][3]  # level 0 comes first in its tier
+            index, edges, hidden, column = (torch.cat(x, -1) for x in list(zip(*tier))[:4])
+            distance = tier[0][4]  # level 0 comes first in its tier
             tokens = 0 if distance is None else distance.shape[-1]
             distance = None if distance is None else _pattern(distance, hidden[..., :tokens])
-            tiers.append(_Tier(g, index, _pattern(edges, hidden), hidden, tokens, distance))
+            low, high = min(_group_levels(g, levels, left)), max(_group_levels(g, levels, left))
+            tiers.append(_Tier(g, index, _pattern(edges, hidden), hidden, tokens, distance, column, low, high))
         if tiers:  # the right side of a one-level tree has no node (level 0 is the left side's)
             sides.append(_Side(shift, rows, tiers))
     return sides
@@ -466,8 +412,10 @@ noise of each other; the smaller chunk keeps the peak memory down."""
 
 
 class _Nodes(NamedTuple):
-    """Per call: token keys and values `[b, h, n, d]`, span keys and values `[b, h, N - n, d]` (`level_offsets`
-    order), real flags `[b, N]` (None without padding) and real-token counts `[b, N]`."""
+    """Per call: token keys and values `[b, h, n, d]`, the kept span keys and values `[b, h, N - offsets[LOCAL_LEVELS],
+    d]` (levels `LOCAL_LEVELS` and up, `level_offsets` order; the levels below are pooled per chunk, `chunk_nodes`),
+    real flags `[b, N]` (None without padding), real-token counts `[b, N]`, the padding mask, the context and the
+    node list's `level_offsets`."""
 
     keys: Tensor
     values: Tensor
@@ -475,33 +423,45 @@ class _Nodes(NamedTuple):
     spans_v: Tensor
     real: Tensor | None
     counts: Tensor
+    mask: Tensor | None
+    context: int
+    offsets: list[int]
 
 
-def _level_nodes(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, levels: int) -> _Nodes:
-    spans_k, counts = _pool_levels(k, key_padding_mask, levels, 1)
-    spans_v = _pool_levels(v, key_padding_mask, levels, 1)[0]
+def _level_nodes(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, levels: int, context: int) -> _Nodes:
+    spans_k, counts = _pool_levels(k, key_padding_mask, levels, LOCAL_LEVELS)
+    spans_v = _pool_levels(v, key_padding_mask, levels, LOCAL_LEVELS)[0]
     real = None if key_padding_mask is None else counts > 0
-    return _Nodes(k, v, spans_k, spans_v, real, counts)
+    offsets = level_offsets(k.shape[2], levels)
+    return _Nodes(k, v, spans_k, spans_v, real, counts, key_padding_mask, context, offsets)
 
 
-def _gather(tokens: Tensor, spans: Tensor, tier: _Tier, g0: int, g1: int) -> Tensor:
-    """The windows of groups [g0, g1) -> `[b, h, ng, M, d]`: level-0 columns from the tokens, the rest from the
-    spans."""
-    index, n = tier.index[g0:g1], tokens.shape[2]
-    if not tier.tokens:
-        return _take(spans, 2, index - n)
-    if tier.tokens == index.shape[1]:
-        return _take(tokens, 2, index)
-    return torch.cat([_take(tokens, 2, index[:, : tier.tokens]), _take(spans, 2, index[:, tier.tokens :] - n)], 3)
+def _chunk(nodes: _Nodes, side: _Side, y0: int, rows: int, dtype) -> ChunkNodes | None:
+    """The node array (`chunk_nodes`) of one side's rows [y0, y0 + rows), None when no tier of the side reads one."""
+    top = max((tier.high for tier in side.tiers if tier.low < LOCAL_LEVELS), default=None)
+    if top is None:
+        return None
+    n, levels = nodes.keys.shape[2], len(nodes.offsets) - 1
+    first, last = max(y0 - side.shift, 0), min(y0 + rows - side.shift, n) - 1
+    return chunk_nodes(
+        nodes.keys, nodes.values, nodes.mask, (nodes.spans_k, nodes.spans_v), first, last,
+        context=nodes.context, levels=levels, top=top, dtype=dtype,
+    )  # fmt: skip
 
 
-def _scatter(grad: Tensor, grad_tokens: Tensor, grad_spans: Tensor, tier: _Tier, g0: int, g1: int) -> None:
-    """Adds the gradient of `_gather`'s windows `[b, h, ng, M, d]` into the tokens' and spans' gradients."""
-    index, n, t = tier.index[g0:g1], grad_tokens.shape[2], tier.tokens
-    if t:
-        grad_tokens.index_add_(2, index[:, :t].flatten(), grad[:, :, :, :t].flatten(2, 3))
-    if t < index.shape[1]:
-        grad_spans.index_add_(2, (index[:, t:] - n).flatten(), grad[:, :, :, t:].flatten(2, 3))
+def _window_index(nodes: _Nodes, chunk: ChunkNodes | None, tier: _Tier, g0: int, g1: int) -> Tensor:
+    """The windows of groups [g0, g1) `[ng, M]` as rows of their source: the chunk's node array, or the kept spans
+    for a tier that reads only levels from `LOCAL_LEVELS` up."""
+    if tier.low < LOCAL_LEVELS:
+        return chunk_index(tier.index[g0:g1], tier.levels, chunk, nodes.offsets)
+    return tier.index[g0:g1] - nodes.offsets[min(LOCAL_LEVELS, len(nodes.offsets) - 1)]
+
+
+def _gather(nodes: _Nodes, chunk: ChunkNodes | None, tier: _Tier, index: Tensor, values: bool) -> Tensor:
+    """The keys (or values) of the windows `index` (`_window_index`) -> `[b, h, ng, M, d]`."""
+    if tier.low < LOCAL_LEVELS:
+        return _take(chunk.values if values else chunk.keys, 2, index)
+    return _take(nodes.spans_v if values else nodes.spans_k, 2, index)
 
 
 def _chunk_rows(side: _Side, b: int, h: int) -> int:
@@ -576,23 +536,25 @@ def _side_chunk(q_rows, nodes: _Nodes, side: _Side, y0: int, biases: _Biases, ta
     b, h, c, d = q_rows.shape
     scores, windows = [], []
     score = _tier_scores if inplace else _tier_scores_autograd
+    chunk = _chunk(nodes, side, y0, c, q_rows.dtype)
     for number, tier in enumerate(side.tiers):
         g0, g1 = y0 // tier.group, (y0 + c) // tier.group
-        keys = _gather(nodes.keys, nodes.spans_k, tier, g0, g1).to(q_rows.dtype)  # [b, h, ng, M, d]
+        index = _window_index(nodes, chunk, tier, g0, g1)
+        keys = _gather(nodes, chunk, tier, index, False).to(q_rows.dtype)  # [b, h, ng, M, d]
         q_groups = q_rows.unflatten(2, (g1 - g0, tier.group))
         scores.append(score(q_groups, keys, tier, number, g0, g1, biases, table_rows, nodes.real))
-        windows.append((tier, g0, g1))
+        windows.append((tier, g0, g1, index))
     shift = torch.stack([s.detach().amax(-1).view(b, h, c) for s in scores]).amax(0)  # [b, h, C]
     shift = zero_empty_shift(shift, inplace=True)
     total, out = None, None
-    for s, (tier, g0, g1) in zip(scores, windows, strict=True):
+    for s, (tier, g0, g1, index) in zip(scores, windows, strict=True):
         rows_shift = shift.view(b, h, g1 - g0, tier.group, 1)
         e = s.sub_(rows_shift).exp_() if inplace else torch.exp(s - rows_shift)
         part_total = e.sum(-1).view(b, h, c)
         total = part_total if total is None else total + part_total
         if dropout_p > 0:
             e = F.dropout(e, p=dropout_p)
-        values = _gather(nodes.values, nodes.spans_v, tier, g0, g1).to(q_rows.dtype)
+        values = _gather(nodes, chunk, tier, index, True).to(q_rows.dtype)
         part = (e @ values).view(b, h, c, d)
         out = part if out is None else out + part
     seen = total > 0
@@ -620,7 +582,7 @@ def _forward_levels(q, k, v, key_padding_mask, relative_bias, table, context, ca
     b, h, n, d = q.shape
     dtype = compute_dtype(q.dtype)
     sides = _layout(n, context, causal, q.device)
-    nodes = _level_nodes(k, v, key_padding_mask, num_levels(n, context))
+    nodes = _level_nodes(k, v, key_padding_mask, num_levels(n, context), context)
     inplace = mode == "inplace"
     out = q.new_zeros(b, h, n, d, dtype=dtype) if inplace else None
     lse = q.new_full((b, h, n), NO_KEY_LSE, dtype=dtype) if inplace else None
@@ -672,71 +634,97 @@ class _LevelAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         dtype = compute_dtype(q.dtype)
         levels = num_levels(n, context)
-        sides = _layout(n, context, causal, q.device)
-        nodes = _level_nodes(k, v, key_padding_mask, levels)
+        nodes = _level_nodes(k, v, key_padding_mask, levels, context)
         grad_out = grad_out.to(dtype)
         delta = (grad_out * out.to(dtype)).sum(-1)  # [b, h, n]: sum_j p_ij (dO_i · v_j)
         lse = zero_empty_shift(lse)  # a row that sees no key: its scores are all -inf, exp(-inf - 0) = 0
-        grad_q = q.new_zeros(q.shape, dtype=dtype)
-        grad_k, grad_v = k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
-        grad_spans_k = nodes.spans_k.new_zeros(nodes.spans_k.shape, dtype=dtype)
-        grad_spans_v = nodes.spans_v.new_zeros(nodes.spans_v.shape, dtype=dtype)
-        grad_bias = torch.zeros_like(relative_bias, dtype=dtype)
-        grad_table = None if table is None else torch.zeros_like(table, dtype=dtype)
-        for side in sides:
+        spans = tuple(x.new_zeros(x.shape, dtype=dtype) for x in (nodes.spans_k, nodes.spans_v))
+        grads = _Grads(
+            q.new_zeros(q.shape, dtype=dtype), k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype),
+            spans, torch.zeros_like(relative_bias, dtype=dtype),
+            None if table is None else torch.zeros_like(table, dtype=dtype),
+        )  # fmt: skip
+        for side in _layout(n, context, causal, q.device):
             biases = _side_biases(side, relative_bias, table, dtype)
             for y0, r0, r1, a, z in _side_chunk_rows(side, n, b, h):
-                q_rows, do_rows = _rows(q, r0, r1).to(dtype) * scale, _rows(grad_out, r0, r1)
-                delta_rows, lse_rows = _rows(delta, r0, r1), _rows(lse, r0, r1)
+                q_rows = _rows(q, r0, r1).to(dtype) * scale
+                rows = (q_rows, _rows(grad_out, r0, r1), _rows(delta, r0, r1), _rows(lse, r0, r1))
                 table_rows = None if table is None else _rows(table, r0, r1)
                 grad_q_rows = torch.zeros_like(q_rows)
                 grad_table_rows = None if table is None else torch.zeros_like(table_rows, dtype=dtype)
+                chunk = _chunk(nodes, side, y0, q_rows.shape[2], dtype)
+                chunk_grads = None if chunk is None else (torch.zeros_like(chunk.keys), torch.zeros_like(chunk.values))
                 for number, tier in enumerate(side.tiers):
-                    g = tier.group
-                    g0, g1 = y0 // g, y0 // g + q_rows.shape[2] // g
-                    keys = _gather(nodes.keys, nodes.spans_k, tier, g0, g1).to(dtype)  # [b, h, ng, M, d]
-                    values = _gather(nodes.values, nodes.spans_v, tier, g0, g1).to(dtype)
-                    q_groups, do_groups = q_rows.unflatten(2, (g1 - g0, g)), do_rows.unflatten(2, (g1 - g0, g))
-                    scores = _tier_scores(q_groups, keys, tier, number, g0, g1, biases, table_rows, nodes.real)
-                    probs = scores.sub_(lse_rows.unflatten(2, (g1 - g0, g))[..., None]).exp_()
-                    grad_scores = do_groups @ values.transpose(-1, -2)
-                    grad_scores.sub_(delta_rows.unflatten(2, (g1 - g0, g))[..., None]).mul_(probs)  # [b, h, ng, G, M]
-                    _scatter(probs.transpose(-1, -2) @ do_groups, grad_v, grad_spans_v, tier, g0, g1)
-                    _scatter(grad_scores.transpose(-1, -2) @ q_groups, grad_k, grad_spans_k, tier, g0, g1)
-                    grad_q_rows.view(q_groups.shape).add_(grad_scores @ keys)
-                    per_type = grad_scores.sum(0)  # [h, ng, G, M]
-                    types = tier.types
-                    if types.dim() == 2:
-                        per_type = per_type.sum(1)
-                    else:
-                        types = types[g0:g1]
-                    grad_bias.index_add_(1, types.flatten(), per_type.flatten(1))
-                    columns = biases.columns[number]
-                    if grad_table_rows is not None and columns is not None:
-                        columns = columns if columns.dim() == 2 else columns[g0:g1]
-                        token_grads = grad_scores[..., : tier.tokens]
-                        grad_table_rows.view(*q_groups.shape[:4], -1).scatter_add_(
-                            -1, columns.expand(*token_grads.shape), token_grads
-                        )
-                grad_q[:, :, a:z].add_(grad_q_rows[:, :, a - r0 : z - r0], alpha=scale)  # d(scale·q)/dq
-                if grad_table is not None:
-                    grad_table[:, :, a:z] += grad_table_rows[:, :, a - r0 : z - r0]
+                    targets = chunk_grads if tier.low < LOCAL_LEVELS else grads.spans
+                    args = (nodes, chunk, targets, tier, number, y0, biases, table_rows, grads.bias)
+                    _backward_tier(rows, *args, grad_q_rows, grad_table_rows)
+                if chunk is not None:
+                    add_chunk_grads(grads.k, grads.v, grads.spans, chunk_grads, chunk, levels)
+                grads.q[:, :, a:z].add_(grad_q_rows[:, :, a - r0 : z - r0], alpha=scale)  # d(scale·q)/dq
+                if grads.table is not None:
+                    grads.table[:, :, a:z] += grad_table_rows[:, :, a - r0 : z - r0]
         counts = nodes.counts
         del nodes
-        if levels > 1:  # the spans are linear in the tokens: their gradients go back through the pooling
-            _unpool(grad_k, grad_spans_k, counts, levels, 1)
-            _unpool(grad_v, grad_spans_v, counts, levels, 1)
+        if levels > LOCAL_LEVELS:  # the spans are linear in the tokens: their gradients go back through the pooling
+            _unpool(grads.k, grads.spans[0], counts, levels, LOCAL_LEVELS)
+            _unpool(grads.v, grads.spans[1], counts, levels, LOCAL_LEVELS)
         return (
-            grad_q.to(q.dtype),
-            grad_k.to(k.dtype),
-            grad_v.to(v.dtype),
+            grads.q.to(q.dtype),
+            grads.k.to(k.dtype),
+            grads.v.to(v.dtype),
             None,
-            grad_bias.to(relative_bias.dtype),
-            None if table is None else grad_table.to(table.dtype),
+            grads.bias.to(relative_bias.dtype),
+            None if table is None else grads.table.to(table.dtype),
             None,
             None,
             None,
         )
+
+
+class _Grads(NamedTuple):
+    """`_LevelAttention.backward`'s accumulators in the compute dtype: q, k, v `[b, h, n, d]`, the kept spans'
+    (keys, values), the relative bias `[h, E]` and the relative table (None without one)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    spans: tuple[Tensor, Tensor]
+    bias: Tensor
+    table: Tensor | None
+
+
+def _backward_tier(rows, nodes, chunk, targets, tier, number, y0, biases, table_rows, grad_bias, grad_q_rows,
+                   grad_table_rows) -> None:  # fmt: skip
+    """One tier's gradients for a chunk: `rows` (scaled q, dO, delta, lse) of the chunk's rows; the windows'
+    key and value gradients are added into `targets` (the chunk's node arrays or the kept spans, by `_gather`'s
+    source), the rows' into `grad_q_rows` and `grad_table_rows`, the bias's into `grad_bias`."""
+    q_rows, do_rows, delta_rows, lse_rows = rows
+    g = tier.group
+    g0, g1 = y0 // g, y0 // g + q_rows.shape[2] // g
+    index = _window_index(nodes, chunk, tier, g0, g1)
+    keys = _gather(nodes, chunk, tier, index, False).to(q_rows.dtype)  # [b, h, ng, M, d]
+    values = _gather(nodes, chunk, tier, index, True).to(q_rows.dtype)
+    q_groups, do_groups = q_rows.unflatten(2, (g1 - g0, g)), do_rows.unflatten(2, (g1 - g0, g))
+    scores = _tier_scores(q_groups, keys, tier, number, g0, g1, biases, table_rows, nodes.real)
+    probs = scores.sub_(lse_rows.unflatten(2, (g1 - g0, g))[..., None]).exp_()
+    grad_scores = do_groups @ values.transpose(-1, -2)
+    grad_scores.sub_(delta_rows.unflatten(2, (g1 - g0, g))[..., None]).mul_(probs)  # [b, h, ng, G, M]
+    index = index.flatten()
+    targets[1].index_add_(2, index, (probs.transpose(-1, -2) @ do_groups).flatten(2, 3))
+    targets[0].index_add_(2, index, (grad_scores.transpose(-1, -2) @ q_groups).flatten(2, 3))
+    grad_q_rows.view(q_groups.shape).add_(grad_scores @ keys)
+    per_type = grad_scores.sum(0)  # [h, ng, G, M]
+    types = tier.types
+    if types.dim() == 2:
+        per_type = per_type.sum(1)
+    else:
+        types = types[g0:g1]
+    grad_bias.index_add_(1, types.flatten(), per_type.flatten(1))
+    columns = biases.columns[number]
+    if grad_table_rows is not None and columns is not None:
+        columns = columns if columns.dim() == 2 else columns[g0:g1]
+        token_grads = grad_scores[..., : tier.tokens]
+        grad_table_rows.view(*q_groups.shape[:4], -1).scatter_add_(-1, columns.expand(*token_grads.shape), token_grads)
 
 
 def _attend_levels(q, k, v, key_padding_mask, relative_bias, table, context, causal, scale, dropout_p):
