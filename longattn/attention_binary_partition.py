@@ -438,9 +438,10 @@ def _level_nodes(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, levels: 
 
 def _chunk(nodes: _Nodes, side: _Side, y0: int, rows: int, dtype) -> ChunkNodes | None:
     """The node array (`chunk_nodes`) of one side's rows [y0, y0 + rows), None when no tier of the side reads one."""
-    top = max((tier.high for tier in side.tiers if tier.low < LOCAL_LEVELS), default=None)
-    if top is None:
+    local = [tier.high for tier in side.tiers if tier.low < LOCAL_LEVELS]  # a list: `max(default=)` breaks compile
+    if not local:
         return None
+    top = max(local)
     n, levels = nodes.keys.shape[2], len(nodes.offsets) - 1
     first, last = max(y0 - side.shift, 0), min(y0 + rows - side.shift, n) - 1
     return chunk_nodes(

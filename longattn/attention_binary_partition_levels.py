@@ -142,7 +142,8 @@ def _pool_into(buffer: Tensor, real: Tensor, masked: bool, sizes: list[int], pla
         if sums.shape[2] % 2:
             sums, counts = F.pad(sums, (0, 0, 0, 1)), F.pad(counts, (0, 1))
         out = buffer[:, :, places[level] : places[level] + sizes[level]]
-        if torch.is_grad_enabled() and sums.requires_grad:  # out= does not differentiate
+        # out= does not differentiate, and torch.compile cannot trace it into a strided view: a copy there
+        if (torch.is_grad_enabled() and sums.requires_grad) or torch.compiler.is_compiling():
             out.copy_(sums[:, :, 0::2] + sums[:, :, 1::2])
         else:
             torch.add(sums[:, :, 0::2], sums[:, :, 1::2], out=out)
