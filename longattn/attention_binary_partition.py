@@ -84,10 +84,11 @@ from .attention_binary_partition_levels import (
     chunk_index,
     chunk_nodes,
     level_offsets,
+    next_cursors,
+    pool_levels,
+    take,
+    unpool,
 )
-from .attention_binary_partition_levels import pool_levels as _pool_levels
-from .attention_binary_partition_levels import take as _take
-from .attention_binary_partition_levels import unpool as _unpool
 from .numerics import NO_KEY_LSE, compute_dtype, hide_exactly, hide_logits, merge_attention, zero_empty_shift
 from .ops_checks import check_attention_inputs, check_positive_int, empty_attention, is_empty
 from .patterns import first_real_token
@@ -145,10 +146,9 @@ def _cursors(positions: Tensor, n: int, context: int) -> tuple[Tensor, Tensor]:
     """
     right, left = [positions + 1], [positions]
     for level in range(num_levels(n, context)):
-        size = 2**level
-        # k nodes, then one more if needed so that the next level starts on a multiple of its node size.
-        right.append(torch.div(right[-1] + context * size + 2 * size - 1, 2 * size, rounding_mode="floor") * 2 * size)
-        left.append(torch.div(left[-1] - context * size, 2 * size, rounding_mode="floor") * 2 * size)
+        next_right, next_left = next_cursors(right[-1], left[-1], level, context)
+        right.append(next_right)
+        left.append(next_left)
     return torch.stack(right, dim=1), torch.stack(left, dim=1)
 
 
@@ -228,7 +228,7 @@ def pool_spans(x: Tensor, key_padding_mask: Tensor | None, levels: int) -> tuple
         (nodes `[b, h, N, d]` in x's dtype; real `[b, N]` bool, False for spans without a real token; counts
         `[b, N]`, real tokens per node).
     """
-    spans, counts = _pool_levels(x, key_padding_mask, levels)
+    spans, counts = pool_levels(x, key_padding_mask, levels)
     return torch.cat([x, spans], 2), counts > 0, counts  # tokens kept exactly as they are
 
 
@@ -429,8 +429,8 @@ class _Nodes(NamedTuple):
 
 
 def _level_nodes(k: Tensor, v: Tensor, key_padding_mask: Tensor | None, levels: int, context: int) -> _Nodes:
-    spans_k, counts = _pool_levels(k, key_padding_mask, levels, LOCAL_LEVELS)
-    spans_v = _pool_levels(v, key_padding_mask, levels, LOCAL_LEVELS)[0]
+    spans_k, counts = pool_levels(k, key_padding_mask, levels, LOCAL_LEVELS)
+    spans_v = pool_levels(v, key_padding_mask, levels, LOCAL_LEVELS)[0]
     real = None if key_padding_mask is None else counts > 0
     offsets = level_offsets(k.shape[2], levels)
     return _Nodes(k, v, spans_k, spans_v, real, counts, key_padding_mask, context, offsets)
@@ -461,8 +461,8 @@ def _window_index(nodes: _Nodes, chunk: ChunkNodes | None, tier: _Tier, g0: int,
 def _gather(nodes: _Nodes, chunk: ChunkNodes | None, tier: _Tier, index: Tensor, values: bool) -> Tensor:
     """The keys (or values) of the windows `index` (`_window_index`) -> `[b, h, ng, M, d]`."""
     if tier.low < LOCAL_LEVELS:
-        return _take(chunk.values if values else chunk.keys, 2, index)
-    return _take(nodes.spans_v if values else nodes.spans_k, 2, index)
+        return take(chunk.values if values else chunk.keys, 2, index)
+    return take(nodes.spans_v if values else nodes.spans_k, 2, index)
 
 
 def _chunk_rows(side: _Side, b: int, h: int) -> int:
@@ -482,7 +482,7 @@ class _Biases(NamedTuple):
 
 
 def _side_biases(side: _Side, relative_bias: Tensor, table: Tensor | None, dtype) -> _Biases:
-    bias = [_take(relative_bias, 1, tier.types).to(dtype) for tier in side.tiers]
+    bias = [take(relative_bias, 1, tier.types).to(dtype) for tier in side.tiers]
     bias = [x[:, None] if x.dim() == 3 else x for x in bias]
     columns = []
     for tier in side.tiers:
@@ -509,7 +509,7 @@ def _tier_scores(q_groups, keys, tier: _Tier, number: int, g0: int, g1: int, bia
         scores[..., : tier.tokens].add_(logits.to(scores.dtype))
     hidden = tier.hidden[g0:g1]
     if real is not None:
-        hidden = hidden | ~_take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
+        hidden = hidden | ~take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
     return hide_exactly(scores, hidden, inplace=True)
 
 
@@ -526,7 +526,7 @@ def _tier_scores_autograd(q_groups, keys, tier, number, g0, g1, biases, table_ro
         scores = torch.cat([scores[..., : tier.tokens] + logits, scores[..., tier.tokens :]], -1)
     hidden = tier.hidden[g0:g1]
     if real is not None:
-        hidden = hidden | ~_take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
+        hidden = hidden | ~take(real, 1, tier.index[g0:g1])[:, None, :, None, :]
     return hide_exactly(scores, hidden)
 
 
@@ -667,8 +667,8 @@ class _LevelAttention(torch.autograd.Function):
         counts = nodes.counts
         del nodes
         if levels > LOCAL_LEVELS:  # the spans are linear in the tokens: their gradients go back through the pooling
-            _unpool(grads.k, grads.spans[0], counts, levels, LOCAL_LEVELS)
-            _unpool(grads.v, grads.spans[1], counts, levels, LOCAL_LEVELS)
+            unpool(grads.k, grads.spans[0], counts, levels, LOCAL_LEVELS)
+            unpool(grads.v, grads.spans[1], counts, levels, LOCAL_LEVELS)
         return (
             grads.q.to(q.dtype),
             grads.k.to(k.dtype),

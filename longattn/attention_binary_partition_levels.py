@@ -104,13 +104,24 @@ def unpool(grad_tokens: Tensor, grad_spans: Tensor, counts: Tensor, levels: int,
         grad_tokens[:, :, whole * size :].addcmul_(share[0][:, :, whole:], real[:, None, whole * size :, None])
 
 
+def next_cursors(right, left, level: int, context: int):
+    """Where level `level + 1` starts on each side, from where level `level` starts (`right`, `left`: ints, or long
+    tensors of query positions' cursors): k nodes of size 2^level, then one more if needed so that the next level
+    starts on a multiple of its node size. The one statement of the cursor arithmetic (`_cursors` applies it to
+    tensors of queries, `cursor_ints` to one query)."""
+    size = 2**level
+    return (right + context * size + 2 * size - 1) // (2 * size) * 2 * size, (left - context * size) // (
+        2 * size
+    ) * 2 * size
+
+
 def cursor_ints(position: int, n: int, context: int, levels: int) -> tuple[list[int], list[int]]:
-    """`_cursors` of one query in plain integers (the same floor arithmetic): (right, left), L+1 entries each."""
+    """`_cursors` of one query in plain integers: (right, left), L+1 entries each."""
     right, left = [position + 1], [position]
     for level in range(levels):
-        size = 2**level
-        right.append((right[-1] + context * size + 2 * size - 1) // (2 * size) * 2 * size)
-        left.append((left[-1] - context * size) // (2 * size) * 2 * size)
+        next_right, next_left = next_cursors(right[-1], left[-1], level, context)
+        right.append(next_right)
+        left.append(next_left)
     return right, left
 
 

@@ -56,7 +56,8 @@ _WORKSPACE_ELEMENTS = workspace_elements()
 _CHUNK_ELEMENTS = _WORKSPACE_ELEMENTS // 2
 
 
-def _blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
+def _mask_blocks_per_chunk(rows: int, per_block: int, total_blocks: int) -> int:
+    """Blocks per slice of a mask-sized temporary (`rows · per_block` elements a block) within `_CHUNK_ELEMENTS`."""
     return max(1, min(total_blocks, _CHUNK_ELEMENTS // max(1, rows * per_block)))
 
 
@@ -310,7 +311,7 @@ def evaluate_block_mask(
     head_index = heads.view(1, -1, 1, 1, 1)
     # Compiled: one chunk. The compiler fuses the predicate (no int64 intermediates are kept), and chunks written into
     # `result` miscompile in inductor's CPU code for bool masks (torch 2.13).
-    step = nb if torch.compiler.is_compiling() else _blocks_per_chunk(c, m, nb)
+    step = nb if torch.compiler.is_compiling() else _mask_blocks_per_chunk(c, m, nb)
     result = None
     for start in range(0, nb, step):
         stop = min(nb, start + step)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .executor_chunks import _blocks_per_chunk, _Chunk, _rows, _split_heads, _Workspace, _zeros_with_rows
+from .executor_chunks import _Chunk, _mask_blocks_per_chunk, _rows, _split_heads, _Workspace, _zeros_with_rows
 from .numerics import NO_KEY_LSE, compute_dtype, hide_logits, logit_bound
 
 
@@ -65,7 +65,7 @@ class _RepeatedBlockMask:
         see no key, and the k others themselves; None when more than half of the blocks must be stored (the mask is
         then as cheap to keep)."""
         b, h, nb, c, m = mask.shape
-        step = _blocks_per_chunk(b * h * c, m, nb)  # blocks per slice: bounded temporaries
+        step = _mask_blocks_per_chunk(b * h * c, m, nb)  # blocks per slice: bounded temporaries
         slices = [slice(start, start + step) for start in range(0, nb, step)]
         # The most common block, found by a fingerprint of three of its rows: integer weights below 2**20 summed in
         # float64 are exact, so equal blocks get equal fingerprints. It only picks the template (a block unlike

@@ -367,6 +367,22 @@ def test_logit_bound_bounds_every_logit():
     assert not logit_bound(q.masked_fill(q > 0, math.nan), k, 1.0) <= SAFE_LOGIT_BOUND  # NaN: never "safe"
 
 
+def test_logit_bound_of_float32_inputs_is_never_below_the_exact_one():
+    """float32 q and k are reduced in float32 (no float64 copy), widened by a margin: never below the bound of their
+    exact (float64) row norms, for long rows and for values whose float32 squares overflow or underflow."""
+    for seed in range(8):
+        generator = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 2, 64, 1024, generator=generator)
+        k = torch.randn(1, 2, 80, 1024, generator=generator)
+        for factor in (1.0, 1e25, 1e-25):  # in range; squares past float32's range; squares below its normal range
+            qs, ks = q * factor, k * factor
+            exact = [float(torch.linalg.vector_norm(t.double(), dim=-1).amax()) for t in (qs, ks)]
+            bound = logit_bound(qs, ks, 0.125)
+            assert math.isfinite(bound)
+            assert bound >= 0.125 * exact[0] * exact[1]
+            assert bound <= 0.125 * exact[0] * exact[1] * 1.01
+
+
 def test_masked_logit_constants_hold_their_stated_properties():
     f32 = dict(dtype=torch.float32)
     # HIDDEN_LOGIT: finite in float32, s + HIDDEN_LOGIT neither overflows nor leaves any weight.
